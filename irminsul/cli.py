@@ -1,0 +1,52 @@
+"""The `irminsul` command line.
+
+Each area of the project (engine, train, workloads, eval, server) owns its subcommands in
+`irminsul/<area>/cli.py`, which defines `register(subparsers)` and, optionally,
+`register_bench(bench_subparsers)` for `irminsul bench ...`. This file only discovers them.
+"""
+
+import argparse
+import importlib
+import sys
+
+AREAS = ("engine", "train", "workloads", "eval", "server")
+
+
+def _area_modules():
+    for area in AREAS:
+        name = f"irminsul.{area}.cli"
+        try:
+            yield importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="irminsul", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks that replay traces")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for module in _area_modules():
+        if hasattr(module, "register"):
+            module.register(sub)
+        if hasattr(module, "register_bench"):
+            module.register_bench(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except UserFacingError as e:
+        print(f"irminsul: error: {e}", file=sys.stderr)
+        return 2
+
+
+from irminsul.errors import UserFacingError  # noqa: E402  (kept last: cli must import cheaply)
+
+if __name__ == "__main__":
+    sys.exit(main())
