@@ -1,0 +1,206 @@
+"""Token-level radix tree of finished sequences: the exact-prefix cache (design doc section 3 step 1).
+
+In the spirit of SGLang's RadixAttention (Zheng et al., arXiv 2312.07104;
+``python/sglang/srt/mem_cache/radix_cache.py``): each edge holds a run of token ids and the
+value for exactly those tokens; a match walks edges from the root; LRU leaves that no running
+request has locked are evicted first.
+
+Values are opaque. When an edge is split at ``k`` the tree calls ``split_value(value, k) ->
+(left, right)``. The default slices axis 0 (lists, numpy arrays); the engine stores rows
+``[n_layers, len, width]`` and passes ``lambda v, k: (v[:, :k], v[:, k:])``.
+
+Budget: ``bytes = stored tokens * bytes_per_token <= budget_bytes`` always holds. ``insert`` first
+evicts unlocked LRU leaves (never the path it extends); if the new suffix still does not fit it
+stores the longest prefix of that suffix that does (a prefix of a cached sequence is itself a
+valid cached sequence), possibly nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from irminsul.cache.chunker import TokenArray, as_tokens
+
+SplitFn = Callable[[Any, int], tuple[Any, Any]]
+
+
+def split_axis0(value: Any, k: int) -> tuple[Any, Any]:
+    return value[:k], value[k:]
+
+
+class Node:
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access")
+
+    def __init__(self, key: np.ndarray, value: Any, parent: Node | None, last_access: int):
+        self.key = key  # [len] int64: the tokens on the edge from parent to this node
+        self.value = value  # covers exactly ``key``
+        self.parent = parent
+        self.children: dict[int, Node] = {}  # first token of the child's key -> child
+        self.lock_ref = 0  # running requests whose match ends at or below this node
+        self.last_access = last_access
+
+    def __lt__(self, other: Node) -> bool:  # heap order: least recently used first
+        return self.last_access < other.last_access
+
+
+class PrefixPiece(NamedTuple):
+    value: Any
+    length: int
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    length: int  # tokens matched from the start
+    node: Node  # the node where the match ends (lock it while the rows are in use)
+    values: list[PrefixPiece]  # root to node, in order; their rows concatenate to [0, length)
+
+
+@dataclass(frozen=True)
+class RadixStats:
+    matches: int
+    hits: int  # matches of length > 0
+    tokens_matched: int
+    tokens_inserted: int
+    tokens_rejected: int  # tokens insert could not store within the budget
+    evictions: int  # nodes
+    tokens_evicted: int
+    nodes: int  # excluding the root
+    bytes: int
+    budget_bytes: int
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class RadixCache:
+    def __init__(self, budget_bytes: int, bytes_per_token: int, split_value: SplitFn = split_axis0):
+        if budget_bytes < 0 or bytes_per_token < 1:
+            raise ValueError("need budget_bytes >= 0 and bytes_per_token >= 1")
+        self.budget_bytes, self.bytes_per_token = budget_bytes, bytes_per_token
+        self.split_value = split_value
+        self._clock = itertools.count(1)  # logical time: deterministic LRU order
+        self.root = Node(np.zeros(0, np.int64), None, None, 0)
+        self.root.lock_ref = 1  # never evicted
+        self._tokens = self._nodes = 0
+        self._matches = self._hits = self._matched = 0
+        self._inserted = self._rejected = self._evictions = self._evicted = 0
+
+    @property
+    def bytes(self) -> int:
+        return self._tokens * self.bytes_per_token
+
+    def match(self, tokens: TokenArray) -> PrefixMatch:
+        """Longest cached prefix of ``tokens``; splits an edge so the match ends on a node."""
+        node, length = self._walk(as_tokens(tokens))
+        pieces, n = [], node
+        while n is not self.root:
+            pieces.append(PrefixPiece(n.value, len(n.key)))
+            n = n.parent
+        self._matches += 1
+        self._hits += length > 0
+        self._matched += length
+        return PrefixMatch(length, node, pieces[::-1])
+
+    def insert(self, tokens: TokenArray, value: Any) -> int:
+        """Cache ``tokens`` whose rows are ``value`` (covering all of them); returns tokens stored."""
+        ids = as_tokens(tokens)
+        node, length = self._walk(ids)
+        if length == len(ids):
+            return 0
+        self.lock(node)  # NOTE: the path being extended must survive the eviction below
+        try:
+            need = (len(ids) - length) * self.bytes_per_token
+            self.evict(self.bytes + need - self.budget_bytes)
+        finally:
+            self.unlock(node)
+        fits = min(len(ids) - length, (self.budget_bytes - self.bytes) // self.bytes_per_token)
+        self._rejected += len(ids) - length - fits
+        if fits <= 0:
+            return 0
+        suffix = self.split_value(value, length)[1] if length else value
+        if fits < len(ids) - length:
+            suffix = self.split_value(suffix, fits)[0]
+        child = Node(ids[length:length + fits].copy(), suffix, node, next(self._clock))
+        node.children[int(ids[length])] = child
+        self._tokens += fits
+        self._nodes += 1
+        self._inserted += fits
+        return fits
+
+    def lock(self, node: Node) -> None:
+        """Protect ``node`` and its ancestors from eviction (reference counted)."""
+        while node is not self.root:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                raise ValueError("unlock without a matching lock")
+            node.lock_ref -= 1
+            node = node.parent
+
+    def evict(self, nbytes: int) -> int:
+        """Evict least recently used unlocked leaves until ``nbytes`` are freed; returns bytes freed."""
+        freed = 0
+        leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        while freed < nbytes and leaves:
+            leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del parent.children[int(leaf.key[0])]
+            freed += len(leaf.key) * self.bytes_per_token
+            self._tokens -= len(leaf.key)
+            self._nodes -= 1
+            self._evictions += 1
+            self._evicted += len(leaf.key)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, parent)
+        return freed
+
+    @property
+    def stats(self) -> RadixStats:
+        return RadixStats(self._matches, self._hits, self._matched, self._inserted, self._rejected,
+                          self._evictions, self._evicted, self._nodes, self.bytes, self.budget_bytes)
+
+    def _walk(self, ids: np.ndarray) -> tuple[Node, int]:
+        """Deepest node whose path is a prefix of ``ids`` (splitting a partly matched edge)."""
+        node, pos, now = self.root, 0, next(self._clock)
+        while pos < len(ids):
+            child = node.children.get(int(ids[pos]))
+            if child is None:
+                break
+            k = common_prefix(child.key, ids[pos:])
+            if k < len(child.key):
+                child = self._split(child, k)
+            child.last_access = now
+            node, pos = child, pos + k  # a split child ends here: no grandchild matches ids[pos]
+        return node, pos
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Cut ``node``'s edge after ``k`` tokens; returns the new upper node."""
+        left, right = self.split_value(node.value, k)
+        upper = Node(node.key[:k], left, node.parent, node.last_access)
+        upper.lock_ref = node.lock_ref
+        upper.children[int(node.key[k])] = node
+        node.parent.children[int(node.key[0])] = upper
+        node.key, node.value, node.parent = node.key[k:], right, upper
+        self._nodes += 1
+        return upper
+
+    def _iter_nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

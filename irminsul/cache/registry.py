@@ -1,0 +1,164 @@
+"""Content-addressed registry: chunk fingerprint -> (token ids, rows, base_pos).
+
+Design doc section 3 step 5 and section 6: every hit is verified by comparing token ids, so a
+fingerprint collision is a miss and never serves another chunk's rows. Entries in use by a running
+request are pinned and never evicted. ``Registry`` is the interface the planner sees; the disk and
+Redis tiers of the server issue implement it too. ``MemoryRegistry`` is the in-process LRU tier.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    fingerprint: int
+    token_ids: np.ndarray  # [len] int32/int64: the chunk's ids, compared on every hit
+    base_pos: int  # absolute position of token_ids[0] when its rows were computed
+    payload: object  # opaque rows; the engine stores [n_layers, len, row_width], replay stores None
+    nbytes: int  # bytes charged against the budget
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class RegistryStats:
+    hits: int
+    misses: int  # includes collisions
+    collisions: int  # fingerprint matched, token ids did not
+    evictions: int
+    insertions: int
+    rejected: int  # puts that could not fit even after evicting every unpinned entry
+    entries: int
+    pinned: int  # entries with a pin count > 0
+    bytes: int
+    budget_bytes: int
+
+
+class Registry(ABC):
+    """Fingerprint -> Entry store with verified hits, a byte budget, pinning and stats."""
+
+    def __init__(self):
+        # Called with every entry that leaves the store (evicted or replaced), e.g. so that a
+        # WindowIndex can drop its windows.
+        self.on_evict: list[Callable[[Entry], None]] = []
+
+    @abstractmethod
+    def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
+        """The entry if its token ids equal ``token_ids``; counts hit/miss/collision, touches LRU."""
+
+    @abstractmethod
+    def peek(self, fingerprint: int) -> Entry | None:
+        """The entry under ``fingerprint``, unverified, without stats or LRU touch (S1 candidates)."""
+
+    @abstractmethod
+    def put(self, entry: Entry) -> bool:
+        """Store ``entry`` (replacing one with the same fingerprint); False if it cannot fit."""
+
+    @abstractmethod
+    def pin(self, fingerprint: int) -> None:
+        """Protect an entry from eviction; pins are counted and survive replacement."""
+
+    @abstractmethod
+    def unpin(self, fingerprint: int) -> None:
+        """Undo one ``pin``."""
+
+    @abstractmethod
+    def __contains__(self, fingerprint: int) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def stats(self) -> RegistryStats: ...
+
+    def _notify(self, entry: Entry) -> None:
+        for callback in self.on_evict:
+            callback(entry)
+
+
+class MemoryRegistry(Registry):
+    """In-memory LRU tier with a strict byte budget: ``bytes <= budget_bytes`` always holds."""
+
+    def __init__(self, budget_bytes: int):
+        super().__init__()
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[int, Entry] = OrderedDict()  # LRU first, MRU last
+        self._pins: dict[int, int] = {}  # fingerprint -> pin count (> 0)
+        self._bytes = 0
+        self._hits = self._misses = self._collisions = 0
+        self._evictions = self._insertions = self._rejected = 0
+
+    def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
+        entry = self._entries.get(fingerprint)
+        if entry is None or not np.array_equal(entry.token_ids, token_ids):
+            self._misses += 1
+            self._collisions += entry is not None
+            return None
+        self._entries.move_to_end(fingerprint)
+        self._hits += 1
+        return entry
+
+    def peek(self, fingerprint: int) -> Entry | None:
+        return self._entries.get(fingerprint)
+
+    def put(self, entry: Entry) -> bool:
+        old = self._entries.get(entry.fingerprint)
+        kept = self._bytes - (old.nbytes if old is not None else 0)
+        pinned = sum(self._entries[fp].nbytes for fp in self._pins if fp != entry.fingerprint)
+        # NOTE: decide before evicting anything, so a rejected put leaves the store untouched.
+        if pinned + entry.nbytes > self.budget_bytes:
+            self._rejected += 1
+            return False
+        if old is not None:
+            self._remove(entry.fingerprint)
+        while kept + entry.nbytes > self.budget_bytes:
+            victim = next(fp for fp in self._entries if fp not in self._pins)
+            kept -= self._entries[victim].nbytes
+            self._remove(victim)
+            self._evictions += 1
+        self._entries[entry.fingerprint] = entry
+        self._bytes += entry.nbytes
+        self._insertions += 1
+        return True
+
+    def pin(self, fingerprint: int) -> None:
+        if fingerprint not in self._entries:
+            raise KeyError(f"cannot pin fingerprint {fingerprint:#x}: not in the registry")
+        self._pins[fingerprint] = self._pins.get(fingerprint, 0) + 1
+
+    def unpin(self, fingerprint: int) -> None:
+        count = self._pins.get(fingerprint, 0)
+        if count == 0:
+            raise KeyError(f"cannot unpin fingerprint {fingerprint:#x}: it is not pinned")
+        if count == 1:
+            del self._pins[fingerprint]
+        else:
+            self._pins[fingerprint] = count - 1
+
+    def __contains__(self, fingerprint: int) -> bool:
+        return fingerprint in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def stats(self) -> RegistryStats:
+        return RegistryStats(self._hits, self._misses, self._collisions, self._evictions,
+                             self._insertions, self._rejected, len(self._entries), len(self._pins),
+                             self._bytes, self.budget_bytes)
+
+    def _remove(self, fingerprint: int) -> None:
+        entry = self._entries.pop(fingerprint)
+        self._bytes -= entry.nbytes
+        self._notify(entry)
