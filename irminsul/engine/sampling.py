@@ -1,0 +1,65 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from irminsul.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature={self.temperature!r} must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits [vocab] (float32) -> one token id."""
+    if params.greedy:
+        return int(logits.argmax())
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest set whose mass reaches top_p (the first token is always kept)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -1,0 +1,85 @@
+"""The DeepSeek-V2/V3 decoder: embeddings, MLA + (dense | MoE) layers, final norm, LM head.
+
+Module names mirror the HF checkpoint keys (`model.layers.N.self_attn.kv_b_proj.weight`, ...), so
+a checkpoint's state dict loads as it is.
+
+The one forward operation is "prefill of any subset of positions": given sequences whose row
+buffers already hold some positions, compute the given tokens at the given absolute positions in
+one pass. Each computed token attends to every filled or computed row at a position <= its own.
+Full prefill, chunked prefill, decode and the cache's sparse prefill are all special cases.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from irminsul.model.config import ModelConfig
+from irminsul.model.layers import MLP, MoE, RMSNorm
+from irminsul.model.mla import ForwardBatch, MLAttention, SequenceRows
+from irminsul.model.rope import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None):
+        super().__init__()
+        self.config = cfg
+        self.rotary = rotary or Rotary(cfg.rope)
+        self.model = Backbone(cfg, self.rotary)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_rows(self, capacity: int = 256) -> SequenceRows:
+        return SequenceRows(self.config, self.dtype, self.device, capacity)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Compute batch.token_ids at batch.positions; write their rows; return final hidden [N, hidden]."""
+        for seq, sl in batch.slices():
+            pos = batch.positions[sl]
+            seq.ensure(int(pos.max()) + 1)
+            seq.filled[pos] = True  # every layer writes these rows before it attends
+        x = self.model.embed_tokens(batch.token_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def prefill(self, seq: SequenceRows, token_ids, positions) -> torch.Tensor:
+        """Single-sequence convenience: compute token_ids at positions into seq; hidden [n, hidden]."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
+        return self.forward(ForwardBatch(ids, pos, [seq], [0, len(ids)]))

@@ -1,0 +1,113 @@
+"""Load an HF-format checkpoint directory: config.json + *.safetensors (+ index) + tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from irminsul.errors import CheckpointError
+from irminsul.model.config import ModelConfig
+from irminsul.model.deepseek import DeepseekModel
+from irminsul.model.rope import Rotary
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype={dtype!r} is not supported; use one of {sorted(set(DTYPES))}")
+    return DTYPES[dtype]
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt ({e!r}); re-download or re-save the checkpoint") from None
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise CheckpointError(f"{path}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} holds no *.safetensors weights")
+    return files
+
+
+def read_tensors(files: list[Path], num_layers: int) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if key.endswith("weight_scale_inv"):
+                        raise CheckpointError(
+                            f"{file.name}: {key} is an FP8 block-scale; dequantise the checkpoint to bf16 first"
+                        )
+                    m = _LAYER.match(key)
+                    if m and int(m.group(1)) >= num_layers:
+                        continue  # multi-token-prediction layers (V3) are not used for serving
+                    tensors[key] = f.get_tensor(key)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{file} is not a readable safetensors file ({e}); it may be truncated") from None
+    return _unfuse_experts(tensors)
+
+
+def _unfuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Accept HF's in-memory fused expert layout ([E, 2*I, H] gate_up, [E, H, I] down) too."""
+    for key in [k for k in tensors if _FUSED.match(k)]:
+        prefix, kind = _FUSED.match(key).groups()
+        fused = tensors.pop(key)
+        for e in range(fused.shape[0]):
+            if kind == "gate_up_proj":
+                gate, up = fused[e].chunk(2, dim=0)
+                tensors[f"{prefix}.{e}.gate_proj.weight"] = gate
+                tensors[f"{prefix}.{e}.up_proj.weight"] = up
+            else:
+                tensors[f"{prefix}.{e}.down_proj.weight"] = fused[e]
+    return tensors
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu") -> DeepseekModel:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    cfg = ModelConfig.from_file(path / "config.json")
+    dtype = resolve_dtype(dtype)
+    tensors = read_tensors(weight_files(path), cfg.num_hidden_layers)
+    rotary = Rotary(cfg.rope, device)  # built outside the meta context: it holds real buffers
+    with torch.device("meta"):
+        model = DeepseekModel(cfg, rotary)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in tensors and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: weights missing for {shown}; is config.json the one for these weights?")
+    state = {}
+    for key, ref in expected.items():
+        if key not in tensors:
+            continue
+        t = tensors[key]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{path}: {key} has shape {tuple(t.shape)} but config.json implies {tuple(ref.shape)}"
+            )
+        keep_fp32 = key.endswith("mlp.gate.weight") or key.endswith("e_score_correction_bias")
+        state[key] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()

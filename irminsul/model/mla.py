@@ -1,0 +1,151 @@
+"""Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434) in its absorbed form.
+
+The cache holds one row per token and layer, `[c_KV | k_r]`: the latent after `kv_a_layernorm`
+(kv_lora_rank wide, no position in it) and the decoupled RoPE key (qk_rope_head_dim wide, rotated
+at the token's absolute position). Nothing else position-dependent is stored anywhere.
+
+Absorbed attention (DeepSeek-V3 `inference/model.py`, attn_impl="absorb"):
+    q_lat  = q_nope · W_UK                      # [n, H, kv_lora_rank]
+    score  = (q_lat · c_KV + q_pe · k_r) * scale
+    o      = (softmax(score) · c_KV) · W_UV -> o_proj
+with scale = qk_head_dim^-0.5 * mscale² (YaRN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from irminsul.model.config import ModelConfig
+from irminsul.model.layers import RMSNorm
+from irminsul.model.rope import Rotary
+
+
+class SequenceRows:
+    """One sequence's latent cache: rows [n_layers, capacity, kv_lora_rank + rope_dim] + filled mask.
+
+    Positions may be filled in any order (prefix copies, reused chunks, computed spans); attention
+    at position p reads every filled row at a position <= p.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, capacity: int = 256):
+        self.cfg = cfg
+        capacity = max(1, min(capacity, cfg.max_position_embeddings))
+        self.rows = torch.zeros(cfg.num_hidden_layers, capacity, cfg.row_width, dtype=dtype, device=device)
+        self.filled = torch.zeros(capacity, dtype=torch.bool, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.shape[1]
+
+    @property
+    def length(self) -> int:
+        """One past the highest filled position (0 when empty)."""
+        idx = self.filled.nonzero()
+        return int(idx[-1]) + 1 if len(idx) else 0
+
+    def ensure(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        new = min(max(capacity, 2 * self.capacity), self.cfg.max_position_embeddings)
+        rows = self.rows.new_zeros(self.rows.shape[0], new, self.rows.shape[2])
+        rows[:, : self.capacity] = self.rows
+        filled = self.filled.new_zeros(new)
+        filled[: self.capacity] = self.filled
+        self.rows, self.filled = rows, filled
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """Copy rows [n_layers, n, width] verbatim into positions [start, start+n)."""
+        n = rows.shape[1]
+        self.ensure(start + n)
+        self.rows[:, start : start + n] = rows.to(self.rows.dtype)
+        self.filled[start : start + n] = True
+
+    def nbytes(self, n_tokens: int) -> int:
+        return n_tokens * self.rows.shape[0] * self.rows.shape[2] * self.rows.element_size()
+
+
+@dataclass
+class ForwardBatch:
+    """Flat tokens of several sequences; sequence i owns tokens [offsets[i], offsets[i+1])."""
+
+    token_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64, absolute positions
+    seqs: list[SequenceRows]
+    offsets: list[int]  # len(seqs) + 1
+
+    def slices(self):
+        for i, seq in enumerate(self.seqs):
+            yield seq, slice(self.offsets[i], self.offsets[i + 1])
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+        super().__init__()
+        self.cfg, self.layer, self.rotary = cfg, layer, rotary
+        h, bias = cfg.num_attention_heads, cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.row_width, bias=bias)
+        # HF builds kv_a_layernorm with its default eps (1e-6), not rms_norm_eps.
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias)
+
+    def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> cache rows [n, kv_lora_rank + rope_dim] (c_KV normed, k_r rotated)."""
+        c, k_r = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), self.rotary.apply(k_r, positions)], dim=-1)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        n, h, r = x.shape[0], cfg.num_attention_heads, cfg.kv_lora_rank
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = self.rotary.apply(q_pe, batch.positions)  # [n, H, rope]
+        w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
+        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [n, H, r]
+        rows = self.latent(x, batch.positions)  # [n, r + rope]
+
+        out = x.new_empty(n, h, r)
+        for seq, sl in batch.slices():
+            pos = batch.positions[sl]
+            seq.rows[self.layer, pos] = rows[sl].to(seq.rows.dtype)
+            keys = seq.rows[self.layer, : int(pos.max()) + 1].to(x.dtype)  # [L, r + rope]
+            c_kv, k_r = keys[:, :r], keys[:, r:]
+            scores = q_lat[sl] @ c_kv.T + q_pe[sl] @ k_r.T  # [m, H, L]
+            visible = seq.filled[: keys.shape[0]][None, :] & (
+                torch.arange(keys.shape[0], device=pos.device)[None, :] <= pos[:, None]
+            )  # [m, L]
+            scores = scores.float() * cfg.softmax_scale
+            probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1).to(x.dtype)
+            out[sl] = probs @ c_kv  # [m, H, r]
+        o = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(n, h * cfg.v_head_dim)
+        return self.o_proj(o)
+
+
+def mla_reference(attn: MLAttention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Slow, non-absorbed causal MLA over one full sequence (keys expanded per head, as HF does)."""
+    cfg = attn.cfg
+    n, h = x.shape[0], cfg.num_attention_heads
+    q = attn.q_proj(x) if cfg.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    q_pe = attn.rotary.apply(q_pe, positions)
+    rows = attn.latent(x, positions)
+    c, k_r = rows[:, : cfg.kv_lora_rank], rows[:, cfg.kv_lora_rank :]
+    kv = attn.kv_b_proj(c).view(n, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+    k = torch.cat([k_nope, k_r[:, None, :].expand(n, h, cfg.qk_rope_head_dim)], dim=-1)
+    qh = torch.cat([q_nope, q_pe], dim=-1)
+    o = F.scaled_dot_product_attention(
+        qh.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=cfg.softmax_scale
+    )
+    return attn.o_proj(o.transpose(0, 1).reshape(n, h * cfg.v_head_dim))

@@ -1,0 +1,114 @@
+"""Rotary embedding of MLA's decoupled key, and the δ-rotation that moves a cached `k_r`.
+
+RoPE composes, R(a)·R(b) = R(a+b), so a row cached at position p and reused at p+δ only needs
+`k_r <- R(δ)·k_r` (Irminsul paper, section 3; design doc, section 2). That is exact as long as
+R(δ) uses the model's own rotary class: the same `inv_freq` (YaRN frequencies do not depend on
+position) and the same pair layout the row was cached in. The attention factor that YaRN
+multiplies into cos/sin is already inside the cached `k_r`, so R(δ) uses *unit* cos/sin.
+
+Angles are computed in float64: at p = 1e5 a float32 angle carries ~4e-3 rad of rounding error,
+which would dominate everything else this module does. The result is rounded once, to the
+storage dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from irminsul.model.config import RopeConfig
+
+
+def inv_freq(rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies [dim/2] in float32, exactly as HF `ROPE_INIT_FUNCTIONS` builds them."""
+    dim = rope.dim
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    if rope.kind == "default":
+        return extrapolation
+    # YaRN (Peng et al. 2023), as in HF `_compute_yarn_parameters` and DeepSeek-V3 inference/model.py.
+    interpolation = 1.0 / (rope.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as HF: avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def _split(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if layout == "interleaved":
+        return x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def _join(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "interleaved":
+        return torch.stack((a, b), dim=-1).flatten(-2)
+    return torch.cat((a, b), dim=-1)
+
+
+def _cos_sin(angles: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.cos(angles) * scale).float(), (torch.sin(angles) * scale).float()
+
+
+class Rotary:
+    """The model's rotary class for `k_r` / `q_pe`: frequencies, attention factor and layout."""
+
+    def __init__(self, rope: RopeConfig, device: torch.device | str = "cpu"):
+        self.config = rope
+        self.inv_freq = inv_freq(rope).to(device)  # [dim/2] float32
+        self._inv_freq64 = self.inv_freq.double()
+        self.attention_factor = rope.attention_factor
+        # Pairs are read in the checkpoint's layout and written in the cache layout.
+        self.in_layout = "interleaved" if rope.style in ("v2", "v3_interleave") else "half"
+        self.out_layout = rope.cache_layout
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """[n] integer positions -> [n, dim/2] float64 angles."""
+        return positions.to(self._inv_freq64.device, torch.float64)[:, None] * self._inv_freq64
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Encode x [n, ..., dim] (fresh projection, checkpoint layout) at positions [n]."""
+        cos, sin = _cos_sin(self.angles(positions), self.attention_factor)
+        return self._rotate(x, cos, sin, self.in_layout)
+
+    def rotate(self, k_r: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+        """Move cached k_r [n, ..., dim] (cache layout) by δ positions: R(δ)·k_r, unit cos/sin."""
+        delta = torch.as_tensor(delta, dtype=torch.float64, device=self._inv_freq64.device)
+        angles = delta.reshape(-1, 1) * self._inv_freq64  # [1 or n, dim/2]
+        cos, sin = _cos_sin(angles, 1.0)
+        return self._rotate(k_r, cos, sin, self.out_layout)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos.reshape(shape), sin.reshape(shape)
+        a, b = _split(x.float(), layout)
+        out = _join(a * cos - b * sin, b * cos + a * sin, self.out_layout)
+        return out.to(x.dtype)
+
+
+def rotate_reference(k_r: np.ndarray, delta: int, rope: RopeConfig) -> np.ndarray:
+    """Slow reference for `Rotary.rotate`: one pair at a time, in float64 Python math."""
+    freqs = inv_freq(rope).double().numpy()
+    layout = rope.cache_layout
+    out = np.array(k_r, dtype=np.float64, copy=True)
+    flat = out.reshape(-1, rope.dim)
+    half = rope.dim // 2
+    for row in flat:
+        for i in range(half):
+            ia, ib = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + half)
+            a, b = row[ia], row[ib]
+            c, s = math.cos(delta * freqs[i]), math.sin(delta * freqs[i])
+            row[ia], row[ib] = a * c - b * s, b * c + a * s
+    return out

@@ -1,0 +1,120 @@
+"""Tiny random DeepSeek-V2 / V3 checkpoints in HF format, for tests and benchmarks.
+
+`make_tiny_checkpoint(dir, variant="v2", **overrides)` writes config.json, model.safetensors and a
+byte-level tokenizer (256 byte tokens + specials, no merges), so every code path that loads a real
+checkpoint is exercised without downloading anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from irminsul.model.config import ModelConfig
+from irminsul.model.deepseek import DeepseekModel
+
+SPECIALS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
+
+BASE = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=2048,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+    rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+    bos_token_id=256, eos_token_id=257, rope_theta=10000.0,
+)
+VARIANTS = {
+    "v2": dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], topk_method="greedy",
+               routed_scaling_factor=1.0, norm_topk_prob=False),
+    "v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc",
+               n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True),
+}
+YARN = {"type": "yarn", "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
+def tiny_config(variant: str = "v2", yarn: bool = False, **overrides) -> dict:
+    raw = {**BASE, **VARIANTS[variant], **overrides}
+    if yarn:
+        raw["rope_scaling"] = dict(YARN)
+    return raw
+
+
+def byte_tokenizer(vocab_size: int) -> Tokenizer:
+    """256 byte tokens (GPT-2 byte-to-unicode alphabet) + SPECIALS, padded to vocab_size."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_map = {b: ch for b, ch in zip(range(256), sorted(alphabet, key=_byte_order))}
+    vocab = {byte_map[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    assert tok.get_vocab_size() <= vocab_size
+    return tok
+
+
+def _byte_order(ch: str) -> int:
+    # Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+i.
+    code = ord(ch)
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    byte_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": True, "chat_template": template}, indent=1))
+
+
+def make_tiny_checkpoint(path: str | Path, variant: str = "v2", yarn: bool = False, seed: int = 0,
+                         std: float = 0.1, shards: int = 1, **overrides) -> Path:
+    """Write a random tiny checkpoint to `path` and return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    raw = tiny_config(variant, yarn, **overrides)
+    cfg = ModelConfig.from_dict(raw)
+    torch.manual_seed(seed)
+    model = DeepseekModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, std)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    _save(path, state, shards)
+    (path / "config.json").write_text(json.dumps(raw, indent=1))
+    write_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+def _save(path: Path, state: dict, shards: int) -> None:
+    if shards == 1:
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    keys = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k] for k in keys[i::shards]}
+        save_file(part, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

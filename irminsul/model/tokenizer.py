@@ -1,0 +1,54 @@
+"""A checkpoint's tokenizer: HF `tokenizer.json` plus `tokenizer_config.json` (specials, chat template)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from irminsul.errors import CheckpointError
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "<|bos|>", ...}
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise CheckpointError(f"{path} has no tokenizer.json")
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # the Rust side raises a bare Exception on a corrupt file
+            raise CheckpointError(f"{file} could not be read ({e})") from None
+        config_file = path / "tokenizer_config.json"
+        self.config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.bos_token_id = self._id(self.config.get("bos_token"))
+        self.eos_token_id = self._id(self.config.get("eos_token"))
+        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None
+
+    def _id(self, token) -> int | None:
+        text = _token_text(token)
+        return None if text is None else self._tok.token_to_id(text)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)

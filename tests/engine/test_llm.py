@@ -1,0 +1,142 @@
+"""The public API: generation, sampling, stop conditions, scoring and clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from irminsul import LLM, CheckpointError, ConfigError, RequestError
+from irminsul.model.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir)
+
+
+def test_generate_greedy_is_deterministic_and_reports_stats(llm):
+    a = llm.generate("hello world", max_tokens=8, ignore_eos=True)
+    b = llm.generate([256] + list(b"hello world"), max_tokens=8, ignore_eos=True)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+    assert a.finish_reason == "length"
+    s = a.stats
+    assert s.prompt_tokens == 12 and s.computed_tokens == 12 and s.prefix_tokens == s.reused_tokens == 0
+    assert s.prompt_tokens == s.prefix_tokens + s.reused_tokens + s.computed_tokens
+
+
+def test_greedy_equals_argmax_of_score(llm):
+    prompt = [256] + list(b"the quick brown fox")
+    out = llm.generate(prompt, max_tokens=6, ignore_eos=True)
+    logprobs = llm.score(prompt, out.token_ids)
+    assert logprobs.shape == (6, llm.model.config.vocab_size)
+    assert logprobs.argmax(-1).tolist() == out.token_ids
+
+
+def test_seeded_sampling_reproduces_and_varies(llm):
+    kw = dict(max_tokens=12, temperature=1.5, top_p=0.95, top_k=50, ignore_eos=True)
+    a = llm.generate("abc", seed=7, **kw).token_ids
+    assert a == llm.generate("abc", seed=7, **kw).token_ids
+    others = {tuple(llm.generate("abc", seed=s, **kw).token_ids) for s in range(8, 12)}
+    assert len(others | {tuple(a)}) > 1
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate("xyz", max_tokens=5, ignore_eos=True).token_ids
+    assert llm.generate("xyz", max_tokens=5, temperature=1.0, top_k=1, seed=3, ignore_eos=True).token_ids == greedy
+
+
+def test_stop_token_ids_and_strings(llm):
+    base = llm.generate("stop test", max_tokens=10, ignore_eos=True)
+    first = base.token_ids[2]
+    cut = llm.generate("stop test", max_tokens=10, stop_token_ids=[first], ignore_eos=True)
+    assert cut.finish_reason == "stop" and first not in cut.token_ids[: base.token_ids.index(first) + 1]
+    text = llm.tokenizer.decode(base.token_ids)
+    if len(text) >= 3:
+        needle = text[1:3]
+        r = llm.generate("stop test", max_tokens=10, stop=[needle], ignore_eos=True)
+        assert r.finish_reason == "stop" and needle not in r.text
+
+
+def test_segments_prompt_concatenates(llm):
+    a = llm.generate([[256, 104, 105], [32, 116, 104, 101, 114, 101]], max_tokens=4, ignore_eos=True)
+    b = llm.generate([256, 104, 105, 32, 116, 104, 101, 114, 101], max_tokens=4, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ([], "empty"),
+    ("", "empty"),
+    ([1, 2, 100000], "outside the vocabulary"),
+    ([1, -3], "outside the vocabulary"),
+    ([5] * 5000, "context"),
+    ([1.5, 2], "prompt must be"),
+])
+def test_bad_prompts_raise_clear_errors(llm, prompt, match):
+    with pytest.raises(RequestError, match=match):
+        llm.generate(prompt, max_tokens=2)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_k=-2), "top_k"),
+])
+def test_bad_sampling_params(llm, kw, match):
+    with pytest.raises(RequestError, match=match):
+        llm.generate("hi", **kw)
+
+
+def test_unknown_reuse_mode(tiny_dir):
+    with pytest.raises(RequestError, match="reuse"):
+        LLM(tiny_dir, reuse="bogus")
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        LLM(tmp_path / "nope")
+    ckpt = make_tiny_checkpoint(tmp_path / "c")
+    (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="safetensors"):
+        LLM(ckpt)
+    ckpt2 = make_tiny_checkpoint(tmp_path / "d")
+    (ckpt2 / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        LLM(ckpt2)
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path, tiny_dir):
+    sharded = make_tiny_checkpoint(tmp_path / "s", shards=3)
+    a = LLM(sharded).score([1, 2, 3], [4, 5])
+    b = LLM(tiny_dir).score([1, 2, 3], [4, 5])
+    assert torch.equal(a, b)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    (sharded / sorted(set(index["weight_map"].values()))[1]).unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        LLM(sharded)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("model_type", "llama", "model_type"),
+    ("num_key_value_heads", 2, "num_key_value_heads"),
+    ("num_experts_per_tok", 9, "num_experts_per_tok"),
+    ("kv_lora_rank", None, "kv_lora_rank"),
+    ("qk_rope_head_dim", 7, "qk_rope_head_dim"),
+    ("hidden_act", "gelu", "hidden_act"),
+])
+def test_inconsistent_config_names_the_field(tmp_path, field, value, match):
+    ckpt = make_tiny_checkpoint(tmp_path / "c")
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw[field] = value
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=match):
+        LLM(ckpt)
+
+
+def test_weights_that_do_not_match_the_config(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "c")
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["hidden_size"] = 96
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="shape"):
+        LLM(ckpt)

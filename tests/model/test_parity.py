@@ -1,0 +1,59 @@
+"""Our absorbed MLA engine against transformers' own DeepSeek modelling code (>= 5.15)."""
+
+import pytest
+import torch
+
+from irminsul.model.loader import load_model
+from irminsul.model.tiny import make_tiny_checkpoint
+
+transformers = pytest.importorskip("transformers", minversion="5.15")
+
+CASES = [
+    ("v2", False, {}),
+    ("v2", True, {}),
+    ("v2", True, {"q_lora_rank": 24}),
+    ("v2", False, {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}),
+    ("v2", False, {"tie_word_embeddings": True, "first_k_dense_replace": 3}),
+    ("v3", False, {}),
+    ("v3", True, {"q_lora_rank": 24}),
+    ("v3", True, {"rope_interleave": False}),
+    ("v3", False, {"rope_interleave": False, "n_group": 1, "topk_group": 1, "norm_topk_prob": False}),
+]
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("variant,yarn,extra", CASES, ids=[f"{v}-yarn{y}-{sorted(e)}" for v, y, e in CASES])
+def test_logprobs_match_transformers(tmp_path, variant, yarn, extra):
+    path = make_tiny_checkpoint(tmp_path / "ckpt", variant, yarn, seed=3, **extra)
+    ours, hf = load_model(path), _hf(path)
+    ids = torch.randint(0, 300, (1, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = hf(ids, use_cache=True)
+    ref = out.logits[0].log_softmax(-1)
+    seq = ours.new_rows()
+    got = ours.logits(ours.prefill(seq, ids[0], torch.arange(96))).log_softmax(-1)
+    assert (got - ref).abs().max().item() < 1e-4
+    # The cached rows are transformers' latent cache: c_KV after the norm, k_r rotated, same layout.
+    r = ours.config.kv_lora_rank
+    for layer, cache_layer in enumerate(out.past_key_values.layers):
+        c_kv, k_r = cache_layer.keys[0, 0], cache_layer.values[0, 0]
+        assert torch.allclose(seq.rows[layer, :96, :r], c_kv, atol=1e-5)
+        assert torch.allclose(seq.rows[layer, :96, r:], k_r, atol=1e-5)
+
+
+def test_parity_is_sensitive_to_the_yarn_softmax_scale(tmp_path, monkeypatch):
+    """The comparison above can fail: dropping YaRN's mscale² (HF < 5.15's V2 bug) breaks it."""
+    path = make_tiny_checkpoint(tmp_path / "ckpt", "v2", True, seed=3, std=0.3)
+    ours, hf = load_model(path), _hf(path)
+    ids = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits[0].log_softmax(-1)
+    cfg = ours.config
+    monkeypatch.setattr(type(cfg), "softmax_scale", property(lambda self: self.qk_head_dim**-0.5))
+    got = ours.logits(ours.prefill(ours.new_rows(), ids[0], torch.arange(64))).log_softmax(-1)
+    assert (got - ref).abs().max().item() > 1e-3
