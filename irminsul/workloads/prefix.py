@@ -1,0 +1,58 @@
+"""The exact longest common prefix of a sequence with every sequence seen before.
+
+This is what an unbounded prefix cache (SGLang RadixAttention, vLLM APC without eviction) reuses.
+The census and the fixed-block baseline use it as an independent reference, so they never depend
+on the cache under test. Full 64-token blocks are chained by hash (as vLLM names its blocks); under
+each chain the distinct next blocks are kept, so the last partial block is compared exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+ROOT = 0
+
+
+def _common(a: bytes, b: bytes) -> int:
+    """Tokens (4-byte ids) two byte strings share at the start."""
+    n = min(len(a), len(b)) // 4
+    x = np.frombuffer(a, dtype=np.int32, count=n)
+    y = np.frombuffer(b, dtype=np.int32, count=n)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if len(diff) else n
+
+
+class PrefixIndex:
+    def __init__(self, block: int = 64):
+        assert block > 0
+        self.block = block
+        self._next: dict[int, dict[bytes, None]] = {}  # chain hash of k full blocks -> next blocks
+
+    def _chain(self, h: int, block: bytes) -> int:
+        return xxhash.xxh3_128_intdigest(h.to_bytes(16, "little") + block)
+
+    def match(self, tokens: np.ndarray) -> int:
+        """Length of the longest common prefix with any inserted sequence."""
+        return self._walk(tokens, insert=False)
+
+    def add(self, tokens: np.ndarray) -> int:
+        """`match`, then insert `tokens`."""
+        return self._walk(tokens, insert=True)
+
+    def _walk(self, tokens: np.ndarray, insert: bool) -> int:
+        data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+        step = 4 * self.block
+        h, matched = ROOT, None
+        for off in range(0, len(data), step):
+            blk = data[off:off + step]
+            nxt = self._next.get(h)
+            if matched is None and (nxt is None or blk not in nxt or len(blk) < step):
+                matched = off // 4 + max((_common(blk, c) for c in nxt), default=0) if nxt else off // 4
+                if not insert:
+                    return matched
+            if insert:
+                self._next.setdefault(h, {})[blk] = None
+            if len(blk) == step:
+                h = self._chain(h, blk)
+        return len(data) // 4 if matched is None else matched

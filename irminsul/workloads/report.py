@@ -1,0 +1,53 @@
+"""Plain-text tables and PNG bar charts for the census and recovery reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A left-aligned first column, right-aligned others; a Markdown-compatible pipe table."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+
+    sep = "|" + "|".join(("-" * (w + 1) + ("-" if i == 0 else ":")) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def bar_chart(path: str | Path, labels: Sequence[str], series: dict[str, Sequence[float]], title: str,
+              ylabel: str, stacked: bool = False) -> Path:
+    """Write a (stacked or grouped) bar chart of `series` (name -> one value per label) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(min(12.0, max(5.0, 0.8 * len(labels) + 2)), 4))
+    bottom = np.zeros(len(labels))
+    width = 0.7 if stacked else 0.8 / max(1, len(series))
+    for k, (name, values) in enumerate(series.items()):
+        values = np.asarray(values, dtype=float)
+        if stacked:
+            ax.bar(x, values, width, bottom=bottom, label=name)
+            bottom += values
+        else:
+            ax.bar(x - 0.4 + width * (k + 0.5), values, width, label=name)
+    ax.set_xticks(x, labels, rotation=20 if len(labels) > 4 else 0)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
