@@ -132,6 +132,11 @@ def candidates(tokens: TokenArray, cfg: ChunkerConfig,
                segment_starts: TokenArray | None = None) -> np.ndarray:
     """Raw Gear cut positions ``i + 1`` where ``h_i & mask == 0`` (before clamping)."""
     ids = as_tokens(tokens)
+    return _candidates(ids, cfg, segment_starts_of(ids, cfg, segment_starts))
+
+
+def _candidates(ids: np.ndarray, cfg: ChunkerConfig, starts: np.ndarray) -> np.ndarray:
+    """``candidates`` for normalised segment starts (see ``segment_starts_of``)."""
     n = len(ids)
     if n == 0:
         return np.zeros(0, np.int64)
@@ -139,9 +144,9 @@ def candidates(tokens: TokenArray, cfg: ChunkerConfig,
     dtype = np.uint8 if cfg.mask_bits <= 8 else np.uint16 if cfg.mask_bits <= 16 else np.uint32
     g = gear(ids).astype(dtype)  # [n]
     h = g.copy()
-    starts = segment_starts_of(ids, cfg, segment_starts)
     if starts.size:  # tokens since the last segment start (the state resets there)
-        since = np.arange(n) - np.concatenate([[0], starts])[np.searchsorted(starts, np.arange(n), "right")]
+        pos = np.arange(n)
+        since = pos - np.concatenate([[0], starts])[np.searchsorted(starts, pos, "right")]
     for k in range(1, min(cfg.mask_bits, n)):
         term = g[:-k] << dtype(k)
         if starts.size:
@@ -201,7 +206,7 @@ def boundaries(tokens: TokenArray, cfg: ChunkerConfig,
     """Chunk end positions after clamping: strictly increasing, last one is ``len(tokens)``."""
     ids = as_tokens(tokens)
     starts = segment_starts_of(ids, cfg, segment_starts)
-    return clamp(candidates(ids, cfg, starts), len(ids), starts, cfg)
+    return clamp(_candidates(ids, cfg, starts), len(ids), starts, cfg)
 
 
 def _le_u32(ids: np.ndarray) -> bytes:

@@ -205,9 +205,11 @@ class Planner:
         w, out, covered = self.config.window, [], start
         for hit in self.windows.candidates(ids, start, end):
             q, off = hit.query_pos, hit.entry_offset
-            entry = self.registry.peek(hit.fingerprint)
-            if q < covered or entry is None or off + w > len(entry.token_ids):
+            if q < covered:
                 continue
+            entry = self.registry.peek(hit.fingerprint)
+            if entry is None or off + w > len(entry.token_ids):
+                continue  # stale window: its entry left the registry or was replaced
             src = entry.token_ids
             if not np.array_equal(src[off:off + w], ids[q:q + w]):
                 continue  # rolling-hash collision

@@ -6,8 +6,8 @@ value for exactly those tokens; a match walks edges from the root; LRU leaves th
 request has locked are evicted first.
 
 Values are opaque. When an edge is split at ``k`` the tree calls ``split_value(value, k) ->
-(left, right)``. The default slices axis 0 (lists, numpy arrays); the engine stores rows
-``[n_layers, len, width]`` and passes ``lambda v, k: (v[:, :k], v[:, k:])``.
+(left, right)``. The default slices axis 0 (lists, numpy arrays; ``None`` stays ``None`` for
+model-free replay); the engine stores rows ``[n_layers, len, width]`` and passes ``lambda v, k: (v[:, :k], v[:, k:])``.
 
 Budget: ``bytes = stored tokens * bytes_per_token <= budget_bytes`` always holds. ``insert`` first
 evicts unlocked LRU leaves (never the path it extends); if the new suffix still does not fit it
@@ -31,7 +31,8 @@ SplitFn = Callable[[Any, int], tuple[Any, Any]]
 
 
 def split_axis0(value: Any, k: int) -> tuple[Any, Any]:
-    return value[:k], value[k:]
+    """Default split: slice axis 0; ``None`` (model-free replay) splits into ``None``s."""
+    return (None, None) if value is None else (value[:k], value[k:])
 
 
 class Node:

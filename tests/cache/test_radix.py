@@ -102,3 +102,11 @@ def test_budget_never_exceeded_and_locked_paths_survive():
         for prefix, _ in held:
             assert tree.match(prefix).length == len(prefix)
     assert tree.stats.evictions > 0
+
+
+def test_model_free_values_may_be_none():
+    tree = RadixCache(10**9, 1)
+    tree.insert([1, 2, 3], None)
+    tree.insert([1, 2, 4], None)
+    m = tree.match([1, 2, 3])
+    assert m.length == 3 and [v for v, _ in m.values] == [None, None]

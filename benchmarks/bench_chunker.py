@@ -1,0 +1,70 @@
+"""Chunker throughput on one core: target >= 10 M tokens/s (issue 3), against the literal
+per-token recurrence (``reference_candidates``) measured in the same run.
+
+    python benchmarks/bench_chunker.py [--tokens 10000000] [--reference-tokens 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import numpy as np
+
+from irminsul.cache.chunker import ChunkerConfig, boundaries, candidates, chunk, namespace_seed, reference_candidates
+
+TARGET = 10e6  # tokens/s, issue 3
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=10_000_000)
+    ap.add_argument("--reference-tokens", type=int, default=200_000)
+    ap.add_argument("--vocab", type=int, default=129_280)  # DeepSeek-V2/V3 vocabulary
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if hasattr(os, "sched_setaffinity"):  # one core, as the target says
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+
+    cfg, seed = ChunkerConfig(), namespace_seed("bench")
+    tokens = np.random.default_rng(0).integers(0, args.vocab, args.tokens)
+    small = tokens[: args.reference_tokens]
+    n_chunks = len(chunk(tokens, cfg, seed))
+    rows = [
+        ("reference_candidates (per-token loop)", len(small), best_of(lambda: reference_candidates(small, cfg), 1)),
+        ("candidates (Gear boundary test)", len(tokens), best_of(lambda: candidates(tokens, cfg), args.repeats)),
+        ("boundaries (+ clamp to [32, 512])", len(tokens), best_of(lambda: boundaries(tokens, cfg), args.repeats)),
+        ("chunk (+ xxh64 fingerprints)", len(tokens), best_of(lambda: chunk(tokens, cfg, seed), args.repeats)),
+    ]
+
+    print(f"machine: {platform.platform()} | {cpu_model()} | {os.cpu_count()} cores (benchmark pinned to 1)")
+    print(f"python {platform.python_version()}, numpy {np.__version__}; {args.tokens:,} random tokens, "
+          f"vocab {args.vocab:,}, {n_chunks:,} chunks (mean {args.tokens / n_chunks:.0f} tokens)")
+    base = rows[0][1] / rows[0][2]
+    print(f"{'stage':<40} {'tokens':>12} {'seconds':>9} {'M tok/s':>9} {'x reference':>12} {'x target':>9}")
+    for name, n, sec in rows:
+        rate = n / sec
+        print(f"{name:<40} {n:>12,} {sec:>9.3f} {rate / 1e6:>9.2f} {rate / base:>12.1f} {rate / TARGET:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
