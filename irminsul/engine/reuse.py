@@ -57,8 +57,7 @@ class CacheReuse:
         cfg = model.config
         self.bytes_per_token = cfg.num_hidden_layers * cfg.row_width * torch.finfo(model.dtype).bits // 8
         self.registry = registry or MemoryRegistry(cache_bytes or DEFAULT_CACHE_BYTES)
-        self.windows = WindowIndex()
-        self.registry.on_evict.append(self.windows.remove)
+        self.windows = WindowIndex()  # the planner keeps it in step with registry evictions
         self.radix = RadixCache(prefix_bytes or DEFAULT_CACHE_BYTES, self.bytes_per_token,
                                 split_value=lambda v, k: (v[:, :k].clone(), v[:, k:].clone()))
         if carve_out is None:

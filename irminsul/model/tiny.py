@@ -22,7 +22,7 @@ SPECIALS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|
 BASE = dict(
     vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=2048,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=4096,
     n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
     rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
     bos_token_id=256, eos_token_id=257, rope_theta=10000.0,
@@ -33,7 +33,7 @@ VARIANTS = {
     "v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc",
                n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True),
 }
-YARN = {"type": "yarn", "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64,
+YARN = {"type": "yarn", "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
 
 

@@ -68,7 +68,7 @@ def test_segments_prompt_concatenates(llm):
     ("", "empty"),
     ([1, 2, 100000], "outside the vocabulary"),
     ([1, -3], "outside the vocabulary"),
-    ([5] * 5000, "context"),
+    ([5] * 4200, "context"),
     ([1.5, 2], "prompt must be"),
 ])
 def test_bad_prompts_raise_clear_errors(llm, prompt, match):
