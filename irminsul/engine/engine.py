@@ -51,13 +51,14 @@ class Engine:
                 f"shorten it to at most {limit - 1} tokens"
             )
 
-    def add(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None) -> Sequence:
+    def add(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
+            tenant: str | None = None) -> Sequence:
         """Validate, plan against the cache, and copy reused rows in. Returns a sequence in prefill."""
         tokens = [int(t) for t in tokens]
         self.validate_prompt(tokens)
         rows = self.model.new_rows(capacity=len(tokens) + params.max_tokens)
         seq = Sequence(tokens=tokens, prompt_len=len(tokens), params=params, rows=rows,
-                       segment_starts=segment_starts, generator=make_generator(params.seed))
+                       segment_starts=segment_starts, tenant=tenant, generator=make_generator(params.seed))
         self.cache.prepare(seq)  # fills seq.pending, seq.stats and copies prefix / reused rows
         return seq
 

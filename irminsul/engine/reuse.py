@@ -43,32 +43,81 @@ class NoReuse:
         pass
 
 
+def _split_rows(value: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # NOTE: clones, so a stored node never keeps a larger tensor alive than the bytes it accounts.
+    return value[:, :k].clone(), value[:, k:].clone()
+
+
+class SaltedRadix:
+    """One tenant's view of the shared radix tree: every key starts with the tenant's salt token.
+
+    The salt is a negative id, so it never equals a real token: tenants share one byte budget but
+    can never match (or time) each other's prefixes. The salt's own row is a zero row.
+    """
+
+    def __init__(self, radix, salt: int):
+        self.radix, self.salt = radix, salt
+
+    def match(self, tokens):
+        from irminsul.cache.radix import PrefixMatch, PrefixPiece
+
+        m = self.radix.match(np.concatenate([[self.salt], np.asarray(tokens, dtype=np.int64)]))
+        if m.length == 0:
+            return PrefixMatch(0, m.node, [])
+        first = PrefixPiece(m.values[0].value[:, 1:], m.values[0].length - 1)
+        return PrefixMatch(m.length - 1, m.node, [first, *m.values[1:]])
+
+    def insert(self, tokens, rows: torch.Tensor) -> int:
+        salted = np.concatenate([[self.salt], np.asarray(tokens, dtype=np.int64)])
+        return self.radix.insert(salted, torch.cat([rows.new_zeros(rows.shape[0], 1, rows.shape[2]), rows], 1))
+
+    def lock(self, node) -> None:
+        self.radix.lock(node)
+
+    def unlock(self, node) -> None:
+        self.radix.unlock(node)
+
+
 class CacheReuse:
+    """The cache of one engine: a registry and a radix tree shared by all tenants, and per tenant a
+    namespace (fingerprint seed, radix salt, S1 window index), so nothing crosses tenants."""
+
     def __init__(self, mode: str, model: DeepseekModel, cache_bytes: int | None = None,
                  prefix_bytes: int | None = None, tenant: str = "", model_id: str = "",
                  carve_out: bool | None = None, s1: bool = True, registry=None):
-        from irminsul.cache.chunker import ChunkerConfig, namespace_seed
-        from irminsul.cache.planner import Planner, PlannerConfig
+        from irminsul.cache.chunker import ChunkerConfig
+        from irminsul.cache.planner import PlannerConfig
         from irminsul.cache.radix import RadixCache
         from irminsul.cache.registry import MemoryRegistry
-        from irminsul.cache.windows import WindowIndex
 
-        self.mode, self.model = mode, model
+        self.mode, self.model, self.model_id, self.default_tenant = mode, model, model_id, tenant
         cfg = model.config
         self.bytes_per_token = cfg.num_hidden_layers * cfg.row_width * torch.finfo(model.dtype).bits // 8
         self.registry = registry or MemoryRegistry(cache_bytes or DEFAULT_CACHE_BYTES)
-        self.windows = WindowIndex()  # the planner keeps it in step with registry evictions
         self.radix = RadixCache(prefix_bytes or DEFAULT_CACHE_BYTES, self.bytes_per_token,
-                                split_value=lambda v, k: (v[:, :k].clone(), v[:, k:].clone()))
+                                split_value=_split_rows)
         if carve_out is None:
             carve_out = mode == "pic"  # the paper's naive baseline has no carve-out
         self.planner_config = PlannerConfig(chunker=ChunkerConfig(), content_reuse=mode != "prefix",
                                             s1=s1, carve_out=carve_out)
-        self.planner = Planner(self.planner_config, self.registry, self.radix, self.windows,
-                               seed=namespace_seed(model_id, tenant))
+        self.namespaces: dict[str, object] = {}
+
+    def namespace(self, tenant: str | None = None):
+        """The planner of a tenant's namespace (created on first use)."""
+        from irminsul.cache.chunker import namespace_seed
+        from irminsul.cache.planner import Planner
+        from irminsul.cache.windows import WindowIndex
+
+        tenant = self.default_tenant if tenant is None else tenant
+        if tenant not in self.namespaces:
+            seed = namespace_seed(self.model_id, tenant)
+            salt = -1 - (seed >> 2)  # a negative id: never a real token
+            self.namespaces[tenant] = Planner(self.planner_config, self.registry, SaltedRadix(self.radix, salt),
+                                              WindowIndex(self.planner_config.window), seed=seed)
+        return self.namespaces[tenant]
 
     def prepare(self, seq: Sequence) -> None:
-        plan = self.planner.plan(np.asarray(seq.tokens, dtype=np.int64), seq.segment_starts)
+        plan = self.namespace(seq.tenant).plan(np.asarray(seq.tokens, dtype=np.int64), seq.segment_starts)
         seq.plan = plan
         rows, r = seq.rows, self.model.config.kv_lora_rank
         for span in plan.spans:
@@ -99,16 +148,17 @@ class CacheReuse:
 
     def finish(self, seq: Sequence) -> None:
         """Register every chunk of the sequence (prompt and output) and insert it into the tree."""
+        planner = self.namespace(seq.tenant)
         try:
             n = seq.rows.length
             if n and seq.finish_reason != "abort":
                 tokens = np.asarray(seq.tokens[:n], dtype=np.int64)
                 block = seq.rows.rows[:, :n]
-                self.planner.register(tokens, rows_of=lambda a, b: block[:, a:b].clone(),
-                                      nbytes_of=lambda k: k * self.bytes_per_token,
-                                      segment_starts=seq.segment_starts)
-                self.radix.insert(tokens, block.clone())
+                planner.register(tokens, rows_of=lambda a, b: block[:, a:b].clone(),
+                                 nbytes_of=lambda k: k * self.bytes_per_token,
+                                 segment_starts=seq.segment_starts)
+                planner.radix.insert(tokens, block)
         finally:
             if seq.plan is not None:
-                self.planner.release(seq.plan)
+                planner.release(seq.plan)
                 seq.plan = None

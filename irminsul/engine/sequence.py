@@ -38,6 +38,7 @@ class Sequence:
     params: SamplingParams
     rows: SequenceRows
     segment_starts: list[int] | None = None
+    tenant: str | None = None  # cache namespace; None means the engine's default
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # positions to compute
     stats: RequestStats = field(default_factory=RequestStats)
     plan: object | None = None  # the cache's plan, kept until finish() releases its pins

@@ -118,3 +118,19 @@ def test_cache_budget_is_respected(tiny_dir):
         llm.generate(_rand(500, 60 + i), max_tokens=2, ignore_eos=True)
         assert llm.engine.cache.registry.stats.bytes <= 200_000
         assert llm.engine.cache.radix.stats.bytes <= 100_000 if hasattr(llm.engine.cache.radix.stats, "bytes") else True
+
+
+def test_tenants_never_reuse_each_other(tiny_dir):
+    llm = LLM(tiny_dir, reuse="pic")
+    engine = llm.engine
+    body = _rand(700, 70)
+    seq = engine.add(_rand(40, 71) + body, _params(), tenant="alice")
+    engine.run(seq)
+    for tenant, expect_hit in (("bob", False), ("alice", True)):
+        seq = engine.add(_rand(90, 72) + body, _params(), tenant=tenant)
+        assert (seq.stats.reused_tokens > 500) is expect_hit, (tenant, seq.stats)
+        engine.finish(seq)
+    # the exact prefix is namespaced too
+    seq = engine.add(_rand(40, 71) + body, _params(), tenant="carol")
+    assert seq.stats.prefix_tokens == 0 and seq.stats.reused_tokens == 0
+    engine.finish(seq)
