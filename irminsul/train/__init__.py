@@ -1,0 +1,1 @@
+"""Training of the bundled reference models (issue 4): tokenizer, data mix, trainer, retrieval evals."""

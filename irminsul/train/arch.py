@@ -1,0 +1,92 @@
+"""HF configs of the two reference models: DeepSeek-V2 (MLA + MoE) and its Llama (GQA) twin.
+
+Same width, depth, vocabulary and context for both, so architecture comparisons (ROC invariance,
+correction cost, quality) differ only in attention and FFN. MLA numbers follow DeepSeek-V2
+(arXiv:2405.04434) scaled down: kv_lora_rank : qk_rope_head_dim = 8 : 1 (512 : 64 in the paper).
+"""
+
+from dataclasses import dataclass
+
+from irminsul.train.tokenizer import BOS, END
+
+
+@dataclass(frozen=True)
+class ReferenceShape:
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 2  # GQA twin only
+    kv_lora_rank: int = 128
+    qk_rope_head_dim: int = 16
+    qk_nope_head_dim: int = 32
+    # = qk_nope + qk_rope: torch's CPU SDPA takes its fused kernel only when q, k and v share a
+    # head dim (4x faster at 2k tokens than the math fallback on this machine).
+    v_head_dim: int = 48
+    dense_intermediate: int = 768
+    moe_intermediate: int = 128
+    routed_experts: int = 8
+    experts_per_tok: int = 2
+    shared_experts: int = 1
+    max_positions: int = 2048
+
+    def __post_init__(self):
+        assert self.kv_lora_rank == 8 * self.qk_rope_head_dim, "keep the paper's 8:1 split"
+        assert self.hidden % self.heads == 0 and self.heads % self.kv_heads == 0
+
+
+def hf_config(arch: str, tok, shape: ReferenceShape = ReferenceShape()):
+    """A transformers config for `arch` ("mla" or "gqa") sized for tokenizer `tok`."""
+    common = dict(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        max_position_embeddings=shape.max_positions,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        bos_token_id=tok.token_to_id(BOS),
+        eos_token_id=tok.token_to_id(END),
+        pad_token_id=tok.token_to_id("<|pad|>"),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    if arch == "mla":
+        from transformers import DeepseekV2Config
+
+        return DeepseekV2Config(
+            **common,
+            num_key_value_heads=shape.heads,
+            intermediate_size=shape.dense_intermediate,
+            kv_lora_rank=shape.kv_lora_rank,
+            q_lora_rank=None,
+            qk_rope_head_dim=shape.qk_rope_head_dim,
+            qk_nope_head_dim=shape.qk_nope_head_dim,
+            v_head_dim=shape.v_head_dim,
+            first_k_dense_replace=1,  # layer 0 dense, layers 1.. MoE (as DeepSeek-V2)
+            n_routed_experts=shape.routed_experts,
+            num_experts_per_tok=shape.experts_per_tok,
+            n_shared_experts=shape.shared_experts,
+            moe_intermediate_size=shape.moe_intermediate,
+            topk_method="greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            architectures=["DeepseekV2ForCausalLM"],
+        )
+    if arch == "gqa":
+        from transformers import LlamaConfig
+
+        # Dense FFN sized to the MoE model's *active* FFN width, so compute per token matches.
+        return LlamaConfig(
+            **common,
+            num_key_value_heads=shape.kv_heads,
+            head_dim=shape.hidden // shape.heads,
+            intermediate_size=shape.dense_intermediate,
+            architectures=["LlamaForCausalLM"],
+        )
+    raise ValueError(f"unknown arch {arch!r}; use 'mla' or 'gqa'")
+
+
+def build_model(config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,36 @@
+"""`irminsul train-reference`: train a bundled reference model (issue 4)."""
+
+import dataclasses
+
+from irminsul.train.arch import ReferenceShape
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train-reference", help="train the small MLA reference model or its GQA twin")
+    p.add_argument("--arch", choices=("mla", "gqa"), default="mla")
+    p.add_argument("--out", default=None, help="output folder (default runs/<arch>)")
+    p.add_argument("--minutes", type=float, default=75.0, help="wall-clock budget (fits --steps to it if unset)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (fixes the schedule: reproducible)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", type=int, default=150)
+    p.add_argument("--ckpt-minutes", type=float, default=10.0)
+    p.add_argument("--data", default=None, help="data folder (default: shared/data next to the repo)")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model for smoke tests")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from irminsul.train.train import TrainConfig, train
+
+    shape = ReferenceShape()
+    if args.tiny:
+        shape = dataclasses.replace(shape, hidden=64, layers=2, heads=4, kv_heads=2, kv_lora_rank=32,
+                                    qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=16,
+                                    dense_intermediate=128, moe_intermediate=32)
+    cfg = TrainConfig(arch=args.arch, out=args.out or f"runs/{args.arch}", steps=args.steps, minutes=args.minutes,
+                      seed=args.seed, threads=args.threads, lr=args.lr, eval_every=args.eval_every,
+                      ckpt_minutes=args.ckpt_minutes, data=args.data, shape=shape)
+    train(cfg)
+    return 0

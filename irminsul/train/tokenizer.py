@@ -1,0 +1,73 @@
+"""A byte-level BPE of ~8k tokens trained on the training text, with chat special tokens.
+
+Digits are split one per token before byte-level BPE (as in Qwen2 and DeepSeek-V3), so a number
+tokenises the same wherever it appears; the space before it is its own token ("Ġ"). Retrieval
+tasks build question and answer ids separately anyway (issue 4, first pitfall).
+"""
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BOS, EOS, END = "<|bos|>", "<|eos|>", "<|end|>"
+ROLES = ("system", "user", "assistant", "tool")
+SPECIAL_TOKENS = [BOS, EOS, END, "<|pad|>"] + [f"<|{r}|>" for r in ROLES]
+VOCAB_SIZE = 8192
+
+# Jinja chat template; `render_chat` in data.py writes the same text.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def train_tokenizer(texts, vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out: Path, model_max_length: int) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json (HF layout)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": True}
+        for t in SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": END,
+        "pad_token": "<|pad|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": added,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    specials = {"bos_token": BOS, "eos_token": END, "pad_token": "<|pad|>",
+                "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, END, "<|pad|>")]}
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    path = Path(path)
+    return Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))

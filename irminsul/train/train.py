@@ -1,0 +1,275 @@
+"""Trainer of the reference models: a length curriculum over real text plus retrieval tasks.
+
+Each sequence of length L is either plain text (next-token loss on every token) or a retrieval
+example (loss on the answer tokens only) packed with plain text up to L. The two losses are
+averaged separately and added, so a few answer tokens weigh as much as thousands of text tokens
+(issue 4 calibration: with the loss on every token, retrieval stayed at chance while the model
+memorised the filler). Contexts grow 256 -> 2048 over the run; the schedule is a function of
+the step, so `--seed` and `--steps` reproduce a run.
+"""
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from irminsul.train import retrieval, tasks
+from irminsul.train.arch import ReferenceShape, build_model, hf_config
+from irminsul.train.checkpoint import max_reload_error, save_checkpoint
+from irminsul.train.data import SOURCES, Corpus
+from irminsul.train.tokenizer import BOS, train_tokenizer
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    arch: str = "mla"
+    out: str = "runs/mla"
+    steps: int | None = None  # None: fit the run to `minutes` by timing a few steps first
+    minutes: float = 75.0  # wall-clock guard (and the target when steps is None)
+    seed: int = 0
+    threads: int = 2
+    lr: float = 1e-3
+    min_lr_frac: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    # (sequence length, batch size, share of steps): short contexts first so copying forms early
+    phases: tuple = ((256, 16, 0.35), (512, 8, 0.25), (1024, 4, 0.2), (2048, 3, 0.2))
+    retrieval_share: float = 0.75  # fraction of sequences that carry a retrieval example
+    mix: tuple = (("passkey", 0.35), ("kv", 0.25), ("doc_qa", 0.25), ("tool", 0.15))
+    eval_every: int = 150
+    ckpt_minutes: float = 10.0
+    data: str | None = None
+    shape: ReferenceShape = field(default_factory=ReferenceShape)
+
+    def __post_init__(self):
+        assert self.arch in ("mla", "gqa"), self.arch
+        assert abs(sum(p[2] for p in self.phases) - 1) < 1e-6
+        assert max(p[0] for p in self.phases) <= self.shape.max_positions
+
+    def phase(self, step: int, steps: int) -> tuple[int, int]:
+        acc = 0.0
+        for length, batch, share in self.phases:
+            acc += share
+            if step < acc * steps:
+                return length, batch
+        return self.phases[-1][:2]
+
+    def lr_at(self, step: int, steps: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        t = (step - self.warmup) / max(1, steps - self.warmup)
+        return self.lr * (self.min_lr_frac + (1 - self.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+class Batches:
+    """Deterministic batches: `get(step)` depends only on (seed, step)."""
+
+    def __init__(self, cfg: TrainConfig, tok, pool: tasks.TokenPool, lm_docs: dict[str, list[str]]):
+        self.cfg, self.tok, self.pool = cfg, tok, pool
+        bos = tok.token_to_id(BOS)
+        self.stream = np.concatenate(
+            [np.array([bos] + e.ids, dtype=np.int32) for texts in lm_docs.values() for e in tok.encode_batch(texts)]
+        )  # all training text, documents separated by BOS
+        self.mix = dict(cfg.mix)
+
+    def text(self, rng, n: int) -> list[int]:
+        start = int(rng.integers(0, len(self.stream) - n))
+        return self.stream[start:start + n].tolist()
+
+    def get(self, step: int, length: int, batch: int):
+        rng = np.random.default_rng([self.cfg.seed, step])
+        x = np.zeros((batch, length + 1), dtype=np.int64)
+        lm = np.zeros((batch, length + 1), dtype=bool)  # position predicts a text token
+        ans = np.zeros((batch, length + 1), dtype=bool)  # position predicts an answer token
+        for b in range(batch):
+            if rng.random() < self.cfg.retrieval_share:
+                n = int(rng.integers(max(64, length // 8), length + 1))
+                ex = tasks.sample_example(self.pool, rng, n, self.mix)
+                ids = ex.ids[: length + 1]
+                k = len(ids)
+                ans[b, len(ex.prompt_ids):k] = True
+                rest = [self.tok.token_to_id(BOS)] + self.text(rng, length + 1 - k)
+                ids = ids + rest[: length + 1 - k]
+                lm[b, k + 1:] = True
+            else:
+                ids = self.text(rng, length + 1)
+                lm[b, 1:] = True
+            x[b] = ids
+        # position t predicts token t+1: shift masks by one
+        return torch.from_numpy(x[:, :-1]), torch.from_numpy(x[:, 1:]), torch.from_numpy(lm[:, 1:]), torch.from_numpy(ans[:, 1:])
+
+
+def losses(model, x, y, lm_mask, ans_mask):
+    logits = model(input_ids=x).logits  # [B, L, V]
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view_as(y)
+    lm = nll[lm_mask].mean() if lm_mask.any() else nll.new_zeros(())
+    ans = nll[ans_mask].mean() if ans_mask.any() else nll.new_zeros(())
+    return lm, ans
+
+
+class Probes:
+    """Fixed held-out probes: answer log-prob per task and context length, held-out loss per source."""
+
+    def __init__(self, cfg: TrainConfig, tok, held: tasks.TokenPool):
+        rng = np.random.default_rng(10_000 + cfg.seed)
+        self.examples = {}
+        for n in (256, 512, 1024, 2048):
+            self.examples[f"passkey@{n}"] = [tasks.passkey(held, rng, n, depth=d, n_digits=5) for d in (0.1, 0.4, 0.7, 0.95)]
+        for kind in ("kv", "doc_qa", "tool"):
+            self.examples[f"{kind}@512"] = [tasks.BUILDERS[kind](held, rng, 512) for _ in range(4)]
+        self.windows = {}
+        bos = tok.token_to_id(BOS)
+        for src, docs in held.docs.items():
+            stream = np.concatenate([np.concatenate([[bos], d]) for d in docs]).astype(np.int64)
+            starts = np.linspace(0, max(0, len(stream) - 513), 4).astype(int)
+            self.windows[src] = torch.tensor(np.stack([stream[s:s + 513] for s in starts]))
+
+    @torch.no_grad()
+    def run(self, model) -> dict:
+        model.eval()
+        score = retrieval.hf_score(model)
+        out = {}
+        for name, exs in self.examples.items():
+            s = retrieval.score_examples(score, exs)
+            out[f"lp/{name}"] = float(np.mean([p.logprob for p in s]))
+            out[f"acc/{name}"] = retrieval.accuracy(s)
+        for src, w in self.windows.items():
+            logits = model(input_ids=w[:, :-1]).logits
+            out[f"heldout/{src}"] = float(F.cross_entropy(logits.flatten(0, 1).float(), w[:, 1:].flatten()))
+        model.train()
+        return out
+
+
+def plot(log: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    tr = [r for r in log if "lm" in r]
+    ev = [r for r in log if "eval" in r]
+    axes[0].plot([r["step"] for r in tr], [r["lm"] for r in tr], lw=0.6, label="text loss")
+    axes[0].plot([r["step"] for r in tr], [r["ans"] for r in tr], lw=0.6, label="answer loss")
+    axes[0].set(title="training loss", xlabel="step", ylim=(0, None))
+    for key in sorted({k for r in ev for k in r["eval"] if k.startswith("lp/")}):
+        axes[1].plot([r["step"] for r in ev], [r["eval"][key] for r in ev], marker=".", label=key[3:])
+    axes[1].axhline(-math.log(10), color="gray", ls=":", label="chance over digits")
+    axes[1].set(title="held-out answer log-prob / token", xlabel="step")
+    for key in sorted({k for r in ev for k in r["eval"] if k.startswith("heldout/")}):
+        axes[2].plot([r["step"] for r in ev], [r["eval"][key] for r in ev], marker=".", label=key[8:])
+    axes[2].set(title="held-out text loss per source", xlabel="step")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _time_steps(cfg, model, batches) -> float:
+    """Seconds for the whole schedule per step, measured on 2 steps of each phase."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    per = 0.0
+    for length, batch, share in cfg.phases:
+        times = []
+        for i in range(2):
+            x, y, lm, ans = batches.get(-1 - i, length, batch)
+            t = time.time()
+            lm_loss, ans_loss = losses(model, x, y, lm, ans)
+            (lm_loss + ans_loss).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.time() - t)
+        per += share * min(times)
+    return per
+
+
+def train(cfg: TrainConfig) -> Path:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads)
+    t0 = time.time()
+    corpus = Corpus.load(cfg.data)
+    tok = train_tokenizer(corpus.all_train_text())
+    pool = tasks.TokenPool(tok, corpus.train, corpus.tools_train, corpus.words)
+    held = tasks.TokenPool(tok, corpus.held_out, corpus.tools_held_out, corpus.words)
+    batches = Batches(cfg, tok, pool, corpus.train)
+    probes = Probes(cfg, tok, held)
+    config = hf_config(cfg.arch, tok, cfg.shape)
+
+    steps = cfg.steps
+    if steps is None:
+        torch.manual_seed(cfg.seed)
+        per_step = _time_steps(cfg, build_model(config), batches)
+        steps = int(cfg.minutes * 60 * 0.9 / per_step)  # 10% for evals and checkpoints
+        tqdm.write(f"timed {per_step:.2f} s/step -> {steps} steps for {cfg.minutes} min (reproduce with --steps {steps})")
+    torch.manual_seed(cfg.seed)
+    model = build_model(config).train()
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    tqdm.write(f"{cfg.arch}: {n_params / 1e6:.2f} M params, vocab {tok.get_vocab_size()}, {steps} steps, "
+               f"{len(batches.stream) / 1e6:.2f} M text tokens; setup {time.time() - t0:.0f} s")
+
+    log: list[dict] = []
+    logf = (out / "log.jsonl").open("w")
+    tokens, last_ckpt, t_train = 0, time.time(), time.time()
+    state = {}
+
+    def record(r):
+        log.append(r)
+        logf.write(json.dumps(r) + "\n")
+        logf.flush()
+
+    def snapshot(dir_name):
+        state.update(arch=cfg.arch, step=step + 1, steps=steps, tokens=tokens, params=n_params,
+                     wall_s=round(time.time() - t_train), config=_jsonable(asdict(cfg)) | {"steps": steps})
+        save_checkpoint(model, tok, out / dir_name, state)
+        plot(log, out / "loss_curve.png")
+
+    bar = tqdm(range(steps), desc=f"train {cfg.arch}", mininterval=5)
+    for step in bar:
+        length, batch = cfg.phase(step, steps)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr_at(step, steps)
+        x, y, lm_mask, ans_mask = batches.get(step, length, batch)
+        lm_loss, ans_loss = losses(model, x, y, lm_mask, ans_mask)
+        (lm_loss + ans_loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += x.numel()
+        record({"step": step, "len": length, "lm": round(lm_loss.item(), 4), "ans": round(ans_loss.item(), 4),
+                "lr": opt.param_groups[0]["lr"], "tokens": tokens, "t": round(time.time() - t_train, 1)})
+        bar.set_postfix(len=length, lm=f"{lm_loss.item():.2f}", ans=f"{ans_loss.item():.2f}", refresh=False)
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
+            ev = probes.run(model)
+            record({"step": step, "eval": ev, "t": round(time.time() - t_train, 1)})
+            tqdm.write(f"step {step + 1} len {length} tokens {tokens / 1e6:.2f}M | answer lp (acc): " + " ".join(
+                f"{k[3:]}={v:.2f}({ev['acc/' + k[3:]]:.2f})" for k, v in ev.items() if k.startswith("lp/")))
+            tqdm.write("  held-out loss: " + " ".join(f"{k[8:]}={v:.2f}" for k, v in ev.items() if k.startswith("heldout/")))
+            state["eval"] = ev
+            plot(log, out / "loss_curve.png")
+        if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
+            snapshot("latest")
+            last_ckpt = time.time()
+        if time.time() - t0 > cfg.minutes * 60 * 1.25:
+            tqdm.write(f"wall-clock guard hit at step {step + 1}/{steps}; stopping early")
+            break
+    snapshot("final")
+    err = max_reload_error(model, out / "final", probes.examples["passkey@512"][0].ids)
+    tqdm.write(f"saved {out / 'final'}; reload max |Δ log-prob| = {err:.2e}")
+    return out / "final"
+
+
+def _jsonable(d):
+    return json.loads(json.dumps(d, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o)))
