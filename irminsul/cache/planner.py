@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from irminsul.cache.chunker import Chunk, ChunkerConfig, FingerprintFn, TokenArray, as_tokens, chunk
+from irminsul.cache.chunker import Chunk, ChunkerConfig, FingerprintFn, TokenArray, as_tokens, chunk, fingerprint
 from irminsul.cache.radix import PrefixMatch, RadixCache, common_prefix
 from irminsul.cache.registry import Entry, Registry
 from irminsul.cache.windows import WindowIndex
@@ -114,11 +114,14 @@ class _Found:
 class Planner:
     def __init__(self, config: PlannerConfig, registry: Registry, radix: RadixCache | None,
                  windows: WindowIndex | None, seed: int, *,
-                 fingerprint_fn: FingerprintFn | None = None):
+                 fingerprint_fn: FingerprintFn | None = None, fallbacks: list["Planner"] = ()):
         if windows is not None and windows.window != config.window:
             raise ValueError(f"WindowIndex.window={windows.window} != PlannerConfig.window={config.window}")
         self.config, self.registry, self.radix, self.windows = config, registry, radix, windows
         self.seed, self.fingerprint_fn = seed, fingerprint_fn
+        # Namespaces searched after this one on a miss (a tenant falls back to the operator's shared,
+        # published namespace; never to another tenant's).
+        self.fallbacks = list(fallbacks)
         if windows is not None:  # keep the window index bounded by the registry's live entries
             registry.on_evict.append(lambda entry: windows.remove(entry.fingerprint))
 
@@ -143,10 +146,12 @@ class Planner:
             start = max(c.start, matched)
             stats.chunks += 1
             entry = self.registry.get(c.fingerprint, ids[c.start:c.end])
+            for other in self.fallbacks:
+                entry = entry or other.lookup(ids[c.start:c.end])
             if entry is not None:
                 stats.chunk_hits += 1
                 found.append(_Found(start, c.end, entry, start - c.start, False))
-            elif self.config.s1 and self.windows is not None:
+            elif self.config.s1:
                 found.extend(self._recover(ids, start, c.end))
 
         pieces = [Span("prefix", 0, min(matched, n - 1))] if matched else []
@@ -200,14 +205,21 @@ class Planner:
             entries, tokens = entries + 1, tokens + len(c)
         return Registered(entries, tokens, skipped, rejected)
 
+    def lookup(self, chunk_ids: np.ndarray) -> Entry | None:
+        """This namespace's verified entry for a chunk's token ids, if any."""
+        fp = (self.fingerprint_fn or fingerprint)(chunk_ids, self.seed)
+        return self.registry.get(fp, chunk_ids)
+
     def _recover(self, ids: np.ndarray, start: int, end: int) -> list[_Found]:
         """S1: confirmed, extended, non-overlapping window matches inside ids[start:end]."""
         w, out, covered = self.config.window, [], start
-        for hit in self.windows.candidates(ids, start, end):
+        hits = [(hit, p.registry) for p in (self, *self.fallbacks) if p.windows is not None
+                for hit in p.windows.candidates(ids, start, end)]
+        for hit, registry in sorted(hits, key=lambda h: h[0].query_pos):
             q, off = hit.query_pos, hit.entry_offset
             if q < covered:
                 continue
-            entry = self.registry.peek(hit.fingerprint)
+            entry = registry.peek(hit.fingerprint)
             if entry is None or off + w > len(entry.token_ids):
                 continue  # stale window: its entry left the registry or was replaced
             src = entry.token_ids

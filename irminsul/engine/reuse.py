@@ -20,6 +20,7 @@ from irminsul.errors import RequestError
 from irminsul.model.deepseek import DeepseekModel
 
 MODES = ("off", "prefix", "naive", "pic")
+SHARED = "\x00shared"  # the operator's published namespace; no request can name it as its tenant
 DEFAULT_CACHE_BYTES = 512 * 2**20
 
 
@@ -112,9 +113,23 @@ class CacheReuse:
         if tenant not in self.namespaces:
             seed = namespace_seed(self.model_id, tenant)
             salt = -1 - (seed >> 2)  # a negative id: never a real token
+            fallbacks = [] if tenant == SHARED else [self.namespace(SHARED)]
             self.namespaces[tenant] = Planner(self.planner_config, self.registry, SaltedRadix(self.radix, salt),
-                                              WindowIndex(self.planner_config.window), seed=seed)
+                                              WindowIndex(self.planner_config.window), seed=seed,
+                                              fallbacks=fallbacks)
         return self.namespaces[tenant]
+
+    def publish(self, tokens: list[int], segment_starts: list[int] | None = None):
+        """Precompute a document's rows in a fixed, trusted context (the document alone, from
+        position 0) and register its chunks in the shared namespace, which every tenant searches
+        after its own. Shared rows never depend on a stranger's prefix (HijackKV, design doc §6)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        rows = self.model.new_rows(capacity=len(ids))
+        self.model.prefill(rows, torch.as_tensor(ids), torch.arange(len(ids)))
+        block = rows.rows[:, : len(ids)]
+        return self.namespace(SHARED).register(ids, rows_of=lambda a, b: block[:, a:b].clone(),
+                                               nbytes_of=lambda k: k * self.bytes_per_token,
+                                               segment_starts=segment_starts)
 
     def prepare(self, seq: Sequence) -> None:
         plan = self.namespace(seq.tenant).plan(np.asarray(seq.tokens, dtype=np.int64), seq.segment_starts)

@@ -134,3 +134,20 @@ def test_tenants_never_reuse_each_other(tiny_dir):
     seq = engine.add(_rand(40, 71) + body, _params(), tenant="carol")
     assert seq.stats.prefix_tokens == 0 and seq.stats.reused_tokens == 0
     engine.finish(seq)
+
+
+def test_published_documents_are_shared_across_tenants(tiny_dir):
+    llm = LLM(tiny_dir, reuse="pic")
+    engine = llm.engine
+    doc = _rand(600, 80)
+    engine.cache.publish(doc)
+    for tenant in ("alice", "bob"):
+        seq = engine.add(_rand(55, 81) + doc + [5], _params(), tenant=tenant)
+        assert seq.stats.reused_tokens >= 500, seq.stats
+        engine.finish(seq)
+    # content a tenant computed itself stays private even though shared lookups exist
+    private = _rand(600, 82)
+    engine.run(engine.add(_rand(20, 83) + private, _params(), tenant="alice"))
+    seq = engine.add(_rand(33, 84) + private, _params(), tenant="bob")
+    assert seq.stats.reused_tokens == 0
+    engine.finish(seq)
