@@ -85,7 +85,8 @@ class CacheReuse:
 
     def __init__(self, mode: str, model: DeepseekModel, cache_bytes: int | None = None,
                  prefix_bytes: int | None = None, tenant: str = "", model_id: str = "",
-                 carve_out: bool | None = None, s1: bool = True, registry=None):
+                 carve_out: bool | None = None, s1: bool = True, registry=None,
+                 recompute_ratio: float = 0.0, check_layer: int = 1):
         from irminsul.cache.chunker import ChunkerConfig
         from irminsul.cache.planner import PlannerConfig
         from irminsul.cache.radix import RadixCache
@@ -102,6 +103,11 @@ class CacheReuse:
         self.planner_config = PlannerConfig(chunker=ChunkerConfig(), content_reuse=mode != "prefix",
                                             s1=s1, carve_out=carve_out)
         self.namespaces: dict[str, object] = {}
+        if not 0.0 <= recompute_ratio <= 1.0:
+            raise RequestError(f"recompute_ratio={recompute_ratio} must be in [0, 1]")
+        if recompute_ratio and not 0 < check_layer < cfg.num_hidden_layers:
+            raise RequestError(f"check_layer={check_layer} must be in [1, {cfg.num_hidden_layers - 1}]")
+        self.recompute_ratio, self.check_layer = recompute_ratio, check_layer
 
     def namespace(self, tenant: str | None = None):
         """The planner of a tenant's namespace (created on first use)."""
@@ -146,10 +152,36 @@ class CacheReuse:
                     src[..., r:] = self.model.rotary.rotate(src[..., r:].transpose(0, 1), span.delta).transpose(0, 1)
                 rows.write(span.start, src)
         seq.pending = np.asarray(plan.compute_positions(), dtype=np.int64)
+        recomputed = self._select_recompute(seq, plan) if self.recompute_ratio else np.zeros(0, np.int64)
+        seq.pending = np.union1d(seq.pending, recomputed)
+        seq.stats.recomputed_tokens = len(recomputed)
         st = plan.stats
         seq.stats.prompt_tokens, seq.stats.prefix_tokens = st.prompt_tokens, st.prefix_tokens
-        seq.stats.reused_tokens, seq.stats.computed_tokens = st.reused_tokens, st.computed_tokens
+        seq.stats.reused_tokens = st.reused_tokens - len(recomputed)
+        seq.stats.computed_tokens = st.computed_tokens + len(recomputed)
         seq.stats.carve_out_tokens, seq.stats.s1_tokens = st.carve_out_tokens, st.s1_tokens
+
+    def _select_recompute(self, seq: Sequence, plan) -> np.ndarray:
+        """pic+r (CacheBlend, Yao et al. 2025): the fraction r of reused rows whose c_KV at the check
+        layer deviates most from what the current context gives. Layers [0, check_layer) run over
+        every non-prefix token in a scratch copy; only their latent at check_layer is compared."""
+        from irminsul.model.mla import ForwardBatch
+
+        reused = np.concatenate([np.arange(s.start, s.end) for s in plan.spans if s.kind == "reuse"] or
+                                [np.zeros(0, np.int64)])
+        k = int(np.ceil(self.recompute_ratio * len(reused)))
+        if k == 0:
+            return np.zeros(0, np.int64)
+        run = np.union1d(reused, seq.pending)
+        scratch = seq.rows.clone()
+        dev = self.model.device
+        pos = torch.as_tensor(run, device=dev)
+        batch = ForwardBatch(torch.as_tensor(np.asarray(seq.tokens)[run], device=dev), pos, [scratch], [0, len(run)])
+        fresh = self.model.fresh_rows(batch, self.check_layer)[:, : self.model.config.kv_lora_rank]
+        at = torch.as_tensor(np.searchsorted(run, reused), device=dev)
+        cached = seq.rows.rows[self.check_layer, torch.as_tensor(reused, device=dev), : fresh.shape[1]].float()
+        deviation = (fresh[at].float() - cached).norm(dim=-1) / cached.norm(dim=-1).clamp_min(1e-12)
+        return np.sort(reused[deviation.topk(k).indices.cpu().numpy()])
 
     @staticmethod
     def _prefix_rows(plan, start: int, end: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ class RequestStats:
     carve_out_tokens: int = 0
     computed_tokens: int = 0
     s1_tokens: int = 0
+    recomputed_tokens: int = 0  # pic+r: reused rows recomputed (counted in computed_tokens)
     generated_tokens: int = 0
 
     def as_dict(self) -> dict:

@@ -63,16 +63,26 @@ class DeepseekModel(nn.Module):
         return SequenceRows(self.config, self.dtype, self.device, capacity)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Compute batch.token_ids at batch.positions; write their rows; return final hidden [N, hidden]."""
+    def forward(self, batch: ForwardBatch, stop_layer: int | None = None) -> torch.Tensor:
+        """Compute batch.token_ids at batch.positions; write their rows; return final hidden [N, hidden].
+
+        With stop_layer, run only layers [0, stop_layer) and return the (un-normed) hidden state
+        entering stop_layer; rows of later layers are left untouched."""
         for seq, sl in batch.slices():
             pos = batch.positions[sl]
             seq.ensure(int(pos.max()) + 1)
             seq.filled[pos] = True  # every layer writes these rows before it attends
         x = self.model.embed_tokens(batch.token_ids)
-        for layer in self.model.layers:
+        for layer in self.model.layers[:stop_layer]:
             x = layer(x, batch)
-        return self.model.norm(x)
+        return x if stop_layer is not None else self.model.norm(x)
+
+    @torch.inference_mode()
+    def fresh_rows(self, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        """Rows [N, row_width] that `layer` would cache for the batch in its current context."""
+        block = self.model.layers[layer]
+        hidden = self.forward(batch, stop_layer=layer)
+        return block.self_attn.latent(block.input_layernorm(hidden), batch.positions)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

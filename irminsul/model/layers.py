@@ -103,7 +103,7 @@ class MoE(nn.Module):
         for expert in ids.unique().tolist():
             token, slot = torch.where(ids == expert)
             y = self.experts[expert](x[token]) * weights[token, slot, None].to(x.dtype)
-            out.index_add_(0, token, y)
+            out[token] += y  # a token picks an expert at most once: no duplicate indices here
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

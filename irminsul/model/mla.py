@@ -64,6 +64,11 @@ class SequenceRows:
         self.rows[:, start : start + n] = rows.to(self.rows.dtype)
         self.filled[start : start + n] = True
 
+    def clone(self) -> "SequenceRows":
+        other = object.__new__(SequenceRows)
+        other.cfg, other.rows, other.filled = self.cfg, self.rows.clone(), self.filled.clone()
+        return other
+
     def nbytes(self, n_tokens: int) -> int:
         return n_tokens * self.rows.shape[0] * self.rows.shape[2] * self.rows.element_size()
 

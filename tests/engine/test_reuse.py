@@ -151,3 +151,20 @@ def test_published_documents_are_shared_across_tenants(tiny_dir):
     seq = engine.add(_rand(33, 84) + private, _params(), tenant="bob")
     assert seq.stats.reused_tokens == 0
     engine.finish(seq)
+
+
+def test_pic_plus_r_recomputes_the_most_deviating_rows(tiny_dir):
+    first, second = _shifted_case(9)
+    ref = LLM(tiny_dir, reuse="off").score(second[:-3], second[-3:])
+    errors = {}
+    for ratio in (0.0, 0.15, 1.0):
+        llm = LLM(tiny_dir, reuse="pic", recompute_ratio=ratio)
+        llm.generate(first, max_tokens=1)
+        got = llm.score(second[:-3], second[-3:])
+        s = llm.last_stats
+        assert s.prompt_tokens == s.prefix_tokens + s.reused_tokens + s.computed_tokens
+        if ratio == 1.0:
+            assert s.reused_tokens == 0 and s.recomputed_tokens > 500
+        errors[ratio] = (got - ref).abs().max().item()
+    assert errors[1.0] < 1e-4  # recomputing every reused row is full prefill
+    assert errors[0.15] <= errors[0.0]
