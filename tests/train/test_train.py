@@ -1,0 +1,55 @@
+import numpy as np
+import pytest
+import torch
+
+from irminsul.train.arch import build_model, hf_config
+from irminsul.train.checkpoint import max_reload_error, save_checkpoint
+from irminsul.train.train import Batches, TrainConfig, losses
+
+
+@pytest.fixture()
+def batches(tok, pool, tiny_shape):
+    cfg = TrainConfig(phases=((64, 4, 0.5), (128, 2, 0.5)), shape=tiny_shape, retrieval_share=0.5)
+    docs = {"musique": [tok.decode(d.tolist()) for d in pool.docs["musique"]]}
+    return cfg, Batches(cfg, tok, pool, docs)
+
+
+def test_batches_are_deterministic_and_masks_cover_answers_only(tok, batches):
+    cfg, b = batches
+    x, y, lm, ans = b.get(3, 128, 8)
+    x2, *_ = b.get(3, 128, 8)
+    assert torch.equal(x, x2) and x.shape == y.shape == lm.shape == (8, 128)
+    assert not (lm & ans).any() and ans.any() and lm.any()
+    end = tok.token_to_id("<|end|>")
+    for row in range(8):
+        if ans[row].any():
+            assert y[row][ans[row]][-1] == end  # the answer span ends with <|end|>
+            assert torch.equal(x[row, 1:], y[row, :-1])
+
+
+def test_schedule(tiny_shape):
+    cfg = TrainConfig(phases=((256, 16, 0.5), (512, 2, 0.5)), warmup=10, shape=tiny_shape)
+    assert cfg.phase(0, 100) == (256, 16) and cfg.phase(99, 100) == (512, 2)
+    assert cfg.lr_at(0, 100) == pytest.approx(cfg.lr / 10)
+    assert cfg.lr_at(10, 100) == pytest.approx(cfg.lr)
+    assert cfg.lr_at(100, 100) == pytest.approx(cfg.lr * cfg.min_lr_frac)
+
+
+@pytest.mark.parametrize("arch", ["mla", "gqa"])
+def test_a_training_step_learns_and_the_checkpoint_reloads(tok, batches, tiny_shape, tmp_path, arch):
+    cfg, b = batches
+    torch.manual_seed(0)
+    model = build_model(hf_config(arch, tok, tiny_shape)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, y, lm, ans = b.get(0, 64, 4)
+    first = None
+    for _ in range(5):
+        lm_loss, ans_loss = losses(model, x, y, lm, ans)
+        first = first if first is not None else float((lm_loss + ans_loss).detach())
+        (lm_loss + ans_loss).backward()
+        opt.step()
+        opt.zero_grad()
+    assert float((lm_loss + ans_loss).detach()) < first
+    path = save_checkpoint(model, tok, tmp_path / arch)
+    assert (path / "model.safetensors").exists() and (path / "tokenizer_config.json").exists()
+    assert max_reload_error(model, path, x[0].tolist()) < 1e-4
