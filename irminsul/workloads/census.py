@@ -111,8 +111,8 @@ class Census:
         m = min(n, len(last_tokens))
         diff = np.flatnonzero(tokens[:m] != last_tokens[:m])
         same = max(0, min(int(diff[0]) if len(diff) else m, n_win + w - 1) - w + 1)
-        data = memoryview(tokens.tobytes())
-        fresh = [xxhash.xxh3_64_intdigest(data[4 * j:4 * (j + w)], seed) for j in range(same, n_win)]
+        data, hash64, step = tokens.tobytes(), xxhash.xxh3_64_intdigest, 4 * w
+        fresh = [hash64(data[k:k + step], seed) for k in range(4 * same, 4 * n_win, 4)]
         hashes = np.concatenate((last_hashes[:same], np.array(fresh, dtype=np.uint64)))
         seen_any, seen_own = np.ones(n_win, dtype=bool), np.ones(n_win, dtype=bool)
         seen_any[same:] = [h in self._seen for h in fresh]

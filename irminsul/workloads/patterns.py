@@ -120,7 +120,7 @@ def _summary(messages: list[dict]) -> str:
     return "Summary of the earlier conversation:\n" + "\n".join(lines)
 
 
-def compact(requests: list[Request], seed: int = 0, every: tuple[int, int] = (6, 10), keep_last: int = 4) -> list[Request]:
+def compact(requests: list[Request], seed: int = 0, every: tuple[int, int] = (4, 8), keep_last: int = 2) -> list[Request]:
     """Once a session's history beyond its last summary exceeds `every` (drawn per compaction)
     plus `keep_last` messages, all but the last `keep_last` are replaced by a summary message."""
     rng = random.Random(seed)

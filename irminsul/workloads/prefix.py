@@ -3,10 +3,13 @@
 This is what an unbounded prefix cache (SGLang RadixAttention, vLLM APC without eviction) reuses.
 The census and the fixed-block baseline use it as an independent reference, so they never depend
 on the cache under test. Full 64-token blocks are chained by hash (as vLLM names its blocks); under
-each chain the distinct next blocks are kept, so the last partial block is compared exactly.
+each chain the distinct next blocks are kept sorted, so the last partial block is compared exactly
+against its two sorted neighbours.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left
 
 import numpy as np
 import xxhash
@@ -27,7 +30,9 @@ class PrefixIndex:
     def __init__(self, block: int = 64):
         assert block > 0
         self.block = block
-        self._next: dict[int, dict[bytes, None]] = {}  # chain hash of k full blocks -> next blocks
+        # chain hash of k full blocks -> the distinct next blocks, sorted: the longest common
+        # prefix with a set of byte strings is attained at a sorted neighbour of the query
+        self._next: dict[int, list[bytes]] = {}
 
     def _chain(self, h: int, block: bytes) -> int:
         return xxhash.xxh3_128_intdigest(h.to_bytes(16, "little") + block)
@@ -47,12 +52,17 @@ class PrefixIndex:
         for off in range(0, len(data), step):
             blk = data[off:off + step]
             nxt = self._next.get(h)
-            if matched is None and (nxt is None or blk not in nxt or len(blk) < step):
-                matched = off // 4 + max((_common(blk, c) for c in nxt), default=0) if nxt else off // 4
+            i = bisect_left(nxt, blk) if nxt else 0
+            present = nxt is not None and i < len(nxt) and nxt[i] == blk
+            if matched is None and not (present and len(blk) == step):
+                near = nxt[max(0, i - 1):i + 1] if nxt else []
+                matched = off // 4 + max((_common(blk, c) for c in near), default=0)
                 if not insert:
                     return matched
-            if insert:
-                self._next.setdefault(h, {})[blk] = None
+            if insert and not present:
+                if nxt is None:
+                    nxt = self._next[h] = []
+                nxt.insert(i, blk)
             if len(blk) == step:
                 h = self._chain(h, blk)
         return len(data) // 4 if matched is None else matched
