@@ -1,0 +1,70 @@
+"""Chunk stores behind the registry interface: memory (default), disk, Redis, and their tiering.
+
+``open_registry`` turns ``--store`` specs into one registry: ``memory`` (always the first tier),
+``disk:PATH`` and ``redis://host:port/db``, in that order whatever order they are given in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from irminsul.cache.registry import MemoryRegistry, Registry
+from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store.stats import TierStats, memory_tier_stats
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    specs: tuple[str, ...] = ("memory",)
+    memory_bytes: int = 512 * 2**20
+    disk_bytes: int = 8 * 2**30
+
+    def __post_init__(self):
+        for spec in self.specs:
+            if spec != "memory" and not spec.startswith(("disk:", "redis://", "rediss://", "unix://")):
+                raise ValueError(f"--store {spec!r} is not a store; use memory, disk:PATH or redis://host:port/db")
+            if spec == "disk:":
+                raise ValueError("--store disk: needs a directory, e.g. disk:/var/cache/irminsul")
+        if self.memory_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("store budgets must be >= 0 bytes")
+
+    @property
+    def disk_path(self) -> str | None:
+        return next((s.removeprefix("disk:") for s in self.specs if s.startswith("disk:")), None)
+
+    @property
+    def redis_url(self) -> str | None:
+        return next((s for s in self.specs if s != "memory" and not s.startswith("disk:")), None)
+
+
+def open_registry(config: StoreConfig, layout: RowLayout) -> Registry:
+    memory = MemoryRegistry(config.memory_bytes)
+    lower: list[Registry] = []
+    if config.disk_path:
+        from irminsul.cache.store.disk import DiskRegistry
+
+        lower.append(DiskRegistry(config.disk_path, layout, config.disk_bytes))
+    if config.redis_url:
+        from irminsul.cache.store.redis import RedisRegistry
+
+        lower.append(RedisRegistry(config.redis_url, layout))
+    if not lower:
+        return memory
+    from irminsul.cache.store.tiered import TieredRegistry
+
+    return TieredRegistry(memory, lower)
+
+
+def tier_stats(registry: Registry) -> list[TierStats]:
+    """One TierStats per tier of any registry this package builds."""
+    from irminsul.cache.store.tiered import TieredRegistry
+
+    if isinstance(registry, TieredRegistry):
+        return registry.all_tier_stats
+    if hasattr(registry, "tier_stats"):
+        return [registry.tier_stats]
+    return [memory_tier_stats(registry)]
+
+
+__all__ = ["CorruptEntry", "RowLayout", "StoreConfig", "TierStats", "decode", "encode", "open_registry",
+           "tier_stats"]

@@ -1,0 +1,111 @@
+"""One registry entry as bytes: a safetensors blob with a checksum, shared by the disk and Redis tiers.
+
+Layout: tensors ``rows`` [n_layers, n_tokens, row_width] (the model's dtype) and ``token_ids``
+[n_tokens] int64; metadata ``format``, ``model_id``, ``fingerprint`` (hex), ``base_pos``, ``dtype``,
+``shape`` and ``checksum``: xxHash64 over the other metadata fields, the token ids and the row
+bytes. ``decode`` checks all of it against what the reader expects, so a truncated, bit-flipped or
+foreign entry is reported as corrupt and never reaches the engine (design doc section 6).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from irminsul.cache.registry import Entry
+
+FORMAT = "irminsul-chunk-v1"
+
+
+class CorruptEntry(Exception):
+    """A stored blob failed verification; the message says which check."""
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """What every entry of one model's namespace must look like."""
+
+    model_id: str
+    n_layers: int
+    row_width: int
+    dtype: torch.dtype
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if not self.model_id or self.n_layers < 1 or self.row_width < 1:
+            raise ValueError(f"incomplete row layout: {self}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.n_layers * self.row_width * torch.finfo(self.dtype).bits // 8
+
+    @classmethod
+    def of(cls, model, model_id: str) -> "RowLayout":
+        cfg = model.config
+        return cls(model_id, cfg.num_hidden_layers, cfg.row_width, model.dtype, str(model.device))
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _checksum(meta: dict, tokens: torch.Tensor, rows: torch.Tensor) -> str:
+    h = xxhash.xxh64(json.dumps({k: meta[k] for k in sorted(meta) if k != "checksum"}).encode())
+    h.update(_raw(tokens))
+    h.update(_raw(rows))
+    return h.hexdigest()
+
+
+def encode(entry: Entry, layout: RowLayout) -> bytes:
+    rows = entry.payload.detach().contiguous().cpu()
+    tokens = torch.as_tensor(np.asarray(entry.token_ids, dtype=np.int64))
+    meta = {"format": FORMAT, "model_id": layout.model_id, "fingerprint": f"{entry.fingerprint:016x}",
+            "base_pos": str(entry.base_pos), "dtype": str(rows.dtype).removeprefix("torch."),
+            "shape": ",".join(map(str, rows.shape))}
+    meta["checksum"] = _checksum(meta, tokens, rows)
+    return st_save({"rows": rows, "token_ids": tokens}, metadata=meta)
+
+
+def metadata(blob: bytes) -> dict:
+    """The metadata of a blob without loading its tensors (raises CorruptEntry)."""
+    if len(blob) < 8:
+        raise CorruptEntry("blob shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", blob[:8])
+    if n > len(blob) - 8:
+        raise CorruptEntry("header length beyond the end of the blob (truncated)")
+    try:
+        meta = json.loads(blob[8 : 8 + n]).get("__metadata__") or {}
+    except (ValueError, AttributeError) as e:
+        raise CorruptEntry(f"unreadable header ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CorruptEntry(f"format {meta.get('format')!r} is not {FORMAT!r}")
+    return meta
+
+
+def decode(blob: bytes, layout: RowLayout, fingerprint: int | None = None) -> Entry:
+    """Verify and unpack a blob; raises CorruptEntry when any check fails."""
+    meta = metadata(blob)
+    try:
+        tensors = st_load(blob)
+        rows, tokens = tensors["rows"], tensors["token_ids"]
+    except Exception as e:  # safetensors raises its own error types for truncated data
+        raise CorruptEntry(f"unreadable tensors ({e})") from None
+    if meta.get("checksum") != _checksum(meta, tokens, rows):
+        raise CorruptEntry("checksum mismatch")
+    if meta["model_id"] != layout.model_id:
+        raise CorruptEntry(f"entry of model {meta['model_id']}, expected {layout.model_id}")
+    fp = int(meta["fingerprint"], 16)
+    if fingerprint is not None and fp != fingerprint:
+        raise CorruptEntry(f"stored under {fingerprint:016x} but holds {fp:016x}")
+    want = (layout.n_layers, len(tokens), layout.row_width)
+    if tuple(rows.shape) != want or rows.dtype != layout.dtype:
+        raise CorruptEntry(f"rows {tuple(rows.shape)} {rows.dtype}, expected {want} {layout.dtype}")
+    rows = rows.to(layout.device)
+    return Entry(fp, tokens.numpy(), int(meta["base_pos"]), rows, rows.numel() * rows.element_size())

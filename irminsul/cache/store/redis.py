@@ -1,0 +1,224 @@
+"""The Redis tier: one registry shared by every replica that points at the same Redis.
+
+Keys are ``irminsul:<model id>:<fingerprint hex>``; values are codec blobs, verified on every read
+(a corrupt one is deleted and counted). Redis's own ``maxmemory`` policy bounds its size.
+
+Redis may be down at start or die mid-run. Requests never wait on it: socket timeouts are short,
+there are no client retries, and after a failure a circuit breaker skips Redis entirely (reads
+miss, writes are dropped and counted) until a background thread's PING succeeds again, probing with
+exponential backoff. Writes always go through that background thread (``SET NX``), so a slow Redis
+never sits on a request's path.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+
+from irminsul.cache.registry import Entry, Registry, RegistryStats
+from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store.stats import TierStats
+
+
+class RedisRegistry(Registry):
+    def __init__(self, url: str, layout: RowLayout, socket_timeout: float = 0.25, backoff: tuple = (0.2, 5.0),
+                 max_pending: int = 1024, ttl_s: int | None = None):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        super().__init__()
+        self.url, self.layout, self.ttl_s = url, layout, ttl_s
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=socket_timeout,
+                                               socket_connect_timeout=socket_timeout, retry=Retry(NoBackoff(), 0))
+        except ValueError as e:
+            raise ValueError(f"--store {url!r} is not a Redis URL ({e}); use redis://host:port/db") from None
+        self.prefix = f"irminsul:{layout.model_id}:"
+        self._errors = (redis.RedisError, OSError)
+        self._min_backoff, self._max_backoff = backoff
+        self._backoff, self._retry_at = self._min_backoff, 0.0
+        self._up = False  # until the first successful command
+        self._queue: queue.Queue = queue.Queue(max_pending)
+        self._wake = threading.Event()
+        self._closed = False
+        self._hits = self._misses = self._collisions = self._corrupt = 0
+        self._failures = self._dropped = self._insertions = self._reconnects = 0
+        self._entries = self._bytes = 0  # refreshed by the background thread (DBSIZE-like count of our keys)
+        self._probe()
+        self._thread = threading.Thread(target=self._run, name="irminsul-redis", daemon=True)
+        self._thread.start()
+
+    # -- the breaker ---------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self._up
+
+    def _failed(self) -> None:
+        self._failures += 1
+        if self._up:
+            self._backoff = self._min_backoff
+        else:
+            self._backoff = min(self._max_backoff, self._backoff * 2)
+        self._up, self._retry_at = False, time.monotonic() + self._backoff
+        self._wake.set()
+
+    def _probe(self) -> None:
+        try:
+            self.client.ping()
+        except self._errors:
+            self._failed()
+            return
+        if not self._up:
+            self._reconnects += 1
+        self._up, self._backoff = True, self._min_backoff
+
+    def _key(self, fingerprint: int) -> str:
+        return f"{self.prefix}{fingerprint:016x}"
+
+    # -- background: writes, probes, size ------------------------------------------------
+
+    def _run(self) -> None:
+        last_size = 0.0
+        while not self._closed:
+            if not self._up:
+                self._drain()  # writes queued before the failure are dropped, not replayed later
+                self._wake.wait(max(0.0, self._retry_at - time.monotonic()))
+                self._wake.clear()
+                if not self._closed and time.monotonic() >= self._retry_at:
+                    self._probe()
+                continue
+            try:
+                entry = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                entry = None
+            if entry is not None:
+                self._write(entry)
+                self._queue.task_done()
+            if self._up and time.monotonic() - last_size > 2.0:
+                self._refresh_size()
+                last_size = time.monotonic()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._dropped += 1
+            self._queue.task_done()
+
+    def _write(self, entry: Entry) -> None:
+        if not self._up:
+            self._dropped += 1
+            return
+        try:
+            if self.client.set(self._key(entry.fingerprint), encode(entry, self.layout), nx=True, ex=self.ttl_s):
+                self._insertions += 1
+        except self._errors:
+            self._dropped += 1
+            self._failed()
+
+    def _refresh_size(self, sample: int = 256) -> None:
+        try:
+            keys = list(self.client.scan_iter(match=self.prefix + "*", count=1000))
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys[:sample]:
+                pipe.strlen(key)
+            sizes = pipe.execute()
+        except self._errors:
+            self._failed()
+            return
+        self._entries = len(keys)
+        self._bytes = sum(sizes) * len(keys) // max(1, len(sizes))  # exact up to `sample` keys
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued writes are done (tests, shutdown); False on timeout."""
+        end = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    # -- Registry ------------------------------------------------------------------------
+
+    def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
+        entry = self._fetch(fingerprint)
+        if entry is None or not np.array_equal(entry.token_ids, token_ids):
+            self._misses += 1
+            self._collisions += entry is not None
+            return None
+        self._hits += 1
+        return entry
+
+    def _fetch(self, fingerprint: int) -> Entry | None:
+        if not self._up:
+            return None  # NOTE: never wait on a Redis that is known to be down
+        key = self._key(fingerprint)
+        try:
+            blob = self.client.get(key)
+        except self._errors:
+            self._failed()
+            return None
+        if blob is None:
+            return None
+        try:
+            return decode(blob, self.layout, fingerprint)
+        except CorruptEntry:
+            self._corrupt += 1
+            try:
+                self.client.delete(key)
+            except self._errors:
+                self._failed()
+            return None
+
+    def peek(self, fingerprint: int) -> Entry | None:
+        return self._fetch(fingerprint)
+
+    def put(self, entry: Entry) -> bool:
+        """Queue a write (done in the background); False when Redis is down or the queue is full."""
+        if not self._up:
+            self._dropped += 1
+            return False
+        try:
+            self._queue.put_nowait(entry)
+        except queue.Full:
+            self._dropped += 1
+            return False
+        return True
+
+    def pin(self, fingerprint: int) -> None:
+        """No-op: a shared remote entry cannot be pinned; the engine copies rows before using them."""
+
+    def unpin(self, fingerprint: int) -> None:
+        """No-op (see pin)."""
+
+    def __contains__(self, fingerprint: int) -> bool:
+        if not self._up:
+            return False
+        try:
+            return bool(self.client.exists(self._key(fingerprint)))
+        except self._errors:
+            self._failed()
+            return False
+
+    def __len__(self) -> int:
+        return self._entries
+
+    @property
+    def stats(self) -> RegistryStats:
+        return RegistryStats(self._hits, self._misses, self._collisions, 0, self._insertions, self._dropped,
+                             self._entries, 0, self._bytes, 0)
+
+    @property
+    def tier_stats(self) -> TierStats:
+        return TierStats("redis", self._hits, self._misses, 0, self._insertions, self._entries, self._bytes, 0,
+                         corrupt=self._corrupt, failures=self._failures, dropped=self._dropped,
+                         pending=self._queue.qsize(), available=self._up)

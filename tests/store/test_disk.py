@@ -1,0 +1,70 @@
+"""Codec and disk tier: round trip, verification, budget, restarts, corruption."""
+
+import numpy as np
+import pytest
+import torch
+
+from irminsul.cache.registry import Entry
+from irminsul.cache.store import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store.disk import DiskRegistry
+
+
+def entry(fp, n=8, base=0, seed=0, layout=None):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(2, n, 6, generator=g)
+    ids = np.arange(seed, seed + n, dtype=np.int64)
+    return Entry(fp, ids, base, rows, rows.numel() * 4)
+
+
+def test_codec_round_trip_and_every_check(layout):
+    e = entry(0xABC, base=40)
+    blob = encode(e, layout)
+    got = decode(blob, layout, 0xABC)
+    assert got.fingerprint == 0xABC and got.base_pos == 40 and got.nbytes == e.nbytes
+    assert np.array_equal(got.token_ids, e.token_ids) and torch.equal(got.payload, e.payload)
+    flipped = bytearray(blob)
+    flipped[-5] ^= 0xFF  # inside the row bytes
+    cases = {
+        "checksum": bytes(flipped),
+        "unreadable": blob[:-10],  # truncated
+        "holds": blob,  # stored under another fingerprint
+    }
+    for what, data in cases.items():
+        with pytest.raises(CorruptEntry, match=what):
+            decode(data, layout, 0xABD if what == "holds" else 0xABC)
+    with pytest.raises(CorruptEntry, match="model"):
+        decode(blob, RowLayout("model-b", 2, 6, torch.float32))
+    with pytest.raises(CorruptEntry, match="rows"):
+        decode(blob, RowLayout("model-a", 3, 6, torch.float32))
+
+
+def test_disk_survives_restart_and_drops_corrupt_entries(tmp_path, layout):
+    disk = DiskRegistry(tmp_path, layout, budget_bytes=1 << 20)
+    for i in range(3):
+        assert disk.put(entry(100 + i, seed=i))
+    again = DiskRegistry(tmp_path, layout, budget_bytes=1 << 20)
+    assert len(again) == 3
+    hit = again.get(101, np.arange(1, 9))
+    assert hit is not None and torch.equal(hit.payload, entry(101, seed=1).payload)
+    assert again.get(101, np.arange(2, 10)) is None  # token ids verified: a collision is a miss
+    path = again._path(102)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert again.get(102, np.arange(2, 10)) is None
+    s = again.tier_stats
+    assert s.corrupt == 1 and s.entries == 2 and not path.exists()
+    assert again.put(entry(102, seed=2)) and again.get(102, np.arange(2, 10)) is not None
+
+
+def test_disk_budget_evicts_least_recently_used(tmp_path, layout):
+    size = len(encode(entry(1), layout))
+    disk = DiskRegistry(tmp_path, layout, budget_bytes=3 * size)
+    for fp in (1, 2, 3):
+        disk.put(entry(fp))
+    disk.get(1, np.arange(0, 8))  # 1 becomes most recent
+    disk.put(entry(4))
+    assert 2 not in disk and 1 in disk and disk.stats.bytes <= 3 * size
+    disk.pin(1), disk.pin(3), disk.pin(4)
+    assert not disk.put(entry(5))  # everything else pinned: rejected, store untouched
+    assert len(disk) == 3 and disk.stats.rejected == 1

@@ -1,0 +1,79 @@
+"""Redis tier against a real redis-server, and the memory -> disk -> Redis tiering."""
+
+import numpy as np
+import torch
+
+from irminsul.cache.registry import MemoryRegistry
+from irminsul.cache.store import StoreConfig, open_registry, tier_stats
+from irminsul.cache.store.redis import RedisRegistry
+from irminsul.cache.store.tiered import TieredRegistry
+from irminsul.server.testing import wait_for
+
+
+def entry(fp, n=8, seed=0):
+    rows = torch.randn(2, n, 6, generator=torch.Generator().manual_seed(seed))
+    from irminsul.cache.registry import Entry
+
+    return Entry(fp, np.arange(seed, seed + n, dtype=np.int64), 0, rows, rows.numel() * 4)
+
+
+def test_two_clients_share_entries_and_reads_are_verified(redis_proc, layout):
+    a, b = RedisRegistry(redis_proc.url, layout), RedisRegistry(redis_proc.url, layout)
+    assert a.put(entry(7, seed=3)) and a.flush()
+    got = b.get(7, np.arange(3, 11))
+    assert got is not None and torch.equal(got.payload, entry(7, seed=3).payload)
+    assert b.get(7, np.arange(4, 12)) is None and b.stats.collisions == 1
+    redis_proc.client().set(b._key(8), b"garbage")
+    assert b.get(8, np.arange(0, 8)) is None and b.tier_stats.corrupt == 1
+    assert not redis_proc.client().exists(b._key(8))
+    a.close(), b.close()
+
+
+def test_redis_outage_is_survived_and_reconnects(redis_proc, layout):
+    r = RedisRegistry(redis_proc.url, layout, backoff=(0.05, 0.2))
+    r.put(entry(1)) and r.flush()
+    redis_proc.stop()
+    assert r.get(1, np.arange(0, 8)) is None  # fails fast, counts, opens the breaker
+    s = r.tier_stats
+    assert s.failures >= 1 and not s.available
+    assert not r.put(entry(2)) and r.tier_stats.dropped >= 1  # dropped, never blocks
+    redis_proc.start()  # an empty Redis on the same port
+    wait_for(lambda: r.available, 10, "the Redis tier to reconnect")
+    assert r.put(entry(3, seed=5)) and r.flush()
+    assert r.get(3, np.arange(5, 13)) is not None
+    r.close()
+
+
+def test_redis_down_at_start_does_not_block(layout):
+    from irminsul.server.testing import free_port
+
+    r = RedisRegistry(f"redis://127.0.0.1:{free_port()}/0", layout)
+    assert not r.available and r.get(1, np.arange(8)) is None and not r.put(entry(1))
+    r.close()
+
+
+def test_tiered_falls_through_promotes_and_pins(tmp_path, redis_proc, layout):
+    cfg = StoreConfig(("memory", f"disk:{tmp_path}", redis_proc.url), memory_bytes=10_000)
+    reg = open_registry(cfg, layout)
+    assert isinstance(reg, TieredRegistry) and [t.tier for t in tier_stats(reg)] == ["memory", "disk", "redis"]
+    evicted = []
+    reg.on_evict.append(lambda e: evicted.append(e.fingerprint))
+    for fp in range(1, 6):  # 384 B per entry in memory: all fit; all reach disk and redis
+        assert reg.put(entry(fp, seed=fp))
+    reg.lower[1].flush()
+    # A second replica with an empty memory tier and its own disk sees Redis only.
+    other = open_registry(StoreConfig(("memory", f"disk:{tmp_path / 'b'}", redis_proc.url)), layout)
+    got = other.get(3, np.arange(3, 11))
+    assert got is not None and 3 in other.memory and 3 in other.lower[0]  # promoted to memory and disk
+    other.pin(3)
+    other.unpin(3)
+    other.pin(99), other.unpin(99)  # not in memory: a counted no-op
+    stats = {t.tier: t for t in tier_stats(other)}
+    assert stats["redis"].hits == 1 and stats["memory"].misses == 1 and other.stats.hits == 1
+    # memory budget holds; evictions reach the window-index callback
+    small = TieredRegistry(MemoryRegistry(800), [reg.lower[0]])
+    small.on_evict.append(lambda e: evicted.append(e.fingerprint))
+    for fp in range(10, 14):
+        small.put(entry(fp))
+    assert small.memory.stats.bytes <= 800 and evicted
+    reg.close(), other.close()
