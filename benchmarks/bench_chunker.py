@@ -9,30 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import time
 
 import numpy as np
 
+from irminsul.machine import best_of, describe
 from irminsul.cache.chunker import ChunkerConfig, boundaries, candidates, chunk, namespace_seed, reference_candidates
 
 TARGET = 10e6  # tokens/s, issue 3
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
-
-
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -56,7 +39,7 @@ def main() -> None:
         ("chunk (+ xxh64 fingerprints)", len(tokens), best_of(lambda: chunk(tokens, cfg, seed), args.repeats)),
     ]
 
-    print(f"machine: {platform.platform()} | {cpu_model()} | {os.cpu_count()} cores (benchmark pinned to 1)")
+    print(f"machine: {describe()} (benchmark pinned to 1 core)")
     print(f"python {platform.python_version()}, numpy {np.__version__}; {args.tokens:,} random tokens, "
           f"vocab {args.vocab:,}, {n_chunks:,} chunks (mean {args.tokens / n_chunks:.0f} tokens)")
     base = rows[0][1] / rows[0][2]

@@ -8,7 +8,9 @@ Absorbed attention (DeepSeek-V3 `inference/model.py`, attn_impl="absorb"):
     q_lat  = q_nope · W_UK                      # [n, H, kv_lora_rank]
     score  = (q_lat · c_KV + q_pe · k_r) * scale
     o      = (softmax(score) · c_KV) · W_UV -> o_proj
-with scale = qk_head_dim^-0.5 * mscale² (YaRN).
+with scale = qk_head_dim^-0.5 * mscale² (YaRN). For many queries at once (prefill) it is cheaper
+to expand the cached latent into per-head keys and values (k_nope = c_KV·W_UK, v = c_KV·W_UV) and
+run ordinary attention; the layer picks the cheaper form per sequence. Both read the same cache.
 """
 
 from __future__ import annotations
@@ -116,41 +118,45 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_pe = self.rotary.apply(q_pe, batch.positions)  # [n, H, rope]
         w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
-        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
-        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [n, H, r]
+        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # absorbed into q / out
         rows = self.latent(x, batch.positions)  # [n, r + rope]
 
-        out = x.new_empty(n, h, r)
+        out = x.new_empty(n, h, cfg.v_head_dim)
         for seq, sl in batch.slices():
             pos = batch.positions[sl]
             seq.rows[self.layer, pos] = rows[sl].to(seq.rows.dtype)
             keys = seq.rows[self.layer, : int(pos.max()) + 1].to(x.dtype)  # [L, r + rope]
-            c_kv, k_r = keys[:, :r], keys[:, r:]
-            scores = q_lat[sl] @ c_kv.T + q_pe[sl] @ k_r.T  # [m, H, L]
             visible = seq.filled[: keys.shape[0]][None, :] & (
                 torch.arange(keys.shape[0], device=pos.device)[None, :] <= pos[:, None]
             )  # [m, L]
-            scores = scores.float() * cfg.softmax_scale
-            probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1).to(x.dtype)
-            out[sl] = probs @ c_kv  # [m, H, r]
-        o = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(n, h * cfg.v_head_dim)
-        return self.o_proj(o)
+            if self._expand_is_cheaper(len(pos), keys.shape[0]):
+                out[sl] = self._expanded(q_nope[sl], q_pe[sl], keys, visible)
+            else:
+                c_kv, k_r = keys[:, :r], keys[:, r:]
+                q_lat = torch.einsum("mhd,hdr->mhr", q_nope[sl], w_uk)  # [m, H, r]
+                scores = (q_lat @ c_kv.T + q_pe[sl] @ k_r.T).float() * cfg.softmax_scale  # [m, H, L]
+                probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1).to(x.dtype)
+                out[sl] = torch.einsum("mhr,hvr->mhv", probs @ c_kv, w_uv)
+        return self.o_proj(out.reshape(n, h * cfg.v_head_dim))
 
+    def _expand_is_cheaper(self, m: int, length: int) -> bool:
+        """Absorbed attention costs ~m·L·H·(2r + rope) multiply-adds; expanding the latent into
+        per-head keys and values costs L·H·r·(nope + v) once, then m·L·H·(nope + rope + v). Prefill
+        (large m) expands, decode (m = 1) absorbs -- the same split SGLang and vLLM make for MLA."""
+        c = self.cfg
+        absorbed = m * length * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
+        expanded = length * c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim) + m * length * (
+            c.qk_head_dim + c.v_head_dim)
+        return expanded < absorbed
 
-def mla_reference(attn: MLAttention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Slow, non-absorbed causal MLA over one full sequence (keys expanded per head, as HF does)."""
-    cfg = attn.cfg
-    n, h = x.shape[0], cfg.num_attention_heads
-    q = attn.q_proj(x) if cfg.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
-    q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    q_pe = attn.rotary.apply(q_pe, positions)
-    rows = attn.latent(x, positions)
-    c, k_r = rows[:, : cfg.kv_lora_rank], rows[:, cfg.kv_lora_rank :]
-    kv = attn.kv_b_proj(c).view(n, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
-    k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-    k = torch.cat([k_nope, k_r[:, None, :].expand(n, h, cfg.qk_rope_head_dim)], dim=-1)
-    qh = torch.cat([q_nope, q_pe], dim=-1)
-    o = F.scaled_dot_product_attention(
-        qh.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=cfg.softmax_scale
-    )
-    return attn.o_proj(o.transpose(0, 1).reshape(n, h * cfg.v_head_dim))
+    def _expanded(self, q_nope, q_pe, keys, visible) -> torch.Tensor:
+        """Attention with keys/values expanded from the cached latent: [m, H, v]."""
+        cfg = self.cfg
+        length, h = keys.shape[0], cfg.num_attention_heads
+        kv = self.kv_b_proj(keys[:, : cfg.kv_lora_rank]).view(length, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k_r = keys[:, None, cfg.kv_lora_rank :].expand(length, h, cfg.qk_rope_head_dim)
+        k = torch.cat([k_nope, k_r], dim=-1).transpose(0, 1)  # [H, L, qk_head]
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, m, qk_head]
+        o = F.scaled_dot_product_attention(q, k, v.transpose(0, 1), attn_mask=visible, scale=cfg.softmax_scale)
+        return o.transpose(0, 1)
