@@ -20,6 +20,20 @@ def register(subparsers) -> None:
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model for smoke tests")
     p.set_defaults(func=run)
 
+    e = subparsers.add_parser("eval-reference", help="held-out loss, needle recall and QA of a reference checkpoint")
+    e.add_argument("--model", required=True, help="checkpoint folder")
+    e.add_argument("--engine", action="store_true", help="also evaluate through irminsul.LLM (reuse off)")
+    e.add_argument("--needles", type=int, default=4, help="needles per (context, depth) cell")
+    e.add_argument("--qa-items", type=int, default=120, help="MuSiQue items to answer")
+    e.add_argument("--synthetic", type=int, default=20, help="probes per synthetic task and length")
+    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--data", default=None)
+    e.add_argument("--json", default=None, help="write the metrics here (default MODEL/metrics.json)")
+    e.add_argument("--card", action="store_true", help="(re)write MODEL/MODEL_CARD.md from the metrics")
+    e.add_argument("--train-cmd", default=None, help="training command to print in the card")
+    e.add_argument("--notes", default="", help="a file whose text goes into the card's Notes section")
+    e.set_defaults(func=run_eval)
+
 
 def run(args) -> int:
     from irminsul.train.train import TrainConfig, train
@@ -33,4 +47,25 @@ def run(args) -> int:
                       seed=args.seed, threads=args.threads, lr=args.lr, eval_every=args.eval_every,
                       ckpt_minutes=args.ckpt_minutes, data=args.data, shape=shape)
     train(cfg)
+    return 0
+
+
+def run_eval(args) -> int:
+    import shlex
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from irminsul.train.card import write_card
+    from irminsul.train.evaluate import evaluate, save
+
+    torch.set_num_threads(args.threads)
+    res = evaluate(Path(args.model), engine=args.engine, n_needles=args.needles, qa_items=args.qa_items,
+                   doc_qa_n=args.synthetic, data=args.data)
+    save(res, Path(args.json or Path(args.model) / "metrics.json"))
+    if args.card:
+        eval_cmd = "irminsul " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "--card")
+        notes = Path(args.notes).read_text() if args.notes else ""
+        print(write_card(Path(args.model), res, args.train_cmd or "(see train_state.json)", eval_cmd, notes))
     return 0
