@@ -1,0 +1,197 @@
+"""The HTTP server: an OpenAI-compatible API over one engine, plus health, metrics and publishing.
+
+    POST /v1/chat/completions, /v1/completions   (completions.py)
+    POST /v1/cache/chunks                         publish a document to the shared namespace
+    GET  /v1/models, /health, /metrics
+
+``create_app(config)`` loads the model when the app starts (lifespan) and stops the scheduler and
+the store's background threads when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from irminsul.server.config import ServerConfig
+from irminsul.server.protocol import APIError
+
+log = logging.getLogger("irminsul.server")
+
+
+class ServerState:
+    """The loaded model, its engine and scheduler, and the request-level policies."""
+
+    def __init__(self, config: ServerConfig):
+        from irminsul.bundled import bundled_model
+        from irminsul.cache.store import RowLayout, open_registry
+        from irminsul.engine.engine import Engine
+        from irminsul.engine.llm import checkpoint_id
+        from irminsul.model.loader import load_model
+        from irminsul.model.tokenizer import Tokenizer
+        from irminsul.server.chat import ChatRenderer
+        from irminsul.server.metrics import ServerMetrics
+        from irminsul.server.scheduler import Scheduler
+
+        self.config = config
+        path = Path(config.model) if config.model else bundled_model("mla")
+        self.model_name = config.served_model_name or path.name
+        model = load_model(path, dtype=config.dtype, device=config.device)
+        self.tokenizer = Tokenizer(path)
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.context = model.config.max_position_embeddings
+        model_id = checkpoint_id(path)
+        self.registry = open_registry(config.store, RowLayout.of(model, model_id)) if config.reuse != "off" else None
+        self.engine = Engine(model, self.tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
+                             prefix_bytes=config.prefix_bytes, model_id=model_id, registry=self.registry)
+        self.metrics = ServerMetrics(self.model_name)
+        self.scheduler = Scheduler(self.engine, config.max_running_tokens, config.max_running_requests,
+                                   config.max_queued_requests, self.metrics)
+        self.metrics.watch(self.scheduler, self.engine.cache)
+        self.started = time.time()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _bearer(self, request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+    def tenant_of(self, request: Request, cache_salt: str | None) -> str | None:
+        """The request's cache namespace: the API key's tenant, subdivided by cache_salt.
+
+        Names are prefixed ("key:", "salt:"), so no request can name another kind of namespace,
+        and never the operator's shared one (reuse.SHARED).
+        """
+        tenant = None
+        tenants = self.config.tenants
+        if tenants:
+            key = self._bearer(request)
+            match = next((t for k, t in tenants.items() if hmac.compare_digest(k, key)), None)
+            if match is None:
+                raise APIError(401, "missing or unknown API key; send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+            tenant = f"key:{match}"
+        if cache_salt is not None:
+            tenant = f"{tenant or ''}|salt:{cache_salt}"
+        return tenant
+
+    def check_admin(self, request: Request) -> None:
+        admin, key = self.config.admin_key, self._bearer(request)
+        if admin is not None:
+            if not hmac.compare_digest(admin, key):
+                raise APIError(403, "publishing shared chunks needs the admin key (--admin-key)")
+        elif self.config.tenants:
+            raise APIError(403, "publishing is disabled: this server has API keys but no --admin-key")
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        if hasattr(self.registry, "close"):
+            self.registry.close()
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state = await asyncio.to_thread(ServerState, config)
+        state.scheduler.start()
+        app.state.irminsul = state
+        log.info("serving %s (reuse=%s) on http://%s:%d", state.model_name, config.reuse, config.host, config.port)
+        yield
+        state.close()
+
+    app = FastAPI(title="Irminsul", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        state = getattr(request.app.state, "irminsul", None)
+        if state is not None:
+            state.metrics.error(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, e):
+        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}").body(), status_code=404)
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, e):
+        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                     type="invalid_request_error").body(), status_code=405)
+
+    def state_of(request: Request) -> ServerState:
+        return request.app.state.irminsul
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        from irminsul.server.completions import handle
+
+        return await handle(state_of(request), request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        from irminsul.server.completions import handle
+
+        return await handle(state_of(request), request, chat=False)
+
+    @app.post("/v1/cache/chunks")
+    async def publish(request: Request):
+        return await _publish(state_of(request), request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        s = state_of(request)
+        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": int(s.started),
+                                            "owned_by": "irminsul", "max_model_len": s.context}]}
+
+    @app.get("/health")
+    async def health(request: Request):
+        if not state_of(request).scheduler.alive:
+            return JSONResponse({"status": "scheduler stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(state_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _publish(state: ServerState, request: Request) -> dict:
+    """{"text": str} or {"token_ids": [int]}: precompute in a trusted context and share with all tenants."""
+    import json
+
+    state.check_admin(request)
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict) or ("text" in body) == ("token_ids" in body):
+        raise APIError(400, "send exactly one of 'text' (a string) or 'token_ids' (a list of ints)")
+    state.check_model(body.get("model"))
+    if state.engine.reuse not in ("pic", "naive"):
+        raise APIError(400, f"publishing needs content reuse (--reuse pic or naive); this server runs "
+                            f"--reuse {state.engine.reuse}")
+    if "text" in body:
+        if not isinstance(body["text"], str) or not body["text"]:
+            raise APIError(400, "'text' must be a non-empty string", param="text")
+        tokens = state.tokenizer.encode(body["text"], add_bos=False)
+    else:
+        tokens = body["token_ids"]
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise APIError(400, "'token_ids' must be a list of integers", param="token_ids")
+    try:
+        state.engine.validate_prompt(tokens)
+    except ValueError as e:
+        raise APIError(400, str(e), param="text" if "text" in body else "token_ids") from None
+    done = await asyncio.wrap_future(state.scheduler.call(state.engine.cache.publish, tokens))
+    return {"object": "cache.chunks", "tokens": len(tokens), "entries": done.entries,
+            "stored_tokens": done.tokens, "skipped": done.skipped, "rejected": done.rejected}

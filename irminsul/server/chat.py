@@ -1,0 +1,93 @@
+"""Chat requests -> token ids + segment starts, on render.py's segment-aligned templates.
+
+Each message (and each text part of one) and each tool schema is tokenised on its own, so the
+same content always tokenises the same way wherever it sits, and every segment start is handed to
+the engine: CDC chunking restarts there (S2 without model-visible markers, design doc section 3).
+The template is chosen from the checkpoint's special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from irminsul.model.tokenizer import Tokenizer
+from irminsul.workloads.render import DEEPSEEK, QWEN2, ChatTemplate, segment_texts
+from irminsul.workloads.trace import parse_request
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _tool_call_text(calls) -> str:
+    return "".join(f"\n<tool_call>{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}</tool_call>"
+                   for n, a in calls)
+
+
+# The bundled model's (and tiny checkpoints') template: {{bos}} + <|role|>content<|end|> ... <|assistant|>
+IRMINSUL = ChatTemplate(
+    bos="<|bos|>",
+    opener={r: f"<|{r}|>" for r in ROLES},
+    closer={r: "<|end|>" for r in ROLES},
+    generation="<|assistant|>",
+    tools_header="# Tools\nYou may call these functions:",
+    tools_footer="\n",
+    tool_text=lambda t: "\n" + json.dumps(t, ensure_ascii=False),
+    calls_text=_tool_call_text,
+)
+
+# Checked in order: the first template whose special tokens the tokenizer knows wins.
+_BY_TOKENS = (
+    (IRMINSUL, ("<|bos|>", "<|user|>", "<|assistant|>", "<|end|>")),
+    (DEEPSEEK, ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")),
+    (QWEN2, ("<|im_start|>", "<|im_end|>")),
+)
+
+
+def template_for(tokenizer: Tokenizer) -> ChatTemplate | None:
+    for template, tokens in _BY_TOKENS:
+        if all(tokenizer.token_to_id(t) is not None for t in tokens):
+            return template
+    return None
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    token_ids: list[int]
+    segment_starts: list[int]  # strictly increasing, the first is 0
+
+
+class ChatRenderer:
+    """Renders OpenAI chat messages (+ tools) for one tokenizer; memoises segment tokenisation."""
+
+    def __init__(self, tokenizer: Tokenizer, cache_size: int = 50_000):
+        self.tokenizer = tokenizer
+        self.template = template_for(tokenizer)
+        self._cache: dict[str, list[int]] = {}
+        self._cache_size = cache_size
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = self.tokenizer.encode(text, add_bos=False)
+            if len(self._cache) >= self._cache_size:
+                self._cache.clear()
+            self._cache[text] = ids
+        return ids
+
+    def render(self, messages: list, tools: list | None = None) -> RenderedChat:
+        """Raises ValueError with a message for people when the request cannot be rendered."""
+        if self.template is None:
+            raise ValueError("this model's tokenizer matches no chat template Irminsul knows "
+                             "(irminsul, deepseek, qwen2); use /v1/completions with a rendered prompt")
+        # OpenAI's newer "developer" role is a system message to every template here.
+        messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                    for m in messages]
+        request = parse_request({"messages": messages, "tools": tools or []})  # validates, says what is wrong
+        tokens: list[int] = []
+        starts: list[int] = []
+        for text in segment_texts(request, self.template):
+            ids = self._encode(text) if text else []
+            if ids:
+                starts.append(len(tokens))
+                tokens.extend(ids)
+        return RenderedChat(tokens, starts)

@@ -1,0 +1,80 @@
+"""`irminsul serve` and `irminsul bench serve`."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API with Irminsul's cache")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled MLA model)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--reuse", default="pic", choices=["off", "prefix", "naive", "pic"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--store", action="append", default=None, metavar="SPEC",
+                   help="chunk store tier: memory (always), disk:PATH, redis://host:port/db; repeat to tier them")
+    p.add_argument("--cache-budget", default="512MiB", help="memory tier budget for reusable chunks")
+    p.add_argument("--disk-budget", default="8GiB", help="disk tier budget")
+    p.add_argument("--prefix-budget", default="256MiB", help="exact-prefix (radix tree) budget")
+    p.add_argument("--max-running-tokens", type=int, default=65536,
+                   help="latent rows all running requests may hold (prompt + max_tokens each)")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill tokens per engine step")
+    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
+                   help="accept this bearer key as this tenant (repeat, or @FILE with one per line)")
+    p.add_argument("--admin-key", default=None, help="bearer key that may publish shared chunks")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=serve)
+
+
+def config_from_args(args):
+    from irminsul.cache.store import StoreConfig
+    from irminsul.server.config import ServerConfig, ServerConfigError, parse_api_keys, parse_bytes
+
+    try:
+        store = StoreConfig(tuple(args.store or ("memory",)), parse_bytes(args.cache_budget, "--cache-budget"),
+                            parse_bytes(args.disk_budget, "--disk-budget"))
+    except ValueError as e:
+        raise ServerConfigError(str(e)) from None
+    return ServerConfig(
+        model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+        reuse=args.reuse, dtype=args.dtype, device=args.device, store=store,
+        prefix_bytes=parse_bytes(args.prefix_budget, "--prefix-budget"),
+        max_running_tokens=args.max_running_tokens, max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.max_prefill_tokens,
+        default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key)
+
+
+def serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from irminsul.server.app import create_app
+
+    config = config_from_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def register_bench(sub) -> None:
+    p = sub.add_parser("serve", help="replay a trace against a running server: TTFT, throughput, cached tokens")
+    p.add_argument("trace", help="trace JSONL (irminsul workloads build ...)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--concurrency", type=int, default=4, help="sessions replayed at once (turns stay in order)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=bench)
+
+
+def bench(args) -> int:
+    from irminsul.server.bench import run_bench
+
+    return run_bench(args)

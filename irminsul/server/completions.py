@@ -1,0 +1,192 @@
+"""POST /v1/chat/completions and /v1/completions: validate, queue a job, answer or stream (SSE).
+
+A request waits for its first event before the response starts, so a request that fails at
+admission still gets a proper 4xx instead of an error inside a 200 stream. A client that goes
+away (non-streaming: an ``http.disconnect`` while waiting; streaming: the response task is
+cancelled) aborts its job, and the scheduler frees its rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from irminsul.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_supported,
+                                      parse_body, resolve_max_tokens, sampling_params, usage)
+from irminsul.server.scheduler import Delta, Failed, Finished, Job, QueueFull
+
+
+class _Channel:
+    """Events from the scheduler thread into this request's asyncio queue."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def emit(self, event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next(channel: _Channel, watcher: asyncio.Task):
+    """The next event, or None when the client went away first."""
+    getter = asyncio.ensure_future(channel.queue.get())
+    done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if getter in done:
+        return getter.result()
+    getter.cancel()
+    return None
+
+
+def _prompt_tokens(state, req: CompletionRequest) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, f"batched prompts ({len(prompt)}) are not supported; send one prompt per request",
+                           param="prompt", code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return state.tokenizer.encode(prompt)
+    return list(prompt)
+
+
+def prepare(state, request: Request, req, chat: bool) -> Job:
+    """Everything that can be refused before the job is queued."""
+    check_supported(req)
+    state.check_model(req.model)
+    tenant = state.tenant_of(request, req.cache_salt)
+    if chat:
+        try:
+            rendered = state.renderer.render(req.messages, req.tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        tokens, starts = rendered.token_ids, rendered.segment_starts
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    else:
+        tokens, starts, requested = _prompt_tokens(state, req), None, req.max_tokens
+    try:
+        state.engine.validate_prompt(tokens)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+    max_tokens = resolve_max_tokens(requested, len(tokens), state.context, state.config.default_max_tokens)
+    params = sampling_params(req, max_tokens)
+    budget = state.config.max_running_tokens
+    if len(tokens) + max_tokens > budget:
+        raise APIError(400, f"the request needs {len(tokens)} prompt + {max_tokens} output rows but this server "
+                            f"holds at most {budget} (--max-running-tokens); shorten it or lower max_tokens")
+    return Job(tokens=tokens, params=params, emit=None, segment_starts=starts, tenant=tenant)
+
+
+async def handle(state, request: Request, chat: bool):
+    req = parse_body(await request.body(), ChatCompletionRequest if chat else CompletionRequest)
+    job = prepare(state, request, req, chat)
+    channel = _Channel()
+    job.emit = channel.emit
+    try:
+        state.scheduler.submit(job)
+    except QueueFull as e:
+        raise APIError(503, f"the server is overloaded: {e}; retry later") from None
+    fmt = _Format(chat, state.model_name, req)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    first = await _next(channel, watcher)
+    if first is None:
+        state.scheduler.abort(job)
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    if isinstance(first, Failed):
+        watcher.cancel()
+        raise APIError(first.status, first.message)
+    if req.stream:
+        watcher.cancel()  # NOTE: from here Starlette cancels the body iterator when the client leaves
+        return StreamingResponse(_stream(state, job, channel, fmt, first), media_type="text/event-stream")
+    event = first
+    try:
+        while not isinstance(event, (Finished, Failed)):
+            event = await _next(channel, watcher)
+            if event is None:
+                state.scheduler.abort(job)
+                return JSONResponse({}, status_code=499)
+    finally:
+        watcher.cancel()
+    if isinstance(event, Failed):
+        raise APIError(event.status, event.message)
+    return JSONResponse(fmt.response(event))
+
+
+async def _stream(state, job: Job, channel: _Channel, fmt: "_Format", first):
+    done = False
+    try:
+        if fmt.chat:
+            yield fmt.sse(fmt.chunk({"role": "assistant", "content": ""}))
+        event = first
+        while True:
+            if isinstance(event, Delta):
+                yield fmt.sse(fmt.chunk(event.text))
+            elif isinstance(event, Finished):
+                yield fmt.sse(fmt.chunk("" if not fmt.chat else {}, event.finish_reason))
+                if fmt.include_usage:
+                    yield fmt.sse(fmt.usage_chunk(event))
+                break
+            else:  # Failed mid-stream: an error object, as vLLM sends it
+                yield fmt.sse(APIError(event.status, event.message).body())
+                break
+            event = await channel.queue.get()
+        yield "data: [DONE]\n\n"
+        done = True
+    finally:
+        if not done:
+            state.scheduler.abort(job)
+
+
+class _Format:
+    """OpenAI response and chunk objects for one request."""
+
+    def __init__(self, chat: bool, model: str, req):
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, delta, finish_reason: str | None = None) -> dict:
+        if self.chat:
+            d = delta if isinstance(delta, dict) else {"content": delta}
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, event: Finished) -> dict:
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return {**head, "choices": [], "usage": usage(event.stats, event.completion_tokens)}
+
+    def response(self, event: Finished) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": event.text}, "logprobs": None,
+                      "finish_reason": event.finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage(event.stats, event.completion_tokens)}
+
+    @staticmethod
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,84 @@
+"""The server's configuration: one frozen dataclass, validated at construction (style.md rule 3)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from irminsul.cache.store import StoreConfig
+from irminsul.engine.reuse import MODES
+from irminsul.errors import UserFacingError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+class ServerConfigError(UserFacingError, ValueError):
+    """A server option is invalid; the message names the flag."""
+
+
+def parse_bytes(text: str | int, flag: str = "size") -> int:
+    """'512MiB', '2GB', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ServerConfigError(f"{flag}={text!r} is not a size; write e.g. 512MiB, 2GB or 1000000")
+    try:
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    except ValueError:
+        raise ServerConfigError(f"{flag}={text!r} is not a size; write e.g. 512MiB, 2GB or 1000000") from None
+
+
+def parse_api_keys(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """['KEY=TENANT', ...] or a file path ('@keys.txt', one KEY=TENANT per line) -> pairs."""
+    lines: list[str] = []
+    for item in items:
+        if item.startswith("@"):
+            lines += [s.strip() for s in Path(item[1:]).read_text().splitlines() if s.strip() and s[0] != "#"]
+        else:
+            lines.append(item)
+    pairs = []
+    for line in lines:
+        key, sep, tenant = line.partition("=")
+        if not sep or not key or not tenant:
+            raise ServerConfigError(f"--api-key {line!r} must look like KEY=TENANT")
+        pairs.append((key, tenant))
+    return tuple(pairs)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = None  # checkpoint directory; None: the bundled MLA model
+    served_model_name: str | None = None  # the name clients send as "model"; default: the folder name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    reuse: str = "pic"
+    dtype: str = "float32"
+    device: str = "cpu"
+    store: StoreConfig = field(default_factory=StoreConfig)
+    prefix_bytes: int = 256 * 2**20  # radix tree (exact prefix) budget
+    max_running_tokens: int = 65536  # latent rows held by running requests (prompt + max_tokens each)
+    max_running_requests: int = 64
+    max_queued_requests: int = 1024
+    max_prefill_tokens: int = 2048  # per engine step; longer prompts are prefilled in chunks
+    default_max_tokens: int = 256
+    api_keys: tuple[tuple[str, str], ...] = ()  # (key, tenant); empty: no authentication
+    admin_key: str | None = None  # required to publish shared chunks when set
+
+    def __post_init__(self):
+        if self.reuse not in MODES:
+            raise ServerConfigError(f"--reuse {self.reuse!r}: choose one of {', '.join(MODES)}")
+        if not 0 <= self.port < 65536:
+            raise ServerConfigError(f"--port {self.port} is not a TCP port")
+        for name in ("max_running_tokens", "max_running_requests", "max_queued_requests", "max_prefill_tokens",
+                     "default_max_tokens", "prefix_bytes"):
+            if getattr(self, name) < 1:
+                raise ServerConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if len({k for k, _ in self.api_keys}) != len(self.api_keys):
+            raise ServerConfigError("--api-key lists the same key twice")
+
+    @property
+    def tenants(self) -> dict[str, str]:
+        return dict(self.api_keys)

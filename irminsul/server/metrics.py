@@ -1,0 +1,114 @@
+"""Prometheus metrics for /metrics: where prompt rows came from, latency, the store and the queue.
+
+Token counters and latency histograms are updated by the scheduler thread as requests are admitted
+and finish; store, prefix-tree and queue gauges are read from their owners at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from irminsul.cache.store import tier_stats
+from irminsul.engine.sequence import RequestStats
+
+disable_created_metrics()  # no *_created series: they double the scrape for no use here
+
+# Buckets as in vLLM's TTFT / inter-token histograms (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TOKEN_KINDS = ("prompt", "prefix", "reused", "carve_out", "computed", "s1")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model": model_name}
+        self.tokens = {
+            kind: Counter(f"irminsul_{kind}_tokens", f"{kind} tokens of admitted prompts", ["model"],
+                          registry=self.registry).labels(**labels)
+            for kind in TOKEN_KINDS
+        }
+        self.generation = Counter("irminsul_generation_tokens", "generated tokens", ["model"],
+                                  registry=self.registry).labels(**labels)
+        self.requests = Counter("irminsul_requests", "finished requests", ["model", "finish_reason"],
+                                registry=self.registry)
+        self.errors = Counter("irminsul_request_errors", "requests refused or failed", ["model", "status"],
+                              registry=self.registry)
+        self._ttft = Histogram("irminsul_time_to_first_token_seconds", "time to first token", ["model"],
+                               buckets=TTFT_BUCKETS, registry=self.registry).labels(**labels)
+        self._itl = Histogram("irminsul_inter_token_latency_seconds", "time between output tokens", ["model"],
+                              buckets=ITL_BUCKETS, registry=self.registry).labels(**labels)
+        self._e2e = Histogram("irminsul_e2e_request_latency_seconds", "arrival to finish", ["model"],
+                              buckets=TTFT_BUCKETS, registry=self.registry).labels(**labels)
+        self.model_name = model_name
+
+    # -- updates (scheduler thread) ------------------------------------------------------
+
+    def admitted(self, stats: RequestStats) -> None:
+        for kind in TOKEN_KINDS:
+            self.tokens[kind].inc(getattr(stats, f"{kind}_tokens"))
+
+    def ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def finished(self, reason: str, completion_tokens: int, now: float, arrival: float) -> None:
+        self.requests.labels(self.model_name, reason).inc()
+        self.generation.inc(completion_tokens)
+        self._e2e.observe(now - arrival)
+
+    def error(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(status)).inc()
+
+    # -- scrape-time gauges --------------------------------------------------------------
+
+    def watch(self, scheduler, cache) -> None:
+        self.registry.register(_StateCollector(scheduler, cache, self.model_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    def __init__(self, scheduler, cache, model_name: str):
+        self.scheduler, self.cache, self.model = scheduler, cache, model_name
+
+    def collect(self):
+        s, m = self.scheduler, [self.model]
+        for name, doc, value in (
+            ("irminsul_running_requests", "requests being prefilled or decoded", len(s.running)),
+            ("irminsul_queued_requests", "requests waiting for admission", s.queued),
+            ("irminsul_running_tokens", "latent rows held by running requests", s.running_tokens),
+            ("irminsul_running_tokens_peak", "peak of irminsul_running_tokens", s.peak_running_tokens),
+            ("irminsul_running_tokens_budget", "--max-running-tokens", s.max_running_tokens),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g.add_metric(m, value)
+            yield g
+        registry = getattr(self.cache, "registry", None)
+        if registry is None:  # reuse=off: no store
+            return
+        tiers = tier_stats(registry)
+        gauges = {f: GaugeMetricFamily(f"irminsul_store_{f}", f"store {f} per tier", labels=["model", "tier"])
+                  for f in ("bytes", "entries", "budget_bytes", "pending_writes", "available")}
+        counters = {f: CounterMetricFamily(f"irminsul_store_{f}", f"store {f} per tier", labels=["model", "tier"])
+                    for f in ("hits", "misses", "evictions", "insertions", "corrupt", "failures", "dropped")}
+        for t in tiers:
+            labels = [self.model, t.tier]
+            values = {"bytes": t.bytes, "entries": t.entries, "budget_bytes": t.budget_bytes,
+                      "pending_writes": t.pending, "available": int(t.available)}
+            for f, g in gauges.items():
+                g.add_metric(labels, values[f])
+            for f, c in counters.items():
+                c.add_metric(labels, getattr(t, f))
+        yield from gauges.values()
+        yield from counters.values()
+        r = self.cache.radix.stats
+        for name, value in (("bytes", r.bytes), ("budget_bytes", r.budget_bytes), ("nodes", r.nodes)):
+            g = GaugeMetricFamily(f"irminsul_prefix_cache_{name}", f"radix tree {name}", labels=["model"])
+            g.add_metric(m, value)
+            yield g

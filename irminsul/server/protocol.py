@@ -1,0 +1,164 @@
+"""The OpenAI wire format: request models, validation into engine parameters, errors, usage.
+
+Behaviour follows OpenAI's API and vLLM's server where they agree: unknown fields are ignored
+(agent frameworks send many), but a field we know and cannot honour (``n > 1``, ``logprobs``,
+``logit_bias`` ...) is a 400 that names it. Errors use OpenAI's body:
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from irminsul.engine.sampling import SamplingParams
+from irminsul.engine.sequence import RequestStats
+from irminsul.errors import RequestError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                             404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM/SGLang extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None  # vLLM: the request's cache namespace
+    # Known but unsupported; each is refused with a 400 when set to a non-default value.
+    best_of: int | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    logit_bias: dict | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[Any]
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    max_completion_tokens: int | None = None
+    response_format: dict | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+
+def parse_body(raw: bytes, model: type[BaseModel]):
+    """Raw body -> request model; every failure is a 400 that says what was wrong."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or None
+        more = f" (and {len(e.errors()) - 1} more problems)" if len(e.errors()) > 1 else ""
+        raise APIError(400, f"{loc}: {err['msg']}{more}", param=loc) from None
+
+
+def check_supported(req: _Common) -> None:
+    """Refuse parameters we know and cannot honour."""
+    refuse = [
+        ("n", req.n != 1, f"n={req.n} is not supported; Irminsul returns one choice per request (n=1)"),
+        ("best_of", req.best_of not in (None, 1), "best_of is not supported"),
+        ("logprobs", bool(req.logprobs) or req.top_logprobs, "logprobs are not supported yet"),
+        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
+        ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported"),
+        ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported"),
+        ("stream_options", req.stream_options is not None and not req.stream,
+         "stream_options can only be set when stream=true"),
+    ]
+    if isinstance(req, ChatCompletionRequest):
+        fmt = (req.response_format or {}).get("type", "text")
+        refuse += [
+            ("response_format", fmt != "text", f"response_format type {fmt!r} is not supported; only 'text'"),
+            ("tool_choice", req.tool_choice not in (None, "auto", "none"),
+             "tool_choice must be 'auto' or 'none'; forcing a tool call is not supported"),
+        ]
+    else:
+        refuse += [("echo", req.echo, "echo is not supported"), ("suffix", bool(req.suffix), "suffix is not supported")]
+    for param, bad, message in refuse:
+        if bad:
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+    if req.cache_salt is not None and not (0 < len(req.cache_salt) <= 256):
+        raise APIError(400, "cache_salt must be a non-empty string of at most 256 characters", param="cache_salt")
+
+
+def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            seed=req.seed,
+            stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+    except RequestError as e:
+        name = str(e).split("=", 1)[0]
+        raise APIError(400, str(e), param=name if name.isidentifier() else None) from None
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int, default: int) -> int:
+    """vLLM's rule: an explicit max_tokens must fit the context; a missing one is capped by it."""
+    room = context - prompt_tokens
+    if requested is None:
+        return max(1, min(default, room))
+    if requested < 1:
+        raise APIError(400, f"max_tokens={requested} must be at least 1", param="max_tokens")
+    if requested > room:
+        raise APIError(400, f"max_tokens={requested} is too large: the prompt has {prompt_tokens} tokens and the "
+                            f"model's context is {context}, so at most {room} tokens can be generated",
+                       param="max_tokens")
+    return requested
+
+
+def usage(stats: RequestStats, completion_tokens: int) -> dict:
+    """OpenAI usage; cached_tokens = prefix + reused, split in the ``irminsul`` block."""
+    cached = stats.prefix_tokens + stats.reused_tokens
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": stats.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "irminsul": {"prefix_tokens": stats.prefix_tokens, "reused_tokens": stats.reused_tokens,
+                     "carve_out_tokens": stats.carve_out_tokens, "computed_tokens": stats.computed_tokens,
+                     "s1_tokens": stats.s1_tokens},
+    }
