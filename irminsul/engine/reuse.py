@@ -95,7 +95,8 @@ class CacheReuse:
         self.mode, self.model, self.model_id, self.default_tenant = mode, model, model_id, tenant
         cfg = model.config
         self.bytes_per_token = cfg.num_hidden_layers * cfg.row_width * torch.finfo(model.dtype).bits // 8
-        self.registry = registry or MemoryRegistry(cache_bytes or DEFAULT_CACHE_BYTES)
+        # NOTE: "is None", not "or": an empty registry has len 0 and is falsy.
+        self.registry = registry if registry is not None else MemoryRegistry(cache_bytes or DEFAULT_CACHE_BYTES)
         self.radix = RadixCache(prefix_bytes or DEFAULT_CACHE_BYTES, self.bytes_per_token,
                                 split_value=_split_rows)
         if carve_out is None:

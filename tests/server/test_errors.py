@@ -1,0 +1,51 @@
+"""Every bad input gets its 4xx with an OpenAI-style body naming the problem; the server keeps serving."""
+
+import httpx
+import pytest
+
+from server_helpers import chat
+
+HI = [{"role": "user", "content": "hi"}]
+CASES = [
+    ("chat", b"{not json", 400, "not valid JSON"),
+    ("chat", b"[1, 2]", 400, "JSON object"),
+    ("chat", {"model": "gpt-4o", "messages": HI}, 404, "does not exist"),
+    ("chat", {"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context is 4096"),
+    ("completions", {"prompt": "x" * 4096}, 400, "context is 4096"),
+    ("chat", {"messages": HI, "max_tokens": 0}, 400, "at least 1"),
+    ("chat", {"messages": HI, "max_tokens": 10_000}, 400, "too large"),
+    ("chat", {"messages": HI, "max_tokens": "many"}, 400, "max_tokens"),
+    ("chat", {"messages": HI, "n": 2}, 400, "n=2 is not supported"),
+    ("chat", {"messages": HI, "logprobs": True}, 400, "logprobs"),
+    ("chat", {"messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
+    ("chat", {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"messages": HI, "stream_options": {"include_usage": True}}, 400, "stream=true"),
+    ("chat", {"messages": HI, "temperature": -1}, 400, "temperature"),
+    ("chat", {"messages": HI, "cache_salt": ""}, 400, "cache_salt"),
+    ("chat", {"messages": []}, 400, "non-empty"),
+    ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "role 'robot'"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text part"),
+    ("chat", {}, 400, "messages"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "batched prompts"),
+    ("completions", {"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
+    ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("chunks", {"text": ""}, 400, "non-empty"),
+    ("chunks", {"text": "a", "token_ids": [1]}, 400, "exactly one"),
+]
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "chunks": "/v1/cache/chunks"}
+
+
+@pytest.mark.parametrize("kind, body, status, message", CASES, ids=[f"{i}-{c[3]}" for i, c in enumerate(CASES)])
+def test_bad_input_gets_a_clear_4xx(server, kind, body, status, message):
+    data = body if isinstance(body, bytes) else None
+    r = httpx.post(server.url + PATHS[kind], content=data, json=None if data else body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"], error
+
+
+def test_server_keeps_serving_after_errors(server):
+    assert httpx.get(server.url + "/v1/nope").status_code == 404
+    out = chat(server.url, HI, max_tokens=2)
+    assert out["choices"][0]["finish_reason"] in ("length", "stop")
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
