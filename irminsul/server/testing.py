@@ -120,7 +120,7 @@ class ThreadServer:
     def __init__(self, app, port: int | None = None):
         import uvicorn
 
-        self.port = port or free_port()
+        self.app, self.port = app, port or free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="irminsul-uvicorn", daemon=True)

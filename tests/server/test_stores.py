@@ -1,0 +1,82 @@
+"""Stores under a real server: replicas share Redis, Redis outages are survived, corrupt disk entries recomputed."""
+
+import httpx
+
+from irminsul.cache.store import StoreConfig
+from irminsul.cache.store.codec import decode
+from irminsul.server.testing import ServerProcess, wait_for
+from server_helpers import chat, metric, start, text
+
+
+def turn(header: str, doc: str) -> list:
+    return [{"role": "system", "content": header}, {"role": "user", "content": doc}]
+
+
+def test_two_replicas_share_one_redis(tiny_dir, redis_proc):
+    args = ("--model", str(tiny_dir), "--served-model-name", "tiny", "--store", redis_proc.url)
+    a, b = ServerProcess(*args), ServerProcess(*args)
+    try:
+        doc = text(150, 40)
+        chat(a.url, turn("replica a, request 1", doc))
+        wait_for(lambda: metric(a.url, "irminsul_store_pending_writes", tier="redis") == 0
+                 and metric(a.url, "irminsul_store_insertions_total", tier="redis") > 0, 10, "A's writes to Redis")
+        got = chat(b.url, turn("replica b sees the document at another position", doc))["usage"]["irminsul"]
+        assert got["reused_tokens"] > 0.7 * len(doc), got
+        assert metric(b.url, "irminsul_store_hits_total", tier="redis") > 0
+    finally:
+        a.stop(), b.stop()
+
+
+def test_redis_outage_is_survived_and_reconnected(tiny_dir, redis_proc):
+    s = start(tiny_dir, store=StoreConfig(("memory", redis_proc.url)))
+    try:
+        doc = text(120, 50)
+        before = chat(s.url, turn("h1", doc), max_tokens=6)
+        redis_proc.stop()
+        for i in range(3):  # new content misses memory and would ask Redis: it must not hang or fail
+            chat(s.url, turn(f"outage {i}", text(80, 60 + i)))
+        again = chat(s.url, turn("h1", doc), max_tokens=6)
+        assert again["choices"][0]["message"] == before["choices"][0]["message"]
+        wait_for(lambda: metric(s.url, "irminsul_store_failures_total", tier="redis") >= 1, 10, "a counted failure")
+        assert metric(s.url, "irminsul_store_available", tier="redis") == 0
+        redis_proc.start()  # back, empty, on the same port
+        wait_for(lambda: metric(s.url, "irminsul_store_available", tier="redis") == 1, 20, "the reconnect")
+        chat(s.url, turn("after", text(80, 70)))
+        wait_for(lambda: redis_proc.client().dbsize() > 0, 10, "writes to the new Redis")
+    finally:
+        s.stop()
+
+
+def test_corrupt_disk_entry_is_detected_and_recomputed(tiny_dir, tmp_path):
+    store = StoreConfig(("memory", f"disk:{tmp_path}"))
+    doc = text(150, 80)
+    s = start(tiny_dir, store=store)
+    try:
+        chat(s.url, turn("first run", doc))
+    finally:
+        s.stop()
+    from safetensors.torch import load
+
+    def inside_doc(f):  # the tiny tokenizer maps bytes to ids 0..255
+        ids = load(f.read_bytes())["token_ids"].tolist()
+        piece = bytes(ids).decode() if max(ids) < 256 else ""
+        return piece and piece in doc and not doc.endswith(piece)
+
+    files = sorted(f for f in tmp_path.glob("*/*.safetensors") if inside_doc(f))
+    assert len(files) >= 3
+    victim = files[1]
+    data = bytearray(victim.read_bytes())
+    data[-20] ^= 0xFF  # a flipped bit in the rows: only the checksum can tell
+    victim.write_bytes(bytes(data))
+
+    s = start(tiny_dir, store=store)  # a restart: the memory tier is empty, the disk index is rebuilt
+    try:
+        got = chat(s.url, turn("second run, another position", doc))["usage"]["irminsul"]
+        assert got["reused_tokens"] > 0.5 * len(doc), got
+        assert metric(s.url, "irminsul_store_corrupt_total", tier="disk") == 1
+        assert metric(s.url, "irminsul_store_hits_total", tier="disk") >= 3
+        layout = s.app.state.irminsul.registry.lower[0].layout
+        decode(victim.read_bytes(), layout)  # recomputed and written back, valid again
+        assert httpx.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()
