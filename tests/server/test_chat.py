@@ -1,0 +1,40 @@
+"""Chat rendering: the checkpoint's own template, segment by segment."""
+
+import jinja2
+import pytest
+
+from irminsul.model.tokenizer import Tokenizer
+from irminsul.server.chat import IRMINSUL, ChatRenderer, template_for
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_dir):
+    return ChatRenderer(Tokenizer(tiny_dir))
+
+
+def test_matches_the_checkpoints_jinja_template(renderer):
+    tok = renderer.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bags?"}]
+    want = jinja2.Template(tok.chat_template).render(messages=messages, bos_token="<|bos|>", add_generation_prompt=True)
+    got = renderer.render(messages)
+    assert template_for(tok) is IRMINSUL
+    assert got.token_ids == tok.encode(want, add_bos=False)
+    # one segment for bos, one per message, one for the generation prompt
+    assert len(got.segment_starts) == 1 + len(messages) + 1 and got.segment_starts[0] == 0
+
+
+def test_each_tool_and_text_part_is_its_own_segment(renderer):
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {}}} for i in range(3)]
+    parts = [{"type": "text", "text": "passage one"}, {"type": "text", "text": "passage two"}]
+    out = renderer.render([{"role": "developer", "content": "sys"}, {"role": "user", "content": parts}], tools)
+    tok = renderer.tokenizer
+    pieces = [tok.decode(out.token_ids[a:b], skip_special_tokens=False)
+              for a, b in zip(out.segment_starts, [*out.segment_starts[1:], len(out.token_ids)])]
+    assert sum('"name": "tool_' in p for p in pieces) == 3  # one segment per tool schema
+    assert "passage one\n\n" in pieces and "passage two\n\n" in pieces
+
+
+def test_bad_messages_say_what_is_wrong(renderer):
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        renderer.render([{"role": "user", "content": 5}])
