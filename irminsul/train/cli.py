@@ -14,7 +14,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--eval-every", type=int, default=150)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--ckpt-minutes", type=float, default=10.0)
     p.add_argument("--data", default=None, help="data folder (default: shared/data next to the repo)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model for smoke tests")

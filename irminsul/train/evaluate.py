@@ -38,7 +38,8 @@ def held_out_loss(model, pool: tasks.TokenPool, bos: int, window: int = 1024, ma
 
 
 def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items: int = 120,
-             doc_qa_n: int = 20, data: str | None = None, seed: int = 0, log=print) -> dict:
+             doc_qa_n: int = 20, data: str | None = None, seed: int = 0, loss_windows: int = 32,
+             log=print) -> dict:
     model_dir = Path(model_dir)
     tok = load_tokenizer(model_dir)
     corpus = Corpus.load(data)
@@ -54,7 +55,7 @@ def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items
         fns["engine"] = (llm.score, lambda p, n: llm.generate(p, max_tokens=n, stop_token_ids=(end,)).token_ids)
 
     res = {"model": str(model_dir), "seed": seed}
-    res["held_out_loss"] = held_out_loss(impls["transformers"], held, tok.token_to_id(BOS))
+    res["held_out_loss"] = held_out_loss(impls["transformers"], held, tok.token_to_id(BOS), max_windows=loss_windows)
     log(f"held-out loss per source: {res['held_out_loss']}")
 
     needles = retrieval.needle_examples(held, per_depth=n_needles, seed=seed)
