@@ -100,7 +100,7 @@ def niah(d: TaskData, rng: np.random.Generator, body_tokens: int, depth: int, de
     return ShiftedCase("niah", first, prompt, ex.answer_ids[: ex.answer_len], depth, delta, len(haystack))
 
 
-def musique(d: TaskData, rng: np.random.Generator, body_tokens: int, min_docs: int = 4) -> ShiftedCase:
+def musique(d: TaskData, rng: np.random.Generator, body_tokens: int, min_docs: int = 3) -> ShiftedCase:
     for _ in range(100):
         ex = train_tasks.doc_qa(d.pool, rng, body_tokens)
         q = _find(ex.prompt_ids, d.pool.enc(DOC_QA_QUESTION))
