@@ -62,13 +62,14 @@ def _census_plot(result, path, title) -> None:
 
 
 def _recovery(args) -> int:
-    from irminsul.workloads.recovery import STRATEGIES, run_recovery
+    from irminsul.workloads.recovery import STRATEGIES, RecoveryConfig, run_recovery
     from irminsul.workloads.render import render_trace
     from irminsul.workloads.report import bar_chart, pct, table
     from irminsul.workloads.trace import read_trace
 
     rendered = list(render_trace(read_trace(args.trace), args.tokenizer))
-    result = run_recovery(rendered, strategies=args.strategies or STRATEGIES, progress=None)
+    config = RecoveryConfig() if args.budget_gib is None else RecoveryConfig(budget_bytes=int(args.budget_gib * 2**30))
+    result = run_recovery(rendered, strategies=args.strategies or STRATEGIES, config=config, progress=None)
     if args.plot:
         names = list(result.strategies)
         bar_chart(args.plot, names, {
@@ -82,9 +83,9 @@ def _recovery(args) -> int:
           f"exact prefix {pct(result.prefix_tokens / result.prompt_tokens)}, "
           f"oracle {pct(result.oracle_tokens / result.prompt_tokens)}")
     rows = [(name, s.recovered_tokens, pct(s.recovered_tokens / result.prompt_tokens),
-             pct(result.of_oracle(s)), f"{s.seconds:.2f}")
+             pct(result.of_oracle(s)), s.stored_tokens, f"{s.seconds:.2f}")
             for name, s in result.strategies.items()]
-    print(table(("strategy", "recovered beyond prefix", "of prompt", "of oracle", "seconds"), rows))
+    print(table(("strategy", "recovered beyond prefix", "of prompt", "of oracle", "stored tokens", "seconds"), rows))
     return 0
 
 
@@ -120,5 +121,7 @@ def register_bench(bench_subparsers) -> None:
     r = bench_subparsers.add_parser("recovery", help="replay a trace through the planner, per strategy")
     r.add_argument("trace")
     r.add_argument("--strategies", nargs="+", default=None, help="a subset of the strategies")
+    r.add_argument("--budget-gib", type=float, default=None,
+                   help="content store budget per strategy in GiB at 31,104 B/token (default: unbounded)")
     _add_tokenizer(r)
     r.set_defaults(func=_recovery)

@@ -17,6 +17,7 @@ strategies apply the same sink carve-out and last-token rule, so they are compar
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
@@ -28,7 +29,7 @@ from irminsul.cache.planner import Planner, PlannerConfig
 from irminsul.cache.radix import RadixCache
 from irminsul.cache.registry import MemoryRegistry
 from irminsul.cache.windows import WindowIndex
-from irminsul.workloads.census import CensusConfig, run_census
+from irminsul.workloads.census import CensusConfig, CensusResult, run_census
 from irminsul.workloads.prefix import PrefixIndex
 from irminsul.workloads.render import Rendered
 
@@ -60,6 +61,7 @@ class StrategyResult:
     carve_out_tokens: int
     s1_tokens: int
     seconds: float
+    stored_tokens: int = 0  # tokens held by the content-addressed store at the end (not the prefix tree)
 
 
 @dataclass(frozen=True)
@@ -123,14 +125,16 @@ def replay_planner(trace: Sequence[tuple[str, Rendered]], name: str, config: Rec
         planner.release(plan)
     return StrategyResult(name, totals["prompt_tokens"], totals["prefix_tokens"], totals["reused_tokens"],
                           totals["computed_tokens"], totals["carve_out_tokens"], totals["s1_tokens"],
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, registry.stats.bytes // config.bytes_per_token)
 
 
 def replay_fixed_blocks(trace: Sequence[tuple[str, Rendered]], config: RecoveryConfig = RecoveryConfig(),
                         name: str = "fixed128") -> StrategyResult:
-    """Aligned fixed blocks keyed by content alone (xxh3-128; a first-seen source offset is kept)."""
+    """Aligned fixed blocks keyed by content alone (xxh3-128), each stored once with the offset it
+    was first seen at; LRU under the same byte budget as the planner's registry."""
     b, sink = config.block, config.sink
-    prefix_index, first_seen = PrefixIndex(), {}
+    capacity = config.budget_bytes // (b * config.bytes_per_token)  # blocks
+    prefix_index, first_seen = PrefixIndex(), OrderedDict()
     prompt = prefix_total = recovered = carved = 0
     start = time.perf_counter()
     for _, r in trace:
@@ -144,19 +148,26 @@ def replay_fixed_blocks(trace: Sequence[tuple[str, Rendered]], config: RecoveryC
             src = first_seen.get(key)
             if src is None or e <= prefix:
                 continue
+            first_seen.move_to_end(key)
             cut = min(e, max(s, sink, s + sink - src))  # sink carve-out on target or source rows
             lo = max(prefix, s)
             recovered += max(0, e - max(cut, lo))
             carved += max(0, min(cut, e) - lo)
         for k, key in enumerate(keys):
-            first_seen.setdefault(key, k * b)
+            if capacity and key not in first_seen:
+                first_seen[key] = k * b
+                if len(first_seen) > capacity:
+                    first_seen.popitem(last=False)
         prompt, prefix_total = prompt + n, prefix_total + prefix
     computed = prompt - prefix_total - recovered
-    return StrategyResult(name, prompt, prefix_total, recovered, computed, carved, 0, time.perf_counter() - start)
+    return StrategyResult(name, prompt, prefix_total, recovered, computed, carved, 0, time.perf_counter() - start,
+                          len(first_seen) * b)
 
 
 def run_recovery(trace: Iterable[tuple[str, Rendered]], strategies: Sequence[str] = STRATEGIES,
-                 config: RecoveryConfig = RecoveryConfig(), progress: bool | None = None) -> RecoveryResult:
+                 config: RecoveryConfig = RecoveryConfig(), progress: bool | None = None,
+                 census: CensusResult | None = None) -> RecoveryResult:
+    """Replay `trace` once per strategy; the oracle comes from `census` (run here when not given)."""
     trace = list(trace)
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
@@ -164,7 +175,8 @@ def run_recovery(trace: Iterable[tuple[str, Rendered]], strategies: Sequence[str
 
         raise UserFacingError(f"unknown strategies {sorted(unknown)}: use {', '.join(STRATEGIES)}")
     show = len(trace) >= 200 if progress is None else progress
-    census = run_census(((s, r.token_ids) for s, r in trace), CensusConfig(sink=config.sink))
+    if census is None:
+        census = run_census(((s, r.token_ids) for s, r in trace), CensusConfig(sink=config.sink))
     results = {}
     for name in strategies:
         results[name] = (replay_fixed_blocks(trace, config) if name == "fixed128"

@@ -64,3 +64,13 @@ def test_budget_is_respected():
     trace = _trace([_rand(3, 1), body], [_rand(4, 2), body])
     small = run_recovery(trace, strategies=("cdc+s1",), config=RecoveryConfig(budget_bytes=0))
     assert small.strategies["cdc+s1"].recovered_tokens == 0
+
+
+def test_fixed_blocks_lru_budget_and_stored_tokens():
+    a, b, c = _rand(128, 1), _rand(128, 2), _rand(128, 3)
+    trace = _trace([a, b], [c, a, b, _rand(1, 4)])
+    unbounded = replay_fixed_blocks(trace)
+    # a was stored at 0: its first 32 rows fall under the sink at the source
+    assert unbounded.stored_tokens == 3 * 128 and unbounded.recovered_tokens == (128 - 32) + 128
+    one_block = replay_fixed_blocks(trace, RecoveryConfig(budget_bytes=128 * RecoveryConfig().bytes_per_token))
+    assert one_block.stored_tokens == 128 and one_block.recovered_tokens == 128  # only b survived
