@@ -171,7 +171,7 @@ class QualityResult:
         rows = []
         for task, per in self.tasks.items():
             for name, s in per.items():
-                rows.append([task, name, f"{s['kl_mean']:.4f}", f"{s['kl_p95']:.4f}", f"{s['argmax_agreement']:.3f}",
+                rows.append([task, name, f"{s['kl_mean']:.4g}", f"{s['kl_p95']:.4g}", f"{s['argmax_agreement']:.3f}",
                              f"{s['first_divergence']:.1f}", f"{s['accuracy']:.3f}", f"{100 * s['reused_fraction']:.1f}%",
                              f"{s['computed_tokens']:.0f}"])
         out = table(["task", "strategy", "KL mean", "KL p95", "argmax agr.", "first div.", "accuracy", "reused",
@@ -188,24 +188,31 @@ class QualityResult:
         import matplotlib.pyplot as plt
 
         tasks = list(self.tasks)
-        fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(5 * (len(tasks) + 1), 4))
+        fig, axes = plt.subplots(2, len(tasks) + 1, figsize=(4.6 * (len(tasks) + 1), 7.5), squeeze=False)
         names = list(next(iter(self.tasks.values())))
         x = np.arange(len(tasks))
         width = 0.8 / len(names)
-        for k, name in enumerate(names):
-            axes[0].bar(x - 0.4 + width * (k + 0.5), [self.tasks[t][name]["kl_mean"] for t in tasks], width, label=name)
-        axes[0].set_xticks(x, tasks)
-        axes[0].set(title="teacher-forced KL(full ‖ strategy)", ylabel="nats / answer token")
-        axes[0].legend(fontsize=7)
-        for ax, task in zip(axes[1:], tasks):
-            bins = list(self.sweep[task]["delta"])
-            for name in ("naive", "pic", "pic-nocarve", "pic+r0.15"):
-                if name in names:
-                    ax.plot(bins, [self.sweep[task]["delta"][b].get(name, np.nan) for b in bins], marker="o", label=name)
-            ax.set(title=f"{task}: KL by |shift δ|", xlabel="|δ| tokens", ylabel="KL mean")
-            ax.legend(fontsize=7)
+        for row, (key, title) in enumerate((("kl_mean", "teacher-forced KL(full ‖ strategy), nats/token"),
+                                            ("accuracy", "task accuracy"))):
+            ax = axes[row, 0]
+            for k, name in enumerate(names):
+                ax.bar(x - 0.4 + width * (k + 0.5), [self.tasks[t][name][key] for t in tasks], width, label=name)
+            ax.set_xticks(x, tasks)
+            ax.set_title(title, fontsize=9)
+            ax.legend(fontsize=6)
+        for col, task in enumerate(tasks, start=1):
+            for row, key in enumerate(("delta", "depth")):
+                ax, bins = axes[row, col], list(self.sweep[task][key])
+                for name in ("naive", "pic", "pic-nocarve", "pic+r0.05", "pic+r0.15"):
+                    if name in names:
+                        ax.plot(bins, [self.sweep[task][key][b].get(name, np.nan) for b in bins], marker="o",
+                                label=name, alpha=0.8)
+                label = "|shift δ|" if key == "delta" else "depth of the cached copy"
+                ax.set(xlabel=f"{label} (tokens)", ylabel="KL mean")
+                ax.set_title(f"{task}: KL by {label}", fontsize=9)
+                ax.legend(fontsize=6)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
 
