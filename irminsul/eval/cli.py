@@ -40,14 +40,16 @@ def register(subparsers) -> None:
 
     c = sub.add_parser("roc", help="position-invariance AUC of c_KV, k_r, V and the GQA twin's K, V")
     _common(c, 500)
-    c.add_argument("--gqa", default=None, help="GQA (Llama) checkpoint (default: the bundled twin, if present)")
+    c.add_argument("--gqa", default=None, help="GQA (Llama) checkpoint, or 'random-twin' for the twin's "
+                   "architecture with random weights (default: the bundled twin, if present)")
     c.add_argument("--block-tokens", type=int, default=64)
     c.add_argument("--data", default=None)
     c.set_defaults(func=roc)
 
     k = sub.add_parser("cost", help="FLOPs, bytes, energy and CPU wall time a hit saves vs a miss")
     _common(k, 3)
-    k.add_argument("--gqa", default=None, help="GQA (Llama) checkpoint (default: the bundled twin, if present)")
+    k.add_argument("--gqa", default=None, help="GQA (Llama) checkpoint, or 'random-twin' (default: the bundled "
+                   "twin, else its architecture with random weights: FLOPs and wall time do not depend on them)")
     k.add_argument("--prompt-tokens", type=int, default=4096, help="request length for the analytic models")
     k.add_argument("--shared-fraction", type=float, default=0.875, help="reused share of the request")
     k.add_argument("--pj-per-flop", type=float, default=None)
@@ -65,13 +67,18 @@ def _setup(args) -> tuple[float, Path]:
     return time.time(), Path(args.model) if args.model else bundled_model("mla")
 
 
-def _gqa(path: str | None) -> Path | None:
+def _gqa(path: str | None, mla: Path, seed: int, fallback: bool) -> tuple[Path | None, str]:
+    """(GQA checkpoint, how it was chosen): a path, the bundled twin, or a random-init twin."""
     from irminsul.bundled import ROOT
+    from irminsul.eval.twin import random_twin
 
-    if path:
-        return Path(path)
-    twin = ROOT / "gqa"
-    return twin if (twin / "config.json").exists() else None
+    if path and path != "random-twin":
+        return Path(path), "given"
+    if path is None and (ROOT / "gqa" / "config.json").exists():
+        return ROOT / "gqa", "bundled twin (trained)"
+    if path == "random-twin" or fallback:
+        return random_twin(mla, seed), "twin architecture, random weights (trained twin absent)"
+    return None, "absent"
 
 
 def _text(model: Path, data: str | None):
@@ -123,7 +130,10 @@ def roc(args) -> int:
 
     started, model = _setup(args)
     sample, head = _text(model, args.data)
-    result = run_roc(model, sample, _gqa(args.gqa), args.n, args.block_tokens, seed=args.seed, head=head)
+    gqa, how = _gqa(args.gqa, model, args.seed, fallback=False)
+    result = run_roc(model, sample, gqa, args.n, args.block_tokens, seed=args.seed, head=head)
+    if gqa is not None:
+        result.gqa["weights"] = how
     emit("roc", result, args, str(model), started)
     return 0
 
@@ -149,7 +159,7 @@ def cost(args) -> int:
     llm = LLM(model)
     req = _request(rng, raw, lengths["mla"], args.shared_fraction, llm.tokenizer.bos_token_id)
     timings["mla"] = time_mla(llm, req, args.n)
-    gqa = _gqa(args.gqa)
+    gqa, how = _gqa(args.gqa, model, args.seed, fallback=True)
     if gqa is not None:
         from transformers import AutoModelForCausalLM
 
@@ -163,6 +173,8 @@ def cost(args) -> int:
     archs["qwen3-32b-like"] = Arch.from_config(QWEN3_32B, "qwen3-32b-like")
     lengths |= {"deepseek-v2-lite": args.prompt_tokens, "qwen3-32b-like": args.prompt_tokens}
     result = run_cost(archs, lengths, args.shared_fraction, energy, timings)
+    if "gqa" in result.models:
+        result.models["gqa"]["weights"] = how
     emit("cost", result, args, str(model), started)
     return 0
 

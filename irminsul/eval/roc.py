@@ -164,6 +164,7 @@ class RocResult:
             for kind, per in (res.get("per_layer") or {}).items():
                 ax1.plot(range(len(per)), per, marker="o", label=f"{arch} {kind}")
         ax1.axhline(0.5, color="gray", ls=":")
+        ax1.set_xticks(range(max(len(p) for r in (self.mla, self.gqa) for p in (r.get("per_layer") or {}).values())))
         ax1.set(xlabel="layer", ylabel="AUC", title="position invariance per layer", ylim=(0, 1.02))
         ax1.legend(fontsize=7)
         fig.tight_layout()

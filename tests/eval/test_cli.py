@@ -55,8 +55,10 @@ def test_eval_roc_json(tiny, capsys, tmp_path):
 
 
 def test_eval_cost_json(tiny, capsys, tmp_path):
-    data = _run(capsys, tmp_path, "cost", "--model", str(tiny), "--n", "1", "--prompt-tokens", "512")
-    for name in ("mla", "deepseek-v2-lite", "qwen3-32b-like"):
+    data = _run(capsys, tmp_path, "cost", "--model", str(tiny), "--n", "1", "--prompt-tokens", "512",
+                "--gqa", "random-twin")
+    assert data["gqa"]["weights"].startswith("twin architecture")
+    for name in ("mla", "gqa", "deepseek-v2-lite", "qwen3-32b-like"):
         assert {"flops_saved_fraction", "bytes_moved_per_hit", "energy_saved_fraction"} <= set(data[name])
     assert data["mla"]["wall_time"]["reused_tokens"] > 0
 
