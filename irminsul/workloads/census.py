@@ -14,12 +14,13 @@ Windows of a request that repeat its session's previous request are copied, not 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 import xxhash
 
+from irminsul.cache.radix import common_prefix
 from irminsul.workloads.prefix import PrefixIndex
 
 
@@ -108,9 +109,7 @@ class Census:
         session_seen = self._session_seen.setdefault(session, set())
         # windows wholly inside the common prefix with the session's last request are already known
         last_tokens, last_hashes = self._last.get(session, (tokens[:0], np.zeros(0, np.uint64)))
-        m = min(n, len(last_tokens))
-        diff = np.flatnonzero(tokens[:m] != last_tokens[:m])
-        same = max(0, min(int(diff[0]) if len(diff) else m, n_win + w - 1) - w + 1)
+        same = max(0, min(common_prefix(tokens, last_tokens), n_win + w - 1) - w + 1)
         data, hash64, step = tokens.tobytes(), xxhash.xxh3_64_intdigest, 4 * w
         fresh = [hash64(data[k:k + step], seed) for k in range(4 * same, 4 * n_win, 4)]
         hashes = np.concatenate((last_hashes[:same], np.array(fresh, dtype=np.uint64)))

@@ -14,16 +14,14 @@ from bisect import bisect_left
 import numpy as np
 import xxhash
 
+from irminsul.cache.radix import common_prefix
+
 ROOT = 0
 
 
 def _common(a: bytes, b: bytes) -> int:
     """Tokens (4-byte ids) two byte strings share at the start."""
-    n = min(len(a), len(b)) // 4
-    x = np.frombuffer(a, dtype=np.int32, count=n)
-    y = np.frombuffer(b, dtype=np.int32, count=n)
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if len(diff) else n
+    return common_prefix(np.frombuffer(a, dtype=np.int32), np.frombuffer(b, dtype=np.int32))
 
 
 class PrefixIndex:
