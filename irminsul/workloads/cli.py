@@ -75,7 +75,8 @@ def _recovery(args) -> int:
         bar_chart(args.plot, names, {
             "prefix": [result.prefix_tokens / result.prompt_tokens] * len(names),
             "recovered beyond prefix": [s.recovered_tokens / result.prompt_tokens for s in result.strategies.values()],
-        }, f"recovery: {Path(args.trace).name}", "share of prompt tokens", stacked=True)
+        }, f"recovery: {Path(args.trace).name}", "share of prompt tokens", stacked=True,
+            hline=("census oracle", result.oracle_tokens / result.prompt_tokens))
     if args.json:
         print(json.dumps({"trace": str(args.trace), "tokenizer": args.tokenizer, **result.to_json()}))
         return 0

@@ -23,8 +23,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 
 def bar_chart(path: str | Path, labels: Sequence[str], series: dict[str, Sequence[float]], title: str,
-              ylabel: str, stacked: bool = False) -> Path:
-    """Write a (stacked or grouped) bar chart of `series` (name -> one value per label) as a PNG."""
+              ylabel: str, stacked: bool = False, hline: tuple[str, float] | None = None) -> Path:
+    """Write a (stacked or grouped) bar chart of `series` (name -> one value per label) as a PNG,
+    with an optional labelled horizontal reference line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,6 +43,8 @@ def bar_chart(path: str | Path, labels: Sequence[str], series: dict[str, Sequenc
             bottom += values
         else:
             ax.bar(x - 0.4 + width * (k + 0.5), values, width, label=name)
+    if hline is not None:
+        ax.axhline(hline[1], color="black", linestyle="--", linewidth=1, label=hline[0])
     ax.set_xticks(x, labels, rotation=20 if len(labels) > 4 else 0)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
