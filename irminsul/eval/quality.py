@@ -6,7 +6,7 @@ mode computes all of `first`, so the rows are the same). Then each strategy scor
 
 - teacher-forced KL(full ‖ strategy) over the reference answer's tokens, mean and p95;
 - argmax agreement with full prefill on those tokens;
-- greedy first divergence: full prefill's greedy continuation (`greedy_tokens` long) is
+- greedy first divergence: full prefill's greedy continuation (`greedy_tokens` long, past EOS) is
   teacher-forced under the strategy; the first position whose argmax differs is where the
   strategy's own greedy decode would leave it;
 - task accuracy (needle recall / exact match / answer-token accuracy) and where rows came from.
@@ -95,7 +95,7 @@ class QualityRunner:
     def run_case(self, case: ShiftedCase) -> dict[str, CaseScore]:
         ref = Engine(self.llm.model, self.llm.tokenizer, reuse="prefix")
         ref_lp, ref_seq = ref.score(case.prompt, case.answer)  # empty cache: full prefill
-        g = ref.run(ref.add(case.prompt, SamplingParams(max_tokens=self.greedy_tokens))).output_ids
+        g = ref.run(ref.add(case.prompt, SamplingParams(max_tokens=self.greedy_tokens, ignore_eos=True))).output_ids
         first = self.off.run(self.off.add(case.first, SamplingParams(max_tokens=1)))
         n = len(case.prompt)
         out = {}
