@@ -1,0 +1,7 @@
+"""Agentic workloads from real traces, the reuse census and the recovery benchmark (issue 5).
+
+trace (JSONL format) -> render (segment-aligned tokens) -> census (prefix / shifted / novel)
+                                                       -> recovery (replay through the planner)
+builders turn ../shared/data into traces; patterns rewrite them into the paper's workloads.
+See docs/workloads.md.
+"""
