@@ -71,7 +71,7 @@ class WindowIndex:
 
     def remove(self, fingerprint: int) -> None:
         """Drop an entry's windows; a no-op for unknown fingerprints."""
-        for h in self._by_fp.pop(fingerprint, ()):
+        for h in dict.fromkeys(self._by_fp.pop(fingerprint, ())):  # an entry may repeat a window
             kept = [item for item in self._by_hash[h] if item[0] != fingerprint]
             if kept:
                 self._by_hash[h] = kept

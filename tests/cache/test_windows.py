@@ -36,3 +36,13 @@ def test_windows_are_found_at_any_offset_and_removed():
     idx.remove(42)
     idx.remove(42)  # idempotent
     assert idx.candidates(query, 0, len(query)) == [] and len(idx) == 1
+
+
+def test_remove_entry_that_repeats_a_window():
+    w = WindowIndex(4)
+    w.add(7, [1, 2, 3, 4, 1, 2, 3, 4])
+    w.add(8, [1, 2, 3, 4])
+    w.remove(7)
+    assert [(h.fingerprint, h.entry_offset) for h in w.candidates([1, 2, 3, 4], 0, 4)] == [(8, 0)]
+    w.remove(8)
+    assert len(w) == 0
