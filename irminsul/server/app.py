@@ -99,10 +99,15 @@ class ServerState:
             self.registry.close()
 
 
-def create_app(config: ServerConfig) -> FastAPI:
+def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAPI:
+    """The app; it loads the model at startup unless a ready ``state`` is given (the CLI loads it
+    first, so a bad checkpoint is reported as a one-line error, not an ASGI startup traceback)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state = await asyncio.to_thread(ServerState, config)
+        nonlocal state
+        if state is None:
+            state = await asyncio.to_thread(ServerState, config)
         state.scheduler.start()
         app.state.irminsul = state
         log.info("serving %s (reuse=%s) on http://%s:%d", state.model_name, config.reuse, config.host, config.port)
@@ -117,6 +122,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         if state is not None:
             state.metrics.error(e.status)
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {e}").body(), status_code=500)
 
     @app.exception_handler(404)
     async def not_found(request: Request, e):
@@ -149,8 +159,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         s = state_of(request)
-        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": int(s.started),
-                                            "owned_by": "irminsul", "max_model_len": s.context}]}
+        card = {"id": s.model_name, "object": "model", "created": int(s.started), "owned_by": "irminsul",
+                "max_model_len": s.context, "irminsul": {"reuse": s.engine.reuse, "store": list(s.config.store.specs)}}
+        return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health(request: Request):

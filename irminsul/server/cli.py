@@ -53,11 +53,12 @@ def serve(args) -> int:
 
     import uvicorn
 
-    from irminsul.server.app import create_app
+    from irminsul.server.app import ServerState, create_app
 
     config = config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=args.log_level,
+    state = ServerState(config)  # loads the model; errors reach the CLI's one-line handler
+    uvicorn.run(create_app(config, state), host=config.host, port=config.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
 

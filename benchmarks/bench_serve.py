@@ -1,0 +1,95 @@
+"""Serving benchmark: the same agent trace against a `--reuse prefix` and a `--reuse pic` server.
+
+    python benchmarks/bench_serve.py TRACE [--model DIR] [--limit N] [--concurrency C]
+
+Starts `irminsul serve` twice on loopback (same build, same model, one after the other), replays
+the trace with `irminsul bench serve`'s client, and prints TTFT p50/p95, throughput, the share of
+prompt tokens by kind, and the prefix/pic ratios measured in this run, with the machine.
+
+Without --model it uses the bundled MLA model when it is installed, else a tiny random DeepSeek-V2
+checkpoint carrying the real Qwen2 tokenizer (so prompts have realistic token counts and the
+Qwen2 chat template applies); the model's quality is irrelevant to TTFT and reuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from irminsul.server.bench import machine, replay, summarise
+from irminsul.server.testing import ServerProcess
+from irminsul.workloads.trace import read_trace
+
+
+def tiny_qwen2_checkpoint(path: Path) -> Path:
+    """A tiny random DeepSeek-V2 with Qwen2's tokenizer and a 64k context."""
+    from irminsul.model.tiny import make_tiny_checkpoint
+    from irminsul.workloads.tokenizers import DATA_DIR, load_tokenizer
+
+    if (path / "config.json").exists():
+        return path
+    tok = load_tokenizer("qwen2").tokenizer
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    eos = tok.token_to_id("<|im_end|>")
+    make_tiny_checkpoint(path, vocab_size=vocab, max_position_embeddings=65536, bos_token_id=None, eos_token_id=eos)
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((DATA_DIR / "tokenizers" / "qwen2" / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def default_model() -> Path:
+    from irminsul.bundled import bundled_model
+    from irminsul.errors import CheckpointError
+
+    try:
+        return bundled_model("mla")
+    except CheckpointError:
+        return tiny_qwen2_checkpoint(Path(tempfile.gettempdir()) / "irminsul-bench-tiny-qwen2")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--model", default=None)
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--modes", default="prefix,pic")
+    args = p.parse_args(argv)
+    model = Path(args.model) if args.model else default_model()
+    requests = read_trace(args.trace)[: args.limit]
+    results = {}
+    for mode in args.modes.split(","):
+        server = ServerProcess("--model", str(model), "--reuse", mode, "--max-running-tokens", "1000000",
+                               "--log-level", "warning", timeout=300)
+        try:
+            samples, duration, card = asyncio.run(replay(server.url, requests, args.concurrency, args.max_tokens,
+                                                         progress=False))
+        finally:
+            server.stop()
+        results[mode] = summarise(server.url, samples, duration, card, args.concurrency)
+        print(f"{mode}: done ({duration:.0f} s)", file=sys.stderr)
+    first = next(iter(results.values()))
+    print(f"model {model}  machine {machine()}")
+    print(f"trace {args.trace}: {first.requests} requests, {first.sessions} sessions, concurrency "
+          f"{args.concurrency}, max_tokens {args.max_tokens}, {first.prompt_tokens} prompt tokens")
+    print(f"{'reuse':<7} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>7} {'prompt tok/s':>13} "
+          f"{'prefix':>7} {'reused':>7} {'computed':>9}")
+    for mode, r in results.items():
+        f = r.fraction
+        print(f"{mode:<7} {r.ttft_p50_s * 1e3:>7.0f}ms {r.ttft_p95_s * 1e3:>7.0f}ms {r.requests_per_s:>7.3f} "
+              f"{r.prompt_tokens_per_s:>13.0f} {f['prefix']:>7.1%} {f['reused']:>7.1%} {f['computed']:>9.1%}")
+    if {"prefix", "pic"} <= results.keys():
+        a, b = results["prefix"], results["pic"]
+        print(f"prefix/pic: TTFT p50 {a.ttft_p50_s / b.ttft_p50_s:.2f}x, p95 {a.ttft_p95_s / b.ttft_p95_s:.2f}x, "
+              f"throughput pic/prefix {b.requests_per_s / a.requests_per_s:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
