@@ -240,8 +240,8 @@ def _targets(runner: QualityRunner, summary: dict) -> dict:
                 "value": diff.value, "ci": diff.as_dict(), "within_noise": bool(diff.low <= 0 <= diff.high),
                 "off": w_off.as_dict() if w_off else {"value": float(off.mean())},
                 "pic": w_pic.as_dict() if w_pic else {"value": float(pic.mean())},
-                "text": (f"{diff.value:+.3f} (95% CI {diff.low:+.3f}..{diff.high:+.3f}); off {w_off or off.mean()}, "
-                         f"pic {w_pic or pic.mean()}"),
+                "text": (f"{diff.value:+.3f} (95% CI {diff.low:+.3f}..{diff.high:+.3f}); off {w_off or f'{off.mean():.3f}'}, "
+                         f"pic {w_pic or f'{pic.mean():.3f}'}"),
             }
         out[task] = t
     return out
