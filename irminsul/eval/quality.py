@@ -66,6 +66,11 @@ class CaseScore:
     reused_tokens: int
     computed_tokens: int
     recomputed_tokens: int = 0
+    answer_logprob: float = 0.0  # mean log-prob of the reference answer's tokens
+
+
+def _answer_logprob(case: ShiftedCase, logprobs: torch.Tensor) -> float:
+    return float(logprobs[torch.arange(len(case.answer)), torch.tensor(case.answer)].mean())
 
 
 def _correct(case: ShiftedCase, logprobs: torch.Tensor) -> float:
@@ -101,7 +106,8 @@ class QualityRunner:
         out = {}
         for s in self.strategies:
             if s.reuse == "off":
-                out[s.name] = CaseScore(np.zeros(len(case.answer)), 1.0, len(g), _correct(case, ref_lp), n, 0, 0, n)
+                out[s.name] = CaseScore(np.zeros(len(case.answer)), 1.0, len(g), _correct(case, ref_lp), n, 0, 0, n,
+                                        answer_logprob=_answer_logprob(case, ref_lp))
                 continue
             eng = s.engine(self.llm)
             eng.cache.finish(first)  # what generate(first) registers
@@ -110,7 +116,7 @@ class QualityRunner:
             div = metrics.first_divergence(g, eng.score(case.prompt, g)[0]) if g else 0
             out[s.name] = CaseScore(metrics.kl_per_token(ref_lp, lp).numpy(), metrics.argmax_agreement(ref_lp, lp),
                                     div, _correct(case, lp), st.prompt_tokens, st.prefix_tokens, st.reused_tokens,
-                                    st.computed_tokens, getattr(st, "recomputed_tokens", 0))
+                                    st.computed_tokens, getattr(st, "recomputed_tokens", 0), _answer_logprob(case, lp))
         return out
 
     def run(self, cases: dict[str, list[ShiftedCase]], progress: bool = True) -> None:
@@ -145,6 +151,7 @@ def summarize(scores: list[CaseScore]) -> dict:
         "argmax_agreement": float(np.mean([s.agreement for s in scores])),
         "first_divergence": float(np.mean([s.divergence for s in scores])),
         "accuracy": float(np.mean([s.correct for s in scores])),
+        "answer_logprob": float(np.mean([s.answer_logprob for s in scores])),
         "reused_fraction": float(np.mean([(s.prefix_tokens + s.reused_tokens) / s.prompt_tokens for s in scores])),
         "content_reused_fraction": float(np.mean([s.reused_tokens / s.prompt_tokens for s in scores])),
         "computed_tokens": float(np.mean([s.computed_tokens for s in scores])),
@@ -172,10 +179,11 @@ class QualityResult:
         for task, per in self.tasks.items():
             for name, s in per.items():
                 rows.append([task, name, f"{s['kl_mean']:.4g}", f"{s['kl_p95']:.4g}", f"{s['argmax_agreement']:.3f}",
-                             f"{s['first_divergence']:.1f}", f"{s['accuracy']:.3f}", f"{100 * s['reused_fraction']:.1f}%",
+                             f"{s['first_divergence']:.1f}", f"{s['accuracy']:.3f}", f"{s['answer_logprob']:.3f}",
+                             f"{100 * s['reused_fraction']:.1f}%",
                              f"{s['computed_tokens']:.0f}"])
-        out = table(["task", "strategy", "KL mean", "KL p95", "argmax agr.", "first div.", "accuracy", "reused",
-                     "computed"], rows)
+        out = table(["task", "strategy", "KL mean", "KL p95", "argmax agr.", "first div.", "accuracy", "answer lp",
+                     "reused", "computed"], rows)
         lines = [out, ""]
         for task, t in self.targets.items():
             lines.append(f"{task}: " + "; ".join(f"{k} = {v['text']}" for k, v in t.items()))
