@@ -3,7 +3,7 @@
 import pytest
 
 from irminsul.server.testing import RedisProcess
-from server_helpers import start
+from tests.server.server_helpers import start
 
 
 @pytest.fixture(scope="module")

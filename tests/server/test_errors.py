@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from server_helpers import chat
+from tests.server.server_helpers import chat
 
 HI = [{"role": "user", "content": "hi"}]
 CASES = [

@@ -5,7 +5,7 @@ import json
 
 import httpx
 
-from server_helpers import metric, start, text
+from tests.server.server_helpers import metric, start, text
 
 BUDGETS = dict(max_running_tokens=3000, max_prefill_tokens=256, prefix_bytes=400_000)
 

@@ -3,7 +3,7 @@
 import openai
 import pytest
 
-from server_helpers import text
+from tests.server.server_helpers import text
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 import httpx
 
-from server_helpers import chat, metric, start, text
+from tests.server.server_helpers import chat, metric, start, text
 
 
 def agent_turn(header: str, tool_output: str, question: str) -> list:

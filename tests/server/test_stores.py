@@ -5,7 +5,7 @@ import httpx
 from irminsul.cache.store import StoreConfig
 from irminsul.cache.store.codec import decode
 from irminsul.server.testing import ServerProcess, wait_for
-from server_helpers import chat, metric, start, text
+from tests.server.server_helpers import chat, metric, start, text
 
 
 def turn(header: str, doc: str) -> list:

@@ -18,6 +18,7 @@ import numpy as np
 
 from irminsul.cache.registry import Entry, Registry, RegistryStats
 from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store.pins import PinCounts
 from irminsul.cache.store.stats import TierStats
 
 SUFFIX = ".safetensors"
@@ -33,7 +34,7 @@ class DiskRegistry(Registry):
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()  # NOTE: the scheduler reads while a tiered writer may put
         self._index: OrderedDict[int, int] = OrderedDict()  # fingerprint -> file bytes, LRU first
-        self._pins: dict[int, int] = {}
+        self._pins = PinCounts()
         self._bytes = 0
         self._hits = self._misses = self._collisions = self._corrupt = 0
         self._evictions = self._insertions = self._rejected = 0
@@ -118,16 +119,10 @@ class DiskRegistry(Registry):
             self._path(fingerprint).unlink(missing_ok=True)
 
     def pin(self, fingerprint: int) -> None:
-        self._pins[fingerprint] = self._pins.get(fingerprint, 0) + 1
+        self._pins.add(fingerprint)
 
     def unpin(self, fingerprint: int) -> None:
-        count = self._pins.get(fingerprint, 0)
-        if count == 0:
-            raise KeyError(f"cannot unpin fingerprint {fingerprint:#x}: it is not pinned")
-        if count == 1:
-            del self._pins[fingerprint]
-        else:
-            self._pins[fingerprint] = count - 1
+        self._pins.remove(fingerprint)
 
     def __contains__(self, fingerprint: int) -> bool:
         return fingerprint in self._index

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from irminsul.cache.registry import Entry, MemoryRegistry, Registry, RegistryStats
+from irminsul.cache.store.pins import PinCounts
 from irminsul.cache.store.stats import TierStats, memory_tier_stats
 
 
@@ -23,7 +24,7 @@ class TieredRegistry(Registry):
         super().__init__()
         self.memory, self.lower = memory, list(lower)
         self.on_evict = memory.on_evict  # NOTE: shared list: window indexes follow the memory tier
-        self._phantom: dict[int, int] = {}  # pins of entries that are not in memory
+        self._phantom = PinCounts()  # pins of entries that are not in memory
         self._hits = self._misses = 0
 
     def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
@@ -56,16 +57,13 @@ class TieredRegistry(Registry):
         if fingerprint in self.memory:
             self.memory.pin(fingerprint)
         else:
-            self._phantom[fingerprint] = self._phantom.get(fingerprint, 0) + 1
+            self._phantom.add(fingerprint)
 
     def unpin(self, fingerprint: int) -> None:
-        count = self._phantom.get(fingerprint, 0)
-        if count == 0:
-            self.memory.unpin(fingerprint)
-        elif count == 1:
-            del self._phantom[fingerprint]
+        if fingerprint in self._phantom:
+            self._phantom.remove(fingerprint)
         else:
-            self._phantom[fingerprint] = count - 1
+            self.memory.unpin(fingerprint)
 
     def __contains__(self, fingerprint: int) -> bool:
         return fingerprint in self.memory
