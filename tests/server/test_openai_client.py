@@ -53,3 +53,4 @@ def test_errors_raise_the_clients_exceptions(client):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="n=2"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
+

@@ -66,3 +66,15 @@ def test_api_keys_name_tenants_and_guard_publishing(tiny_dir):
         assert chat(s.url, agent_turn("bb", doc, "q"), headers=bob)["usage"]["irminsul"]["reused_tokens"] > 0
     finally:
         s.stop()
+
+
+def test_reuse_off_serves_without_a_store(tiny_dir):
+    s = start(tiny_dir, reuse="off")
+    try:
+        u = chat(s.url, agent_turn("h", text(30, 90), "q"))["usage"]
+        assert u["irminsul"]["computed_tokens"] == u["prompt_tokens"]
+        assert "irminsul_store_bytes" not in httpx.get(s.url + "/metrics").text
+        r = httpx.post(s.url + "/v1/cache/chunks", json={"text": "doc"})
+        assert r.status_code == 400 and "--reuse" in r.json()["error"]["message"]
+    finally:
+        s.stop()
