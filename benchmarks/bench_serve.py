@@ -6,9 +6,10 @@ Starts `irminsul serve` twice on loopback (same build, same model, one after the
 the trace with `irminsul bench serve`'s client, and prints TTFT p50/p95, throughput, the share of
 prompt tokens by kind, and the prefix/pic ratios measured in this run, with the machine.
 
-Without --model it uses the bundled MLA model when it is installed, else a tiny random DeepSeek-V2
-checkpoint carrying the real Qwen2 tokenizer (so prompts have realistic token counts and the
-Qwen2 chat template applies); the model's quality is irrelevant to TTFT and reuse.
+Without --model it uses a tiny random DeepSeek-V2 checkpoint with a 64k context carrying the real
+Qwen2 tokenizer (so prompts have realistic token counts and the Qwen2 chat template applies); the
+model's quality is irrelevant to TTFT and reuse. The bundled MLA model has a 2,048-token context,
+shorter than every agent_meta prompt (4,000-9,000 tokens with its tokenizer).
 """
 
 from __future__ import annotations
@@ -43,13 +44,7 @@ def tiny_qwen2_checkpoint(path: Path) -> Path:
 
 
 def default_model() -> Path:
-    from irminsul.bundled import bundled_model
-    from irminsul.errors import CheckpointError
-
-    try:
-        return bundled_model("mla")
-    except CheckpointError:
-        return tiny_qwen2_checkpoint(Path(tempfile.gettempdir()) / "irminsul-bench-tiny-qwen2")
+    return tiny_qwen2_checkpoint(Path(tempfile.gettempdir()) / "irminsul-bench-tiny-qwen2")
 
 
 def main(argv=None) -> int:
