@@ -76,3 +76,21 @@ def test_a_long_request_does_not_stall_short_ones(tiny_dir):
         assert order == ["short", "long"]
     finally:
         s.stop()
+
+
+def test_disconnected_clients_are_aborted_and_freed(server):
+    from irminsul.server.testing import wait_for
+
+    body = {"model": "tiny", "prompt": text(20, 9), "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break  # leave mid-stream
+        try:
+            client.post(server.url + "/v1/completions", json=body, timeout=0.5)  # non-streaming, gives up
+        except httpx.TimeoutException:
+            pass
+    wait_for(lambda: metric(server.url, "irminsul_requests_total", finish_reason="abort") >= 2, 20, "both aborts")
+    wait_for(lambda: metric(server.url, "irminsul_running_tokens") == 0, 20, "freed rows")
+    assert metric(server.url, "irminsul_running_requests") == 0
