@@ -46,14 +46,15 @@ def test_disk_survives_restart_and_drops_corrupt_entries(tmp_path, layout):
     assert len(again) == 3
     hit = again.get(101, np.arange(1, 9))
     assert hit is not None and torch.equal(hit.payload, entry(101, seed=1).payload)
-    assert again.get(101, np.arange(2, 10)) is None  # token ids verified: a collision is a miss
+    assert again.get(101, np.arange(2, 10)) is None  # token ids verified: a mismatch is a miss ...
+    assert 101 not in again and len(again) == 2  # ... and dropped
     path = again._path(102)
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
     path.write_bytes(bytes(data))
     assert again.get(102, np.arange(2, 10)) is None
     s = again.tier_stats
-    assert s.corrupt == 1 and s.entries == 2 and not path.exists()
+    assert s.corrupt == 1 and s.entries == 1 and not path.exists()
     assert again.put(entry(102, seed=2)) and again.get(102, np.arange(2, 10)) is not None
 
 

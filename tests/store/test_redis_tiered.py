@@ -23,6 +23,7 @@ def test_two_clients_share_entries_and_reads_are_verified(redis_proc, layout):
     got = b.get(7, np.arange(3, 11))
     assert got is not None and torch.equal(got.payload, entry(7, seed=3).payload)
     assert b.get(7, np.arange(4, 12)) is None and b.stats.collisions == 1
+    assert not redis_proc.client().exists(b._key(7))  # a mismatching entry is dropped
     redis_proc.client().set(b._key(8), b"garbage")
     assert b.get(8, np.arange(0, 8)) is None and b.tier_stats.corrupt == 1
     assert not redis_proc.client().exists(b._key(8))

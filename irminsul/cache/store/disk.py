@@ -3,8 +3,8 @@
 The index (fingerprint -> file size, in LRU order) lives in memory and is rebuilt on open from the
 directory, oldest modification time first; a hit touches the file so that order survives restarts
 too. Writes go to a temporary file and are renamed into place, so a crash never leaves a half
-entry under a real name. Every read is verified (codec.decode); a corrupt entry is deleted,
-counted and reported as a miss, so the engine recomputes it.
+entry under a real name. Every read is verified (codec.decode) and its token ids compared; a corrupt or mismatching entry
+is deleted, counted and reported as a miss, so the engine recomputes it.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ class DiskRegistry(Registry):
             entry = self._read(fingerprint) if fingerprint in self._index else None
             if entry is None or not np.array_equal(entry.token_ids, token_ids):
                 self._misses += 1
-                self._collisions += entry is not None
+                if entry is not None:  # a mismatching entry is dropped; the caller recomputes
+                    self._collisions += 1
+                    self._drop(fingerprint)
                 return None
             self._index.move_to_end(fingerprint)
             os.utime(self._path(fingerprint))

@@ -1,7 +1,7 @@
 """The Redis tier: one registry shared by every replica that points at the same Redis.
 
 Keys are ``irminsul:<model id>:<fingerprint hex>``; values are codec blobs, verified on every read
-(a corrupt one is deleted and counted). Redis's own ``maxmemory`` policy bounds its size.
+(a corrupt or mismatching one is deleted and counted). Redis's own ``maxmemory`` policy bounds its size.
 
 Redis may be down at start or die mid-run. Requests never wait on it: socket timeouts are short,
 there are no client retries, and after a failure a circuit breaker skips Redis entirely (reads
@@ -153,7 +153,9 @@ class RedisRegistry(Registry):
         entry = self._fetch(fingerprint)
         if entry is None or not np.array_equal(entry.token_ids, token_ids):
             self._misses += 1
-            self._collisions += entry is not None
+            if entry is not None:  # a mismatching entry is dropped; the caller recomputes
+                self._collisions += 1
+                self._delete(fingerprint)
             return None
         self._hits += 1
         return entry
@@ -173,11 +175,14 @@ class RedisRegistry(Registry):
             return decode(blob, self.layout, fingerprint)
         except CorruptEntry:
             self._corrupt += 1
-            try:
-                self.client.delete(key)
-            except self._errors:
-                self._failed()
+            self._delete(fingerprint)
             return None
+
+    def _delete(self, fingerprint: int) -> None:
+        try:
+            self.client.delete(self._key(fingerprint))
+        except self._errors:
+            self._failed()
 
     def peek(self, fingerprint: int) -> Entry | None:
         return self._fetch(fingerprint)
