@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from irminsul.train.tokenizer import BOS, END, SPECIAL_TOKENS
 
-KINDS = ("passkey", "kv", "doc_qa", "tool")
+KINDS = ("passkey", "kv", "doc_qa", "tool", "repeat")
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,9 @@ def _insert(filler: list[int], needles: list[list[int]], depths: list[float]) ->
 def passkey(pool: TokenPool, rng: np.random.Generator, n_tokens: int, depth: float | None = None,
             n_digits: int | None = None, value: str | None = None) -> Example:
     value = value or _digits(rng, n_digits or int(rng.integers(3, 8)))
-    v = pool.enc(value)
-    needle = pool.enc(" The passkey is ") + v + pool.enc(". Remember it. ")
-    question, prefix = "\n\nWhat is the passkey?", "The passkey is "
+    v = pool.enc(" " + value)  # the same ids in the needle and in the answer
+    needle = pool.enc(" The passkey is") + v + pool.enc(". Remember it. ")
+    question, prefix = "\n\nWhat is the passkey?", "The passkey is"
     fixed = 4 + len(needle) + len(pool.enc(question)) + len(pool.enc(prefix)) + len(v) + 1
     filler = pool.filler(rng, max(8, n_tokens - fixed))
     depth = float(rng.random()) if depth is None else depth
@@ -104,10 +104,10 @@ def kv(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     """Several "The code for <word> is <digits>." needles; the question names one key."""
     m = int(rng.integers(2, 7))
     keys = [pool.words[i] for i in rng.choice(len(pool.words), m, replace=False)]
-    values = [pool.enc(_digits(rng, int(rng.integers(3, 8)))) for _ in keys]
-    needles = [pool.enc(f" The code for {k} is ") + v + pool.enc(". ") for k, v in zip(keys, values)]
+    values = [pool.enc(" " + _digits(rng, int(rng.integers(3, 8)))) for _ in keys]
+    needles = [pool.enc(f" The code for {k} is") + v + pool.enc(". ") for k, v in zip(keys, values)]
     j = int(rng.integers(m))
-    question, prefix = f"\n\nWhat is the code for {keys[j]}?", f"The code for {keys[j]} is "
+    question, prefix = f"\n\nWhat is the code for {keys[j]}?", f"The code for {keys[j]} is"
     fixed = 4 + sum(map(len, needles)) + len(pool.enc(question)) + len(pool.enc(prefix)) + len(values[j]) + 1
     filler = pool.filler(rng, max(8, n_tokens - fixed))
     body = _insert(filler, needles, rng.random(m).tolist())
@@ -160,8 +160,29 @@ def tool(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     if not choices:
         return passkey(pool, rng, n_tokens)
     s, p = choices[rng.integers(len(choices))]
-    return _wrap(pool, body, f"\n\nWhich tool takes the parameter \"{p}\"?", "The tool is ",
+    return _wrap(pool, body, f"\n\nWhich tool takes the parameter \"{p}\"?", "The tool is \"",
                  pool.enc(s["name"]), "tool")
+
+
+def repeat(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
+    """A span of real text hidden in filler; the assistant starts it and must continue it.
+
+    Pure induction with many supervised tokens per example (8-24), the mechanism every other task
+    here needs (Olsson et al. 2022, "In-context learning and induction heads").
+    """
+    d = pool.filler_docs[rng.integers(len(pool.filler_docs))]
+    m = int(rng.integers(8, 25))
+    start = int(rng.integers(0, max(1, len(d) - m - 6)))
+    span = d[start:start + 6 + m].tolist()
+    head, answer = span[:6], span[6:]
+    question = "\n\nContinue the text that begins as follows."
+    fixed = 4 + 2 * len(span) + len(pool.enc(question)) + 1
+    filler = pool.filler(rng, max(8, n_tokens - fixed))
+    body = _insert(filler, [span], [float(rng.random())])
+    t = pool.tok
+    prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + pool.enc(question) + [
+        t.token_to_id(END), t.token_to_id("<|assistant|>")] + head
+    return Example(prompt, answer + [t.token_to_id(END)], "repeat")
 
 
 def _params(schema: dict) -> list[str]:
@@ -169,7 +190,7 @@ def _params(schema: dict) -> list[str]:
     return list(props) if isinstance(props, dict) else []
 
 
-BUILDERS = {"passkey": passkey, "kv": kv, "doc_qa": doc_qa, "tool": tool}
+BUILDERS = {"passkey": passkey, "kv": kv, "doc_qa": doc_qa, "tool": tool, "repeat": repeat}
 
 
 def sample_example(pool: TokenPool, rng: np.random.Generator, n_tokens: int, mix: dict[str, float]) -> Example:

@@ -41,10 +41,12 @@ class TrainConfig:
     # (sequence length, batch size, share of steps): short contexts first so copying forms early
     phases: tuple = ((256, 12, 0.3), (512, 6, 0.25), (1024, 3, 0.2), (2048, 2, 0.25))
     retrieval_share: float = 0.8  # fraction of sequences that carry a retrieval example
-    mix: tuple = (("passkey", 0.4), ("kv", 0.25), ("doc_qa", 0.25), ("tool", 0.1))
+    mix: tuple = (("passkey", 0.35), ("repeat", 0.25), ("kv", 0.15), ("doc_qa", 0.15), ("tool", 0.1))
     eval_every: int = 100
     ckpt_minutes: float = 10.0
     data: str | None = None
+    init: str | None = None  # start from this checkpoint's weights (a second stage) instead of `seed`
+    stop_after: int | None = None  # stop (and save) after this many steps of the `steps` schedule
     shape: ReferenceShape = field(default_factory=ReferenceShape)
 
     def __post_init__(self):
@@ -213,7 +215,13 @@ def train(cfg: TrainConfig) -> Path:
         steps = int(cfg.minutes * 60 * 0.9 / per_step)  # 10% for evals and checkpoints
         tqdm.write(f"timed {per_step:.2f} s/step -> {steps} steps for {cfg.minutes} min (reproduce with --steps {steps})")
     torch.manual_seed(cfg.seed)
-    model = build_model(config).train()
+    if cfg.init:
+        from irminsul.train.checkpoint import load_checkpoint
+
+        model = load_checkpoint(cfg.init).train()
+        assert model.config.vocab_size == tok.get_vocab_size(), "the init checkpoint has another vocabulary"
+    else:
+        model = build_model(config).train()
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -264,6 +272,8 @@ def train(cfg: TrainConfig) -> Path:
         if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
             snapshot("latest")
             last_ckpt = time.time()
+        if cfg.stop_after is not None and step + 1 >= cfg.stop_after:
+            break
         if time.time() - t0 > cfg.minutes * 60 * 1.25:
             tqdm.write(f"wall-clock guard hit at step {step + 1}/{steps}; stopping early")
             break

@@ -11,11 +11,11 @@ def _sub(seq, sub):
 @pytest.mark.parametrize("n", [128, 512])
 def test_passkey_answer_is_the_needle_value(tok, pool, n):
     ex = tasks.passkey(pool, np.random.default_rng(0), n, depth=0.3, value="48213")
-    assert tok.decode(ex.answer_ids[: ex.answer_len]) == "48213"
+    assert tok.decode(ex.answer_ids[: ex.answer_len]) == " 48213"
     assert ex.answer_ids[-1] == tok.token_to_id("<|end|>")
     assert _sub(ex.prompt_ids, tok.encode(" The passkey is 48213").ids)
     assert abs(len(ex.ids) - n) <= 2
-    assert tok.decode(ex.prompt_ids).endswith("The passkey is ")
+    assert tok.decode(ex.prompt_ids).endswith("The passkey is")
 
 
 def test_kv_answer_is_the_value_of_the_asked_key(tok, pool):
@@ -24,7 +24,7 @@ def test_kv_answer_is_the_value_of_the_asked_key(tok, pool):
         text = tok.decode(ex.prompt_ids)
         key = text.rsplit("The code for ", 1)[1].split(" is")[0]
         value = tok.decode(ex.answer_ids[: ex.answer_len])
-        assert f"The code for {key} is {value}." in text
+        assert f"The code for {key} is{value}." in text
 
 
 def test_doc_qa_answer_follows_the_quote(pool):
@@ -45,3 +45,9 @@ def test_examples_are_deterministic_in_the_rng(pool):
     a = tasks.sample_example(pool, np.random.default_rng(7), 300, {"passkey": 1, "kv": 1})
     b = tasks.sample_example(pool, np.random.default_rng(7), 300, {"passkey": 1, "kv": 1})
     assert a == b
+
+
+def test_repeat_continues_a_span_of_the_haystack(pool):
+    ex = tasks.repeat(pool, np.random.default_rng(3), 300)
+    span = ex.prompt_ids[-6:] + ex.answer_ids[: ex.answer_len]
+    assert _sub(ex.prompt_ids[:-6], span)
