@@ -123,7 +123,8 @@ class Planner:
         # published namespace; never to another tenant's).
         self.fallbacks = list(fallbacks)
         if windows is not None:  # keep the window index bounded by the registry's live entries
-            registry.on_evict.append(lambda entry: windows.remove(entry.fingerprint))
+            self._forget = lambda entry: windows.remove(entry.fingerprint)
+            registry.on_evict.append(self._forget)
 
     def chunk(self, tokens: np.ndarray, segment_starts: TokenArray | None = None) -> list[Chunk]:
         return chunk(tokens, self.config.chunker, self.seed, segment_starts, self.fingerprint_fn)
@@ -204,6 +205,11 @@ class Planner:
                 self.windows.add(c.fingerprint, token_ids)
             entries, tokens = entries + 1, tokens + len(c)
         return Registered(entries, tokens, skipped, rejected)
+
+    def close(self) -> None:
+        """Detach from the registry (the namespace is being dropped); its entries stay stored."""
+        if self.windows is not None and self._forget in self.registry.on_evict:
+            self.registry.on_evict.remove(self._forget)
 
     def lookup(self, chunk_ids: np.ndarray) -> Entry | None:
         """This namespace's verified entry for a chunk's token ids, if any."""

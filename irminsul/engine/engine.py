@@ -59,7 +59,12 @@ class Engine:
         rows = self.model.new_rows(capacity=len(tokens) + params.max_tokens)
         seq = Sequence(tokens=tokens, prompt_len=len(tokens), params=params, rows=rows,
                        segment_starts=segment_starts, tenant=tenant, generator=make_generator(params.seed))
-        self.cache.prepare(seq)  # fills seq.pending, seq.stats and copies prefix / reused rows
+        try:
+            self.cache.prepare(seq)  # fills seq.pending, seq.stats and copies prefix / reused rows
+        except BaseException:
+            seq.finish_reason = "abort"
+            self.cache.finish(seq)  # releases whatever the plan pinned; registers nothing
+            raise
         return seq
 
     # -- stepping ------------------------------------------------------------------------

@@ -12,6 +12,8 @@ The planner is pure bookkeeping; this module is where rows move.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import torch
 
@@ -86,7 +88,7 @@ class CacheReuse:
     def __init__(self, mode: str, model: DeepseekModel, cache_bytes: int | None = None,
                  prefix_bytes: int | None = None, tenant: str = "", model_id: str = "",
                  carve_out: bool | None = None, s1: bool = True, registry=None,
-                 recompute_ratio: float = 0.0, check_layer: int = 1):
+                 recompute_ratio: float = 0.0, check_layer: int = 1, max_namespaces: int = 1024):
         from irminsul.cache.chunker import ChunkerConfig
         from irminsul.cache.planner import PlannerConfig
         from irminsul.cache.radix import RadixCache
@@ -103,7 +105,8 @@ class CacheReuse:
             carve_out = mode == "pic"  # the paper's naive baseline has no carve-out
         self.planner_config = PlannerConfig(chunker=ChunkerConfig(), content_reuse=mode != "prefix",
                                             s1=s1, carve_out=carve_out)
-        self.namespaces: dict[str, object] = {}
+        self.namespaces: OrderedDict[str, object] = OrderedDict()  # LRU: untrusted salts can't grow it
+        self.max_namespaces = max_namespaces
         if not 0.0 <= recompute_ratio <= 1.0:
             raise RequestError(f"recompute_ratio={recompute_ratio} must be in [0, 1]")
         if recompute_ratio and not 0 < check_layer < cfg.num_hidden_layers:
@@ -124,7 +127,18 @@ class CacheReuse:
             self.namespaces[tenant] = Planner(self.planner_config, self.registry, SaltedRadix(self.radix, salt),
                                               WindowIndex(self.planner_config.window), seed=seed,
                                               fallbacks=fallbacks)
+            self._drop_idle_namespaces()
+        self.namespaces.move_to_end(tenant)
         return self.namespaces[tenant]
+
+    def _drop_idle_namespaces(self) -> None:
+        """Forget the least recently used namespaces beyond max_namespaces. Their registry entries
+        and radix nodes stay and age out under the budgets; only the S1 window index is lost."""
+        for tenant in list(self.namespaces):
+            if len(self.namespaces) <= self.max_namespaces:
+                break
+            if tenant != SHARED:
+                self.namespaces.pop(tenant).close()
 
     def publish(self, tokens: list[int], segment_starts: list[int] | None = None):
         """Precompute a document's rows in a fixed, trusted context (the document alone, from

@@ -168,3 +168,13 @@ def test_pic_plus_r_recomputes_the_most_deviating_rows(tiny_dir):
         errors[ratio] = (got - ref).abs().max().item()
     assert errors[1.0] < 1e-4  # recomputing every reused row is full prefill
     assert errors[0.15] <= errors[0.0]
+
+
+def test_namespaces_are_bounded(tiny_dir):
+    llm = LLM(tiny_dir, reuse="pic", max_namespaces=3)
+    cache = llm.engine.cache
+    callbacks = len(cache.registry.on_evict)
+    for i in range(10):
+        llm.engine.run(llm.engine.add(_rand(50, 90 + i), _params(), tenant=f"t{i}"))
+    assert len(cache.namespaces) <= 3
+    assert len(cache.registry.on_evict) <= callbacks + 3
