@@ -30,8 +30,7 @@ from irminsul.workloads.patterns import agent_meta
 from irminsul.workloads.trace import Request
 
 TASKS = ("niah", "musique", "agent_meta")
-# The question and answer prefix of `train.tasks.passkey` and `doc_qa`; `_split_tail` checks them.
-PASSKEY_TAIL = ("\n\nWhat is the passkey?", "The passkey is ")
+# How `train.tasks.doc_qa` asks; `musique` checks that it still does.
 DOC_QA_QUESTION = "\n\nWhich words follow \""
 
 
@@ -83,12 +82,15 @@ def _find(seq: list[int], sub: list[int], start: int = 0) -> int:
 
 
 def _split_tail(d: TaskData, ex: train_tasks.Example) -> tuple[list[int], list[int]]:
-    """A passkey example -> (haystack, question tail), checking the tail is the known phrase."""
-    question, prefix = (d.pool.enc(t) for t in PASSKEY_TAIL)
-    tail = question + [d.end, d.asst] + prefix
-    assert ex.prompt_ids[-len(tail) :] == tail, "train.tasks.passkey changed its question format"
-    assert ex.prompt_ids[:2] == [d.bos, d.user]
-    return ex.prompt_ids[2 : -len(tail)], tail
+    """A retrieval example -> (haystack, question tail). Every `train.tasks` question opens with a
+    blank line after the haystack, so the tail starts at the last "\n\n" before the user turn ends."""
+    ids = ex.prompt_ids
+    assert ids[:2] == [d.bos, d.user], "train.tasks changed its prompt layout"
+    end = len(ids) - 1 - ids[::-1].index(d.end)
+    for q in range(end - 1, 1, -1):
+        if d.tok.decode(ids[q:end]).startswith("\n\n"):
+            return ids[2:q], ids[q:]
+    raise AssertionError("train.tasks changed its question format (no blank line before the question)")
 
 
 def niah(d: TaskData, rng: np.random.Generator, body_tokens: int, depth: int, delta: int) -> ShiftedCase:
@@ -104,6 +106,7 @@ def musique(d: TaskData, rng: np.random.Generator, body_tokens: int, min_docs: i
     for _ in range(100):
         ex = train_tasks.doc_qa(d.pool, rng, body_tokens)
         q = _find(ex.prompt_ids, d.pool.enc(DOC_QA_QUESTION))
+        assert q > 0, "train.tasks.doc_qa changed its question"
         starts = []
         for k in range(1, 64):
             at = _find(ex.prompt_ids, d.pool.enc(f"Document [{k}]: "), starts[-1] + 1 if starts else 2)
