@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from irminsul.train.tokenizer import BOS, END, SPECIAL_TOKENS
 
-KINDS = ("passkey", "kv", "doc_qa", "tool", "repeat")
+KINDS = ("passkey", "kv", "doc_qa", "tool", "repeat", "copy")
 
 
 @dataclass(frozen=True)
@@ -185,12 +185,28 @@ def repeat(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     return Example(prompt, answer + [t.token_to_id(END)], "repeat")
 
 
+def copy(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
+    """A span of random tokens hidden in filler, then repeated: every token after the second one
+    is supervised and predictable only by copying. This forms induction heads within a few
+    hundred steps (issue 4 calibration), which the retrieval tasks then reuse."""
+    m = int(rng.integers(16, 49))
+    span = rng.integers(len(SPECIAL_TOKENS), pool.tok.get_vocab_size(), m).tolist()
+    question = "\n\nRepeat the random text."
+    fixed = 4 + 2 * m + len(pool.enc(question)) + 1
+    filler = pool.filler(rng, max(8, n_tokens - fixed))
+    body = _insert(filler, [span], [float(rng.random())])
+    t = pool.tok
+    prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + pool.enc(question) + [
+        t.token_to_id(END), t.token_to_id("<|assistant|>")] + span[:2]
+    return Example(prompt, span[2:] + [t.token_to_id(END)], "copy")
+
+
 def _params(schema: dict) -> list[str]:
     props = (schema.get("parameters") or {}).get("properties") or {}
     return list(props) if isinstance(props, dict) else []
 
 
-BUILDERS = {"passkey": passkey, "kv": kv, "doc_qa": doc_qa, "tool": tool, "repeat": repeat}
+BUILDERS = {"passkey": passkey, "kv": kv, "doc_qa": doc_qa, "tool": tool, "repeat": repeat, "copy": copy}
 
 
 def sample_example(pool: TokenPool, rng: np.random.Generator, n_tokens: int, mix: dict[str, float]) -> Example:

@@ -41,7 +41,10 @@ class TrainConfig:
     # (sequence length, batch size, share of steps): short contexts first so copying forms early
     phases: tuple = ((256, 12, 0.3), (512, 6, 0.25), (1024, 3, 0.2), (2048, 2, 0.25))
     retrieval_share: float = 0.8  # fraction of sequences that carry a retrieval example
-    mix: tuple = (("passkey", 0.35), ("repeat", 0.25), ("kv", 0.15), ("doc_qa", 0.15), ("tool", 0.1))
+    mix: tuple = (("passkey", 0.35), ("repeat", 0.15), ("copy", 0.1), ("kv", 0.15), ("doc_qa", 0.15), ("tool", 0.1))
+    # Retrieval examples are all `copy` for the first steps: induction heads first (they did not
+    # form in 1,000 steps of the mix alone), then the tasks that need them.
+    copy_steps: int = 300
     eval_every: int = 100
     ckpt_minutes: float = 10.0
     data: str | None = None
@@ -90,10 +93,14 @@ class Batches:
         lm = np.zeros((batch, length + 1), dtype=bool)  # position predicts a text token
         ans = np.zeros((batch, length + 1), dtype=bool)  # position predicts an answer token
         for b in range(batch):
+            ex = None
             if rng.random() < self.cfg.retrieval_share:
                 n = int(rng.integers(max(64, length // 8), length + 1))
-                ex = tasks.sample_example(self.pool, rng, n, self.mix)
-                ids = ex.ids[: length + 1]
+                mix = {"copy": 1.0} if step < self.cfg.copy_steps else self.mix
+                ex = tasks.sample_example(self.pool, rng, n, mix)
+                ex = ex if len(ex.ids) <= length + 1 else None  # never train on a cut-off answer
+            if ex is not None:
+                ids = ex.ids
                 k = len(ids)
                 ans[b, len(ex.prompt_ids):k] = True
                 rest = [self.tok.token_to_id(BOS)] + self.text(rng, length + 1 - k)
@@ -125,7 +132,7 @@ class Probes:
         self.examples = {}
         for n in (256, 512, 1024, 2048):
             self.examples[f"passkey@{n}"] = [tasks.passkey(held, rng, n, depth=d, n_digits=5) for d in (0.1, 0.4, 0.7, 0.95)]
-        for kind in ("kv", "doc_qa", "tool"):
+        for kind in ("copy", "repeat", "kv", "doc_qa", "tool"):
             self.examples[f"{kind}@512"] = [tasks.BUILDERS[kind](held, rng, 512) for _ in range(4)]
         self.windows = {}
         bos = tok.token_to_id(BOS)
