@@ -88,7 +88,8 @@ class CacheReuse:
     def __init__(self, mode: str, model: DeepseekModel, cache_bytes: int | None = None,
                  prefix_bytes: int | None = None, tenant: str = "", model_id: str = "",
                  carve_out: bool | None = None, s1: bool = True, registry=None,
-                 recompute_ratio: float = 0.0, check_layer: int = 1, max_namespaces: int = 1024):
+                 recompute_ratio: float = 0.0, check_layer: int = 1, max_namespaces: int = 1024,
+                 marker: tuple[int, ...] | None = None):
         from irminsul.cache.chunker import ChunkerConfig
         from irminsul.cache.planner import PlannerConfig
         from irminsul.cache.radix import RadixCache
@@ -103,7 +104,9 @@ class CacheReuse:
                                 split_value=_split_rows)
         if carve_out is None:
             carve_out = mode == "pic"  # the paper's naive baseline has no carve-out
-        self.planner_config = PlannerConfig(chunker=ChunkerConfig(), content_reuse=mode != "prefix",
+        # marker: the paper's S2 variant, a model-visible boundary sequence that restarts chunking.
+        chunker = ChunkerConfig(marker=tuple(marker) if marker else None)
+        self.planner_config = PlannerConfig(chunker=chunker, content_reuse=mode != "prefix",
                                             s1=s1, carve_out=carve_out)
         self.namespaces: OrderedDict[str, object] = OrderedDict()  # LRU: untrusted salts can't grow it
         self.max_namespaces = max_namespaces

@@ -178,3 +178,12 @@ def test_namespaces_are_bounded(tiny_dir):
         llm.engine.run(llm.engine.add(_rand(50, 90 + i), _params(), tenant=f"t{i}"))
     assert len(cache.namespaces) <= 3
     assert len(cache.registry.on_evict) <= callbacks + 3
+
+
+def test_model_visible_marker_restarts_chunking(tiny_dir):
+    marker = tuple(_rand(64, 100, 250, 256))
+    llm = LLM(tiny_dir, reuse="pic", marker=marker)
+    doc = _rand(500, 101)
+    llm.generate(_rand(45, 102) + list(marker) + doc, max_tokens=1)
+    r = llm.generate(_rand(170, 103) + list(marker) + doc + [9], max_tokens=1)
+    assert r.stats.reused_tokens >= len(doc) - 1, r.stats
