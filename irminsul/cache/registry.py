@@ -85,6 +85,34 @@ class Registry(ABC):
             callback(entry)
 
 
+class PinCounts:
+    """Reference counts of pinned fingerprints (a pinned entry is in use and must not be evicted)."""
+
+    def __init__(self):
+        self._counts: dict[int, int] = {}
+
+    def add(self, fingerprint: int) -> None:
+        self._counts[fingerprint] = self._counts.get(fingerprint, 0) + 1
+
+    def remove(self, fingerprint: int) -> None:
+        count = self._counts.get(fingerprint, 0)
+        if count == 0:
+            raise KeyError(f"cannot unpin fingerprint {fingerprint:#x}: it is not pinned")
+        if count == 1:
+            del self._counts[fingerprint]
+        else:
+            self._counts[fingerprint] = count - 1
+
+    def __contains__(self, fingerprint: int) -> bool:
+        return fingerprint in self._counts
+
+    def __iter__(self):
+        return iter(self._counts)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+
 class MemoryRegistry(Registry):
     """In-memory LRU tier with a strict byte budget: ``bytes <= budget_bytes`` always holds."""
 
@@ -94,7 +122,7 @@ class MemoryRegistry(Registry):
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # LRU first, MRU last
-        self._pins: dict[int, int] = {}  # fingerprint -> pin count (> 0)
+        self._pins = PinCounts()
         self._bytes = 0
         self._hits = self._misses = self._collisions = 0
         self._evictions = self._insertions = self._rejected = 0
@@ -135,16 +163,10 @@ class MemoryRegistry(Registry):
     def pin(self, fingerprint: int) -> None:
         if fingerprint not in self._entries:
             raise KeyError(f"cannot pin fingerprint {fingerprint:#x}: not in the registry")
-        self._pins[fingerprint] = self._pins.get(fingerprint, 0) + 1
+        self._pins.add(fingerprint)
 
     def unpin(self, fingerprint: int) -> None:
-        count = self._pins.get(fingerprint, 0)
-        if count == 0:
-            raise KeyError(f"cannot unpin fingerprint {fingerprint:#x}: it is not pinned")
-        if count == 1:
-            del self._pins[fingerprint]
-        else:
-            self._pins[fingerprint] = count - 1
+        self._pins.remove(fingerprint)
 
     def __contains__(self, fingerprint: int) -> bool:
         return fingerprint in self._entries

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from irminsul.cache.registry import Entry, Registry, RegistryStats
+from irminsul.cache.registry import Entry, PinCounts, Registry, RegistryStats
 from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
-from irminsul.cache.store.pins import PinCounts
 from irminsul.cache.store.stats import TierStats
 
 SUFFIX = ".safetensors"

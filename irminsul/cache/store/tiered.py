@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from irminsul.cache.registry import Entry, MemoryRegistry, Registry, RegistryStats
-from irminsul.cache.store.pins import PinCounts
+from irminsul.cache.registry import Entry, MemoryRegistry, PinCounts, Registry, RegistryStats
 from irminsul.cache.store.stats import TierStats, memory_tier_stats
 
 
