@@ -20,6 +20,7 @@ def register(subparsers) -> None:
     p.add_argument("--init", default=None, help="start from this checkpoint's weights (second stage)")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps of the schedule")
     p.add_argument("--warmup", type=int, default=60)
+    p.add_argument("--copy-steps", type=int, default=500, help="steps whose retrieval examples are all copy tasks")
     p.add_argument("--mix", default=None, help="task shares, e.g. passkey=0.4,kv=0.25,doc_qa=0.25,tool=0.1")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model for smoke tests")
     p.set_defaults(func=run)
@@ -50,7 +51,7 @@ def run(args) -> int:
     cfg = TrainConfig(arch=args.arch, out=args.out or f"runs/{args.arch}", steps=args.steps, minutes=args.minutes,
                       seed=args.seed, threads=args.threads, lr=args.lr, eval_every=args.eval_every,
                       ckpt_minutes=args.ckpt_minutes, data=args.data, shape=shape, init=args.init,
-                      stop_after=args.stop_after, warmup=args.warmup,
+                      stop_after=args.stop_after, warmup=args.warmup, copy_steps=args.copy_steps,
                       **({"mix": tuple((k, float(v)) for k, v in (kv.split("=") for kv in args.mix.split(",")))}
                          if args.mix else {}))
     train(cfg)

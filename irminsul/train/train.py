@@ -41,10 +41,10 @@ class TrainConfig:
     # (sequence length, batch size, share of steps): short contexts first so copying forms early
     phases: tuple = ((256, 12, 0.3), (512, 6, 0.25), (1024, 3, 0.2), (2048, 2, 0.25))
     retrieval_share: float = 0.8  # fraction of sequences that carry a retrieval example
-    mix: tuple = (("passkey", 0.35), ("repeat", 0.15), ("copy", 0.1), ("kv", 0.15), ("doc_qa", 0.15), ("tool", 0.1))
+    mix: tuple = (("passkey", 0.35), ("repeat", 0.15), ("copy", 0.15), ("kv", 0.15), ("doc_qa", 0.1), ("tool", 0.1))
     # Retrieval examples are all `copy` for the first steps: induction heads first (they did not
     # form in 1,000 steps of the mix alone), then the tasks that need them.
-    copy_steps: int = 300
+    copy_steps: int = 500
     eval_every: int = 100
     ckpt_minutes: float = 10.0
     data: str | None = None
