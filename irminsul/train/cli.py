@@ -20,7 +20,7 @@ def register(subparsers) -> None:
     p.add_argument("--init", default=None, help="start from this checkpoint's weights (second stage)")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps of the schedule")
     p.add_argument("--warmup", type=int, default=60)
-    p.add_argument("--copy-steps", type=int, default=500, help="steps whose retrieval examples are all copy tasks")
+    p.add_argument("--copy-steps", type=int, default=300, help="steps whose retrieval examples are all copy tasks")
     p.add_argument("--mix", default=None, help="task shares, e.g. passkey=0.4,kv=0.25,doc_qa=0.25,tool=0.1")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model for smoke tests")
     p.set_defaults(func=run)

@@ -39,12 +39,12 @@ class TrainConfig:
     warmup: int = 60
     weight_decay: float = 0.1
     # (sequence length, batch size, share of steps): short contexts first so copying forms early
-    phases: tuple = ((256, 12, 0.3), (512, 6, 0.25), (1024, 3, 0.2), (2048, 2, 0.25))
+    phases: tuple = ((256, 8, 0.45), (512, 4, 0.2), (1024, 2, 0.15), (2048, 1, 0.2))
     retrieval_share: float = 0.8  # fraction of sequences that carry a retrieval example
     mix: tuple = (("passkey", 0.35), ("repeat", 0.15), ("copy", 0.15), ("kv", 0.15), ("doc_qa", 0.1), ("tool", 0.1))
     # Retrieval examples are all `copy` for the first steps: induction heads first (they did not
     # form in 1,000 steps of the mix alone), then the tasks that need them.
-    copy_steps: int = 500
+    copy_steps: int = 300
     eval_every: int = 100
     ckpt_minutes: float = 10.0
     data: str | None = None
@@ -94,7 +94,7 @@ class Batches:
         ans = np.zeros((batch, length + 1), dtype=bool)  # position predicts an answer token
         for b in range(batch):
             ex = None
-            if rng.random() < self.cfg.retrieval_share:
+            if step < self.cfg.copy_steps or rng.random() < self.cfg.retrieval_share:
                 n = int(rng.integers(max(64, length // 8), length + 1))
                 mix = {"copy": 1.0} if step < self.cfg.copy_steps else self.mix
                 ex = tasks.sample_example(self.pool, rng, n, mix)
