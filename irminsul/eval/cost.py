@@ -157,8 +157,9 @@ class CostResult:
         x = np.arange(len(names))
         for k, key in enumerate(("flops_saved_fraction", "bytes_saved_fraction", "energy_saved_fraction")):
             ax1.bar(x - 0.3 + 0.2 * k + 0.1, [100 * self.models[n][key] for n in names], 0.2, label=key[:-15])
-        wall = [100 * self.models[n]["wall_time"]["saved_fraction"] if "wall_time" in self.models[n] else 0 for n in names]
-        ax1.scatter(x, wall, color="black", zorder=3, label="wall time (CPU)")
+        timed = [i for i, n in enumerate(names) if "wall_time" in self.models[n]]
+        ax1.scatter(x[timed], [100 * self.models[names[i]]["wall_time"]["saved_fraction"] for i in timed],
+                    color="black", zorder=3, label="wall time (CPU, measured)")
         ax1.set_xticks(x, names, rotation=15, fontsize=7)
         ax1.set(ylabel="% saved per hit", title="hit vs miss at the default scenario")
         ax1.legend(fontsize=7)
