@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
