@@ -157,7 +157,8 @@ class Engine:
         return seq
 
     @torch.inference_mode()
-    def score(self, prompt: list[int], continuation: list[int]) -> tuple[torch.Tensor, Sequence]:
+    def score(self, prompt: list[int], continuation: list[int], segment_starts: list[int] | None = None,
+              tenant: str | None = None) -> tuple[torch.Tensor, Sequence]:
         """Teacher-forced log-probs [len(continuation), vocab] of continuation after prompt."""
         if not continuation:
             raise RequestError("the continuation is empty; score needs at least one token")
@@ -165,7 +166,7 @@ class Engine:
         self.validate_prompt(tokens[:-1])
         self.validate_prompt(list(continuation))
         params = SamplingParams(max_tokens=1)
-        seq = self.add(list(prompt), params)
+        seq = self.add(list(prompt), params, segment_starts, tenant)
         n = len(prompt)
         # The plan covers the prompt; the continuation (all but its last token) is computed too.
         seq.tokens = tokens
@@ -177,7 +178,5 @@ class Engine:
             keep = (batch.positions >= n - 1).nonzero().squeeze(-1)
             pieces.append(self.model.logits(hidden[keep]))
         seq.finish_reason = "stop"
-        seq.tokens = tokens[:-1]
-        self.cache.finish(seq)
-        seq.tokens = tokens
+        self.cache.finish(seq)  # registers the rows that exist: every token but the last
         return torch.cat(pieces).log_softmax(-1), seq

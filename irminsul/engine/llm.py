@@ -78,8 +78,9 @@ class LLM:
                                 finish_reason=seq.finish_reason, prompt_token_ids=tokens)
 
     def score(self, prompt_ids, continuation_ids) -> torch.Tensor:
-        """Teacher-forced log-probabilities [len(continuation_ids), vocab] under this LLM's reuse mode."""
-        tokens, _ = normalize_prompt(list(prompt_ids), self.tokenizer)
-        logprobs, seq = self.engine.score(tokens, list(continuation_ids))
+        """Teacher-forced log-probabilities [len(continuation_ids), vocab] under this LLM's reuse mode.
+        `prompt_ids` may be token ids or segments (lists of token ids), as for `generate`."""
+        tokens, segments = normalize_prompt(list(prompt_ids), self.tokenizer)
+        logprobs, seq = self.engine.score(tokens, list(continuation_ids), segments)
         self.last_stats = seq.stats
         return logprobs

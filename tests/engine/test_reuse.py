@@ -187,3 +187,14 @@ def test_model_visible_marker_restarts_chunking(tiny_dir):
     llm.generate(_rand(45, 102) + list(marker) + doc, max_tokens=1)
     r = llm.generate(_rand(170, 103) + list(marker) + doc + [9], max_tokens=1)
     assert r.stats.reused_tokens >= len(doc) - 1, r.stats
+
+
+def test_score_accepts_segments(tiny_dir):
+    llm = LLM(tiny_dir, reuse="pic")
+    docs = [_rand(200, 110 + i) for i in range(3)]
+    llm.score([_rand(40, 120)] + docs, [1, 2])
+    ref = LLM(tiny_dir, reuse="off").score(sum([_rand(70, 121), docs[2], docs[0], docs[1]], []), [1, 2])
+    got = llm.score([_rand(70, 121), docs[2], docs[0], docs[1]], [1, 2])
+    # docs 0 and 1 (and doc 2 except its last chunk, registered with the continuation after it)
+    assert llm.last_stats.reused_tokens >= 450, llm.last_stats
+    assert got.shape == ref.shape
