@@ -93,22 +93,23 @@ class Batches:
         lm = np.zeros((batch, length + 1), dtype=bool)  # position predicts a text token
         ans = np.zeros((batch, length + 1), dtype=bool)  # position predicts an answer token
         for b in range(batch):
-            ex = None
-            if step < self.cfg.copy_steps or rng.random() < self.cfg.retrieval_share:
-                n = int(rng.integers(max(64, length // 8), length + 1))
-                mix = {"copy": 1.0} if step < self.cfg.copy_steps else self.mix
-                ex = tasks.sample_example(self.pool, rng, n, mix)
-                ex = ex if len(ex.ids) <= length + 1 else None  # never train on a cut-off answer
-            if ex is not None:
-                ids = ex.ids
-                k = len(ids)
-                ans[b, len(ex.prompt_ids):k] = True
-                rest = [self.tok.token_to_id(BOS)] + self.text(rng, length + 1 - k)
-                ids = ids + rest[: length + 1 - k]
-                lm[b, k + 1:] = True
-            else:
-                ids = self.text(rng, length + 1)
-                lm[b, 1:] = True
+            ids: list[int] = []
+            copying = step < self.cfg.copy_steps
+            while len(ids) < length + 1:
+                room = length + 1 - len(ids)
+                ex = None
+                # copy phase: pack copy examples back to back (more supervised copies per step)
+                if (copying or (not ids and rng.random() < self.cfg.retrieval_share)) and room >= 64:
+                    n = int(rng.integers(64, room + 1)) if copying else int(rng.integers(max(64, length // 8), room + 1))
+                    ex = tasks.sample_example(self.pool, rng, n, {"copy": 1.0} if copying else self.mix)
+                    ex = ex if len(ex.ids) <= room else None  # never train on a cut-off answer
+                if ex is None:
+                    text = [self.tok.token_to_id(BOS)] + self.text(rng, room) if ids else self.text(rng, room)
+                    lm[b, len(ids) + 1:len(ids) + room] = True
+                    ids += text[:room]
+                    break
+                ans[b, len(ids) + len(ex.prompt_ids):len(ids) + len(ex.ids)] = True
+                ids += ex.ids
             x[b] = ids
         # position t predicts token t+1: shift masks by one
         return torch.from_numpy(x[:, :-1]), torch.from_numpy(x[:, 1:]), torch.from_numpy(lm[:, 1:]), torch.from_numpy(ans[:, 1:])
