@@ -36,7 +36,9 @@ def load_checkpoint(path: Path, dtype=torch.float32):
 @torch.no_grad()
 def max_reload_error(model, path: Path, ids: list[int]) -> float:
     """Max |Δ log-prob| between `model` rounded to the saved dtype and its reloaded checkpoint (fp32)."""
-    ref = copy.deepcopy(model).to(SAVE_DTYPE).float().eval()
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():  # round the weights only: buffers (RoPE inv_freq) are recomputed on load
+        p.data = p.data.to(SAVE_DTYPE).float()
     x = torch.tensor([ids])
     a = torch.log_softmax(ref(input_ids=x).logits.float(), -1)
     b = torch.log_softmax(load_checkpoint(path)(input_ids=x).logits.float(), -1)
