@@ -30,6 +30,8 @@ def register(subparsers) -> None:
     q.add_argument("--greedy-tokens", type=int, default=16, help="length of the greedy first-divergence probe")
     q.add_argument("--context", type=int, default=None, help="size tasks for this many tokens (default: model's)")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    q.add_argument("--no-segments", action="store_true",
+                   help="plan requests as flat token ids (CDC alone), not as segmented chat requests (S2)")
     q.add_argument("--data", default=None, help="data folder (default: shared/data next to the repo)")
     q.set_defaults(func=quality)
 
@@ -109,7 +111,9 @@ def quality(args) -> int:
                                   f"{', '.join(s.name for s in STRATEGIES)}")
     context = args.context or ModelConfig.from_file(model / "config.json").max_position_embeddings
     cases = build_cases(model, tasks, args.n, args.seed, context, args.data)
-    result = run_quality(model, cases, strategies, args.greedy_tokens, dtype=args.dtype)
+    result = run_quality(model, cases, strategies, args.greedy_tokens, dtype=args.dtype,
+                         segments=not args.no_segments)
+    result.setup = {"segments": not args.no_segments, "context": context}
     emit("quality", result, args, str(model), started)
     return 0
 

@@ -82,8 +82,8 @@ def _correct(case: ShiftedCase, logprobs: torch.Tensor) -> float:
 class QualityRunner:
     """Runs every strategy on a stream of cases; keeps per-case scores."""
 
-    def __init__(self, llm: LLM, strategies=STRATEGIES, greedy_tokens: int = 16):
-        self.llm, self.greedy_tokens = llm, greedy_tokens
+    def __init__(self, llm: LLM, strategies=STRATEGIES, greedy_tokens: int = 16, segments: bool = True):
+        self.llm, self.greedy_tokens, self.segments = llm, greedy_tokens, segments
         self.strategies = [s for s in strategies if self._supported(s)]
         self.skipped = [s.name for s in strategies if s not in self.strategies]
         self.off = Engine(llm.model, llm.tokenizer, reuse="off")
@@ -99,9 +99,11 @@ class QualityRunner:
 
     def run_case(self, case: ShiftedCase) -> dict[str, CaseScore]:
         ref = Engine(self.llm.model, self.llm.tokenizer, reuse="prefix")
-        ref_lp, ref_seq = ref.score(case.prompt, case.answer)  # empty cache: full prefill
-        g = ref.run(ref.add(case.prompt, SamplingParams(max_tokens=self.greedy_tokens, ignore_eos=True))).output_ids
-        first = self.off.run(self.off.add(case.first, SamplingParams(max_tokens=1)))
+        # With segments, the cache restarts chunking at each segment start (S2), as for a chat request.
+        fs, ps = (list(case.first_segments) or None, list(case.prompt_segments) or None) if self.segments else (None, None)
+        ref_lp, ref_seq = ref.score(case.prompt, case.answer, ps)  # empty cache: full prefill
+        g = ref.run(ref.add(case.prompt, SamplingParams(max_tokens=self.greedy_tokens, ignore_eos=True), ps)).output_ids
+        first = self.off.run(self.off.add(case.first, SamplingParams(max_tokens=1), fs))
         n = len(case.prompt)
         out = {}
         for s in self.strategies:
@@ -111,9 +113,9 @@ class QualityRunner:
                 continue
             eng = s.engine(self.llm)
             eng.cache.finish(first)  # what generate(first) registers
-            lp, seq = eng.score(case.prompt, case.answer)
+            lp, seq = eng.score(case.prompt, case.answer, ps)
             st = seq.stats
-            div = metrics.first_divergence(g, eng.score(case.prompt, g)[0]) if g else 0
+            div = metrics.first_divergence(g, eng.score(case.prompt, g, ps)[0]) if g else 0
             out[s.name] = CaseScore(metrics.kl_per_token(ref_lp, lp).numpy(), metrics.argmax_agreement(ref_lp, lp),
                                     div, _correct(case, lp), st.prompt_tokens, st.prefix_tokens, st.reused_tokens,
                                     st.computed_tokens, getattr(st, "recomputed_tokens", 0), _answer_logprob(case, lp))
@@ -168,9 +170,11 @@ class QualityResult:
     sweep: dict  # task -> {"delta"|"depth": bin -> strategy -> kl_mean}
     targets: dict
     skipped: list = field(default_factory=list)
+    setup: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"tasks": self.tasks, "sweep": self.sweep, "targets": self.targets, "skipped_strategies": self.skipped}
+        return {"tasks": self.tasks, "sweep": self.sweep, "targets": self.targets, "skipped_strategies": self.skipped,
+                "setup": self.setup}
 
     def table(self) -> str:
         from irminsul.workloads.report import table
@@ -274,7 +278,8 @@ def result(runner: QualityRunner) -> QualityResult:
 
 
 def run_quality(model: str | Path, cases: dict[str, list[ShiftedCase]], strategies=STRATEGIES,
-                greedy_tokens: int = 16, progress: bool = True, dtype: str = "float32") -> QualityResult:
-    runner = QualityRunner(LLM(model, dtype=dtype), strategies, greedy_tokens)
+                greedy_tokens: int = 16, progress: bool = True, dtype: str = "float32",
+                segments: bool = True) -> QualityResult:
+    runner = QualityRunner(LLM(model, dtype=dtype), strategies, greedy_tokens, segments)
     runner.run(cases, progress)
     return result(runner)

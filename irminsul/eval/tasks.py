@@ -44,6 +44,20 @@ class ShiftedCase:
     delta: int  # p_tgt - p_src of the shared content (of the answer-bearing document for musique)
     shared: int  # tokens of shared content
     scoring: str = "exact"  # "exact": all answer tokens right; "tokens": fraction of answer tokens right
+    # Segment starts (offsets into first / prompt) as a chat request's rendering gives them: each
+    # document, header, message and question is its own segment, so S2 can restart chunking there.
+    first_segments: tuple[int, ...] = ()
+    prompt_segments: tuple[int, ...] = ()
+
+
+def _joined(*parts: list[int]) -> tuple[list[int], tuple[int, ...]]:
+    """Concatenate the non-empty parts; return the ids and each part's start."""
+    ids, starts = [], []
+    for part in parts:
+        if part:
+            starts.append(len(ids))
+            ids += part
+    return ids, tuple(starts)
 
 
 @dataclass(frozen=True)
@@ -97,9 +111,10 @@ def niah(d: TaskData, rng: np.random.Generator, body_tokens: int, depth: int, de
     ex = train_tasks.passkey(d.pool, rng, body_tokens, depth=float(rng.choice(NEEDLE_DEPTHS)), n_digits=5)
     haystack, tail = _split_tail(d, ex)
     head = [d.bos, d.user]
-    first = head + d.pool.filler(rng, depth) + haystack
-    prompt = head + d.pool.filler(rng, depth + delta) + haystack + tail
-    return ShiftedCase("niah", first, prompt, ex.answer_ids[: ex.answer_len], depth, delta, len(haystack))
+    first, fs = _joined(head, d.pool.filler(rng, depth), haystack)
+    prompt, ps = _joined(head, d.pool.filler(rng, depth + delta), haystack, tail)
+    return ShiftedCase("niah", first, prompt, ex.answer_ids[: ex.answer_len], depth, delta, len(haystack),
+                       first_segments=fs, prompt_segments=ps)
 
 
 def musique(d: TaskData, rng: np.random.Generator, body_tokens: int, min_docs: int = 3) -> ShiftedCase:
@@ -130,11 +145,11 @@ def musique(d: TaskData, rng: np.random.Generator, body_tokens: int, min_docs: i
         return 2 + sum(len(blocks[i]) for i in order[: order.tolist().index(gold)])
 
     head = [d.bos, d.user]
-    first = head + [t for i in order1 for t in blocks[i]]
-    prompt = head + [t for i in order2 for t in blocks[i]] + ex.prompt_ids[q:]
+    first, fs = _joined(head, *(blocks[i] for i in order1))
+    prompt, ps = _joined(head, *(blocks[i] for i in order2), ex.prompt_ids[q:])
     depth = before(order1) - 2
     return ShiftedCase("musique", first, prompt, ex.answer_ids[: ex.answer_len], depth,
-                       before(order2) - before(order1), sum(map(len, blocks)))
+                       before(order2) - before(order1), sum(map(len, blocks)), first_segments=fs, prompt_segments=ps)
 
 
 class AgentConversations:
@@ -142,7 +157,7 @@ class AgentConversations:
 
     def __init__(self, d: TaskData, max_body: int, answer_tokens: int = 32, min_body: int = 96):
         trajs = json.loads((d.data_dir / "tau_bench" / "gpt-4o-airline.json").read_text())
-        self.turns = []  # (session, messages before the turn, body ids, answer ids)
+        self.turns = []  # (session, messages before the turn, ids of each message, answer ids)
         for t in trajs:
             if not is_held_out(render_chat(t["traj"])):
                 continue  # the reference models trained on the other trajectories
@@ -150,15 +165,16 @@ class AgentConversations:
             for i, m in enumerate(msgs):
                 if m["role"] != "assistant" or i == 0:
                     continue
-                body, kept = [], 0
+                body: list[list[int]] = []
                 for prev in reversed(msgs[:i]):  # whole messages, newest first, within max_body
                     ids = d.tok.encode(render_chat([prev])).ids
-                    if len(body) + len(ids) > max_body:
+                    if sum(map(len, body)) + len(ids) > max_body:
                         break
-                    body, kept = ids + body, kept + 1
+                    body.insert(0, ids)
                 answer = d.tok.encode(render_chat([m])).ids[1 : answer_tokens + 1]  # drop <|assistant|>
-                if len(body) >= min_body and answer:
-                    self.turns.append((f"tau-{t['task_id']}-{t['trial']}", tuple(msgs[i - kept : i]), body, answer))
+                if sum(map(len, body)) >= min_body and answer:
+                    self.turns.append((f"tau-{t['task_id']}-{t['trial']}", tuple(msgs[i - len(body) : i]), body,
+                                       answer))
 
 
 def agent_meta_case(d: TaskData, conv: AgentConversations, rng: np.random.Generator) -> ShiftedCase:
@@ -168,10 +184,10 @@ def agent_meta_case(d: TaskData, conv: AgentConversations, rng: np.random.Genera
     for s in seeds:
         (req,) = agent_meta([Request(session, msgs)], seed=int(s))
         headers.append(d.tok.encode(render_chat([req.messages[0]])).ids)
-    first = [d.bos] + headers[0] + body
-    prompt = [d.bos] + headers[1] + body + [d.asst]
+    first, fs = _joined([d.bos], headers[0], *body)
+    prompt, ps = _joined([d.bos], headers[1], *body, [d.asst])
     return ShiftedCase("agent_meta", first, prompt, answer, len(headers[0]), len(headers[1]) - len(headers[0]),
-                       len(body), scoring="tokens")
+                       sum(map(len, body)), scoring="tokens", first_segments=fs, prompt_segments=ps)
 
 
 def build_cases(model_dir: str | Path, task_names=TASKS, n: int = 24, seed: int = 0, context: int = 2048,
