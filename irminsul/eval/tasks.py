@@ -197,8 +197,10 @@ def build_cases(model_dir: str | Path, task_names=TASKS, n: int = 24, seed: int 
     sweep = sweep.scaled(context)
     f = min(1.0, context / 2048)
     out: dict[str, list[ShiftedCase]] = {}
-    for k, task in enumerate(task_names):
-        rng = np.random.default_rng([seed, k])
+    for task in task_names:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+        rng = np.random.default_rng([seed, TASKS.index(task)])  # a task's cases do not depend on the others
         if task == "niah":
             cells = sweep.cells()
             out[task] = [niah(d, rng, int(768 * f), *cells[i % len(cells)]) for i in range(n)]
@@ -207,6 +209,4 @@ def build_cases(model_dir: str | Path, task_names=TASKS, n: int = 24, seed: int 
         elif task == "agent_meta":
             conv = AgentConversations(d, max_body=int(1024 * f))
             out[task] = [agent_meta_case(d, conv, rng) for _ in range(n)]
-        else:
-            raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     return out
