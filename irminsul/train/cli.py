@@ -22,6 +22,7 @@ def register(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--copy-steps", type=int, default=300, help="steps whose retrieval examples are all copy tasks")
     p.add_argument("--mix", default=None, help="task shares, e.g. passkey=0.4,kv=0.25,doc_qa=0.25,tool=0.1")
+    p.add_argument("--phases", default=None, help="length x batch : share of steps, e.g. 256x8:0.45,512x4:0.2,1024x2:0.15,2048x1:0.2")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model for smoke tests")
     p.set_defaults(func=run)
 
@@ -52,6 +53,9 @@ def run(args) -> int:
                       seed=args.seed, threads=args.threads, lr=args.lr, eval_every=args.eval_every,
                       ckpt_minutes=args.ckpt_minutes, data=args.data, shape=shape, init=args.init,
                       stop_after=args.stop_after, warmup=args.warmup, copy_steps=args.copy_steps,
+                      **({"phases": tuple((int(lb.split("x")[0]), int(lb.split("x")[1]), float(sh))
+                                          for lb, sh in (p.split(":") for p in args.phases.split(",")))}
+                         if args.phases else {}),
                       **({"mix": tuple((k, float(v)) for k, v in (kv.split("=") for kv in args.mix.split(",")))}
                          if args.mix else {}))
     train(cfg)
