@@ -141,8 +141,8 @@ class RotationResult:
                 + [f"{r['c_kv_drift_fp32']:.2e}"] for r in self.per_layer]
         t2 = table(["layer"] + [f"{k} {dt}" for dt in DTYPES for k in ("rotation", "drift", "total")]
                    + ["c_KV drift fp32"], rows)
-        return (f"layer 0 (exact comparison), relative L2 of R(δ)·k_r vs k_r at p+δ:\n{t1}\n\n"
-                f"every layer, content re-requested after different text (model {self.model}):\n{t2}")
+        return (f"layer 0 (exact comparison), relative L2 of R(δ)·k_r vs k_r at p+δ:\n\n{t1}\n\n"
+                f"every layer, content re-requested after different text (model {self.model}):\n\n{t2}")
 
     def plot(self, path: Path) -> Path:
         import matplotlib
