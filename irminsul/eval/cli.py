@@ -151,8 +151,10 @@ def cost(args) -> int:
     from irminsul.eval.report import emit
     from irminsul.eval.shapes import DEEPSEEK_V2_LITE, QWEN3_32B, read_config
     from irminsul.eval.timing import time_gqa, time_mla
+    from tqdm import tqdm
 
     started, model = _setup(args)
+    bar = tqdm(total=3, desc="eval cost")
     given = {"pj_per_flop": args.pj_per_flop, "pj_per_byte": args.pj_per_byte}
     energy = EnergyModel(**{k: v for k, v in given.items() if v is not None})
     archs, lengths, timings = {}, {}, {}
@@ -163,6 +165,7 @@ def cost(args) -> int:
     llm = LLM(model)
     req = _request(rng, raw, lengths["mla"], args.shared_fraction, llm.tokenizer.bos_token_id)
     timings["mla"] = time_mla(llm, req, args.n)
+    bar.update()
     gqa, how = _gqa(args.gqa, model, args.seed, fallback=True)
     if gqa is not None:
         from transformers import AutoModelForCausalLM
@@ -173,10 +176,13 @@ def cost(args) -> int:
         twin = AutoModelForCausalLM.from_pretrained(str(gqa), dtype="float32").eval()
         timings["gqa"] = time_gqa(twin, _request(rng, graw, lengths["gqa"], args.shared_fraction,
                                                  graw.get("bos_token_id")), args.n)
+    bar.update()
     archs["deepseek-v2-lite"] = Arch.from_config(DEEPSEEK_V2_LITE, "deepseek-v2-lite")
     archs["qwen3-32b-like"] = Arch.from_config(QWEN3_32B, "qwen3-32b-like")
     lengths |= {"deepseek-v2-lite": args.prompt_tokens, "qwen3-32b-like": args.prompt_tokens}
     result = run_cost(archs, lengths, args.shared_fraction, energy, timings)
+    bar.update()
+    bar.close()
     if "gqa" in result.models:
         result.models["gqa"]["weights"] = how
     emit("cost", result, args, str(model), started)
