@@ -144,6 +144,7 @@ def roc(args) -> int:
 
 def cost(args) -> int:
     import numpy as np
+    from tqdm import tqdm
 
     from irminsul import LLM
     from irminsul.eval.accounting import Arch
@@ -151,7 +152,6 @@ def cost(args) -> int:
     from irminsul.eval.report import emit
     from irminsul.eval.shapes import DEEPSEEK_V2_LITE, QWEN3_32B, read_config
     from irminsul.eval.timing import time_gqa, time_mla
-    from tqdm import tqdm
 
     started, model = _setup(args)
     bar = tqdm(total=3, desc="eval cost")
