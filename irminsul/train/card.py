@@ -44,7 +44,7 @@ def write_card(model_dir: Path, metrics: dict, train_cmd: str, eval_cmd: str, no
         lines += [f"| GQA | {cfg['num_key_value_heads']} KV heads, head_dim {cfg.get('head_dim')}, FFN {cfg['intermediate_size']} |"]
     lines += [
         f"| context | {cfg['max_position_embeddings']} tokens, RoPE theta {cfg['rope_parameters']['rope_theta']:g} |",
-        f"| vocabulary | {cfg['vocab_size']} (byte-level BPE trained on the training text; digits split) |",
+        f"| vocabulary | {cfg['vocab_size']} (byte-level BPE trained on the training text; chat special tokens and template) |",
         f"| weights | {cfg.get('dtype', cfg.get('torch_dtype'))}, {size:.1f} MB |",
         "",
         "## Training",
@@ -59,8 +59,9 @@ def write_card(model_dir: Path, metrics: dict, train_cmd: str, eval_cmd: str, no
         "",
         "Data: tau-bench, BFCL, ToolBench and MuSiQue text from `shared/data/` (1 document in 10 held out",
         "by a hash of its text), plus synthetic retrieval tasks built from it: passkey, multi-key lookup,",
-        "multi-document span QA, tool-schema lookup (loss on the answer tokens only). Contexts grow",
-        "256 -> 2048 over the run. Licences of the sources: see `shared/data/ATTRIBUTION.md`.",
+        "multi-document span QA, tool-schema lookup, span continuation and random-span copying (loss on",
+        "the answer tokens only; copying alone for the first steps). Contexts grow 256 -> 2048 over the",
+        "run. Licences of the sources: see `shared/data/ATTRIBUTION.md`.",
         "",
         "Reproduce the training:",
         "",
