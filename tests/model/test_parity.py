@@ -57,3 +57,20 @@ def test_parity_is_sensitive_to_the_yarn_softmax_scale(tmp_path, monkeypatch):
     monkeypatch.setattr(type(cfg), "softmax_scale", property(lambda self: self.qk_head_dim**-0.5))
     got = ours.logits(ours.prefill(ours.new_rows(), ids[0], torch.arange(64))).log_softmax(-1)
     assert (got - ref).abs().max().item() > 1e-3
+
+
+def test_bundled_model_agrees_with_transformers():
+    """The shipped MLA checkpoint loads in both implementations and they agree on real text."""
+    from pathlib import Path
+
+    from irminsul import bundled_model
+    from irminsul.model.tokenizer import Tokenizer
+
+    path = bundled_model("mla")
+    text = (Path(__file__).resolve().parents[3] / "shared/data/tau_bench/retail_wiki.md").read_text()
+    ids = torch.tensor(Tokenizer(path).encode(text)[:512])
+    ours, hf = load_model(path), _hf(path)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].log_softmax(-1)
+    got = ours.logits(ours.prefill(ours.new_rows(), ids, torch.arange(len(ids)))).log_softmax(-1)
+    assert (got - ref).abs().max().item() < 1e-4
