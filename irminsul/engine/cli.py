@@ -39,7 +39,9 @@ def run(args) -> int:
          "Who pays for checked bags?"),
     ]
     for name, header, question in turns:
-        segments = [llm.tokenizer.encode(header), doc, llm.tokenizer.encode(question, add_bos=False)]
+        # Segment-aligned chat rendering (S2): the system header, the shared document, the user turn.
+        segments = [llm.tokenizer.encode(f"<|system|>{header}"), doc,
+                    llm.tokenizer.encode(f"<|end|><|user|>{question}<|end|><|assistant|>", add_bos=False)]
         t = time.perf_counter()
         out = llm.generate(segments, max_tokens=args.max_tokens, temperature=0.0)
         dt = time.perf_counter() - t
