@@ -28,7 +28,7 @@ def write_card(model_dir: Path, metrics: dict, train_cmd: str, eval_cmd: str, no
         "",
         "| | |",
         "|---|---|",
-        f"| architecture | `{arch}` (loads in transformers and in `irminsul.LLM`) |",
+        f"| architecture | `{arch}` ({'loads in transformers and in `irminsul.LLM`' if 'kv_lora_rank' in cfg else 'loads in transformers; the MLA model' + chr(39) + 's twin for architecture comparisons (the engine serves MLA only)'}) |",
         f"| parameters | {state['params'] / 1e6:.2f} M |",
         f"| layers / hidden / heads | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['num_attention_heads']} |",
     ]

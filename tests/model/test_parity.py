@@ -74,3 +74,17 @@ def test_bundled_model_agrees_with_transformers():
         ref = hf(ids[None]).logits[0].log_softmax(-1)
     got = ours.logits(ours.prefill(ours.new_rows(), ids, torch.arange(len(ids)))).log_softmax(-1)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_bundled_gqa_twin_loads_in_llama():
+    """The GQA twin is a standard Llama checkpoint with the MLA model's tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    from irminsul import bundled_model
+
+    twin = LlamaForCausalLM.from_pretrained(bundled_model("gqa"), dtype=torch.float32).eval()
+    assert twin.config.num_key_value_heads < twin.config.num_attention_heads
+    assert (bundled_model("gqa") / "tokenizer.json").read_bytes() == (bundled_model("mla") / "tokenizer.json").read_bytes()
+    with torch.no_grad():
+        logits = twin(torch.arange(1, 65)[None]).logits
+    assert torch.isfinite(logits).all() and logits.shape[-1] == twin.config.vocab_size
