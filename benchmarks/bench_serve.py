@@ -21,7 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from irminsul.server.bench import machine, replay, summarise
+from irminsul.machine import describe
+from irminsul.server.bench import replay, summarise
 from irminsul.server.testing import ServerProcess
 from irminsul.workloads.trace import read_trace
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
         results[mode] = summarise(server.url, samples, duration, card, args.concurrency)
         print(f"{mode}: done ({duration:.0f} s)", file=sys.stderr)
     first = next(iter(results.values()))
-    print(f"model {model}  machine {machine()}")
+    print(f"model {model}  machine {describe()}")
     print(f"trace {args.trace}: {first.requests} requests, {first.sessions} sessions, concurrency "
           f"{args.concurrency}, max_tokens {args.max_tokens}, {first.prompt_tokens} prompt tokens")
     print(f"{'reuse':<7} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>7} {'prompt tok/s':>13} "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import shlex
 import sys
 import time
@@ -13,6 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from irminsul.machine import describe
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class RunInfo:
         return cls(command=command, seed=args.seed, model=str(model), n=args.n,
                    started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
                    wall_s=round(time.time() - started, 1),
-                   machine=f"{platform.machine()} {platform.processor() or platform.node()}".strip(),
+                   machine=describe(),
                    torch=torch.__version__, threads=torch.get_num_threads())
 
 

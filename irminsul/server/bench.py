@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import platform
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+
+from irminsul.machine import describe
 
 KINDS = ("prefix_tokens", "reused_tokens", "carve_out_tokens", "computed_tokens")
 
@@ -48,10 +48,6 @@ class BenchResult:
     output_tokens_per_s: float
     prompt_tokens: int
     fraction: dict  # kind -> share of prompt tokens
-
-
-def machine() -> str:
-    return f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs".strip()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -130,7 +126,7 @@ def summarise(url: str, samples: list[Sample], duration: float, card: dict, conc
     prompt = sum(s.prompt_tokens for s in samples)
     fraction = {k.removesuffix("_tokens"): sum(s.split.get(k, 0) for s in samples) / max(1, prompt) for k in KINDS}
     return BenchResult(
-        url=url, model=card["id"], reuse=card.get("irminsul", {}).get("reuse", "?"), machine=machine(),
+        url=url, model=card["id"], reuse=card.get("irminsul", {}).get("reuse", "?"), machine=describe(),
         requests=len(samples), sessions=len({s.session for s in samples}), concurrency=concurrency,
         duration_s=duration, ttft_p50_s=percentile(ttft, 0.5), ttft_p95_s=percentile(ttft, 0.95),
         ttft_mean_s=sum(ttft) / max(1, len(ttft)), requests_per_s=len(samples) / duration,
