@@ -26,6 +26,8 @@ class Engine:
         self.config = model.config
         self.max_prefill_tokens = max_prefill_tokens
         self.cache = make_reuse(reuse, model, **cache_options)
+        eos = set(self.config.eos_token_ids) | {tokenizer.eos_token_id}
+        self.eos_ids = frozenset(eos - {None})
 
     @property
     def reuse(self) -> str:
@@ -76,10 +78,11 @@ class Engine:
                 take = seq.pending[: max(1, budget)]
                 budget -= len(take)
                 seq.pending = seq.pending[len(take) :]
-            else:
+                ids.append(np.asarray(seq.tokens)[take])
+            else:  # decode: only the last token, whose row is not computed yet
                 take = np.array([len(seq.tokens) - 1])
+                ids.append(np.array(seq.tokens[-1:]))
             pos.append(take)
-            ids.append(np.asarray(seq.tokens)[take])
             offsets.append(offsets[-1] + len(take))
         dev = self.model.device
         batch = ForwardBatch(torch.as_tensor(np.concatenate(ids), device=dev),
@@ -122,13 +125,6 @@ class Engine:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.config.max_position_embeddings:
             seq.finish_reason = "length"
-
-    @property
-    def eos_ids(self) -> set[int]:
-        ids = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         text = self.tokenizer.decode(seq.output_ids)

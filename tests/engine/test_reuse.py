@@ -46,7 +46,7 @@ def test_pic_reproduces_full_prefill_on_one_layer(one_layer):
 def test_reused_rows_equal_rows_computed_in_place(one_layer):
     first, second = _shifted_case(5)
     off = LLM(one_layer, reuse="off")
-    ref_seq = off.engine.add(second, off.engine.add.__defaults__[0] if False else _params())
+    ref_seq = off.engine.add(second, _params())
     off.engine.run(ref_seq)
     pic = LLM(one_layer, reuse="pic")
     pic.generate(first, max_tokens=1)
