@@ -17,9 +17,15 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from irminsul.cache.chunker import ChunkerConfig, namespace_seed
+from irminsul.cache.planner import Planner, PlannerConfig
+from irminsul.cache.radix import PrefixMatch, PrefixPiece, RadixCache
+from irminsul.cache.registry import MemoryRegistry
+from irminsul.cache.windows import WindowIndex
 from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
 from irminsul.model.deepseek import DeepseekModel
+from irminsul.model.mla import ForwardBatch
 
 MODES = ("off", "prefix", "naive", "pic")
 SHARED = "\x00shared"  # the operator's published namespace; no request can name it as its tenant
@@ -62,8 +68,6 @@ class SaltedRadix:
         self.radix, self.salt = radix, salt
 
     def match(self, tokens):
-        from irminsul.cache.radix import PrefixMatch, PrefixPiece
-
         m = self.radix.match(np.concatenate([[self.salt], np.asarray(tokens, dtype=np.int64)]))
         if m.length == 0:
             return PrefixMatch(0, m.node, [])
@@ -90,11 +94,6 @@ class CacheReuse:
                  carve_out: bool | None = None, s1: bool = True, registry=None,
                  recompute_ratio: float = 0.0, check_layer: int = 1, max_namespaces: int = 1024,
                  marker: tuple[int, ...] | None = None):
-        from irminsul.cache.chunker import ChunkerConfig
-        from irminsul.cache.planner import PlannerConfig
-        from irminsul.cache.radix import RadixCache
-        from irminsul.cache.registry import MemoryRegistry
-
         self.mode, self.model, self.model_id, self.default_tenant = mode, model, model_id, tenant
         cfg = model.config
         self.bytes_per_token = cfg.num_hidden_layers * cfg.row_width * torch.finfo(model.dtype).bits // 8
@@ -118,10 +117,6 @@ class CacheReuse:
 
     def namespace(self, tenant: str | None = None):
         """The planner of a tenant's namespace (created on first use)."""
-        from irminsul.cache.chunker import namespace_seed
-        from irminsul.cache.planner import Planner
-        from irminsul.cache.windows import WindowIndex
-
         tenant = self.default_tenant if tenant is None else tenant
         if tenant not in self.namespaces:
             seed = namespace_seed(self.model_id, tenant)
@@ -151,9 +146,7 @@ class CacheReuse:
         rows = self.model.new_rows(capacity=len(ids))
         self.model.prefill(rows, torch.as_tensor(ids), torch.arange(len(ids)))
         block = rows.rows[:, : len(ids)]
-        return self.namespace(SHARED).register(ids, rows_of=lambda a, b: block[:, a:b].clone(),
-                                               nbytes_of=lambda k: k * self.bytes_per_token,
-                                               segment_starts=segment_starts)
+        return self._register(self.namespace(SHARED), ids, block, segment_starts)
 
     def prepare(self, seq: Sequence) -> None:
         plan = self.namespace(seq.tenant).plan(np.asarray(seq.tokens, dtype=np.int64), seq.segment_starts)
@@ -183,8 +176,6 @@ class CacheReuse:
         """pic+r (CacheBlend, Yao et al. 2025): the fraction r of reused rows whose c_KV at the check
         layer deviates most from what the current context gives. Layers [0, check_layer) run over
         every non-prefix token in a scratch copy; only their latent at check_layer is compared."""
-        from irminsul.model.mla import ForwardBatch
-
         reused = np.concatenate([np.arange(s.start, s.end) for s in plan.spans if s.kind == "reuse"] or
                                 [np.zeros(0, np.int64)])
         k = int(np.ceil(self.recompute_ratio * len(reused)))
@@ -211,6 +202,11 @@ class CacheReuse:
                 break
         return torch.cat(parts, dim=1)[:, start:end]
 
+    def _register(self, planner: Planner, tokens: np.ndarray, block: torch.Tensor, segment_starts):
+        """Store the chunks of tokens whose rows are block [n_layers, len(tokens), width]."""
+        return planner.register(tokens, rows_of=lambda a, b: block[:, a:b].clone(),
+                                nbytes_of=lambda k: k * self.bytes_per_token, segment_starts=segment_starts)
+
     def finish(self, seq: Sequence) -> None:
         """Register every chunk of the sequence (prompt and output) and insert it into the tree."""
         planner = self.namespace(seq.tenant)
@@ -219,9 +215,7 @@ class CacheReuse:
             if n and seq.finish_reason != "abort":
                 tokens = np.asarray(seq.tokens[:n], dtype=np.int64)
                 block = seq.rows.rows[:, :n]
-                planner.register(tokens, rows_of=lambda a, b: block[:, a:b].clone(),
-                                 nbytes_of=lambda k: k * self.bytes_per_token,
-                                 segment_starts=seq.segment_starts)
+                self._register(planner, tokens, block, seq.segment_starts)
                 planner.radix.insert(tokens, block)
         finally:
             if seq.plan is not None:
