@@ -15,7 +15,7 @@ run ordinary attention; the layer picks the cheaper form per sequence. Both read
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +71,6 @@ class SequenceRows:
         other.cfg, other.rows, other.filled = self.cfg, self.rows.clone(), self.filled.clone()
         return other
 
-    def nbytes(self, n_tokens: int) -> int:
-        return n_tokens * self.rows.shape[0] * self.rows.shape[2] * self.rows.element_size()
 
 
 @dataclass
@@ -84,9 +82,17 @@ class ForwardBatch:
     seqs: list[SequenceRows]
     offsets: list[int]  # len(seqs) + 1
 
+    _memo: dict = field(default_factory=dict, repr=False)
+
     def slices(self):
         for i, seq in enumerate(self.seqs):
             yield seq, slice(self.offsets[i], self.offsets[i + 1])
+
+    def memo(self, key, compute):
+        """What every layer of one forward pass needs alike (RoPE cos/sin, attention masks), once."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
 
 class MLAttention(nn.Module):
@@ -106,29 +112,30 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias)
 
-    def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def latent(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
         """x [n, hidden] -> cache rows [n, kv_lora_rank + rope_dim] (c_KV normed, k_r rotated)."""
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), self.rotary.apply(k_r, positions)], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), self.rotary.apply(k_r, positions, cos_sin)], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         n, h, r = x.shape[0], cfg.num_attention_heads, cfg.kv_lora_rank
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = self.rotary.apply(q_pe, batch.positions)  # [n, H, rope]
+        cos_sin = batch.memo("rope", lambda: self.rotary.cos_sin(batch.positions))
+        q_pe = self.rotary.apply(q_pe, batch.positions, cos_sin)  # [n, H, rope]
         w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # absorbed into q / out
-        rows = self.latent(x, batch.positions)  # [n, r + rope]
+        rows = self.latent(x, batch.positions, cos_sin)  # [n, r + rope]
 
         out = x.new_empty(n, h, cfg.v_head_dim)
-        for seq, sl in batch.slices():
+        for i, (seq, sl) in enumerate(batch.slices()):
             pos = batch.positions[sl]
             seq.rows[self.layer, pos] = rows[sl].to(seq.rows.dtype)
             keys = seq.rows[self.layer, : int(pos.max()) + 1].to(x.dtype)  # [L, r + rope]
-            visible = seq.filled[: keys.shape[0]][None, :] & (
+            visible = batch.memo(("visible", i), lambda: seq.filled[: keys.shape[0]][None, :] & (
                 torch.arange(keys.shape[0], device=pos.device)[None, :] <= pos[:, None]
-            )  # [m, L]
+            ))  # [m, L]; the same in every layer
             if self._expand_is_cheaper(len(pos), keys.shape[0]):
                 out[sl] = self._expanded(q_nope[sl], q_pe[sl], keys, visible)
             else:

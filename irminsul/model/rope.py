@@ -78,9 +78,15 @@ class Rotary:
         """[n] integer positions -> [n, dim/2] float64 angles."""
         return positions.to(self._inv_freq64.device, torch.float64)[:, None] * self._inv_freq64
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Encode x [n, ..., dim] (fresh projection, checkpoint layout) at positions [n]."""
-        cos, sin = _cos_sin(self.angles(positions), self.attention_factor)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n, dim/2] (float32, attention factor included) for encoding at positions [n]."""
+        return _cos_sin(self.angles(positions), self.attention_factor)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor,
+              cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Encode x [n, ..., dim] (fresh projection, checkpoint layout) at positions [n]; pass
+        `cos_sin(positions)` when encoding several tensors at the same positions."""
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         return self._rotate(x, cos, sin, self.in_layout)
 
     def rotate(self, k_r: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
