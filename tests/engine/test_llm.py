@@ -51,10 +51,10 @@ def test_stop_token_ids_and_strings(llm):
     cut = llm.generate("stop test", max_tokens=10, stop_token_ids=[first], ignore_eos=True)
     assert cut.finish_reason == "stop" and first not in cut.token_ids[: base.token_ids.index(first) + 1]
     text = llm.tokenizer.decode(base.token_ids)
-    if len(text) >= 3:
-        needle = text[1:3]
-        r = llm.generate("stop test", max_tokens=10, stop=[needle], ignore_eos=True)
-        assert r.finish_reason == "stop" and needle not in r.text
+    assert len(text) >= 3, text
+    needle = text[1:3]
+    r = llm.generate("stop test", max_tokens=10, stop=[needle], ignore_eos=True)
+    assert r.finish_reason == "stop" and needle not in r.text
 
 
 def test_segments_prompt_concatenates(llm):
