@@ -28,6 +28,9 @@ class ReferenceShape:
     experts_per_tok: int = 2
     shared_experts: int = 1
     max_positions: int = 2048
+    # tied input/output embeddings: copying a token then needs no per-token output map, only
+    # an attention head whose value/output path roughly preserves the embedding (issue 4)
+    tie_embeddings: bool = True
 
     def __post_init__(self):
         assert self.kv_lora_rank == 8 * self.qk_rope_head_dim, "keep the paper's 8:1 split"
@@ -44,7 +47,7 @@ def hf_config(arch: str, tok, shape: ReferenceShape = ReferenceShape()):
         max_position_embeddings=shape.max_positions,
         rms_norm_eps=1e-6,
         initializer_range=0.02,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tie_embeddings,
         bos_token_id=tok.token_to_id(BOS),
         eos_token_id=tok.token_to_id(END),
         pad_token_id=tok.token_to_id("<|pad|>"),

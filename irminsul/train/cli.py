@@ -23,6 +23,10 @@ def register(subparsers) -> None:
     p.add_argument("--copy-steps", type=int, default=300, help="steps whose retrieval examples are all copy tasks")
     p.add_argument("--mix", default=None, help="task shares, e.g. passkey=0.4,kv=0.25,doc_qa=0.25,tool=0.1")
     p.add_argument("--phases", default=None, help="length x batch : share of steps, e.g. 256x8:0.45,512x4:0.2,1024x2:0.15,2048x1:0.2")
+    p.add_argument("--attn-weight", type=float, default=1.0,
+                   help="weight of the attention-supervision loss on one head (0: off)")
+    p.add_argument("--attn-heads", type=int, default=4, help="supervised heads 0..N-1 of the last layer")
+    p.add_argument("--untied", action="store_true", help="separate input and output embeddings")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model for smoke tests")
     p.set_defaults(func=run)
 
@@ -44,7 +48,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from irminsul.train.train import TrainConfig, train
 
-    shape = ReferenceShape()
+    shape = ReferenceShape(tie_embeddings=not args.untied)
     if args.tiny:
         shape = dataclasses.replace(shape, hidden=64, layers=2, heads=4, kv_heads=2, kv_lora_rank=32,
                                     qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=16,
@@ -53,6 +57,7 @@ def run(args) -> int:
                       seed=args.seed, threads=args.threads, lr=args.lr, eval_every=args.eval_every,
                       ckpt_minutes=args.ckpt_minutes, data=args.data, shape=shape, init=args.init,
                       stop_after=args.stop_after, warmup=args.warmup, copy_steps=args.copy_steps,
+                      attn_weight=args.attn_weight, attn_heads=args.attn_heads,
                       **({"phases": tuple((int(lb.split("x")[0]), int(lb.split("x")[1]), float(sh))
                                           for lb, sh in (p.split(":") for p in args.phases.split(",")))}
                          if args.phases else {}),

@@ -27,6 +27,9 @@ class Example:
     prompt_ids: list[int]
     answer_ids: list[int]  # ends with <|end|>; `answer_len` excludes it
     kind: str
+    # prompt index each answer token was copied from (len == answer_len), where the task knows it;
+    # the trainer's attention supervision uses it (train/attention.py)
+    sources: tuple[int, ...] | None = None
 
     @property
     def answer_len(self) -> int:
@@ -76,32 +79,44 @@ def _digits(rng: np.random.Generator, n: int) -> str:
     return str(int(rng.integers(1, 10))) + "".join(str(int(d)) for d in rng.integers(0, 10, n - 1))
 
 
-def _wrap(pool: TokenPool, body: list[int], question: str, prefix: str, answer: list[int], kind: str) -> Example:
+BODY_AT = 2  # the body starts after BOS and <|user|>
+
+
+def _wrap(pool: TokenPool, body: list[int], question: str, prefix: str, answer: list[int], kind: str,
+          body_sources: list[int] | None = None) -> Example:
     t = pool.tok
     prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + pool.enc(question) + [
         t.token_to_id(END), t.token_to_id("<|assistant|>")] + pool.enc(prefix)
-    return Example(prompt, answer + [t.token_to_id(END)], kind)
+    sources = tuple(BODY_AT + i for i in body_sources) if body_sources is not None else None
+    return Example(prompt, answer + [t.token_to_id(END)], kind, sources)
 
 
-def _insert(filler: list[int], needles: list[list[int]], depths: list[float]) -> list[int]:
-    """Splice needles into filler at relative depths in [0, 1] (deepest last so indices stay valid)."""
-    out = list(filler)
-    for needle, depth in sorted(zip(needles, depths), key=lambda p: -p[1]):
-        at = int(round(depth * len(filler)))
-        out[at:at] = needle
-    return out
+def _insert(filler: list[int], needles: list[list[int]], depths: list[float]) -> tuple[list[int], list[int]]:
+    """Splice needles into filler at relative depths in [0, 1]; returns (body, start of each needle)."""
+    out: list[int] = []
+    starts = [0] * len(needles)
+    prev = 0
+    for i in sorted(range(len(needles)), key=lambda i: depths[i]):
+        at = int(round(depths[i] * len(filler)))
+        out += filler[prev:at]
+        prev = at
+        starts[i] = len(out)
+        out += needles[i]
+    return out + filler[prev:], starts
 
 
 def passkey(pool: TokenPool, rng: np.random.Generator, n_tokens: int, depth: float | None = None,
             n_digits: int | None = None, value: str | None = None) -> Example:
     value = value or _digits(rng, n_digits or int(rng.integers(3, 8)))
     v = pool.enc(" " + value)  # the same ids in the needle and in the answer
-    needle = pool.enc(" The passkey is") + v + pool.enc(". Remember it. ")
+    lead = pool.enc(" The passkey is")
+    needle = lead + v + pool.enc(". Remember it. ")
     question, prefix = "\n\nWhat is the passkey?", "The passkey is"
     fixed = 4 + len(needle) + len(pool.enc(question)) + len(pool.enc(prefix)) + len(v) + 1
     filler = pool.filler(rng, max(8, n_tokens - fixed))
     depth = float(rng.random()) if depth is None else depth
-    return _wrap(pool, _insert(filler, [needle], [depth]), question, prefix, v, "passkey")
+    body, (at,) = _insert(filler, [needle], [depth])
+    return _wrap(pool, body, question, prefix, v, "passkey", [at + len(lead) + i for i in range(len(v))])
 
 
 def kv(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
@@ -109,13 +124,15 @@ def kv(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     m = int(rng.integers(2, 7))
     keys = [pool.words[i] for i in rng.choice(len(pool.words), m, replace=False)]
     values = [pool.enc(" " + _digits(rng, int(rng.integers(3, 8)))) for _ in keys]
-    needles = [pool.enc(f" The code for {k} is") + v + pool.enc(". ") for k, v in zip(keys, values)]
+    leads = [pool.enc(f" The code for {k} is") for k in keys]
+    needles = [lead + v + pool.enc(". ") for lead, v in zip(leads, values)]
     j = int(rng.integers(m))
     question, prefix = f"\n\nWhat is the code for {keys[j]}?", f"The code for {keys[j]} is"
     fixed = 4 + sum(map(len, needles)) + len(pool.enc(question)) + len(pool.enc(prefix)) + len(values[j]) + 1
     filler = pool.filler(rng, max(8, n_tokens - fixed))
-    body = _insert(filler, needles, rng.random(m).tolist())
-    return _wrap(pool, body, question, prefix, values[j], "kv")
+    body, starts = _insert(filler, needles, rng.random(m).tolist())
+    return _wrap(pool, body, question, prefix, values[j], "kv",
+                 [starts[j] + len(leads[j]) + i for i in range(len(values[j]))])
 
 
 def doc_qa(pool: TokenPool, rng: np.random.Generator, n_tokens: int, quote_len: int = 8,
@@ -125,13 +142,15 @@ def doc_qa(pool: TokenPool, rng: np.random.Generator, n_tokens: int, quote_len: 
     n_docs = int(rng.integers(2, 11))
     per_doc = max(48, budget // n_docs - 6)
     body: list[int] = []
-    spans = []
+    spans, text_at = [], []
     for i in range(n_docs):
         d = pool.passages[rng.integers(len(pool.passages))]
         start = int(rng.integers(0, max(1, len(d) - per_doc)))
         text = d[start:start + per_doc].tolist()
         spans.append(text)
-        body += pool.enc(f"Document [{i + 1}]: ") + text + pool.enc("\n")
+        body += pool.enc(f"Document [{i + 1}]: ")
+        text_at.append(len(body))
+        body += text + pool.enc("\n")
         if len(body) >= budget:
             break
     k = int(rng.integers(len(spans)))
@@ -142,7 +161,8 @@ def doc_qa(pool: TokenPool, rng: np.random.Generator, n_tokens: int, quote_len: 
     q_ids = pool.enc("\n\nWhich words follow \"") + quote + pool.enc("\"?")
     prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + q_ids + [
         t.token_to_id(END), t.token_to_id("<|assistant|>")] + pool.enc("They are:")
-    return Example(prompt, answer + [t.token_to_id(END)], "doc_qa")
+    at = BODY_AT + text_at[k] + s + quote_len
+    return Example(prompt, answer + [t.token_to_id(END)], "doc_qa", tuple(range(at, at + len(answer))))
 
 
 def tool(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
@@ -182,11 +202,12 @@ def repeat(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     question = "\n\nContinue the text that begins as follows."
     fixed = 4 + 2 * len(span) + len(pool.enc(question)) + 1
     filler = pool.filler(rng, max(8, n_tokens - fixed))
-    body = _insert(filler, [span], [float(rng.random())])
+    body, (at,) = _insert(filler, [span], [float(rng.random())])
     t = pool.tok
     prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + pool.enc(question) + [
         t.token_to_id(END), t.token_to_id("<|assistant|>")] + head
-    return Example(prompt, answer + [t.token_to_id(END)], "repeat")
+    at += BODY_AT + len(head)
+    return Example(prompt, answer + [t.token_to_id(END)], "repeat", tuple(range(at, at + len(answer))))
 
 
 def copy(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
@@ -207,7 +228,8 @@ def copy(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     t = pool.tok
     prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + pool.enc(question) + [
         t.token_to_id(END), t.token_to_id("<|assistant|>")] + span[:2]
-    return Example(prompt, span[2:] + [t.token_to_id(END)], "copy")
+    at = BODY_AT + gap // 2 + 2
+    return Example(prompt, span[2:] + [t.token_to_id(END)], "copy", tuple(range(at, at + m - 2)))
 
 
 def _params(schema: dict) -> list[str]:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from irminsul.train import retrieval, tasks
+from irminsul.train.attention import HeadProbe
 from irminsul.train.arch import ReferenceShape, build_model, hf_config
 from irminsul.train.checkpoint import max_reload_error, save_checkpoint
 from irminsul.train.data import SOURCES, Corpus
@@ -45,6 +46,11 @@ class TrainConfig:
     # Retrieval examples are all `copy` for the first steps: induction heads first (they did not
     # form in 1,000 steps of the mix alone), then the tasks that need them.
     copy_steps: int = 300
+    # attention supervision (train/attention.py): weight of the attention and copy losses on the
+    # probe heads at answer positions; 0 turns it off. Layer -1 is the last layer.
+    attn_weight: float = 1.0
+    attn_layer: int = -1
+    attn_heads: int = 4  # heads 0 .. attn_heads-1 of that layer
     eval_every: int = 100
     ckpt_minutes: float = 10.0
     data: str | None = None
@@ -88,19 +94,24 @@ class Batches:
         return self.stream[start:start + n].tolist()
 
     def get(self, step: int, length: int, batch: int):
+        """(inputs, targets, text mask, answer mask, source) for one step; `source[b, t]` is the
+        position an answer token predicted at t was copied from, or -1."""
         rng = np.random.default_rng([self.cfg.seed, step])
         x = np.zeros((batch, length + 1), dtype=np.int64)
         lm = np.zeros((batch, length + 1), dtype=bool)  # position predicts a text token
         ans = np.zeros((batch, length + 1), dtype=bool)  # position predicts an answer token
+        src = np.full((batch, length + 1), -1, dtype=np.int64)
+        copying = step < self.cfg.copy_steps
+        lo = 64 if copying else max(64, length // 4)
         for b in range(batch):
             ids: list[int] = []
-            copying = step < self.cfg.copy_steps
+            # a retrieval sequence packs examples back to back (several answers per sequence)
+            retrieval = copying or rng.random() < self.cfg.retrieval_share
             while len(ids) < length + 1:
                 room = length + 1 - len(ids)
                 ex = None
-                # copy phase: pack copy examples back to back (more supervised copies per step)
-                if (copying or (not ids and rng.random() < self.cfg.retrieval_share)) and room >= 64:
-                    n = int(rng.integers(64, room + 1)) if copying else int(rng.integers(max(64, length // 8), room + 1))
+                if retrieval and room >= lo:
+                    n = int(rng.integers(lo, room + 1))
                     ex = tasks.sample_example(self.pool, rng, n, {"copy": 1.0} if copying else self.mix)
                     ex = ex if len(ex.ids) <= room else None  # never train on a cut-off answer
                 if ex is None:
@@ -108,15 +119,20 @@ class Batches:
                     lm[b, len(ids) + 1:len(ids) + room] = True
                     ids += text[:room]
                     break
-                ans[b, len(ids) + len(ex.prompt_ids):len(ids) + len(ex.ids)] = True
+                at = len(ids) + len(ex.prompt_ids)
+                ans[b, at:len(ids) + len(ex.ids)] = True
+                if ex.sources is not None:
+                    src[b, at:at + ex.answer_len] = [len(ids) + i for i in ex.sources]
                 ids += ex.ids
             x[b] = ids
         # position t predicts token t+1: shift masks by one
-        return torch.from_numpy(x[:, :-1]), torch.from_numpy(x[:, 1:]), torch.from_numpy(lm[:, 1:]), torch.from_numpy(ans[:, 1:])
+        return (torch.from_numpy(x[:, :-1]), torch.from_numpy(x[:, 1:]), torch.from_numpy(lm[:, 1:]),
+                torch.from_numpy(ans[:, 1:]), torch.from_numpy(src[:, 1:]))
 
 
 def losses(model, x, y, lm_mask, ans_mask):
-    """(mean text loss, mean answer loss); the LM head runs only where a loss is taken."""
+    """(mean text loss, mean answer loss); the LM head runs only where a loss is taken.
+    A `HeadProbe` on the model records the probe head's scores during this forward pass."""
     hidden = model.model(input_ids=x).last_hidden_state  # [B, L, H]
     keep = lm_mask | ans_mask
     nll = F.cross_entropy(model.lm_head(hidden[keep]).float(), y[keep], reduction="none")  # [n_keep]
@@ -192,7 +208,7 @@ def _time_steps(cfg, model, batches) -> float:
     for length, batch, share in cfg.phases:
         times = []
         for i in range(2):
-            x, y, lm, ans = batches.get(10**9 + i, length, batch)
+            x, y, lm, ans, _ = batches.get(10**9 + i, length, batch)
             t = time.time()
             lm_loss, ans_loss = losses(model, x, y, lm, ans)
             (lm_loss + ans_loss).backward()
@@ -230,6 +246,8 @@ def train(cfg: TrainConfig) -> Path:
         assert model.config.vocab_size == tok.get_vocab_size(), "the init checkpoint has another vocabulary"
     else:
         model = build_model(config).train()
+    probe = (HeadProbe(model, cfg.attn_layer % cfg.shape.layers, tuple(range(cfg.attn_heads)))
+             if cfg.attn_weight else None)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -259,16 +277,25 @@ def train(cfg: TrainConfig) -> Path:
         length, batch = cfg.phase(step, steps)
         for g in opt.param_groups:
             g["lr"] = cfg.lr_at(step, steps)
-        x, y, lm_mask, ans_mask = batches.get(step, length, batch)
+        x, y, lm_mask, ans_mask, src = batches.get(step, length, batch)
+        if probe:
+            probe.target(src)
         lm_loss, ans_loss = losses(model, x, y, lm_mask, ans_mask)
-        (lm_loss + ans_loss).backward()
+        attn_loss = probe.attention_loss() if probe else torch.zeros(())
+        copy_loss = probe.copy_loss(y) if probe else torch.zeros(())
+        (lm_loss + ans_loss + cfg.attn_weight * (attn_loss + copy_loss)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens += x.numel()
-        record({"step": step, "len": length, "lm": round(lm_loss.item(), 4), "ans": round(ans_loss.item(), 4),
+        extra = {}
+        if probe:
+            extra = {"attn": round(attn_loss.item(), 4), "copy": round(copy_loss.item(), 4), "mass": round(probe.mass(), 4)}
+            probe.target(None)  # the probes and checkpoints below run the model without targets
+        record({"step": step, "len": length, "lm": round(lm_loss.item(), 4), "ans": round(ans_loss.item(), 4), **extra,
                 "lr": opt.param_groups[0]["lr"], "tokens": tokens, "t": round(time.time() - t_train, 1)})
-        bar.set_postfix(len=length, lm=f"{lm_loss.item():.2f}", ans=f"{ans_loss.item():.2f}", refresh=False)
+        bar.set_postfix(len=length, lm=f"{lm_loss.item():.2f}", ans=f"{ans_loss.item():.2f}",
+                        **({"mass": f"{extra['mass']:.2f}"} if probe else {}), refresh=False)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
             ev = probes.run(model)
             record({"step": step, "eval": ev, "t": round(time.time() - t_train, 1)})
@@ -285,6 +312,8 @@ def train(cfg: TrainConfig) -> Path:
         if time.time() - t0 > cfg.minutes * 60 * 1.25:
             tqdm.write(f"wall-clock guard hit at step {step + 1}/{steps}; stopping early")
             break
+    if probe:
+        probe.remove()
     snapshot("final")
     err = max_reload_error(model, out / "final", probes.examples["passkey@512"][0].ids)
     tqdm.write(f"saved {out / 'final'}; reload max |Δ log-prob| = {err:.2e}")
