@@ -51,3 +51,11 @@ def test_repeat_continues_a_span_of_the_haystack(pool):
     ex = tasks.repeat(pool, np.random.default_rng(3), 300)
     span = ex.prompt_ids[-6:] + ex.answer_ids[: ex.answer_len]
     assert _sub(ex.prompt_ids[:-6], span)
+
+
+@pytest.mark.parametrize("kind", ["passkey", "kv", "doc_qa", "repeat", "copy"])
+def test_sources_point_at_the_copied_tokens(pool, kind):
+    for seed in range(10):
+        ex = tasks.BUILDERS[kind](pool, np.random.default_rng(seed), 300)
+        assert ex.sources is not None and len(ex.sources) == ex.answer_len
+        assert [ex.prompt_ids[i] for i in ex.sources] == ex.answer_ids[: ex.answer_len]

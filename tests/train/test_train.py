@@ -16,10 +16,15 @@ def batches(tok, pool, tiny_shape):
 
 def test_batches_are_deterministic_and_masks_cover_answers_only(tok, batches):
     cfg, b = batches
-    x, y, lm, ans = b.get(3, 128, 8)
+    x, y, lm, ans, src = b.get(3, 128, 8)
     x2, *_ = b.get(3, 128, 8)
-    assert torch.equal(x, x2) and x.shape == y.shape == lm.shape == (8, 128)
+    assert torch.equal(x, x2) and x.shape == y.shape == lm.shape == src.shape == (8, 128)
     assert not (lm & ans).any() and ans.any() and lm.any()
+    # every recorded source is an earlier position holding the very token the answer needs
+    has = src >= 0
+    assert has.any() and (ans | ~has).all()
+    rows, t = has.nonzero(as_tuple=True)
+    assert (src[has] <= t).all() and torch.equal(x[rows, src[has]], y[has])
     end = tok.token_to_id("<|end|>")
     for row in range(8):
         if ans[row].any():
@@ -41,7 +46,7 @@ def test_a_training_step_learns_and_the_checkpoint_reloads(tok, batches, tiny_sh
     torch.manual_seed(0)
     model = build_model(hf_config(arch, tok, tiny_shape)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    x, y, lm, ans = b.get(0, 64, 4)
+    x, y, lm, ans, _ = b.get(0, 64, 4)
     first = None
     for _ in range(5):
         lm_loss, ans_loss = losses(model, x, y, lm, ans)
