@@ -60,9 +60,22 @@ def write_card(model_dir: Path, metrics: dict, train_cmd: str, eval_cmd: str, no
         "Data: tau-bench, BFCL, ToolBench and MuSiQue text from `shared/data/` (1 document in 10 held out",
         "by a hash of its text), plus synthetic retrieval tasks built from it: passkey, multi-key lookup,",
         "multi-document span QA, tool-schema lookup, span continuation and random-span copying (loss on",
-        "the answer tokens only; copying alone for the first steps). Contexts grow 256 -> 2048 over the",
-        "run. Licences of the sources: see `shared/data/ATTRIBUTION.md`.",
+        "the answer tokens only). Contexts grow "
+        f"{' -> '.join(str(p[0]) for p in state['config']['phases'])} over the run. Licences of the sources: see",
+        "`shared/data/ATTRIBUTION.md`.",
         "",
+    ]
+    attn = state["config"].get("attn_weight", 0)
+    if attn:
+        lines += [
+            f"Attention supervision (`irminsul/train/attention.py`, weight {attn:g}): at the positions that",
+            f"predict a copied answer token, heads 0..{state['config']['attn_heads'] - 1} of the last layer get a",
+            "cross-entropy loss on their attention to the token's source position, and their summed output,",
+            "read through the final norm and the LM head, must predict the token. These are training losses",
+            "only; the checkpoint is a plain HF model and the evaluation below sees none of it.",
+            "",
+        ]
+    lines += [
         "Reproduce the training:",
         "",
         f"    {train_cmd}",
