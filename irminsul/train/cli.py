@@ -19,6 +19,8 @@ def register(subparsers) -> None:
     p.add_argument("--data", default=None, help="data folder (default: shared/data next to the repo)")
     p.add_argument("--init", default=None, help="start from this checkpoint's weights (second stage)")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps of the schedule")
+    p.add_argument("--start-step", type=int, default=0,
+                   help="resume the --steps schedule here (with --init: finish a run the wall-clock guard stopped)")
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--copy-steps", type=int, default=300, help="steps whose retrieval examples are all copy tasks")
     p.add_argument("--mix", default=None, help="task shares, e.g. passkey=0.4,kv=0.25,doc_qa=0.25,tool=0.1")
@@ -56,7 +58,7 @@ def run(args) -> int:
     cfg = TrainConfig(arch=args.arch, out=args.out or f"runs/{args.arch}", steps=args.steps, minutes=args.minutes,
                       seed=args.seed, threads=args.threads, lr=args.lr, eval_every=args.eval_every,
                       ckpt_minutes=args.ckpt_minutes, data=args.data, shape=shape, init=args.init,
-                      stop_after=args.stop_after, warmup=args.warmup, copy_steps=args.copy_steps,
+                      stop_after=args.stop_after, start_step=args.start_step, warmup=args.warmup, copy_steps=args.copy_steps,
                       attn_weight=args.attn_weight, attn_heads=args.attn_heads,
                       **({"phases": tuple((int(lb.split("x")[0]), int(lb.split("x")[1]), float(sh))
                                           for lb, sh in (p.split(":") for p in args.phases.split(",")))}

@@ -56,6 +56,9 @@ class TrainConfig:
     data: str | None = None
     init: str | None = None  # start from this checkpoint's weights (a second stage) instead of `seed`
     stop_after: int | None = None  # stop (and save) after this many steps of the `steps` schedule
+    # resume the `steps` schedule at this step (with `init`: finish a run that a wall-clock guard
+    # stopped; the optimizer state starts fresh, tokens and wall time carry over from `init`)
+    start_step: int = 0
     shape: ReferenceShape = field(default_factory=ReferenceShape)
 
     def __post_init__(self):
@@ -259,6 +262,10 @@ def train(cfg: TrainConfig) -> Path:
     log: list[dict] = []
     logf = (out / "log.jsonl").open("w")
     tokens, last_ckpt, t_train = 0, time.time(), time.time()
+    prior = {}
+    if cfg.init and (Path(cfg.init) / "train_state.json").exists():
+        prior = json.loads((Path(cfg.init) / "train_state.json").read_text())
+        tokens = prior.get("tokens", 0)
     state = {}
 
     def record(r):
@@ -268,11 +275,15 @@ def train(cfg: TrainConfig) -> Path:
 
     def snapshot(dir_name):
         state.update(arch=cfg.arch, step=step + 1, steps=steps, tokens=tokens, params=n_params,
-                     wall_s=round(time.time() - t_train), config=_jsonable(asdict(cfg)) | {"steps": steps})
+                     wall_s=round(time.time() - t_train) + prior.get("wall_s", 0),
+                     config=_jsonable(asdict(cfg)) | {"steps": steps})
+        if prior:
+            state["previous_stages"] = prior.get("previous_stages", []) + [
+                {k: prior[k] for k in ("step", "steps", "tokens", "wall_s", "config") if k in prior}]
         save_checkpoint(model, tok, out / dir_name, state)
         plot(log, out / "loss_curve.png")
 
-    bar = tqdm(range(steps), desc=f"train {cfg.arch}", mininterval=5)
+    bar = tqdm(range(cfg.start_step, steps), desc=f"train {cfg.arch}", mininterval=5)
     for step in bar:
         length, batch = cfg.phase(step, steps)
         for g in opt.param_groups:
