@@ -84,7 +84,20 @@ def run_eval(args) -> int:
                    doc_qa_n=args.synthetic, data=args.data)
     save(res, Path(args.json or Path(args.model) / "metrics.json"))
     if args.card:
-        eval_cmd = "irminsul " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "--card")
+        eval_cmd = "irminsul " + " ".join(shlex.quote(a) for a in _measuring_args(sys.argv[1:]))
         notes = Path(args.notes).read_text() if args.notes else ""
         print(write_card(Path(args.model), res, args.train_cmd or "(see train_state.json)", eval_cmd, notes))
     return 0
+
+
+def _measuring_args(argv: list[str]) -> list[str]:
+    """The eval-reference arguments that change a number (not --card, --train-cmd or --notes)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--train-cmd", "--notes"):
+            skip = True
+        elif a != "--card" and not a.startswith(("--train-cmd=", "--notes=")):
+            out.append(a)
+    return out

@@ -24,3 +24,11 @@ def test_evaluate_and_card_on_a_tiny_checkpoint(tok, tiny_mla, tmp_path):
     card = write_card(path, res, "irminsul train-reference", "irminsul eval-reference --model m").read_text()
     assert "| 1024 |" in card and "held-out" in card.lower()
     assert "256 -> 2048" in card and "heads 0..3 of the last layer" in card
+
+
+def test_the_card_quotes_only_the_arguments_that_measure():
+    from irminsul.train.cli import _measuring_args
+
+    argv = ["eval-reference", "--model", "m", "--card", "--train-cmd", "git checkout x && train", "--notes", "/tmp/n.md",
+            "--needles", "4", "--notes=/tmp/o.md"]
+    assert _measuring_args(argv) == ["eval-reference", "--model", "m", "--needles", "4"]
