@@ -13,8 +13,8 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (fixes the schedule: reproducible)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--ckpt-minutes", type=float, default=10.0)
     p.add_argument("--data", default=None, help="data folder (default: shared/data next to the repo)")
     p.add_argument("--init", default=None, help="start from this checkpoint's weights (second stage)")
@@ -22,9 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("--start-step", type=int, default=0,
                    help="resume the --steps schedule here (with --init: finish a run the wall-clock guard stopped)")
     p.add_argument("--warmup", type=int, default=60)
-    p.add_argument("--copy-steps", type=int, default=300, help="steps whose retrieval examples are all copy tasks")
+    p.add_argument("--copy-steps", type=int, default=0, help="steps whose retrieval examples are all copy tasks")
     p.add_argument("--mix", default=None, help="task shares, e.g. passkey=0.4,kv=0.25,doc_qa=0.25,tool=0.1")
-    p.add_argument("--phases", default=None, help="length x batch : share of steps, e.g. 256x8:0.45,512x4:0.2,1024x2:0.15,2048x1:0.2")
+    p.add_argument("--phases", default=None, help="length x batch : share of steps, e.g. 256x8:0.4,512x4:0.2,1024x2:0.2,2048x1:0.2")
     p.add_argument("--attn-weight", type=float, default=1.0,
                    help="weight of the attention-supervision loss on one head (0: off)")
     p.add_argument("--attn-heads", type=int, default=4, help="supervised heads 0..N-1 of the last layer")
