@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     p.add_argument("--mix", default=None, help="task shares, e.g. passkey=0.4,kv=0.25,doc_qa=0.25,tool=0.1")
     p.add_argument("--phases", default=None, help="length x batch : share of steps, e.g. 256x8:0.4,512x4:0.2,1024x2:0.2,2048x1:0.2")
     p.add_argument("--attn-weight", type=float, default=1.0,
-                   help="weight of the attention-supervision loss on one head (0: off)")
+                   help="weight of the attention and copy losses on the supervised heads (0: off)")
     p.add_argument("--attn-heads", type=int, default=4, help="supervised heads 0..N-1 of the last layer")
     p.add_argument("--untied", action="store_true", help="separate input and output embeddings")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model for smoke tests")
