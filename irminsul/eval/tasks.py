@@ -166,13 +166,15 @@ class AgentConversations:
                 if m["role"] != "assistant" or i == 0:
                     continue
                 body: list[list[int]] = []
+                size = 0  # tokens in body
                 for prev in reversed(msgs[:i]):  # whole messages, newest first, within max_body
                     ids = d.tok.encode(render_chat([prev])).ids
-                    if sum(map(len, body)) + len(ids) > max_body:
+                    if size + len(ids) > max_body:
                         break
                     body.insert(0, ids)
+                    size += len(ids)
                 answer = d.tok.encode(render_chat([m])).ids[1 : answer_tokens + 1]  # drop <|assistant|>
-                if sum(map(len, body)) >= min_body and answer:
+                if size >= min_body and answer:
                     self.turns.append((f"tau-{t['task_id']}-{t['trial']}", tuple(msgs[i - len(body) : i]), body,
                                        answer))
 

@@ -72,7 +72,6 @@ class SequenceRows:
         return other
 
 
-
 @dataclass
 class ForwardBatch:
     """Flat tokens of several sequences; sequence i owns tokens [offsets[i], offsets[i+1])."""

@@ -93,13 +93,16 @@ class HeadProbe:
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
+    def _at_source(self, per_key: torch.Tensor) -> torch.Tensor:
+        """per_key [n, H, L] -> [n, H]: each query's value at its source position."""
+        target = self.src[self.src >= 0]
+        return per_key.gather(2, target[:, None, None].expand(-1, per_key.shape[1], 1))[..., 0]
+
     def attention_loss(self) -> torch.Tensor:
         """Mean over probe heads and queries of -log attention(query -> its source)."""
         if self.scores is None:
             return torch.zeros(())
-        target = self.src[self.src >= 0]
-        logp = torch.log_softmax(self.scores, -1)  # [n, H, L]
-        return -logp.gather(2, target[:, None, None].expand(-1, logp.shape[1], 1)).mean()
+        return -self._at_source(torch.log_softmax(self.scores, -1)).mean()
 
     def copy_loss(self, y: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of the probe heads' output, read by the final norm + LM head, against y."""
@@ -112,6 +115,4 @@ class HeadProbe:
         """Mean attention weight on the source (a progress probe, 1.0 = always on target)."""
         if self.scores is None:
             return float("nan")
-        p = torch.softmax(self.scores.detach(), -1)
-        target = self.src[self.src >= 0]
-        return float(p.gather(2, target[:, None, None].expand(-1, p.shape[1], 1)).mean())
+        return float(self._at_source(torch.softmax(self.scores.detach(), -1)).mean())

@@ -17,6 +17,8 @@ def write_card(model_dir: Path, metrics: dict, train_cmd: str, eval_cmd: str, no
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = cfg["architectures"][0]
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 1e6
+    loads = ("loads in transformers and in `irminsul.LLM`" if "kv_lora_rank" in cfg else
+             "loads in transformers; the MLA model's twin for architecture comparisons (the engine serves MLA only)")
     lines = [
         f"# Irminsul reference model: {state['arch'].upper()} ({arch})",
         "",
@@ -28,7 +30,7 @@ def write_card(model_dir: Path, metrics: dict, train_cmd: str, eval_cmd: str, no
         "",
         "| | |",
         "|---|---|",
-        f"| architecture | `{arch}` ({'loads in transformers and in `irminsul.LLM`' if 'kv_lora_rank' in cfg else 'loads in transformers; the MLA model' + chr(39) + 's twin for architecture comparisons (the engine serves MLA only)'}) |",
+        f"| architecture | `{arch}` ({loads}) |",
         f"| parameters | {state['params'] / 1e6:.2f} M |",
         f"| layers / hidden / heads | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['num_attention_heads']} |",
     ]
