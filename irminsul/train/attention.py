@@ -31,6 +31,9 @@ class HeadProbe:
     def __init__(self, model, layer: int, heads: tuple[int, ...]):
         if type(model).__name__ not in SUPPORTED:
             raise ValueError(f"attention supervision supports {SUPPORTED}, not {type(model).__name__}")
+        n_heads = model.config.num_attention_heads
+        if not heads or not all(0 <= h < n_heads for h in heads):
+            raise ValueError(f"probe heads {tuple(heads)} must be among the model's {n_heads} heads")
         self.model = model
         self.attn = model.model.layers[layer].self_attn
         self.heads = tuple(heads)

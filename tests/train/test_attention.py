@@ -75,3 +75,9 @@ def test_attention_loss_trains_the_head_toward_the_source(tok, tiny_shape):
         opt.step()
         opt.zero_grad()
     assert masses[-1] > 0.9 > masses[0]
+
+
+def test_probe_heads_must_exist(tok, tiny_shape):
+    model = _model(tok, tiny_shape, "mla")
+    with pytest.raises(ValueError, match="must be among the model's 2 heads"):
+        HeadProbe(model, 0, (0, 1, 2))

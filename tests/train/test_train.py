@@ -58,3 +58,33 @@ def test_a_training_step_learns_and_the_checkpoint_reloads(tok, batches, tiny_sh
     path = save_checkpoint(model, tok, tmp_path / arch)
     assert (path / "model.safetensors").exists() and (path / "tokenizer_config.json").exists()
     assert max_reload_error(model, path, x[0].tolist()) < 1e-4
+
+
+def test_a_second_stage_resumes_the_schedule_and_carries_the_state(tmp_path):
+    """--init + --start-step finish a schedule: the steps run are the remaining ones, and tokens,
+    wall time and the first stage's record carry into train_state.json."""
+    import dataclasses
+    import json
+
+    from irminsul.train.arch import ReferenceShape
+    from irminsul.train.data import default_data_dir
+    from irminsul.train.train import train
+
+    try:
+        default_data_dir()
+    except FileNotFoundError:
+        pytest.skip("needs shared/data/")
+    shape = dataclasses.replace(ReferenceShape(), hidden=32, layers=2, heads=2, kv_heads=1, kv_lora_rank=16,
+                                qk_rope_head_dim=2, qk_nope_head_dim=6, v_head_dim=8, dense_intermediate=64,
+                                moe_intermediate=16, routed_experts=4)
+    common = dict(arch="mla", steps=4, threads=1, phases=((64, 2, 1.0),), eval_every=1000, shape=shape,
+                  warmup=1, minutes=10, attn_heads=2)
+    first = train(TrainConfig(out=str(tmp_path / "a"), stop_after=2, **common))
+    second = train(TrainConfig(out=str(tmp_path / "b"), init=str(first), start_step=2, **common))
+    a = json.loads((first / "train_state.json").read_text())
+    b = json.loads((second / "train_state.json").read_text())
+    assert (a["step"], a["tokens"]) == (2, 2 * 2 * 64)
+    assert (b["step"], b["tokens"]) == (4, 4 * 2 * 64)
+    assert b["wall_s"] >= a["wall_s"] and [s["step"] for s in b["previous_stages"]] == [2]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == [2, 3]
