@@ -14,8 +14,11 @@ tables (Markdown) and tokens/s per stage. The CLI runs the same code one trace a
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
+from irminsul.cli import run_for_people
 from irminsul.errors import UserFacingError
 from irminsul.machine import describe
 from irminsul.workloads.builders import SOURCES, build_source
@@ -87,4 +90,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_for_people(main, Path(__file__).name))

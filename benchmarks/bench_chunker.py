@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
+from pathlib import Path
 
 import numpy as np
 
 from irminsul.machine import best_of, describe
 from irminsul.cache.chunker import ChunkerConfig, boundaries, candidates, chunk, namespace_seed, reference_candidates
+from irminsul.cli import run_for_people
 
 TARGET = 10e6  # tokens/s, issue 3
 
@@ -50,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_for_people(main, Path(__file__).name))

@@ -7,11 +7,13 @@ same weights (issue 2). Reports tokens/s for both and their ratio, measured in t
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from irminsul.cli import run_for_people
 from irminsul.machine import best_of, describe
 from irminsul.model.loader import load_model
 from irminsul.model.tiny import make_tiny_checkpoint
@@ -87,4 +89,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_for_people(main, Path(__file__).name))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -21,10 +22,11 @@ import numpy as np
 import torch
 
 from irminsul import LLM, bundled_model
+from irminsul.cli import run_for_people
+from irminsul.data import data_file
 from irminsul.engine.sampling import SamplingParams
 from irminsul.machine import best_of, describe
 
-POLICY = Path(__file__).resolve().parents[1].parent / "shared/data/tau_bench/airline_wiki.md"
 
 
 def ttft(llm: LLM, tokens: list[int], segments=None) -> tuple[float, float, object]:
@@ -44,7 +46,7 @@ def agent_meta_requests(llm: LLM, n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     tok = llm.tokenizer
     limit = llm.model.config.max_position_embeddings - 400
-    body = tok.encode(POLICY.read_text(), add_bos=False)[:min(1600, limit)]
+    body = tok.encode(data_file("tau_bench", "airline_wiki.md").read_text(), add_bos=False)[:min(1600, limit)]
     out = []
     for i in range(n):
         profile = " ".join(f"pref{int(x)}" for x in rng.integers(0, 1000, int(rng.integers(1, 60))))
@@ -122,4 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_for_people(main, Path(__file__).name))

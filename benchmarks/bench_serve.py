@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from irminsul.cli import run_for_people
 from irminsul.machine import describe
 from irminsul.server.bench import replay, summarise
 from irminsul.server.testing import ServerProcess
@@ -29,8 +30,9 @@ from irminsul.workloads.trace import read_trace
 
 def tiny_qwen2_checkpoint(path: Path) -> Path:
     """A tiny random DeepSeek-V2 with Qwen2's tokenizer and a 64k context."""
+    from irminsul.data import data_file
     from irminsul.model.tiny import make_tiny_checkpoint
-    from irminsul.workloads.tokenizers import DATA_DIR, load_tokenizer
+    from irminsul.workloads.tokenizers import load_tokenizer
 
     if (path / "config.json").exists():
         return path
@@ -39,7 +41,7 @@ def tiny_qwen2_checkpoint(path: Path) -> Path:
     eos = tok.token_to_id("<|im_end|>")
     make_tiny_checkpoint(path, vocab_size=vocab, max_position_embeddings=65536, bos_token_id=None, eos_token_id=eos)
     tok.save(str(path / "tokenizer.json"))
-    config = json.loads((DATA_DIR / "tokenizers" / "qwen2" / "tokenizer_config.json").read_text())
+    config = json.loads(data_file("tokenizers", "qwen2", "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return path
 
@@ -88,4 +90,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_for_people(main, Path(__file__).name))

@@ -37,12 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_for_people(lambda: args.func(args))
+
+
+def run_for_people(fn, prog: str = "irminsul") -> int:
+    """Run a command (the CLI's, or a benchmark script's main): an error meant for people is one
+    line on stderr and exit status 2, never a traceback; Ctrl-C is 130."""
     try:
-        return int(args.func(args) or 0)
+        return int(fn() or 0)
     except KeyboardInterrupt:
         return 130
     except UserFacingError as e:
-        print(f"irminsul: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -1,6 +1,7 @@
 """Pure cache bookkeeping: chunker, registry, S1 window index, radix prefix tree, reuse planner.
 
-No torch here: rows are opaque payloads the engine owns (design doc section 3; style.md rule 5).
+These modules need no torch: rows are opaque payloads the engine owns (docs/design.md section 3).
+Only the store tiers in `store/`, which serialise rows, import it.
 """
 
 from irminsul.cache.chunker import Chunk, ChunkerConfig, boundaries, chunk, fingerprint, namespace_seed

@@ -20,7 +20,7 @@ S2 (paper section 3, "prevent by cooperation"): the hash state resets and a cut 
 segment start, either given by the caller or found after each occurrence of a boundary marker.
 
 Fingerprints are xxHash64 of the chunk's ids as little-endian uint32, seeded by the namespace
-(model identity + tenant, design doc section 6).
+(model identity + tenant, docs/design.md section 6).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Design doc section 3 (the serve path) and Irminsul paper section 3:
 5. the last prompt token is always computed so that its logits exist.
 
 Everything left over is computed in one forward pass at its true positions. The plan is a list
-of spans, not a prefix count (design doc section 6). ``plan`` pins every registry entry it uses
+of spans, not a prefix count (docs/design.md section 6). ``plan`` pins every registry entry it uses
 and locks its radix match; ``release`` undoes both.
 """
 

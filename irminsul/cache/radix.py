@@ -1,4 +1,4 @@
-"""Token-level radix tree of finished sequences: the exact-prefix cache (design doc section 3 step 1).
+"""Token-level radix tree of finished sequences: the exact-prefix cache (docs/design.md section 3 step 1).
 
 In the spirit of SGLang's RadixAttention (Zheng et al., arXiv 2312.07104;
 ``python/sglang/srt/mem_cache/radix_cache.py``): each edge holds a run of token ids and the

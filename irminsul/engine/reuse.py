@@ -1,4 +1,4 @@
-"""Executes the cache's plans on a sequence's latent rows (design doc, sections 3 and 4).
+"""Executes the cache's plans on a sequence's latent rows (docs/design.md, sections 3 and 4).
 
   off     every prompt token is computed (the quality reference);
   prefix  exact-prefix rows from the radix tree, copied as they are;
@@ -141,7 +141,7 @@ class CacheReuse:
     def publish(self, tokens: list[int], segment_starts: list[int] | None = None):
         """Precompute a document's rows in a fixed, trusted context (the document alone, from
         position 0) and register its chunks in the shared namespace, which every tenant searches
-        after its own. Shared rows never depend on a stranger's prefix (HijackKV, design doc §6)."""
+        after its own. Shared rows never depend on a stranger's prefix (HijackKV, docs/design.md §6)."""
         ids = np.asarray(tokens, dtype=np.int64)
         rows = self.model.new_rows(capacity=len(ids))
         self.model.prefill(rows, torch.as_tensor(ids), torch.arange(len(ids)))

@@ -83,7 +83,7 @@ class Arch:
 
     @property
     def rotated_values(self) -> int:
-        """Values a reused row needs corrected: MLA only k_r; GQA its whole K (design doc §2)."""
+        """Values a reused row needs corrected: MLA only k_r; GQA its whole K (docs/design.md §2)."""
         return self.rope if self.kind == "mla" else self.kv_heads * self.head_dim
 
     def linears(self, layer: int) -> list[tuple[int, int, int, int]]:

@@ -1,6 +1,6 @@
 """Model shapes for analytic studies: HF `config.json` contents of the production-size models.
 
-DeepSeek-V2-Lite is `deepseek-ai/DeepSeek-V2-Lite/config.json` (design doc §2: 27 layers,
+DeepSeek-V2-Lite is `deepseek-ai/DeepSeek-V2-Lite/config.json` (docs/design.md §2: 27 layers,
 16 heads, kv_lora_rank 512, rope 64, YaRN factor 40, 64 routed + 2 shared experts, top 6, first
 layer dense). The GQA model of similar scale follows `Qwen/Qwen3-32B/config.json` (64 layers,
 64 query heads, 8 KV heads of 128, SwiGLU 25600); its q/k norms are elementwise and not counted.

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from irminsul.train import tasks as train_tasks
-from irminsul.train.data import Corpus, default_data_dir, is_held_out, render_chat
+from irminsul.data import data_dir as find_data_dir
+from irminsul.train.data import Corpus, is_held_out, render_chat
 from irminsul.train.retrieval import NEEDLE_DEPTHS
 from irminsul.train.tokenizer import BOS, END, load_tokenizer
 from irminsul.workloads.patterns import agent_meta
@@ -80,7 +81,7 @@ class TaskData:
     """Held-out text of the reference models' split, tokenised with the checkpoint's tokenizer."""
 
     def __init__(self, model_dir: str | Path, data_dir: str | Path | None = None):
-        self.data_dir = Path(data_dir) if data_dir else default_data_dir()
+        self.data_dir = find_data_dir(data_dir)
         self.tok = load_tokenizer(Path(model_dir))
         corpus = Corpus.load(self.data_dir)
         self.pool = train_tasks.TokenPool(self.tok, corpus.held_out, corpus.tools_held_out, corpus.words)

@@ -30,7 +30,7 @@ class RopeConfig:
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
     truncate: bool = True
-    # Layout of the pairs rotated together (design doc, section 2):
+    # Layout of the pairs rotated together (docs/design.md, section 2):
     #   "v2"            interleaved complex pairs (2i, 2i+1) in and out;
     #   "v3_interleave" interleaved pairs in, de-interleaved halves out (V3 `rope_interleave`);
     #   "v3_half"       halves (i, i + dim/2) in and out (V3 without `rope_interleave`).

@@ -1,7 +1,7 @@
 """Rotary embedding of MLA's decoupled key, and the δ-rotation that moves a cached `k_r`.
 
 RoPE composes, R(a)·R(b) = R(a+b), so a row cached at position p and reused at p+δ only needs
-`k_r <- R(δ)·k_r` (Irminsul paper, section 3; design doc, section 2). That is exact as long as
+`k_r <- R(δ)·k_r` (Irminsul paper, section 3; docs/design.md, section 2). That is exact as long as
 R(δ) uses the model's own rotary class: the same `inv_freq` (YaRN frequencies do not depend on
 position) and the same pair layout the row was cached in. The attention factor that YaRN
 multiplies into cos/sin is already inside the cached `k_r`, so R(δ) uses *unit* cos/sin.

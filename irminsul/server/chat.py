@@ -2,7 +2,7 @@
 
 Each message (and each text part of one) and each tool schema is tokenised on its own, so the
 same content always tokenises the same way wherever it sits, and every segment start is handed to
-the engine: CDC chunking restarts there (S2 without model-visible markers, design doc section 3).
+the engine: CDC chunking restarts there (S2 without model-visible markers, docs/design.md section 3).
 The template is chosen from the checkpoint's special tokens.
 """
 

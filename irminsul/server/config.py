@@ -1,4 +1,4 @@
-"""The server's configuration: one frozen dataclass, validated at construction (style.md rule 3)."""
+"""The server's configuration: one frozen dataclass, validated at construction."""
 
 from __future__ import annotations
 

@@ -114,8 +114,9 @@ class HeadProbe:
         logits = self.model.lm_head(self.model.model.norm(self.out)).float()
         return F.cross_entropy(logits, y[self.src >= 0])
 
-    def mass(self) -> float:
-        """Mean attention weight on the source (a progress probe, 1.0 = always on target)."""
+    def mass(self) -> float | None:
+        """Mean attention weight on the source (a progress probe, 1.0 = always on target); None
+        when the last batch had no answer to supervise (plain text only)."""
         if self.scores is None:
-            return float("nan")
+            return None
         return float(self._at_source(torch.softmax(self.scores.detach(), -1)).mean())

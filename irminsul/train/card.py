@@ -11,7 +11,35 @@ def machine(threads: int) -> str:
     return f"{platform.machine()} CPU, {threads} threads, torch {torch.__version__}"
 
 
-def write_card(model_dir: Path, metrics: dict, train_cmd: str, eval_cmd: str, notes: str = "") -> Path:
+def stage_command(stage: dict) -> str:
+    """The `irminsul train-reference` command that runs one recorded stage (a train_state.json, or
+    one of its `previous_stages`): every option that shapes the run, from its recorded config, and
+    --stop-after where the stage ended before its schedule did."""
+    c = stage["config"]
+    args = ["irminsul train-reference", f"--arch {c['arch']}", f"--out {c['out']}", f"--steps {c['steps']}",
+            f"--minutes {c['minutes']:g}", f"--seed {c['seed']}", f"--threads {c['threads']}", f"--lr {c['lr']:g}",
+            f"--warmup {c['warmup']}",
+            "--phases " + ",".join(f"{n}x{b}:{s:g}" for n, b, s in c["phases"]),
+            "--mix " + ",".join(f"{k}={v:g}" for k, v in c["mix"]),
+            f"--copy-steps {c['copy_steps']}", f"--eval-every {c['eval_every']}",
+            f"--attn-weight {c['attn_weight']:g}", f"--attn-heads {c['attn_heads']}"]
+    if c.get("init"):
+        args.append(f"--init {c['init']}")
+    if c.get("start_step"):
+        args.append(f"--start-step {c['start_step']}")
+    if stage["step"] < c["steps"]:
+        args.append(f"--stop-after {stage['step']}")
+    if not c.get("shape", {}).get("tie_embeddings", True):
+        args.append("--untied")
+    return " ".join(args)
+
+
+def train_commands(state: dict) -> list[str]:
+    """One command per stage, in the order they ran."""
+    return [stage_command(s) for s in [*state.get("previous_stages", []), state]]
+
+
+def write_card(model_dir: Path, metrics: dict, eval_cmd: str, notes: str = "") -> Path:
     model_dir = Path(model_dir)
     state = json.loads((model_dir / "train_state.json").read_text())
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -59,12 +87,12 @@ def write_card(model_dir: Path, metrics: dict, train_cmd: str, eval_cmd: str, no
         f"| machine | {machine(state['config']['threads'])}, shared with other jobs |",
         f"| seed | {state['config']['seed']} |",
         "",
-        "Data: tau-bench, BFCL, ToolBench and MuSiQue text from `shared/data/` (1 document in 10 held out",
+        "Data: tau-bench, BFCL, ToolBench and MuSiQue text from `irminsul/data/` (1 document in 10 held out",
         "by a hash of its text), plus synthetic retrieval tasks built from it: passkey, multi-key lookup,",
         "multi-document span QA, tool-schema lookup, span continuation and random-span copying (loss on",
         "the answer tokens only). Contexts grow "
         f"{' -> '.join(str(p[0]) for p in state['config']['phases'])} over the run. Licences of the sources: see",
-        "`shared/data/ATTRIBUTION.md`.",
+        "`irminsul/data/ATTRIBUTION.md`.",
         "",
     ]
     attn = state["config"].get("attn_weight", 0)
@@ -78,9 +106,11 @@ def write_card(model_dir: Path, metrics: dict, train_cmd: str, eval_cmd: str, no
             "",
         ]
     lines += [
-        "Reproduce the training:",
+        "Reproduce the training (the stages as `train_state.json` records them, one after the other;",
+        "`--stop-after` ends a stage where the recorded one ended; `--minutes` is only a wall-clock guard,",
+        "so raise it on a slower machine):",
         "",
-        f"    {train_cmd}",
+        *(f"    {cmd}" for cmd in train_commands(state)),
         "",
         "## Evaluation",
         "",

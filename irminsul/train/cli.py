@@ -16,7 +16,7 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--ckpt-minutes", type=float, default=10.0)
-    p.add_argument("--data", default=None, help="data folder (default: shared/data next to the repo)")
+    p.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
     p.add_argument("--init", default=None, help="start from this checkpoint's weights (second stage)")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps of the schedule")
     p.add_argument("--start-step", type=int, default=0,
@@ -40,9 +40,9 @@ def register(subparsers) -> None:
     e.add_argument("--synthetic", type=int, default=20, help="probes per synthetic task and length")
     e.add_argument("--threads", type=int, default=2)
     e.add_argument("--data", default=None)
-    e.add_argument("--json", default=None, help="write the metrics here (default MODEL/metrics.json)")
-    e.add_argument("--card", action="store_true", help="(re)write MODEL/MODEL_CARD.md from the metrics")
-    e.add_argument("--train-cmd", default=None, help="training command to print in the card")
+    e.add_argument("--out", default=None, help="write the metrics (JSON) to this file (default: print them)")
+    e.add_argument("--card", action="store_true",
+                   help="(re)write MODEL/MODEL_CARD.md and MODEL/metrics.json from this run")
     e.add_argument("--notes", default="", help="a file whose text goes into the card's Notes section")
     e.set_defaults(func=run_eval)
 
@@ -70,6 +70,7 @@ def run(args) -> int:
 
 
 def run_eval(args) -> int:
+    import json
     import shlex
     import sys
     from pathlib import Path
@@ -82,22 +83,30 @@ def run_eval(args) -> int:
     torch.set_num_threads(args.threads)
     res = evaluate(Path(args.model), engine=args.engine, n_needles=args.needles, qa_items=args.qa_items,
                    doc_qa_n=args.synthetic, data=args.data)
-    save(res, Path(args.json or Path(args.model) / "metrics.json"))
+    written = [Path(args.out)] if args.out else []
+    if args.card:
+        written.append(Path(args.model) / "metrics.json")
+    for path in written:
+        save(res, path)
+        print(f"wrote {path}", file=sys.stderr)
+    if not written:
+        print(json.dumps(res, indent=2))
     if args.card:
         eval_cmd = "irminsul " + " ".join(shlex.quote(a) for a in _measuring_args(sys.argv[1:]))
         notes = Path(args.notes).read_text() if args.notes else ""
-        print(write_card(Path(args.model), res, args.train_cmd or "(see train_state.json)", eval_cmd, notes))
+        card = write_card(Path(args.model), res, eval_cmd, notes)
+        print(f"wrote {card}", file=sys.stderr)
     return 0
 
 
 def _measuring_args(argv: list[str]) -> list[str]:
-    """The eval-reference arguments that change a number (not --card, --train-cmd or --notes)."""
+    """The eval-reference arguments that change a number (not --card, --out or --notes)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--train-cmd", "--notes"):
+        elif a in ("--notes", "--out"):
             skip = True
-        elif a != "--card" and not a.startswith(("--train-cmd=", "--notes=")):
+        elif a != "--card" and not a.startswith(("--notes=", "--out=")):
             out.append(a)
     return out

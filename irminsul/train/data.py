@@ -1,4 +1,4 @@
-"""Real text from `shared/data/`, rendered as documents, with a held-out slice of every source.
+"""Real text from `irminsul/data/`, rendered as documents, with a held-out slice of every source.
 
 Each source becomes a list of documents (strings). Chat-shaped records are rendered with the same
 role tokens as the chat template in `tokenizer.py`, so the model sees its own serving format.
@@ -11,21 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from irminsul.data import data_dir as find_data_dir
+
 SOURCES = ("tau_bench", "bfcl", "toolbench", "musique")
 HELD_OUT_BUCKETS = 10  # 1 document in 10 is held out
-
-
-def default_data_dir() -> Path:
-    """`shared/data/` next to the repository (the project's read-only data folder)."""
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent / "shared" / "data"
-        if cand.is_dir():
-            return cand
-        cand = parent.parent / "shared" / "data"
-        if cand.is_dir():
-            return cand
-    raise FileNotFoundError("could not find shared/data/; pass --data DIR")
 
 
 def render_chat(messages: list[dict]) -> str:
@@ -133,7 +122,7 @@ class Corpus:
 
     @classmethod
     def load(cls, data_dir: Path | None = None) -> "Corpus":
-        data_dir = Path(data_dir) if data_dir else default_data_dir()
+        data_dir = find_data_dir(data_dir)
         loaders = {"tau_bench": _tau_bench, "bfcl": _bfcl, "toolbench": _toolbench, "musique": _musique}
         train, held = {}, {}
         for name in SOURCES:

@@ -6,13 +6,16 @@ cannot pass for a model that failed to learn (issue 4, second pitfall).
 """
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
+from irminsul.data import data_dir
 from irminsul.train import retrieval, tasks
 from irminsul.train.checkpoint import load_checkpoint
 from irminsul.train.data import Corpus, is_held_out, musique_items
@@ -39,7 +42,7 @@ def held_out_loss(model, pool: tasks.TokenPool, bos: int, window: int = 1024, ma
 
 def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items: int = 120,
              doc_qa_n: int = 20, data: str | None = None, seed: int = 0, loss_windows: int = 32,
-             log=print) -> dict:
+             log=lambda line: tqdm.write(line, file=sys.stderr)) -> dict:
     model_dir = Path(model_dir)
     tok = load_tokenizer(model_dir)
     corpus = Corpus.load(data)
@@ -54,17 +57,22 @@ def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items
         llm = LLM(model=model_dir, reuse="off")
         fns["engine"] = (llm.score, lambda p, n: llm.generate(p, max_tokens=n, stop_token_ids=(end,)).token_ids)
 
+    needles = retrieval.needle_examples(held, per_depth=n_needles, seed=seed)
+    items = musique_items(data_dir(data))[:qa_items]
+    held_q = [i for i, it in enumerate(items) if is_held_out(it["question"])]
+    # one bar over every model call: each needle is generated and scored, 9 synthetic sets, QA twice
+    calls = 2 * len(needles) + 9 * doc_qa_n + len(items) + len(held_q)
+    bar = tqdm(total=calls * len(fns), desc="eval-reference", unit="call", mininterval=2)
+    fns = {name: _counted(score, bar) + _counted(gen, bar) for name, (score, gen) in fns.items()}
+
     res = {"model": str(model_dir), "seed": seed}
     res["held_out_loss"] = held_out_loss(impls["transformers"], held, tok.token_to_id(BOS), max_windows=loss_windows)
     log(f"held-out loss per source: {res['held_out_loss']}")
 
-    needles = retrieval.needle_examples(held, per_depth=n_needles, seed=seed)
     rng = np.random.default_rng(seed + 1)
     synth = {f"{kind}@{n}": [tasks.BUILDERS[kind](held, rng, n) for _ in range(doc_qa_n)]
              for kind in ("kv", "doc_qa", "tool") for n in (512, 1024, 2048)}
-    items = musique_items(corpus_dir(data))[:qa_items]
     qa = retrieval.musique_prompts(tok, items)
-    held_q = [i for i, it in enumerate(items) if is_held_out(it["question"])]
     for name, (score, generate) in fns.items():
         rep = retrieval.needle_recall(needles, generate, score)
         res[f"needle/{name}"] = {"recall": rep.recall, "logprob": rep.logprob, "n": rep.n}
@@ -82,6 +90,7 @@ def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items
                                   "held_out_exact_match": sub.exact_match if sub else None,
                                   "held_out_n": sub.n if sub else 0}
         log(f"[{name}] MuSiQue QA: EM {full.exact_match:.3f}, contains {full.contains:.3f} (n={full.n})")
+    bar.close()
     if engine:
         ex = needles[0]
         a = fns["transformers"][0](ex.prompt_ids, ex.answer_ids)
@@ -91,10 +100,13 @@ def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items
     return res
 
 
-def corpus_dir(data: str | None) -> Path:
-    from irminsul.train.data import default_data_dir
-
-    return Path(data) if data else default_data_dir()
+def _counted(fn, bar) -> tuple:
+    """(fn, counting each call on the progress bar)"""
+    def call(*args):
+        out = fn(*args)
+        bar.update()
+        return out
+    return (call,)
 
 
 def save(res: dict, path: Path) -> None:

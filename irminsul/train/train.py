@@ -199,7 +199,8 @@ def plot(log: list[dict], path: Path) -> None:
         axes[2].plot([r["step"] for r in ev], [r["eval"][key] for r in ev], marker=".", label=key[8:])
     axes[2].set(title="held-out text loss per source", xlabel="step")
     for ax in axes:
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a panel may be empty early in a run
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -303,12 +304,14 @@ def train(cfg: TrainConfig) -> Path:
         tokens += x.numel()
         extra = {}
         if probe:
-            extra = {"attn": round(attn_loss.item(), 4), "copy": round(copy_loss.item(), 4), "mass": round(probe.mass(), 4)}
+            mass = probe.mass()
+            extra = {"attn": round(attn_loss.item(), 4), "copy": round(copy_loss.item(), 4),
+                     **({"mass": round(mass, 4)} if mass is not None else {})}
             probe.target(None)  # the probes and checkpoints below run the model without targets
         record({"step": step, "len": length, "lm": round(lm_loss.item(), 4), "ans": round(ans_loss.item(), 4), **extra,
                 "lr": opt.param_groups[0]["lr"], "tokens": tokens, "t": round(time.time() - t_train, 1)})
         bar.set_postfix(len=length, lm=f"{lm_loss.item():.2f}", ans=f"{ans_loss.item():.2f}",
-                        **({"mass": f"{extra['mass']:.2f}"} if probe else {}), refresh=False)
+                        **({"mass": f"{extra['mass']:.2f}"} if "mass" in extra else {}), refresh=False)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
             ev = probes.run(model)
             record({"step": step, "eval": ev, "t": round(time.time() - t_train, 1)})

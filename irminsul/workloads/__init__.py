@@ -2,6 +2,6 @@
 
 trace (JSONL format) -> render (segment-aligned tokens) -> census (prefix / shifted / novel)
                                                        -> recovery (replay through the planner)
-builders turn ../shared/data into traces; patterns rewrite them into the paper's workloads.
+builders turn the shipped data (irminsul/data) into traces; patterns rewrite them into the paper's workloads.
 See docs/workloads.md.
 """

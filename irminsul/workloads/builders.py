@@ -1,4 +1,4 @@
-"""Trace builders: real data in `../shared/data/` (see its ATTRIBUTION.md) turned into requests.
+"""Trace builders: the real data in `irminsul/data/` (see its ATTRIBUTION.md) turned into requests.
 
 - `tau_bench`: every assistant turn of every GPT-4o airline trajectory is one request; the policy
   is the system prompt and the tools are `airline_tools.json`.
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from irminsul.errors import UserFacingError
-from irminsul.workloads.tokenizers import DATA_DIR
+from irminsul.data import data_dir
 from irminsul.workloads.trace import Request
 
 # bfcl_eval's MULTI_TURN_FUNC_DOC_FILE_MAPPING: class name -> schema file
@@ -37,15 +37,19 @@ MUSIQUE_QUERY = ("Answer the question directly based on the given passages. Do N
                  "The answer should be within 5 words. \nQuestion: ")
 
 
+def _missing(path: Path) -> UserFacingError:
+    return UserFacingError(f"missing data file {path} (is --data the right folder?)")
+
+
 def _load_json(path: Path):
     if not path.exists():
-        raise UserFacingError(f"missing data file {path} (is the shared data directory right? see --data)")
+        raise _missing(path)
     return json.loads(path.read_text(encoding="utf-8"))
 
 
 def _load_jsonl(path: Path) -> list:
     if not path.exists():
-        raise UserFacingError(f"missing data file {path} (is the shared data directory right? see --data)")
+        raise _missing(path)
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
@@ -86,7 +90,10 @@ def bfcl(data: Path) -> list[Request]:
 
 def toolbench(data: Path) -> list[Request]:
     out = []
-    for path in sorted((data / "toolbench").glob("data_example_answer_*.json")):
+    paths = sorted((data / "toolbench").glob("data_example_answer_*.json"))
+    if not paths:
+        raise _missing(data / "toolbench" / "data_example_answer_*.json")
+    for path in paths:
         answer = _load_json(path)["answer_generation"]
         tools = tuple(_tool(f) for f in answer.get("function", []))
         for messages in answer.get("train_messages", []):
@@ -125,4 +132,4 @@ def first_sessions(requests: list[Request], n: int | None) -> list[Request]:
 def build_source(name: str, data: Path | None = None, n: int | None = None) -> list[Request]:
     if name not in SOURCES:
         raise UserFacingError(f"unknown source {name!r}: use one of {', '.join(SOURCES)}")
-    return first_sessions(SOURCES[name](Path(data) if data else DATA_DIR), n)
+    return first_sessions(SOURCES[name](data_dir(data)), n)

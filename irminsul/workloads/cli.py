@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
+
+from irminsul.errors import UserFacingError
 
 
 def _build(args) -> int:
@@ -13,6 +16,9 @@ def _build(args) -> int:
     from irminsul.workloads.trace import write_trace
 
     requests = apply_pattern(args.pattern, build_source(args.source, args.data, args.n), seed=args.seed)
+    if not requests:
+        raise UserFacingError(f"{args.pattern} from {args.source} built no requests"
+                              f"{f' from the first {args.n} sessions' if args.n is not None else ''}; nothing written")
     n = write_trace(args.out, requests)
     print(f"wrote {n} requests in {len(Counter(r.session for r in requests))} sessions "
           f"({args.pattern} from {args.source}, seed {args.seed}) to {args.out}")
@@ -29,6 +35,7 @@ def _census(args) -> int:
     result = run_census(((s, r.token_ids) for s, r in rendered), CensusConfig(window=args.window))
     if args.plot:
         _census_plot(result, args.plot, Path(args.trace).name)
+        _wrote(args.plot)
     if args.json:
         print(json.dumps({"trace": str(args.trace), "tokenizer": args.tokenizer, **result.to_json()}))
         return 0
@@ -67,7 +74,7 @@ def _recovery(args) -> int:
     from irminsul.workloads.report import bar_chart, pct, table
     from irminsul.workloads.trace import read_trace
 
-    rendered = list(render_trace(read_trace(args.trace), args.tokenizer))
+    rendered = render_trace(read_trace(args.trace), args.tokenizer)  # rendered once the strategies are checked
     config = RecoveryConfig() if args.budget_gib is None else RecoveryConfig(budget_bytes=int(args.budget_gib * 2**30))
     result = run_recovery(rendered, strategies=args.strategies or STRATEGIES, config=config, progress=None)
     if args.plot:
@@ -77,6 +84,7 @@ def _recovery(args) -> int:
             "recovered beyond prefix": [s.recovered_tokens / result.prompt_tokens for s in result.strategies.values()],
         }, f"recovery: {Path(args.trace).name}", "share of prompt tokens", stacked=True,
             hline=("census oracle", result.oracle_tokens / result.prompt_tokens))
+        _wrote(args.plot)
     if args.json:
         print(json.dumps({"trace": str(args.trace), "tokenizer": args.tokenizer, **result.to_json()}))
         return 0
@@ -88,6 +96,10 @@ def _recovery(args) -> int:
             for name, s in result.strategies.items()]
     print(table(("strategy", "recovered beyond prefix", "of prompt", "of oracle", "stored tokens", "seconds"), rows))
     return 0
+
+
+def _wrote(path) -> None:
+    print(f"wrote {path}", file=sys.stderr)  # stderr: --json keeps stdout one JSON object
 
 
 def _add_tokenizer(p) -> None:
@@ -108,7 +120,7 @@ def register(subparsers) -> None:
     b.add_argument("--out", required=True, help="the JSONL trace to write")
     b.add_argument("--n", type=int, default=None, help="keep the first N sessions of the source")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--data", default=None, help="the shared data directory (default: ../shared/data)")
+    b.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
     b.set_defaults(func=_build)
 
     c = subparsers.add_parser("census", help="class a trace's tokens as prefix / shifted / novel")

@@ -168,12 +168,12 @@ def run_recovery(trace: Iterable[tuple[str, Rendered]], strategies: Sequence[str
                  config: RecoveryConfig = RecoveryConfig(), progress: bool | None = None,
                  census: CensusResult | None = None) -> RecoveryResult:
     """Replay `trace` once per strategy; the oracle comes from `census` (run here when not given)."""
-    trace = list(trace)
     unknown = set(strategies) - set(STRATEGIES)
-    if unknown:
+    if unknown:  # NOTE: before the trace is consumed, which renders it
         from irminsul.errors import UserFacingError
 
         raise UserFacingError(f"unknown strategies {sorted(unknown)}: use {', '.join(STRATEGIES)}")
+    trace = list(trace)
     show = len(trace) >= 200 if progress is None else progress
     if census is None:
         census = run_census(((s, r.token_ids) for s, r in trace), CensusConfig(sink=config.sink))

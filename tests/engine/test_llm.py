@@ -107,9 +107,12 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
 
 def test_sharded_checkpoint_loads_identically(tmp_path, tiny_dir):
     sharded = make_tiny_checkpoint(tmp_path / "s", shards=3)
-    a = LLM(sharded).score([1, 2, 3], [4, 5])
-    b = LLM(tiny_dir).score([1, 2, 3], [4, 5])
-    assert torch.equal(a, b)
+    one, three = LLM(tiny_dir), LLM(sharded)
+    want, got = one.model.state_dict(), three.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    # Equal weights; the scores may still differ in the last bits, because a CPU's matmul kernels
+    # take other paths for other memory alignments (9.5e-7 seen on an AMD EPYC).
+    assert (one.score([1, 2, 3], [4, 5]) - three.score([1, 2, 3], [4, 5])).abs().max() < 1e-5
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     (sharded / sorted(set(index["weight_map"].values()))[1]).unlink()
     with pytest.raises(CheckpointError, match="missing"):

@@ -13,7 +13,7 @@ STRATEGY_KEYS = ("kl_mean", "kl_p95", "argmax_agreement", "first_divergence", "a
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, shared_data):
+def tiny(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "m", max_position_embeddings=1024)
 
 
@@ -66,3 +66,10 @@ def test_eval_cost_json(tiny, capsys, tmp_path):
 def test_bad_task_is_a_user_error(tiny, capsys, tmp_path):
     assert main(["eval", "quality", "--model", str(tiny), "--tasks", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown task" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("study", ["quality", "rotation", "roc"])
+def test_a_missing_data_folder_is_one_line(tiny, capsys, tmp_path, study):
+    assert main(["eval", study, "--model", str(tiny), "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "nowhere does not exist" in err and "Traceback" not in err

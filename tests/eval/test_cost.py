@@ -58,7 +58,7 @@ def test_reference_shapes_have_their_published_sizes():
     c_mla, c_gqa = correction(lite), correction(qwen)
     assert (c_mla["rotated_values_per_layer"], c_mla["row_values_per_layer"]) == (64, 576)
     assert (c_gqa["rotated_values_per_layer"], c_gqa["row_values_per_layer"]) == (1024, 2048)
-    # 27 x 576 x 2 B = 31,104 B per token in bf16 (design doc §2)
+    # 27 x 576 x 2 B = 31,104 B per token in bf16 (docs/design.md §2)
     assert c_mla["copied_bytes"] == 2 * 31104
 
 

@@ -8,7 +8,7 @@ from irminsul.model.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory, shared_data):
+def data(tmp_path_factory):
     return TaskData(make_tiny_checkpoint(tmp_path_factory.mktemp("tasks") / "m"))
 
 

@@ -61,13 +61,12 @@ def test_parity_is_sensitive_to_the_yarn_softmax_scale(tmp_path, monkeypatch):
 
 def test_bundled_model_agrees_with_transformers():
     """The shipped MLA checkpoint loads in both implementations and they agree on real text."""
-    from pathlib import Path
-
     from irminsul import bundled_model
+    from irminsul.data import data_file
     from irminsul.model.tokenizer import Tokenizer
 
     path = bundled_model("mla")
-    text = (Path(__file__).resolve().parents[3] / "shared/data/tau_bench/retail_wiki.md").read_text()
+    text = data_file("tau_bench", "retail_wiki.md").read_text()
     ids = torch.tensor(Tokenizer(path).encode(text)[:512])
     ours, hf = load_model(path), _hf(path)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""δ-rotation of a cached k_r equals encoding at the target position (design doc, section 2)."""
+"""δ-rotation of a cached k_r equals encoding at the target position (docs/design.md, section 2)."""
 
 import numpy as np
 import pytest
@@ -77,5 +77,5 @@ def test_v2_lite_softmax_scale():
                rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                              "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})
     cfg = ModelConfig.from_dict(raw)
-    assert abs(cfg.softmax_scale - 0.114721) < 1e-6  # design doc: V2-Lite, not 192^-0.5 = 0.0722
+    assert abs(cfg.softmax_scale - 0.114721) < 1e-6  # docs/design.md: V2-Lite, not 192^-0.5 = 0.0722
     assert cfg.row_width == 576

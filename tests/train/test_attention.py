@@ -47,6 +47,10 @@ def test_probe_scores_and_output_match_transformers(tok, tiny_shape, arch):
     assert probe.mass() == pytest.approx(float(want), abs=1e-5)
     assert float(probe.attention_loss()) == pytest.approx(float(-ref[b, :, t].gather(
         2, src[b, t][:, None, None].expand(-1, len(heads), 1)).log().mean()), rel=1e-4)
+    probe.target(torch.full_like(src, -1))  # a text-only batch: nothing to supervise, no mass (not nan)
+    with torch.no_grad():
+        model(input_ids=x)
+    assert probe.mass() is None and float(probe.attention_loss()) == 0.0
 
 
 def test_probe_records_nothing_without_targets(tok, tiny_shape):

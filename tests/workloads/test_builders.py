@@ -1,9 +1,5 @@
-import pytest
-
+from irminsul.data import DATA_DIR
 from irminsul.workloads.builders import SOURCES, build_source
-from irminsul.workloads.tokenizers import DATA_DIR
-
-pytestmark = pytest.mark.skipif(not DATA_DIR.exists(), reason="the shared data directory is absent")
 
 
 def test_tau_bench_one_request_per_assistant_turn():

@@ -3,13 +3,10 @@ import json
 import pytest
 
 from irminsul.cli import main
-from irminsul.workloads.tokenizers import DATA_DIR
 
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
-    if not DATA_DIR.exists():
-        pytest.skip("the shared data directory is absent")
     out = tmp_path_factory.mktemp("wl") / "agent_meta.jsonl"
     assert main(["workloads", "build", "agent_meta", "--source", "toolbench", "--out", str(out), "--n", "3"]) == 0
     return out
@@ -50,3 +47,29 @@ def test_errors_are_for_people(tmp_path, capsys):
     assert main(["census", str(tmp_path / "missing.jsonl")]) == 2
     assert main(["workloads", "build", "rerank", "--source", "toolbench", "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "rerank needs" in capsys.readouterr().err
+
+
+def test_no_data_is_an_error_not_an_empty_trace(tmp_path, capsys):
+    """A data folder without the source's files fails with one line naming the file, writing nothing."""
+    out = tmp_path / "x.jsonl"
+    (tmp_path / "empty").mkdir()
+    argv = ["workloads", "build", "agent_meta", "--source", "toolbench", "--out", str(out)]
+    assert main([*argv, "--data", str(tmp_path / "empty")]) == 2
+    assert "missing data file" in capsys.readouterr().err and not out.exists()
+    assert main([*argv, "--data", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not out.exists()
+    assert main([*argv, "--n", "0"]) == 2
+    assert "built no requests" in capsys.readouterr().err and not out.exists()
+
+
+def test_unknown_strategy_is_refused_before_rendering(trace, capsys, monkeypatch):
+    import irminsul.workloads.render as render
+
+    monkeypatch.setattr(render.Renderer, "__call__", lambda *a: pytest.fail("rendered before refusing"))
+    assert main(["bench", "recovery", str(trace), "--strategies", "cdc", "bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err
+
+
+def test_plots_say_where_they_went(trace, capsys, tmp_path):
+    assert main(["census", str(trace), "--plot", str(tmp_path / "c.png")]) == 0
+    assert f"wrote {tmp_path / 'c.png'}" in capsys.readouterr().err

@@ -4,7 +4,7 @@ Layout: tensors ``rows`` [n_layers, n_tokens, row_width] (the model's dtype) and
 [n_tokens] int64; metadata ``format``, ``model_id``, ``fingerprint`` (hex), ``base_pos``, ``dtype``,
 ``shape`` and ``checksum``: xxHash64 over the other metadata fields, the token ids and the row
 bytes. ``decode`` checks all of it against what the reader expects, so a truncated, bit-flipped or
-foreign entry is reported as corrupt and never reaches the engine (design doc section 6).
+foreign entry is reported as corrupt and never reaches the engine (docs/design.md section 6).
 """
 
 from __future__ import annotations
