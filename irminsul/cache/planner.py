@@ -179,12 +179,14 @@ class Planner:
         plan.released = True
 
     def register(self, plan_or_tokens: Plan | TokenArray, rows_of: Callable[[int, int], object],
-                 nbytes_of: Callable[[int], int], segment_starts: TokenArray | None = None) -> Registered:
+                 nbytes_of: Callable[[int], int], segment_starts: TokenArray | None = None,
+                 upto: int | None = None) -> Registered:
         """Store every CDC chunk of the sequence that the registry lacks, with base_pos = start.
 
         ``rows_of(start, end)`` returns the payload for rows [start, end) (None in replay);
         ``nbytes_of(n_tokens)`` its size. A Plan's own chunks are reused when it has them, in which
-        case ``segment_starts`` is ignored.
+        case ``segment_starts`` is ignored. With ``upto``, only chunks ending at or before it
+        (those whose rows exist while the sequence is still being computed).
         """
         if isinstance(plan_or_tokens, Plan) and plan_or_tokens.chunks:
             ids, chunks = plan_or_tokens.tokens, plan_or_tokens.chunks
@@ -193,6 +195,8 @@ class Planner:
             chunks = self.chunk(ids, segment_starts)
         entries = tokens = skipped = rejected = 0
         for c in chunks:
+            if upto is not None and c.end > upto:
+                break  # chunks are in order
             if c.fingerprint in self.registry:
                 skipped += 1
                 continue

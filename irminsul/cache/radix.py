@@ -7,7 +7,9 @@ request has locked are evicted first.
 
 Values are opaque. When an edge is split at ``k`` the tree calls ``split_value(value, k) ->
 (left, right)``. The default slices axis 0 (lists, numpy arrays; ``None`` stays ``None`` for
-model-free replay); the engine stores rows ``[n_layers, len, width]`` and passes ``lambda v, k: (v[:, :k], v[:, k:])``.
+model-free replay); the engine stores the pool slots of the edge's tokens. ``on_store(value)`` and
+``on_evict(value)`` are told of every value the tree starts and stops holding (a split holds the
+same tokens in two values, so it is neither), which is how the engine counts slot references.
 
 Budget: ``bytes = stored tokens * bytes_per_token <= budget_bytes`` always holds. ``insert`` first
 evicts unlocked LRU leaves (never the path it extends); if the new suffix still does not fit it
@@ -84,11 +86,13 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class RadixCache:
-    def __init__(self, budget_bytes: int, bytes_per_token: int, split_value: SplitFn = split_axis0):
+    def __init__(self, budget_bytes: int, bytes_per_token: int, split_value: SplitFn = split_axis0,
+                 on_store: Callable[[Any], None] | None = None, on_evict: Callable[[Any], None] | None = None):
         if budget_bytes < 0 or bytes_per_token < 1:
             raise ValueError("need budget_bytes >= 0 and bytes_per_token >= 1")
         self.budget_bytes, self.bytes_per_token = budget_bytes, bytes_per_token
         self.split_value = split_value
+        self.on_store, self.on_evict = on_store, on_evict
         self._clock = itertools.count(1)  # logical time: deterministic LRU order
         self.root = Node(np.zeros(0, np.int64), None, None, 0)
         self.root.lock_ref = 1  # never evicted
@@ -133,6 +137,8 @@ class RadixCache:
             suffix = self.split_value(suffix, fits)[0]
         child = Node(ids[length:length + fits].copy(), suffix, node, next(self._clock))
         node.children[int(ids[length])] = child
+        if self.on_store is not None:
+            self.on_store(suffix)
         self._tokens += fits
         self._nodes += 1
         self._inserted += fits
@@ -165,6 +171,8 @@ class RadixCache:
             self._nodes -= 1
             self._evictions += 1
             self._evicted += len(leaf.key)
+            if self.on_evict is not None:
+                self.on_evict(leaf.value)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         return freed

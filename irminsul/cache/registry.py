@@ -46,8 +46,10 @@ class Registry(ABC):
     """Fingerprint -> Entry store with verified hits, a byte budget, pinning and stats."""
 
     def __init__(self):
-        # Called with every entry that leaves the store (evicted or replaced), e.g. so that a
-        # WindowIndex can drop its windows.
+        # Called with every entry that enters the store, and with every entry that leaves it
+        # (evicted or replaced), e.g. so that a WindowIndex can drop its windows, or so that the
+        # engine counts the pool slots an entry refers to.
+        self.on_store: list[Callable[[Entry], None]] = []
         self.on_evict: list[Callable[[Entry], None]] = []
 
     @abstractmethod
@@ -82,6 +84,10 @@ class Registry(ABC):
 
     def _notify(self, entry: Entry) -> None:
         for callback in self.on_evict:
+            callback(entry)
+
+    def _notify_store(self, entry: Entry) -> None:
+        for callback in self.on_store:
             callback(entry)
 
 
@@ -158,7 +164,19 @@ class MemoryRegistry(Registry):
         self._entries[entry.fingerprint] = entry
         self._bytes += entry.nbytes
         self._insertions += 1
+        self._notify_store(entry)
         return True
+
+    def evict(self, nbytes: int) -> int:
+        """Evict least recently used unpinned entries until ``nbytes`` are freed; returns bytes freed."""
+        freed = 0
+        for fp in [fp for fp in self._entries if fp not in self._pins]:
+            if freed >= nbytes:
+                break
+            freed += self._entries[fp].nbytes
+            self._remove(fp)
+            self._evictions += 1
+        return freed
 
     def pin(self, fingerprint: int) -> None:
         if fingerprint not in self._entries:
@@ -173,6 +191,9 @@ class MemoryRegistry(Registry):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
 
     @property
     def stats(self) -> RegistryStats:

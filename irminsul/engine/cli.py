@@ -48,6 +48,7 @@ def run(args) -> int:
 
     from irminsul import LLM
     from irminsul.engine.engine import Engine
+    from irminsul.engine.sampling import SamplingParams
     from irminsul.errors import UserFacingError
     from irminsul.machine import describe
     from irminsul.workloads.report import table
@@ -78,18 +79,25 @@ def run(args) -> int:
     warm = [[bos, user, *tok.encode("warm-up\n", add_bos=False)], tok.encode(text[::-1], add_bos=False), tail]
     print(f"document {len(doc)} tokens of tau-bench's airline policy; the passkey {key} is inside it\n")
 
+    params = SamplingParams(max_tokens=6)
+
+    def ask(engine: Engine, segments: list[list[int]]):
+        starts = [sum(map(len, segments[:i])) for i in range(len(segments))]
+        return engine.run(engine.add([t for s in segments for t in s], params, starts))
+
     rows, answers = [], {}
     for mode in ("prefix", "pic"):
         times: list[list[float]] = [[], []]
         for _ in range(args.repeats):
-            engine = Engine(llm.model, tok, reuse=mode, model_id=f"demo-{mode}")  # a fresh, empty cache
-            llm.engine = engine
-            llm.generate(warm, max_tokens=6)  # warm-up: kernels and allocator, nothing reusable
+            # a fresh, empty cache on the loaded model's pool
+            engine = Engine(llm.model, tok, reuse=mode, model_id=f"demo-{mode}", pool=llm.engine.pool)
+            ask(engine, warm)  # warm-up: kernels and allocator, nothing reusable
             for i, segments in enumerate(requests):
                 t = time.perf_counter()
-                out = llm.generate(segments, max_tokens=6)
+                out = ask(engine, segments)
                 times[i].append(time.perf_counter() - t)
                 answers[mode, i] = out
+            engine.close()
         for i, segments in enumerate(requests):
             out, s = answers[mode, i], answers[mode, i].stats
             where = len(segments[0])

@@ -1,32 +1,58 @@
-"""The engine: admits requests, runs batched forward steps (prefill chunks + decodes), samples.
+"""The engine: one latent pool, admission against the cache, batched forward steps, sampling.
 
 A step takes any mix of sequences: those still in prefill contribute their next pending positions
-(the ones the cache plan left to compute, in increasing order), those decoding contribute their
-last token. One forward pass computes all of them; each sequence attends only to its own rows.
+(the ones the cache plan left to compute, in increasing order, at most `max_prefill_tokens` in
+all), those decoding contribute their last token. One forward pass computes all of them, with one
+attention call per layer and group (`irminsul/model/attention.py`); each sequence attends only to
+the rows its slot table names.
+
+Memory is the pool: a sequence holds one reference on each slot of its table, and so do the
+cache's radix tree and registry. Admission and decoding take fresh slots, evicting cached content
+nobody is using when the pool is short (`CacheReuse.make_room`); when even that is not enough the
+scheduler preempts a running sequence (`preempt`), which is recomputed later.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
+from irminsul.engine.pool import LatentPool
 from irminsul.engine.reuse import make_reuse
 from irminsul.engine.sampling import SamplingParams, make_generator, sample
 from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
+from irminsul.model.attention import EMPTY_SLOT, SeqAttention
 from irminsul.model.deepseek import DeepseekModel
 from irminsul.model.mla import ForwardBatch
 from irminsul.model.tokenizer import Tokenizer
 
+DEFAULT_KV_CACHE_GIB = 1.0
+
+
+class PoolFull(RequestError):
+    """The request cannot get rows now, even after evicting every cached row nobody is using."""
+
 
 class Engine:
     def __init__(self, model: DeepseekModel, tokenizer: Tokenizer, reuse: str = "off",
-                 max_prefill_tokens: int = 2048, **cache_options):
+                 max_prefill_tokens: int = 2048, kv_cache_gib: float | None = None, pool: LatentPool | None = None,
+                 **cache_options):
+        """`pool`: share another engine's pool (engines over the same weights, each with its own
+        cache, as the evaluations compare strategies); otherwise one of `kv_cache_gib` GiB."""
         self.model, self.tokenizer = model, tokenizer
-        self.config = model.config
+        self.config = cfg = model.config
         self.max_prefill_tokens = max_prefill_tokens
-        self.cache = make_reuse(reuse, model, **cache_options)
-        eos = set(self.config.eos_token_ids) | {tokenizer.eos_token_id}
+        if pool is None:
+            gib = DEFAULT_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
+            if not gib > 0:
+                raise RequestError(f"kv_cache_gib={kv_cache_gib} must be > 0")
+            pool = LatentPool.sized(cfg, int(gib * 2**30), model.dtype, model.device)
+        self.pool = pool
+        self.cache = make_reuse(reuse, self.pool, cfg.num_hidden_layers, **cache_options)
+        eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
         self.eos_ids = frozenset(eos - {None})
 
     @property
@@ -53,65 +79,152 @@ class Engine:
                 f"shorten it to at most {limit - 1} tokens"
             )
 
-    def add(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
-            tenant: str | None = None) -> Sequence:
-        """Validate, plan against the cache, and copy reused rows in. Returns a sequence in prefill."""
+    def new_sequence(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
+                     tenant: str | None = None) -> Sequence:
+        """A validated request, not yet admitted (it holds no rows)."""
         tokens = [int(t) for t in tokens]
         self.validate_prompt(tokens)
-        rows = self.model.new_rows(capacity=len(tokens) + params.max_tokens)
-        seq = Sequence(tokens=tokens, prompt_len=len(tokens), params=params, rows=rows,
-                       segment_starts=segment_starts, tenant=tenant, generator=make_generator(params.seed))
+        return Sequence(tokens=tokens, prompt_len=len(tokens), params=params, segment_starts=segment_starts,
+                        tenant=tenant, generator=make_generator(params.seed), detok=self.tokenizer.decode_stream())
+
+    def admit(self, seq: Sequence) -> bool:
+        """Plan the sequence against the cache and give it rows: shared slots for what it reuses,
+        fresh ones for what it computes. False (holding nothing) when it must wait: a running
+        sequence is computing some of its chunks right now, or the pool cannot hold it yet."""
+        if self.cache.waits_for(seq.tokens, seq.segment_starts, seq.tenant):
+            return False
+        self.cache.prepare(seq)  # the plan, the slot table of reused rows, the stats
         try:
-            self.cache.prepare(seq)  # fills seq.pending, seq.stats and copies prefix / reused rows
+            if self.cache.recompute_ratio and not self._select_recompute(seq):
+                self._unadmit(seq)
+                return False
+            if not self._alloc(seq, seq.pending):
+                self._unadmit(seq)
+                return False
         except BaseException:
-            seq.finish_reason = "abort"
-            self.cache.finish(seq)  # releases whatever the plan pinned; registers nothing
+            self._unadmit(seq)
             raise
-        return seq
+        return True
+
+    def add(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
+            tenant: str | None = None) -> Sequence:
+        """Validate and admit now (single-request use; the scheduler admits when there is room)."""
+        seq = self.new_sequence(tokens, params, segment_starts, tenant)
+        if self.admit(seq):
+            return seq
+        if self.cache.waits_for(seq.tokens, seq.segment_starts, seq.tenant):
+            raise PoolFull("a running request is computing this prompt's content; admit it through the scheduler")
+        raise PoolFull(f"the KV pool ({self.pool.capacity_bytes / 2**20:.0f} MiB) cannot hold this request even "
+                       f"after evicting every cached row; raise kv_cache_gib or shorten the prompt")
+
+    def _alloc(self, seq: Sequence, positions: np.ndarray) -> bool:
+        """Fresh slots for positions of seq (rows to compute), evicting cached content if needed."""
+        if not len(positions):
+            return True
+        if not self.cache.make_room(len(positions)):
+            return False
+        slots = self.pool.alloc(len(positions))
+        seq.slots[positions] = slots
+        self.pool.computed_at[slots] = positions
+        return True
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Undo admission: release the plan, its in-flight claims and every row the sequence holds."""
+        reason, seq.finish_reason = seq.finish_reason, "abort"
+        try:
+            self.cache.finish(seq)
+        finally:
+            seq.finish_reason = reason
+            self.pool.release(seq.slots)
+            seq.slots = np.zeros(0, np.int64)
+            seq._buf = None
+            seq.pending = np.zeros(0, np.int64)
+
+    def reserve(self, seqs: list[Sequence]) -> bool:
+        """A slot for each decoding sequence's newest token; False if the pool cannot give them all."""
+        need = []
+        for seq in seqs:
+            if not seq.in_prefill:
+                seq.grow()
+                if seq.slots[-1] == EMPTY_SLOT:
+                    need.append(seq)
+        if not need:
+            return True
+        if not self.cache.make_room(len(need)):
+            return False
+        slots = self.pool.alloc(len(need))
+        for seq, slot in zip(need, slots):
+            seq.slots[-1] = slot
+            self.pool.computed_at[slot] = len(seq.tokens) - 1
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take every row from a running sequence; it keeps its tokens and is admitted again later,
+        recomputing (or reusing) what it had. Chunks it already offered the cache stay there."""
+        self._unadmit(seq)
+        seq.stats.preempted += 1
 
     # -- stepping ------------------------------------------------------------------------
 
-    def _batch(self, seqs: list[Sequence]) -> tuple[ForwardBatch, list[int]]:
-        ids, pos, offsets, budget = [], [], [0], self.max_prefill_tokens
-        for seq in seqs:
-            if seq.in_prefill:
-                take = seq.pending[: max(1, budget)]
-                budget -= len(take)
-                seq.pending = seq.pending[len(take) :]
-                ids.append(np.asarray(seq.tokens)[take])
-            else:  # decode: only the last token, whose row is not computed yet
-                take = np.array([len(seq.tokens) - 1])
-                ids.append(np.array(seq.tokens[-1:]))
-            pos.append(take)
+    def _forward(self, seqs: list[Sequence], takes: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
+        """Compute positions takes[i] of seqs[i] (their slots already allocated); final hidden [N, H]."""
+        naive = self.cache.mode == "naive"  # stale k_r: keys read at the position they were computed at
+        specs, ids, offsets = [], [], [0]
+        for seq, take in zip(seqs, takes):
+            keys = seq.slots[: int(take[-1]) + 1]
+            specs.append(SeqAttention(take, keys, self.pool.computed_at[keys] if naive else None))
+            ids.append([seq.tokens[-1]] if len(take) == 1 and take[0] == len(seq.tokens) - 1
+                       else np.asarray(seq.tokens)[take])
             offsets.append(offsets[-1] + len(take))
+        takes_all = np.concatenate(takes)
+        write = np.concatenate([seq.slots[take] for seq, take in zip(seqs, takes)])
         dev = self.model.device
-        batch = ForwardBatch(torch.as_tensor(np.concatenate(ids), device=dev),
-                             torch.as_tensor(np.concatenate(pos), device=dev), [s.rows for s in seqs], offsets)
-        return batch, offsets
+        batch = ForwardBatch(torch.as_tensor(np.concatenate(ids), device=dev), torch.as_tensor(takes_all, device=dev),
+                             self.pool.rows, torch.as_tensor(write, device=dev),
+                             self.model.attention.plan(specs, offsets, dev))
+        return self.model(batch), offsets
 
     def forward(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
-        """One forward pass; returns the next-token logits [vocab] of each sequence whose prompt is done."""
-        batch, offsets = self._batch(seqs)
-        hidden = self.model(batch)
-        wanted = [i for i, s in enumerate(seqs) if not s.in_prefill]
-        if not wanted:
-            return [None] * len(seqs)
-        logits = self.model.logits(hidden[[offsets[i + 1] - 1 for i in wanted]])
-        out: list[torch.Tensor | None] = [None] * len(seqs)
-        for row, i in enumerate(wanted):
-            out[i] = logits[row]
-        return out
+        """One forward pass; the next-token logits [vocab] of each sequence whose prompt is done
+        (None for one still in prefill, or one that got no prefill tokens this step)."""
+        takes, budget, ran = [], self.max_prefill_tokens, []
+        for seq in seqs:
+            if seq.in_prefill:
+                if budget <= 0:
+                    continue
+                take = seq.pending[:budget]
+                budget -= len(take)
+                seq.pending = seq.pending[len(take) :]
+            else:  # decode: only the last token, whose row is not computed yet
+                take = np.array([len(seq.tokens) - 1])
+            takes.append(take)
+            ran.append(seq)
+        out: dict[int, torch.Tensor] = {}
+        if ran:
+            hidden, offsets = self._forward(ran, takes)
+            for seq in ran:
+                self.cache.computed(seq)  # in-flight reuse: chunks whose rows now exist
+            wanted = [i for i, s in enumerate(ran) if not s.in_prefill]
+            if wanted:
+                logits = self.model.logits(hidden[[offsets[i + 1] - 1 for i in wanted]])
+                out = {ran[i].id: logits[row] for row, i in enumerate(wanted)}
+        return [out.get(seq.id) for seq in seqs]
 
     def step(self, seqs: list[Sequence]) -> list[int | None]:
-        """Forward + sample; appends the new token to each sequence that produced one."""
-        new: list[int | None] = []
-        for seq, logits in zip(seqs, self.forward(seqs)):
-            if logits is None:
-                new.append(None)
-                continue
-            token = sample(logits, seq.params, seq.generator)
+        """Forward + sample; appends the new token to each sequence that produced one. Decoding
+        sequences need their slot first (`reserve`)."""
+        logits = self.forward(seqs)
+        rows = [i for i, x in enumerate(logits) if x is not None]
+        new: list[int | None] = [None] * len(seqs)
+        if not rows:
+            return new
+        stacked = torch.stack([logits[i] for i in rows])
+        greedy = stacked.argmax(-1).tolist()  # one call for every greedy sequence of the step
+        for row, i in enumerate(rows):
+            seq = seqs[i]
+            token = greedy[row] if seq.params.greedy else sample(stacked[row], seq.params, seq.generator)
             self._append(seq, token)
-            new.append(token)
+            new[i] = token
         return new
 
     def _append(self, seq: Sequence, token: int) -> None:
@@ -121,33 +234,55 @@ class Engine:
             return
         seq.tokens.append(token)
         seq.stats.generated_tokens += 1
-        if p.stop and self._hit_stop_string(seq):
+        before = len(seq.text)
+        seq.text += seq.detok(token)
+        if p.stop and self._cut_at_stop(seq, before):
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.config.max_position_embeddings:
             seq.finish_reason = "length"
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_ids)
-        longest = max(len(s) for s in seq.params.stop)
-        start = max(0, seq.text_offset - longest)
-        seq.text_offset = len(text)
-        return any(s in text[start:] for s in seq.params.stop)
+    @staticmethod
+    def _cut_at_stop(seq: Sequence, before: int) -> bool:
+        """Look for a stop string in the text the new token completed; cut the output before it."""
+        start = max(0, before - max(len(s) for s in seq.params.stop) + 1)
+        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+        if hits:
+            seq.text = seq.text[: min(hits)]
+        return bool(hits)
+
+    def streamable(self, seq: Sequence) -> str:
+        """The output text that is safe to show now: never the start of what may become a stop string."""
+        if seq.finished or not seq.params.stop:
+            return seq.text
+        return seq.text[: max(0, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)]
 
     def output_text(self, seq: Sequence) -> str:
-        text = self.tokenizer.decode(seq.output_ids)
-        cut = min((text.find(s) for s in seq.params.stop if s in text), default=-1)
-        return text if cut < 0 else text[:cut]
+        return seq.text
 
     def finish(self, seq: Sequence) -> None:
-        """Register the finished sequence's rows with the cache and release its pins."""
+        """Hand the sequence's rows to the cache (registry and tree) and drop its own references."""
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
-        self.cache.finish(seq)
+        try:
+            self.cache.finish(seq)
+        finally:
+            self.pool.release(seq.slots)
+            seq.slots = np.zeros(0, np.int64)
+            seq._buf = None
+
+    def close(self) -> None:
+        """Drop everything the cache holds (its rows go back to the pool, which may be shared)."""
+        self.cache.clear()
 
     # -- whole-request helpers -----------------------------------------------------------
 
     def run(self, seq: Sequence) -> Sequence:
+        """Generate until the sequence is done (it runs alone; the scheduler batches many)."""
         while not seq.finished:
+            if not self.reserve([seq]):
+                self.finish(seq)
+                raise PoolFull(f"the KV pool ({self.pool.capacity_bytes / 2**20:.0f} MiB) is full; "
+                               f"raise kv_cache_gib")
             self.step([seq])
         self.finish(seq)
         return seq
@@ -161,18 +296,79 @@ class Engine:
         tokens = [int(t) for t in prompt] + [int(t) for t in continuation]
         self.validate_prompt(tokens[:-1])
         self.validate_prompt(list(continuation))
-        params = SamplingParams(max_tokens=1)
-        seq = self.add(list(prompt), params, segment_starts, tenant)
+        seq = self.add(list(prompt), SamplingParams(max_tokens=1), segment_starts, tenant)
         n = len(prompt)
         # The plan covers the prompt; the continuation (all but its last token) is computed too.
-        seq.tokens = tokens
-        seq.pending = np.concatenate([seq.pending, np.arange(n, len(tokens) - 1)])
+        seq.tokens = tokens[:-1]
+        seq.grow()
+        extra = np.arange(n, len(tokens) - 1)
+        if not self._alloc(seq, extra):
+            self.finish(seq)
+            raise PoolFull("the KV pool cannot hold the continuation; raise kv_cache_gib")
+        seq.pending = np.concatenate([seq.pending, extra])
         pieces = []
         while seq.in_prefill:
-            batch, _ = self._batch([seq])
-            hidden = self.model(batch)
-            keep = (batch.positions >= n - 1).nonzero().squeeze(-1)
-            pieces.append(self.model.logits(hidden[keep]))
+            take = seq.pending[: self.max_prefill_tokens]
+            seq.pending = seq.pending[len(take) :]
+            hidden, _ = self._forward([seq], [take])
+            self.cache.computed(seq)
+            pieces.append(self.model.logits(hidden[torch.as_tensor(take >= n - 1)]))
+        seq.tokens = tokens
         seq.finish_reason = "stop"
-        self.cache.finish(seq)  # registers the rows that exist: every token but the last
+        self.finish(seq)  # registers the rows that exist: every token but the last
         return torch.cat(pieces).log_softmax(-1), seq
+
+    def publish(self, tokens: list[int], segment_starts: list[int] | None = None):
+        """Precompute a document's rows in a fixed, trusted context (the document alone, from
+        position 0) and register its chunks in the shared namespace, which every tenant searches
+        after its own. Shared rows never depend on a stranger's prefix (HijackKV, docs/design.md §6)."""
+        ids = [int(t) for t in tokens]
+        self.validate_prompt(ids)
+        seq = Sequence(tokens=ids, prompt_len=len(ids), params=SamplingParams(max_tokens=1))
+        seq.slots = np.zeros(len(ids), np.int64)
+        if not self._alloc(seq, np.arange(len(ids))):
+            raise PoolFull("the KV pool cannot hold this document; raise kv_cache_gib")
+        try:
+            for start in range(0, len(ids), self.max_prefill_tokens):
+                take = np.arange(start, min(len(ids), start + self.max_prefill_tokens))
+                self._forward([seq], [take])
+            return self.cache.register_published(np.asarray(ids, np.int64), seq.slots, segment_starts)
+        finally:
+            self.pool.release(seq.slots)
+
+    # -- pic+r ---------------------------------------------------------------------------
+
+    def _select_recompute(self, seq: Sequence) -> bool:
+        """pic+r (CacheBlend, Yao et al. 2025): recompute the fraction r of reused rows whose c_KV at
+        the check layer deviates most from what the current context gives. Layers [0, check_layer)
+        run over every non-prefix position into scratch slots; only their latent at check_layer is
+        compared. False if the pool has no room for the scratch rows now."""
+        cache = self.cache
+        reused = np.concatenate([np.arange(s.start, s.end) for s in seq.plan.spans if s.kind == "reuse"] or
+                                [np.zeros(0, np.int64)])
+        k = int(math.ceil(cache.recompute_ratio * len(reused)))
+        if k == 0:
+            return True
+        run = np.union1d(reused, seq.pending)
+        if not cache.make_room(len(run)):
+            return False
+        scratch = self.pool.alloc(len(run))
+        try:
+            table = seq.slots.copy()
+            table[run] = scratch
+            self.pool.computed_at[scratch] = run
+            dev = self.model.device
+            spec = SeqAttention(run, table[: int(run[-1]) + 1])
+            batch = ForwardBatch(torch.as_tensor(np.asarray(seq.tokens)[run], device=dev),
+                                 torch.as_tensor(run, device=dev), self.pool.rows, torch.as_tensor(scratch, device=dev),
+                                 self.model.attention.plan([spec], [0, len(run)], dev))
+            r = self.config.kv_lora_rank
+            fresh = self.model.fresh_rows(batch, cache.check_layer)[:, :r]
+            at = torch.as_tensor(np.searchsorted(run, reused), device=dev)
+            cached = self.pool.rows[cache.check_layer, torch.as_tensor(seq.slots[reused], device=dev), :r].float()
+            deviation = (fresh[at].float() - cached).norm(dim=-1) / cached.norm(dim=-1).clamp_min(1e-12)
+            chosen = np.sort(reused[deviation.topk(k).indices.cpu().numpy()])
+        finally:
+            self.pool.release(scratch)
+        cache.recompute(seq, chosen)
+        return True

@@ -1,4 +1,10 @@
-"""The public, offline entry point: `LLM(model).generate(...)` and `LLM(model).score(...)`."""
+"""The public, offline entry point: `LLM(model).generate(...)`, `.score(...)` and `.stats()`.
+
+`generate` takes one prompt or a list of prompts (vLLM's convention) and batches a list through
+the engine's scheduler. A prompt is a string, a list of token ids, or `Segments`: token-id lists
+where chunking restarts at each one (S2). So `[[1, 2], [3, 4]]` is two token-id prompts, and one
+prompt in two segments is `Segments([[1, 2], [3, 4]])`.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,18 @@ import xxhash
 from irminsul.bundled import bundled_model
 from irminsul.engine.engine import Engine
 from irminsul.engine.sampling import SamplingParams
+from irminsul.engine.scheduler import Scheduler
 from irminsul.engine.sequence import RequestStats
 from irminsul.errors import RequestError
 from irminsul.model.loader import load_model
 from irminsul.model.tokenizer import Tokenizer
+
+
+class Segments(tuple):
+    """One prompt given in parts (lists of token ids); chunking restarts at every part (S2)."""
+
+    def __new__(cls, parts):
+        return super().__new__(cls, tuple(list(p) for p in parts))
 
 
 @dataclass
@@ -34,53 +48,89 @@ def checkpoint_id(path: Path) -> str:
     return h.hexdigest()
 
 
+def _token_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 def normalize_prompt(prompt, tokenizer: Tokenizer) -> tuple[list[int], list[int] | None]:
-    """str | list[int] | list[list[int]] (segments) -> (token ids, segment starts or None)."""
+    """str | list[int] | Segments -> (token ids, segment starts or None)."""
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("the prompt is empty; send at least one character")
         return tokenizer.encode(prompt), None
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(s, (list, tuple)) for s in prompt):
+    if isinstance(prompt, Segments):
+        if not all(_token_ids(s) for s in prompt):
+            raise RequestError("every part of Segments must be a list of token ids")
         tokens, starts = [], []
         for segment in prompt:
             starts.append(len(tokens))
             tokens.extend(segment)
         return list(tokens), starts
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _token_ids(prompt):
         return list(prompt), None
-    raise RequestError("prompt must be a str, a list of token ids, or a list of segments (lists of token ids)")
+    raise RequestError("prompt must be a str, a list of token ids, or Segments (lists of token ids)")
 
 
 class LLM:
-    """An MLA model with Irminsul's cache. `reuse` is one of off | prefix | naive | pic."""
+    """An MLA model with Irminsul's cache. `reuse` is one of off | prefix | naive | pic;
+    `kv_cache_gib` sizes the latent pool that running requests and cached content share."""
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",
-                 device: str = "cpu", **cache_options):
+                 device: str = "cpu", kv_cache_gib: float | None = None, max_running_requests: int = 256,
+                 **cache_options):
         self.path = Path(model) if model is not None else bundled_model("mla")
         self.model = load_model(self.path, dtype=dtype, device=device)
         self.tokenizer = Tokenizer(self.path)
         cache_options.setdefault("model_id", checkpoint_id(self.path))
-        self.engine = Engine(self.model, self.tokenizer, reuse=reuse, **cache_options)
+        self.engine = Engine(self.model, self.tokenizer, reuse=reuse, kv_cache_gib=kv_cache_gib, **cache_options)
+        self.scheduler = Scheduler(self.engine, max_running_requests)
 
     @property
     def reuse(self) -> str:
         return self.engine.reuse
 
-    def generate(self, prompt, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+    def generate(self, prompts, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop=None, stop_token_ids=(),
-                 ignore_eos: bool = False) -> GenerationResult:
-        tokens, segments = normalize_prompt(prompt, self.tokenizer)
+                 ignore_eos: bool = False) -> GenerationResult | list[GenerationResult]:
+        """One prompt -> one result; a list of prompts -> a list of results, in order, generated
+        together (continuous batching). Greedy by default; the sampling options apply to every prompt."""
+        batch = isinstance(prompts, (list, tuple)) and not isinstance(prompts, Segments) and not _token_ids(prompts)
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
-        seq = self.engine.run(self.engine.add(tokens, params, segments))
-        return GenerationResult(token_ids=seq.output_ids, text=self.engine.output_text(seq), stats=seq.stats,
-                                finish_reason=seq.finish_reason, prompt_token_ids=tokens)
+        items = list(prompts) if batch else [prompts]  # NOTE: [] is an empty prompt, refused as such
+        seqs = []
+        for p in items:
+            tokens, segments = normalize_prompt(p, self.tokenizer)
+            seqs.append(self.engine.new_sequence(tokens, params, segments))
+        for seq in seqs:
+            self.scheduler.add(seq)
+        try:
+            while any(not s.finished for s in seqs):
+                self.scheduler.step()
+        except BaseException:
+            for seq in seqs:
+                self.scheduler.abort(seq)
+            raise
+        for seq in seqs:
+            if seq.error:
+                raise RequestError(seq.error)
+        results = [GenerationResult(token_ids=seq.output_ids, text=seq.text, stats=seq.stats,
+                                    finish_reason=seq.finish_reason, prompt_token_ids=seq.tokens[: seq.prompt_len])
+                   for seq in seqs]
+        return results if batch else results[0]
 
     def score(self, prompt_ids, continuation_ids) -> torch.Tensor:
         """Teacher-forced log-probabilities [len(continuation_ids), vocab] under this LLM's reuse mode.
-        `prompt_ids` may be token ids or segments (lists of token ids), as for `generate`."""
-        tokens, segments = normalize_prompt(list(prompt_ids), self.tokenizer)
+        `prompt_ids` may be token ids or Segments (a list of token-id lists is read as segments too)."""
+        if isinstance(prompt_ids, (list, tuple)) and prompt_ids and all(isinstance(s, (list, tuple)) for s in prompt_ids):
+            prompt_ids = Segments(prompt_ids)
+        tokens, segments = normalize_prompt(prompt_ids if isinstance(prompt_ids, Segments) else list(prompt_ids),
+                                            self.tokenizer)
         logprobs, seq = self.engine.score(tokens, list(continuation_ids), segments)
         self.last_stats = seq.stats
         return logprobs
+
+    def stats(self) -> dict:
+        """kv_pool_bytes_used / _capacity, cached_bytes, running_sequences, waiting_sequences."""
+        return self.scheduler.stats()

@@ -1,13 +1,17 @@
-"""Executes the cache's plans on a sequence's latent rows (docs/design.md, sections 3 and 4).
+"""Executes the cache's plans on the latent pool ([design](../../docs/design.md), sections 3 and 4).
 
   off     every prompt token is computed (the quality reference);
-  prefix  exact-prefix rows from the radix tree, copied as they are;
-  naive   prefix + content-addressed chunks, c_KV and k_r copied verbatim (stale k_r: the
-          paper's baseline), no sink carve-out;
-  pic     prefix + content-addressed chunks with the sink carve-out; c_KV copied verbatim and
-          k_r rotated by δ = p_tgt - p_src with the model's own rotary class.
+  prefix  exact-prefix rows from the radix tree, shared as they are;
+  naive   prefix + content-addressed chunks, `k_r` read at the position it was computed at (stale
+          `k_r`: the paper's baseline), no sink carve-out;
+  pic     prefix + content-addressed chunks with the sink carve-out; every row read at its position
+          in the new sequence, which is the δ-rotation done when attention reads the key.
 
-The planner is pure bookkeeping; this module is where rows move.
+The planner is pure bookkeeping; this module turns a plan into a slot table. A hit never copies:
+the radix tree and the registry hold slot references into the engine's pool, and a sequence that
+reuses a chunk takes one more reference on its slots. Chunks are offered to the registry as soon
+as their rows are computed (in-flight reuse), and a request whose chunks a running sequence is
+computing right now waits for them instead of computing them again.
 """
 
 from __future__ import annotations
@@ -15,68 +19,82 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import numpy as np
-import torch
 
 from irminsul.cache.chunker import ChunkerConfig, namespace_seed
 from irminsul.cache.planner import Planner, PlannerConfig
 from irminsul.cache.radix import PrefixMatch, PrefixPiece, RadixCache
-from irminsul.cache.registry import MemoryRegistry
+from irminsul.cache.registry import Entry, MemoryRegistry
 from irminsul.cache.windows import WindowIndex
+from irminsul.engine.pool import LatentPool
 from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
-from irminsul.model.deepseek import DeepseekModel
-from irminsul.model.mla import ForwardBatch
+from irminsul.model.attention import EMPTY_SLOT
 
 MODES = ("off", "prefix", "naive", "pic")
 SHARED = "\x00shared"  # the operator's published namespace; no request can name it as its tenant
-DEFAULT_CACHE_BYTES = 512 * 2**20
 
 
-def make_reuse(mode: str, model: DeepseekModel, **options):
+def make_reuse(mode: str, pool: LatentPool, num_layers: int, **options):
     if mode not in MODES:
         raise RequestError(f"reuse={mode!r} is not a reuse mode; choose one of {', '.join(MODES)}")
     if mode == "off":
-        return NoReuse()  # cache options are accepted and ignored: nothing is cached
-    return CacheReuse(mode, model, **options)
+        return NoReuse(pool)  # cache options are accepted and ignored: nothing is cached
+    return CacheReuse(mode, pool, num_layers, **options)
 
 
 class NoReuse:
     mode = "off"
+    recompute_ratio = 0.0
+
+    def __init__(self, pool: LatentPool):
+        self.pool = pool
 
     def prepare(self, seq: Sequence) -> None:
         n = len(seq.tokens)
+        seq.slots = np.zeros(n, np.int64)
         seq.pending = np.arange(n, dtype=np.int64)
         seq.stats.prompt_tokens = seq.stats.computed_tokens = n
+
+    def make_room(self, n: int) -> bool:
+        return self.pool.free >= n
+
+    def waits_for(self, tokens, segment_starts, tenant) -> bool:
+        return False
+
+    def computed(self, seq: Sequence) -> None:
+        pass
 
     def finish(self, seq: Sequence) -> None:
         pass
 
+    @property
+    def cached_slots(self) -> np.ndarray:
+        return np.zeros(0, np.int64)
 
-def _split_rows(value: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # NOTE: clones, so a stored node never keeps a larger tensor alive than the bytes it accounts.
-    return value[:, :k].clone(), value[:, k:].clone()
+    def clear(self) -> None:
+        pass
 
 
 class SaltedRadix:
     """One tenant's view of the shared radix tree: every key starts with the tenant's salt token.
 
-    The salt is a negative id, so it never equals a real token: tenants share one byte budget but
-    can never match (or time) each other's prefixes. The salt's own row is a zero row.
+    The salt is a negative id, so it never equals a real token: tenants share one pool but can
+    never match (or time) each other's prefixes. The salt's own slot is the pool's empty slot.
     """
 
-    def __init__(self, radix, salt: int):
+    def __init__(self, radix: RadixCache, salt: int):
         self.radix, self.salt = radix, salt
 
     def match(self, tokens):
         m = self.radix.match(np.concatenate([[self.salt], np.asarray(tokens, dtype=np.int64)]))
         if m.length == 0:
             return PrefixMatch(0, m.node, [])
-        first = PrefixPiece(m.values[0].value[:, 1:], m.values[0].length - 1)
+        first = PrefixPiece(m.values[0].value[1:], m.values[0].length - 1)
         return PrefixMatch(m.length - 1, m.node, [first, *m.values[1:]])
 
-    def insert(self, tokens, rows: torch.Tensor) -> int:
+    def insert(self, tokens, slots: np.ndarray) -> int:
         salted = np.concatenate([[self.salt], np.asarray(tokens, dtype=np.int64)])
-        return self.radix.insert(salted, torch.cat([rows.new_zeros(rows.shape[0], 1, rows.shape[2]), rows], 1))
+        return self.radix.insert(salted, np.concatenate([[EMPTY_SLOT], slots]))
 
     def lock(self, node) -> None:
         self.radix.lock(node)
@@ -86,36 +104,39 @@ class SaltedRadix:
 
 
 class CacheReuse:
-    """The cache of one engine: a registry and a radix tree shared by all tenants, and per tenant a
-    namespace (fingerprint seed, radix salt, S1 window index), so nothing crosses tenants."""
+    """The cache of one engine: a registry and a radix tree shared by all tenants, both holding slot
+    references into the pool, and per tenant a namespace (fingerprint seed, radix salt, S1 window
+    index), so nothing crosses tenants."""
 
-    def __init__(self, mode: str, model: DeepseekModel, cache_bytes: int | None = None,
-                 prefix_bytes: int | None = None, tenant: str = "", model_id: str = "",
-                 carve_out: bool | None = None, s1: bool = True, registry=None,
-                 recompute_ratio: float = 0.0, check_layer: int = 1, max_namespaces: int = 1024,
-                 marker: tuple[int, ...] | None = None):
-        self.mode, self.model, self.model_id, self.default_tenant = mode, model, model_id, tenant
-        cfg = model.config
-        self.bytes_per_token = cfg.num_hidden_layers * cfg.row_width * torch.finfo(model.dtype).bits // 8
+    def __init__(self, mode: str, pool: LatentPool, num_layers: int, tenant: str = "", model_id: str = "",
+                 carve_out: bool | None = None, s1: bool = True, registry=None, recompute_ratio: float = 0.0,
+                 check_layer: int = 1, max_namespaces: int = 1024, marker: tuple[int, ...] | None = None):
+        self.mode, self.pool, self.model_id, self.default_tenant = mode, pool, model_id, tenant
+        # The pool is the one budget: the registry and the tree are never the first to refuse.
         # NOTE: "is None", not "or": an empty registry has len 0 and is falsy.
-        self.registry = registry if registry is not None else MemoryRegistry(cache_bytes or DEFAULT_CACHE_BYTES)
-        self.radix = RadixCache(prefix_bytes or DEFAULT_CACHE_BYTES, self.bytes_per_token,
-                                split_value=_split_rows)
+        self.registry = registry if registry is not None else MemoryRegistry(pool.capacity_bytes)
+        self.registry.on_store.append(lambda entry: pool.retain(entry.payload))
+        self.registry.on_evict.append(lambda entry: pool.release(entry.payload))
+        if hasattr(self.registry, "bind"):  # store tiers below memory hold rows, memory holds slots
+            self.registry.bind(self._promote, self._to_lower)
+        self.radix = RadixCache(pool.capacity_bytes, pool.bytes_per_slot, on_store=pool.retain,
+                                on_evict=pool.release)
         if carve_out is None:
             carve_out = mode == "pic"  # the paper's naive baseline has no carve-out
         # marker: the paper's S2 variant, a model-visible boundary sequence that restarts chunking.
         chunker = ChunkerConfig(marker=tuple(marker) if marker else None)
         self.planner_config = PlannerConfig(chunker=chunker, content_reuse=mode != "prefix",
                                             s1=s1, carve_out=carve_out)
-        self.namespaces: OrderedDict[str, object] = OrderedDict()  # LRU: untrusted salts can't grow it
+        self.namespaces: OrderedDict[str, Planner] = OrderedDict()  # LRU: untrusted salts can't grow it
         self.max_namespaces = max_namespaces
         if not 0.0 <= recompute_ratio <= 1.0:
             raise RequestError(f"recompute_ratio={recompute_ratio} must be in [0, 1]")
-        if recompute_ratio and not 0 < check_layer < cfg.num_hidden_layers:
-            raise RequestError(f"check_layer={check_layer} must be in [1, {cfg.num_hidden_layers - 1}]")
+        if recompute_ratio and not 0 < check_layer < num_layers:
+            raise RequestError(f"check_layer={check_layer} must be in [1, {num_layers - 1}]")
         self.recompute_ratio, self.check_layer = recompute_ratio, check_layer
+        self.inflight: dict[int, int] = {}  # fingerprint -> running sequences that will compute it
 
-    def namespace(self, tenant: str | None = None):
+    def namespace(self, tenant: str | None = None) -> Planner:
         """The planner of a tenant's namespace (created on first use)."""
         tenant = self.default_tenant if tenant is None else tenant
         if tenant not in self.namespaces:
@@ -131,93 +152,136 @@ class CacheReuse:
 
     def _drop_idle_namespaces(self) -> None:
         """Forget the least recently used namespaces beyond max_namespaces. Their registry entries
-        and radix nodes stay and age out under the budgets; only the S1 window index is lost."""
+        and radix nodes stay and age out of the pool; only the S1 window index is lost."""
         for tenant in list(self.namespaces):
             if len(self.namespaces) <= self.max_namespaces:
                 break
             if tenant != SHARED:
                 self.namespaces.pop(tenant).close()
 
-    def publish(self, tokens: list[int], segment_starts: list[int] | None = None):
-        """Precompute a document's rows in a fixed, trusted context (the document alone, from
-        position 0) and register its chunks in the shared namespace, which every tenant searches
-        after its own. Shared rows never depend on a stranger's prefix (HijackKV, docs/design.md §6)."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        rows = self.model.new_rows(capacity=len(ids))
-        self.model.prefill(rows, torch.as_tensor(ids), torch.arange(len(ids)))
-        block = rows.rows[:, : len(ids)]
-        return self._register(self.namespace(SHARED), ids, block, segment_starts)
+    # -- the store tiers: the pool's offload ----------------------------------------------
+
+    def _to_lower(self, entry: Entry) -> Entry:
+        """A memory entry (slots) as the disk and Redis tiers store it: its rows, read from the pool."""
+        return Entry(entry.fingerprint, entry.token_ids, entry.base_pos, self.pool.read(entry.payload).cpu(),
+                     entry.nbytes)
+
+    def _promote(self, entry: Entry) -> Entry | None:
+        """A lower tier's hit (rows) into the pool and the memory tier; None if there is no room."""
+        n = len(entry.token_ids)
+        if not self.make_room(n):
+            return None
+        slots = self.pool.alloc(n)
+        self.pool.write(slots, entry.payload, entry.base_pos + np.arange(n))
+        promoted = Entry(entry.fingerprint, entry.token_ids, entry.base_pos, slots, entry.nbytes)
+        stored = self.registry.memory.put(promoted)  # the memory tier takes its own reference
+        self.pool.release(slots)  # ours: if the memory tier refused, the slots are free again
+        return promoted if stored else None
+
+    # -- admission -------------------------------------------------------------------------
+
+    def waits_for(self, tokens: list[int], segment_starts, tenant: str | None) -> bool:
+        """True if a running sequence is computing one of this prompt's chunks right now: admitting
+        the prompt after those rows exist reuses them instead of computing them again."""
+        if not self.inflight or not self.planner_config.content_reuse:
+            return False
+        planner = self.namespace(tenant)
+        return any(c.fingerprint in self.inflight and c.fingerprint not in self.registry
+                   for c in planner.chunk(np.asarray(tokens, dtype=np.int64), segment_starts))
 
     def prepare(self, seq: Sequence) -> None:
+        """Plan the prompt and point the slot table at the rows it reuses (one reference each)."""
         plan = self.namespace(seq.tenant).plan(np.asarray(seq.tokens, dtype=np.int64), seq.segment_starts)
         seq.plan = plan
-        rows, r = seq.rows, self.model.config.kv_lora_rank
+        slots = np.zeros(len(seq.tokens), np.int64)
+        prefix = np.concatenate([p.value[: p.length] for p in plan.prefix.values]) if plan.prefix.values else None
         for span in plan.spans:
             if span.kind == "prefix":
-                rows.write(span.start, self._prefix_rows(plan, span.start, span.end))
+                slots[span.start : span.end] = prefix[span.start : span.end]
             elif span.kind == "reuse":
-                src = span.entry.payload[:, span.src_offset : span.src_offset + span.end - span.start]
-                if self.mode != "naive" and span.delta:
-                    src = src.clone()
-                    # [n_layers, n, rope]: only k_r moves; c_KV is position-free and copied verbatim.
-                    src[..., r:] = self.model.rotary.rotate(src[..., r:].transpose(0, 1), span.delta).transpose(0, 1)
-                rows.write(span.start, src)
+                slots[span.start : span.end] = span.entry.payload[span.src_offset : span.src_offset + len(span)]
+        self.pool.retain(slots)
+        seq.slots = slots
         seq.pending = np.asarray(plan.compute_positions(), dtype=np.int64)
-        recomputed = self._select_recompute(seq, plan) if self.recompute_ratio else np.zeros(0, np.int64)
-        seq.pending = np.union1d(seq.pending, recomputed)
-        seq.stats.recomputed_tokens = len(recomputed)
+        seq.registered = 0
+        for c in plan.chunks:  # the chunks this sequence is about to compute
+            if c.fingerprint not in self.registry:
+                self.inflight[c.fingerprint] = self.inflight.get(c.fingerprint, 0) + 1
         st = plan.stats
         seq.stats.prompt_tokens, seq.stats.prefix_tokens = st.prompt_tokens, st.prefix_tokens
-        seq.stats.reused_tokens = st.reused_tokens - len(recomputed)
-        seq.stats.computed_tokens = st.computed_tokens + len(recomputed)
+        seq.stats.reused_tokens, seq.stats.computed_tokens = st.reused_tokens, st.computed_tokens
         seq.stats.carve_out_tokens, seq.stats.s1_tokens = st.carve_out_tokens, st.s1_tokens
 
-    def _select_recompute(self, seq: Sequence, plan) -> np.ndarray:
-        """pic+r (CacheBlend, Yao et al. 2025): the fraction r of reused rows whose c_KV at the check
-        layer deviates most from what the current context gives. Layers [0, check_layer) run over
-        every non-prefix token in a scratch copy; only their latent at check_layer is compared."""
-        reused = np.concatenate([np.arange(s.start, s.end) for s in plan.spans if s.kind == "reuse"] or
-                                [np.zeros(0, np.int64)])
-        k = int(np.ceil(self.recompute_ratio * len(reused)))
-        if k == 0:
-            return np.zeros(0, np.int64)
-        run = np.union1d(reused, seq.pending)
-        scratch = seq.rows.clone()
-        dev = self.model.device
-        pos = torch.as_tensor(run, device=dev)
-        batch = ForwardBatch(torch.as_tensor(np.asarray(seq.tokens)[run], device=dev), pos, [scratch], [0, len(run)])
-        fresh = self.model.fresh_rows(batch, self.check_layer)[:, : self.model.config.kv_lora_rank]
-        at = torch.as_tensor(np.searchsorted(run, reused), device=dev)
-        cached = seq.rows.rows[self.check_layer, torch.as_tensor(reused, device=dev), : fresh.shape[1]].float()
-        deviation = (fresh[at].float() - cached).norm(dim=-1) / cached.norm(dim=-1).clamp_min(1e-12)
-        return np.sort(reused[deviation.topk(k).indices.cpu().numpy()])
+    def recompute(self, seq: Sequence, positions: np.ndarray) -> None:
+        """pic+r: give up the reused rows at positions; they are computed in this context instead."""
+        self.pool.release(seq.slots[positions])
+        seq.slots[positions] = EMPTY_SLOT
+        seq.pending = np.union1d(seq.pending, positions)
+        seq.stats.recomputed_tokens = len(positions)
+        seq.stats.reused_tokens -= len(positions)
+        seq.stats.computed_tokens += len(positions)
 
-    @staticmethod
-    def _prefix_rows(plan, start: int, end: int) -> torch.Tensor:
-        parts, have = [], 0
-        for value, length in plan.prefix.values:
-            parts.append(value[:, :length])
-            have += length
-            if have >= end:
-                break
-        return torch.cat(parts, dim=1)[:, start:end]
+    def make_room(self, n: int) -> bool:
+        """Evict cached content nobody is using, least recently used first, until n slots are free.
+        A slot is freed only when its last holder lets go, so evicting may free fewer slots than
+        it names; the loop goes on while either structure still evicts something."""
+        while self.pool.free < n:
+            need = (n - self.pool.free) * self.pool.bytes_per_slot
+            if not (self.radix.evict(need) or self.registry.evict(need)):
+                return False
+        return True
 
-    def _register(self, planner: Planner, tokens: np.ndarray, block: torch.Tensor, segment_starts):
-        """Store the chunks of tokens whose rows are block [n_layers, len(tokens), width]."""
-        return planner.register(tokens, rows_of=lambda a, b: block[:, a:b].clone(),
-                                nbytes_of=lambda k: k * self.bytes_per_token, segment_starts=segment_starts)
+    # -- as rows appear ----------------------------------------------------------------------
+
+    def computed(self, seq: Sequence) -> None:
+        """Offer the chunks whose rows now all exist to the registry (in-flight reuse)."""
+        done = int(seq.pending[0]) if seq.in_prefill else seq.prompt_len
+        if done > seq.registered and seq.plan is not None and self.planner_config.content_reuse:
+            self._register(self.namespace(seq.tenant), seq.plan, seq.slots, upto=done)
+            seq.registered = done
 
     def finish(self, seq: Sequence) -> None:
-        """Register every chunk of the sequence (prompt and output) and insert it into the tree."""
+        """Register every chunk of the sequence (prompt and output) and insert it into the tree;
+        release the plan's pins and its in-flight claims. The sequence keeps its own references."""
         planner = self.namespace(seq.tenant)
         try:
-            n = seq.rows.length
+            n = seq.filled
             if n and seq.finish_reason != "abort":
                 tokens = np.asarray(seq.tokens[:n], dtype=np.int64)
-                block = seq.rows.rows[:, :n]
-                self._register(planner, tokens, block, seq.segment_starts)
-                planner.radix.insert(tokens, block)
+                slots = seq.slots[:n]
+                if self.planner_config.content_reuse:
+                    self._register(planner, tokens, slots, segment_starts=seq.segment_starts)
+                planner.radix.insert(tokens, slots)
         finally:
             if seq.plan is not None:
+                for c in seq.plan.chunks:
+                    if c.fingerprint in self.inflight:
+                        self.inflight[c.fingerprint] -= 1
+                        if self.inflight[c.fingerprint] <= 0:
+                            del self.inflight[c.fingerprint]
                 planner.release(seq.plan)
                 seq.plan = None
+
+    def register_published(self, tokens: np.ndarray, slots: np.ndarray, segment_starts=None):
+        """Chunks of a document computed in the trusted publishing context, into the shared namespace."""
+        return self._register(self.namespace(SHARED), tokens, slots, segment_starts=segment_starts)
+
+    def _register(self, planner: Planner, plan_or_tokens, slots: np.ndarray, segment_starts=None, upto=None):
+        # An entry's payload is its slots; the registry's on_store / on_evict count their references.
+        return planner.register(plan_or_tokens, rows_of=lambda a, b: slots[a:b].copy(),
+                                nbytes_of=lambda k: k * self.pool.bytes_per_slot,
+                                segment_starts=segment_starts, upto=upto)
+
+    def clear(self) -> None:
+        """Evict every unpinned entry and unlocked prefix (their references go back to the pool)."""
+        everything = 2**62
+        self.radix.evict(everything)
+        self.registry.evict(everything)
+
+    @property
+    def cached_slots(self) -> np.ndarray:
+        """Distinct slots the tree and the registry hold (for the pool's statistics)."""
+        parts = [node.value for node in self.radix._iter_nodes() if node.value is not None]
+        parts += [e.payload for e in self.registry.entries()]
+        slots = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        return slots[slots != EMPTY_SLOT]

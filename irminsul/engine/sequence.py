@@ -1,4 +1,4 @@
-"""One request's state inside the engine: its tokens, latent rows, reuse plan and stats."""
+"""One request's state inside the engine: its tokens, slot table, reuse plan, output text and stats."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from irminsul.engine.sampling import SamplingParams
-from irminsul.model.mla import SequenceRows
+from irminsul.model.attention import EMPTY_SLOT
 
 _ids = itertools.count()
 
@@ -27,26 +27,33 @@ class RequestStats:
     s1_tokens: int = 0
     recomputed_tokens: int = 0  # pic+r: reused rows recomputed (counted in computed_tokens)
     generated_tokens: int = 0
+    preempted: int = 0  # times the request lost its rows to make room and was recomputed
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     tokens: list[int]  # prompt, then generated tokens
     prompt_len: int
     params: SamplingParams
-    rows: SequenceRows
     segment_starts: list[int] | None = None
     tenant: str | None = None  # cache namespace; None means the engine's default
-    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # positions to compute
+    # Pool slot of each position's row (EMPTY_SLOT: not computed yet). The sequence holds one
+    # reference on each slot it names.
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # positions to compute
     stats: RequestStats = field(default_factory=RequestStats)
     plan: object | None = None  # the cache's plan, kept until finish() releases its pins
+    registered: int = 0  # prompt positions whose chunks were offered to the cache (in-flight reuse)
     generator: torch.Generator | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    text_offset: int = 0  # characters of output already checked for stop strings
+    error: str | None = None  # why the engine could not serve it (with finish_reason "abort")
+    text: str = ""  # output text so far, stop strings cut
+    detok: object | None = None  # incremental detokenizer state
     id: int = field(default_factory=lambda: next(_ids))
+    _buf: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def output_ids(self) -> list[int]:
@@ -59,3 +66,25 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return len(self.pending) > 0
+
+    @property
+    def admitted(self) -> bool:
+        return len(self.slots) > 0
+
+    @property
+    def filled(self) -> int:
+        """Positions 0..filled-1 all have rows (the rows a finished sequence can hand to the cache)."""
+        empty = np.flatnonzero(self.slots == EMPTY_SLOT)
+        return int(empty[0]) if len(empty) else len(self.slots)
+
+    def grow(self) -> None:
+        """Make the slot table as long as the tokens (a decoded token's row is computed next step);
+        the table is a view of a buffer that doubles, so decoding does not copy it every token."""
+        n = len(self.tokens)
+        if len(self.slots) >= n:
+            return
+        if self._buf is None or len(self._buf) < n:
+            buf = np.zeros(max(n, 2 * len(self.slots), 16), np.int64)
+            buf[: len(self.slots)] = self.slots
+            self._buf = buf
+        self.slots = self._buf[:n]

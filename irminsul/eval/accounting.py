@@ -2,7 +2,7 @@
 
 `Arch.from_config` reads an HF `config.json` dict (DeepSeek-V2/V3 -> MLA, Llama/Qwen/Mistral ->
 GQA). `forward_flops` counts every matmul of the forward (2 FLOPs per multiply-add), layer by
-layer, as the code runs it: MLA in the absorbed form of `irminsul/model/mla.py` (DeepSeek-V3
+layer, as the code runs it: MLA in the absorbed form of `irminsul/model/attention.py` (DeepSeek-V3
 `inference/model.py`), GQA as transformers' Llama. Elementwise work (norms, RoPE, softmax, SiLU)
 is left out, as torch's FlopCounterMode does; tests/eval check the count against it.
 
@@ -112,15 +112,12 @@ class Arch:
         return [(self.nope, self.kv_lora_rank), (self.kv_lora_rank, self.v_head)] if self.kind == "mla" else []
 
     def attention_form(self, queries: int, length: int) -> str:
-        """MLA: "absorbed" or "expanded", by the engine's own rule (irminsul/model/mla.py)."""
-        from types import SimpleNamespace
-
-        from irminsul.model.mla import MLAttention
+        """MLA: "absorbed" or "expanded", by the engine's own rule (irminsul/model/attention.py)."""
+        from irminsul.model.attention import expand_is_cheaper
 
         if self.kind != "mla":
             return "gqa"
-        cheaper = MLAttention._expand_is_cheaper(SimpleNamespace(cfg=self.config), queries, length)
-        return "expanded" if cheaper else "absorbed"
+        return "expanded" if queries > 1 and expand_is_cheaper(self.config, queries, length) else "absorbed"
 
     def attention_flops(self, queries: int, length: int, pairs: float) -> float:
         """One layer's attention over `pairs` (query, visible key) pairs, `length` rows read."""

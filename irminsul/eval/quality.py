@@ -37,9 +37,10 @@ class Strategy:
     reuse: str
     options: tuple = ()  # cache options as (key, value) pairs
 
-    def engine(self, llm: LLM) -> Engine:
-        """An engine with an empty cache of this strategy, sharing `llm`'s loaded weights."""
-        return Engine(llm.model, llm.tokenizer, reuse=self.reuse, **dict(self.options))
+    def engine(self, llm: LLM, pool=None) -> Engine:
+        """An engine with an empty cache of this strategy, sharing `llm`'s loaded weights (and
+        `pool`, when given)."""
+        return Engine(llm.model, llm.tokenizer, reuse=self.reuse, pool=pool, **dict(self.options))
 
 
 STRATEGIES = (
@@ -87,6 +88,7 @@ class QualityRunner:
         self.strategies = [s for s in strategies if self._supported(s)]
         self.skipped = [s.name for s in strategies if s not in self.strategies]
         self.off = Engine(llm.model, llm.tokenizer, reuse="off")
+        self.pool = self.off.pool  # every strategy's engine shares it: a case's cached rows exist once
         self.scores: dict[str, dict[str, list[CaseScore]]] = {}  # task -> strategy -> cases
         self.cases: dict[str, list[ShiftedCase]] = {}
 
@@ -98,27 +100,38 @@ class QualityRunner:
             return False
 
     def run_case(self, case: ShiftedCase) -> dict[str, CaseScore]:
-        ref = Engine(self.llm.model, self.llm.tokenizer, reuse="prefix")
+        ref = Engine(self.llm.model, self.llm.tokenizer, reuse="prefix", pool=self.pool)
         # With segments, the cache restarts chunking at each segment start (S2), as for a chat request.
         fs, ps = (list(case.first_segments) or None, list(case.prompt_segments) or None) if self.segments else (None, None)
         ref_lp, ref_seq = ref.score(case.prompt, case.answer, ps)  # empty cache: full prefill
         g = ref.run(ref.add(case.prompt, SamplingParams(max_tokens=self.greedy_tokens, ignore_eos=True), ps)).output_ids
-        first = self.off.run(self.off.add(case.first, SamplingParams(max_tokens=1), fs))
+        ref.close()
+        # The first request, computed once; its rows stay in the shared pool while every strategy's
+        # cache registers them, as generate(first) would.
+        first = self.off.add(case.first, SamplingParams(max_tokens=1), fs)
+        while first.in_prefill:
+            self.off.forward([first])
+        first.finish_reason = "length"
         n = len(case.prompt)
         out = {}
-        for s in self.strategies:
-            if s.reuse == "off":
-                out[s.name] = CaseScore(np.zeros(len(case.answer)), 1.0, len(g), _correct(case, ref_lp), n, 0, 0, n,
-                                        answer_logprob=_answer_logprob(case, ref_lp))
-                continue
-            eng = s.engine(self.llm)
-            eng.cache.finish(first)  # what generate(first) registers
-            lp, seq = eng.score(case.prompt, case.answer, ps)
-            st = seq.stats
-            div = metrics.first_divergence(g, eng.score(case.prompt, g, ps)[0]) if g else 0
-            out[s.name] = CaseScore(metrics.kl_per_token(ref_lp, lp).numpy(), metrics.argmax_agreement(ref_lp, lp),
-                                    div, _correct(case, lp), st.prompt_tokens, st.prefix_tokens, st.reused_tokens,
-                                    st.computed_tokens, getattr(st, "recomputed_tokens", 0), _answer_logprob(case, lp))
+        try:
+            for s in self.strategies:
+                if s.reuse == "off":
+                    out[s.name] = CaseScore(np.zeros(len(case.answer)), 1.0, len(g), _correct(case, ref_lp), n, 0, 0,
+                                            n, answer_logprob=_answer_logprob(case, ref_lp))
+                    continue
+                eng = s.engine(self.llm, self.pool)
+                eng.cache.finish(first)  # what generate(first) registers
+                lp, seq = eng.score(case.prompt, case.answer, ps)
+                st = seq.stats
+                div = metrics.first_divergence(g, eng.score(case.prompt, g, ps)[0]) if g else 0
+                eng.close()
+                out[s.name] = CaseScore(metrics.kl_per_token(ref_lp, lp).numpy(), metrics.argmax_agreement(ref_lp, lp),
+                                        div, _correct(case, lp), st.prompt_tokens, st.prefix_tokens, st.reused_tokens,
+                                        st.computed_tokens, getattr(st, "recomputed_tokens", 0),
+                                        _answer_logprob(case, lp))
+        finally:
+            self.off.finish(first)
         return out
 
     def run(self, cases: dict[str, list[ShiftedCase]], progress: bool = True) -> None:

@@ -57,7 +57,7 @@ def mla_vectors(model, ids: list[int]) -> dict[str, torch.Tensor]:
     rows = model.new_rows(capacity=len(ids))
     model.prefill(rows, ids, torch.arange(len(ids)))
     r = cfg.kv_lora_rank
-    block = rows.rows[:, : len(ids)].float()
+    block = rows.rows(model.rotary, len(ids)).float()  # k_r encoded at its position, as the paper reads it
     c = block[..., :r]
     vs = []
     for layer, m in enumerate(model.model.layers):

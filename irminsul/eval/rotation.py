@@ -98,7 +98,7 @@ def context_rows(model, ids: list[int]) -> tuple[torch.Tensor, dict[int, torch.T
         model.prefill(rows, ids, torch.arange(len(ids)))
     finally:
         rec.close()
-    return rows.rows[:, : len(ids)], rec.out
+    return rows.rows(model.rotary, len(ids)), rec.out
 
 
 def drift_pair(model, content: list[int], before_a: list[int], before_b: list[int]) -> list[dict]:

@@ -3,10 +3,11 @@
 Module names mirror the HF checkpoint keys (`model.layers.N.self_attn.kv_b_proj.weight`, ...), so
 a checkpoint's state dict loads as it is.
 
-The one forward operation is "prefill of any subset of positions": given sequences whose row
-buffers already hold some positions, compute the given tokens at the given absolute positions in
-one pass. Each computed token attends to every filled or computed row at a position <= its own.
-Full prefill, chunked prefill, decode and the cache's sparse prefill are all special cases.
+The one forward operation is "prefill of any subset of positions": given sequences whose slot
+tables already point at some rows of the pool, compute the given tokens at the given absolute
+positions in one pass. Each computed token attends to every filled or computed row at a position
+<= its own. Full prefill, chunked prefill, decode and the cache's sparse prefill are all special
+cases; the engine batches any mix of them (`ForwardBatch`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from irminsul.model.attention import TorchAttention
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import MLP, MoE, RMSNorm
 from irminsul.model.mla import ForwardBatch, MLAttention, SequenceRows
@@ -21,10 +23,10 @@ from irminsul.model.rope import Rotary
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: TorchAttention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, layer, rotary)
+        self.self_attn = MLAttention(cfg, layer, rotary, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -34,10 +36,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: TorchAttention):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, backend) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -46,7 +48,8 @@ class DeepseekModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = rotary or Rotary(cfg.rope)
-        self.model = Backbone(cfg, self.rotary)
+        self.attention = TorchAttention(cfg, self.rotary)  # the attention backend every layer calls
+        self.model = Backbone(cfg, self.rotary, self.attention)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -68,10 +71,6 @@ class DeepseekModel(nn.Module):
 
         With stop_layer, run only layers [0, stop_layer) and return the (un-normed) hidden state
         entering stop_layer; rows of later layers are left untouched."""
-        for seq, sl in batch.slices():
-            pos = batch.positions[sl]
-            seq.ensure(int(pos.max()) + 1)
-            seq.filled[pos] = True  # every layer writes these rows before it attends
         x = self.model.embed_tokens(batch.token_ids)
         for layer in self.model.layers[:stop_layer]:
             x = layer(x, batch)
@@ -82,7 +81,7 @@ class DeepseekModel(nn.Module):
         """Rows [N, row_width] that `layer` would cache for the batch in its current context."""
         block = self.model.layers[layer]
         hidden = self.forward(batch, stop_layer=layer)
-        return block.self_attn.latent(block.input_layernorm(hidden), batch.positions)
+        return block.self_attn.stored_rows(block.input_layernorm(hidden))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -92,4 +91,4 @@ class DeepseekModel(nn.Module):
         """Single-sequence convenience: compute token_ids at positions into seq; hidden [n, hidden]."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
-        return self.forward(ForwardBatch(ids, pos, [seq], [0, len(ids)]))
+        return self.forward(seq.batch(self.attention, ids, pos))

@@ -1,8 +1,9 @@
 """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434) in its absorbed form.
 
 The cache holds one row per token and layer, `[c_KV | k_r]`: the latent after `kv_a_layernorm`
-(kv_lora_rank wide, no position in it) and the decoupled RoPE key (qk_rope_head_dim wide, rotated
-at the token's absolute position). Nothing else position-dependent is stored anywhere.
+(kv_lora_rank wide) and the decoupled RoPE key (qk_rope_head_dim wide), stored un-rotated and
+encoded at its position when attention reads it (`attention.py`). A cached row has no position
+in it, so reuse at another position shares it as it is.
 
 Absorbed attention (DeepSeek-V3 `inference/model.py`, attn_impl="absorb"):
     q_lat  = q_nope · W_UK                      # [n, H, kv_lora_rank]
@@ -10,38 +11,41 @@ Absorbed attention (DeepSeek-V3 `inference/model.py`, attn_impl="absorb"):
     o      = (softmax(score) · c_KV) · W_UV -> o_proj
 with scale = qk_head_dim^-0.5 * mscale² (YaRN). For many queries at once (prefill) it is cheaper
 to expand the cached latent into per-head keys and values (k_nope = c_KV·W_UK, v = c_KV·W_UV) and
-run ordinary attention; the layer picks the cheaper form per sequence. Both read the same cache.
+run ordinary attention; the backend picks the cheaper form per group of sequences. Both read the
+same cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from irminsul.model.attention import EMPTY_SLOT, AttentionGroup, SeqAttention, TorchAttention
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import RMSNorm
 from irminsul.model.rope import Rotary
 
 
 class SequenceRows:
-    """One sequence's latent cache: rows [n_layers, capacity, kv_lora_rank + rope_dim] + filled mask.
+    """One sequence's rows in a private pool, for code that runs the model on one sequence outside
+    the engine (tests, evaluation probes). Position p lives in slot p + 1; slot 0 is "no row".
 
-    Positions may be filled in any order (prefix copies, reused chunks, computed spans); attention
-    at position p reads every filled row at a position <= p.
+    Positions may be filled in any order (copies, computed spans); attention at position p reads
+    every filled row at a position <= p.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, capacity: int = 256):
         self.cfg = cfg
         capacity = max(1, min(capacity, cfg.max_position_embeddings))
-        self.rows = torch.zeros(cfg.num_hidden_layers, capacity, cfg.row_width, dtype=dtype, device=device)
+        self.pool = torch.zeros(cfg.num_hidden_layers, capacity + 1, cfg.row_width, dtype=dtype, device=device)
         self.filled = torch.zeros(capacity, dtype=torch.bool, device=device)
 
     @property
     def capacity(self) -> int:
-        return self.rows.shape[1]
+        return self.filled.shape[0]
 
     @property
     def length(self) -> int:
@@ -49,55 +53,74 @@ class SequenceRows:
         idx = self.filled.nonzero()
         return int(idx[-1]) + 1 if len(idx) else 0
 
+    @property
+    def raw(self) -> torch.Tensor:
+        """The stored rows [n_layers, capacity, width]: c_KV and un-rotated k_r (cache layout)."""
+        return self.pool[:, 1:]
+
+    def rows(self, rotary: Rotary, n: int | None = None) -> torch.Tensor:
+        """Rows [n_layers, n, width] as transformers caches them: k_r encoded at each position."""
+        n = self.length if n is None else n
+        raw, r = self.raw[:, :n], self.cfg.kv_lora_rank
+        cos, sin = rotary.table(n, raw.device)
+        return torch.cat([raw[..., :r], rotary.encode_cached(raw[..., r:], cos[:n], sin[:n])], dim=-1)
+
     def ensure(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
         new = min(max(capacity, 2 * self.capacity), self.cfg.max_position_embeddings)
-        rows = self.rows.new_zeros(self.rows.shape[0], new, self.rows.shape[2])
-        rows[:, : self.capacity] = self.rows
+        pool = self.pool.new_zeros(self.pool.shape[0], new + 1, self.pool.shape[2])
+        pool[:, : self.pool.shape[1]] = self.pool
         filled = self.filled.new_zeros(new)
         filled[: self.capacity] = self.filled
-        self.rows, self.filled = rows, filled
+        self.pool, self.filled = pool, filled
 
-    def write(self, start: int, rows: torch.Tensor) -> None:
-        """Copy rows [n_layers, n, width] verbatim into positions [start, start+n)."""
-        n = rows.shape[1]
+    def write(self, start: int, raw: torch.Tensor) -> None:
+        """Copy stored rows [n_layers, n, width] (as `raw` holds them) into positions [start, start+n)."""
+        n = raw.shape[1]
         self.ensure(start + n)
-        self.rows[:, start : start + n] = rows.to(self.rows.dtype)
+        self.pool[:, 1 + start : 1 + start + n] = raw.to(self.pool.dtype)
         self.filled[start : start + n] = True
 
     def clone(self) -> "SequenceRows":
         other = object.__new__(SequenceRows)
-        other.cfg, other.rows, other.filled = self.cfg, self.rows.clone(), self.filled.clone()
+        other.cfg, other.pool, other.filled = self.cfg, self.pool.clone(), self.filled.clone()
         return other
+
+    def batch(self, backend: TorchAttention, token_ids: torch.Tensor, positions: torch.Tensor) -> "ForwardBatch":
+        """A one-sequence forward batch computing token_ids at positions into these rows."""
+        self.ensure(int(positions.max()) + 1)
+        self.filled[positions] = True  # every layer writes these rows before it attends
+        t = int(positions.max()) + 1
+        slots = np.where(self.filled[:t].cpu().numpy(), np.arange(1, t + 1), EMPTY_SLOT)
+        seq = SeqAttention(positions.cpu().numpy(), slots)
+        return ForwardBatch(token_ids, positions, self.pool, positions + 1,
+                            backend.plan([seq], [0], positions.device))
 
 
 @dataclass
 class ForwardBatch:
-    """Flat tokens of several sequences; sequence i owns tokens [offsets[i], offsets[i+1])."""
+    """One forward pass: flat tokens of several sequences, where their rows go, how they attend."""
 
     token_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64, absolute positions
-    seqs: list[SequenceRows]
-    offsets: list[int]  # len(seqs) + 1
+    pool: torch.Tensor  # [n_layers, n_slots, width]: every row the pass reads or writes
+    write_slots: torch.Tensor  # [N] int64: the pool slot each computed row is written to
+    groups: list[AttentionGroup]  # the backend's plan: at most one decode and one prefill group
 
     _memo: dict = field(default_factory=dict, repr=False)
 
-    def slices(self):
-        for i, seq in enumerate(self.seqs):
-            yield seq, slice(self.offsets[i], self.offsets[i + 1])
-
     def memo(self, key, compute):
-        """What every layer of one forward pass needs alike (RoPE cos/sin, attention masks), once."""
+        """What every layer of one forward pass needs alike (RoPE cos/sin of the queries), once."""
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: TorchAttention):
         super().__init__()
-        self.cfg, self.layer, self.rotary = cfg, layer, rotary
+        self.cfg, self.layer, self.rotary, self.backend = cfg, layer, rotary, backend
         h, bias = cfg.num_attention_heads, cfg.attention_bias
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False)
@@ -111,58 +134,31 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias)
 
-    def latent(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
-        """x [n, hidden] -> cache rows [n, kv_lora_rank + rope_dim] (c_KV normed, k_r rotated)."""
+    def stored_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> pool rows [n, kv_lora_rank + rope_dim]: c_KV normed, k_r un-rotated."""
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), self.rotary.apply(k_r, positions, cos_sin)], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), self.rotary.to_cache(k_r)], dim=-1)
+
+    def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> rows [n, kv_lora_rank + rope_dim] as transformers caches them (k_r
+        encoded at positions)."""
+        c, k_r = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), self.rotary.apply(k_r, positions)], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
-        n, h, r = x.shape[0], cfg.num_attention_heads, cfg.kv_lora_rank
+        n, h = x.shape[0], cfg.num_attention_heads
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         cos_sin = batch.memo("rope", lambda: self.rotary.cos_sin(batch.positions))
         q_pe = self.rotary.apply(q_pe, batch.positions, cos_sin)  # [n, H, rope]
-        w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
-        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # absorbed into q / out
-        rows = self.latent(x, batch.positions, cos_sin)  # [n, r + rope]
-
-        out = x.new_empty(n, h, cfg.v_head_dim)
-        for i, (seq, sl) in enumerate(batch.slices()):
-            pos = batch.positions[sl]
-            seq.rows[self.layer, pos] = rows[sl].to(seq.rows.dtype)
-            keys = seq.rows[self.layer, : int(pos.max()) + 1].to(x.dtype)  # [L, r + rope]
-            visible = batch.memo(("visible", i), lambda: seq.filled[: keys.shape[0]][None, :] & (
-                torch.arange(keys.shape[0], device=pos.device)[None, :] <= pos[:, None]
-            ))  # [m, L]; the same in every layer
-            if self._expand_is_cheaper(len(pos), keys.shape[0]):
-                out[sl] = self._expanded(q_nope[sl], q_pe[sl], keys, visible)
-            else:
-                c_kv, k_r = keys[:, :r], keys[:, r:]
-                q_lat = torch.einsum("mhd,hdr->mhr", q_nope[sl], w_uk)  # [m, H, r]
-                scores = (q_lat @ c_kv.T + q_pe[sl] @ k_r.T).float() * cfg.softmax_scale  # [m, H, L]
-                probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1).to(x.dtype)
-                out[sl] = torch.einsum("mhr,hvr->mhv", probs @ c_kv, w_uv)
+        pool = batch.pool[self.layer]  # [n_slots, width]
+        # NOTE: written before attending: a query attends to rows computed in this same pass.
+        pool.index_copy_(0, batch.write_slots, self.stored_rows(x).to(pool.dtype))
+        if len(batch.groups) == 1 and len(batch.groups[0].token_index) == n:
+            out = self.backend.attend(self, q_nope, q_pe, pool, batch.groups[0])
+        else:
+            out = x.new_empty(n, h, cfg.v_head_dim)
+            for g in batch.groups:  # at most two: decode and prefill
+                out[g.token_index] = self.backend.attend(self, q_nope[g.token_index], q_pe[g.token_index], pool, g)
         return self.o_proj(out.reshape(n, h * cfg.v_head_dim))
-
-    def _expand_is_cheaper(self, m: int, length: int) -> bool:
-        """Absorbed attention costs ~m·L·H·(2r + rope) multiply-adds; expanding the latent into
-        per-head keys and values costs L·H·r·(nope + v) once, then m·L·H·(nope + rope + v). Prefill
-        (large m) expands, decode (m = 1) absorbs -- the same split SGLang and vLLM make for MLA."""
-        c = self.cfg
-        absorbed = m * length * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
-        expanded = length * c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim) + m * length * (
-            c.qk_head_dim + c.v_head_dim)
-        return expanded < absorbed
-
-    def _expanded(self, q_nope, q_pe, keys, visible) -> torch.Tensor:
-        """Attention with keys/values expanded from the cached latent: [m, H, v]."""
-        cfg = self.cfg
-        length, h = keys.shape[0], cfg.num_attention_heads
-        kv = self.kv_b_proj(keys[:, : cfg.kv_lora_rank]).view(length, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k_r = keys[:, None, cfg.kv_lora_rank :].expand(length, h, cfg.qk_rope_head_dim)
-        k = torch.cat([k_nope, k_r], dim=-1).transpose(0, 1)  # [H, L, qk_head]
-        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, m, qk_head]
-        o = F.scaled_dot_product_attention(q, k, v.transpose(0, 1), attn_mask=visible, scale=cfg.softmax_scale)
-        return o.transpose(0, 1)

@@ -89,6 +89,27 @@ class Rotary:
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         return self._rotate(x, cos, sin, self.in_layout)
 
+    def table(self, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [>= n, dim/2] for positions 0, 1, ... (as `cos_sin`), kept and grown by doubling."""
+        have = getattr(self, "_table", None)
+        if have is None or have[0].shape[0] < n or have[0].device != torch.device(device or "cpu"):
+            size = max(n, 2 * have[0].shape[0] if have is not None else 256)
+            self._table = tuple(t.to(device) for t in self.cos_sin(torch.arange(size)))
+        return self._table
+
+    def to_cache(self, x: torch.Tensor) -> torch.Tensor:
+        """A fresh projection [..., dim] (checkpoint layout) in the cache's pair layout, un-rotated."""
+        if self.in_layout == self.out_layout:
+            return x
+        return _join(*_split(x, self.in_layout), self.out_layout)
+
+    def encode_cached(self, k_r: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Encode un-rotated k_r [..., dim] (cache layout) with cos/sin [..., dim/2] broadcast
+        against its leading dims (from `table` or `cos_sin`); computed in fp32, returned in k_r's
+        dtype. This is RoPE at read time: the same numbers `apply` gives at those positions."""
+        a, b = _split(k_r.float(), self.out_layout)
+        return _join(a * cos - b * sin, b * cos + a * sin, self.out_layout).to(k_r.dtype)
+
     def rotate(self, k_r: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """Move cached k_r [n, ..., dim] (cache layout) by δ positions: R(δ)·k_r, unit cos/sin."""
         delta = torch.as_tensor(delta, dtype=torch.float64, device=self._inv_freq64.device)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from irminsul.errors import CheckpointError
 
@@ -49,6 +50,13 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self):
+        """An incremental decoder: call it with each new token id, get the text that token completes
+        ("" while a multi-byte character is still incomplete). Constant work per token, where
+        decoding the whole output again at every token is quadratic."""
+        stream = DecodeStream(skip_special_tokens=True)
+        return lambda token: stream.step(self._tok, token) or ""
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -38,7 +38,7 @@ class ServerState:
         from irminsul.model.tokenizer import Tokenizer
         from irminsul.server.chat import ChatRenderer
         from irminsul.server.metrics import ServerMetrics
-        from irminsul.server.scheduler import Scheduler
+        from irminsul.server.runner import EngineRunner
 
         self.config = config
         path = Path(config.model) if config.model else bundled_model("mla")
@@ -48,13 +48,14 @@ class ServerState:
         self.renderer = ChatRenderer(self.tokenizer)
         self.context = model.config.max_position_embeddings
         model_id = checkpoint_id(path)
-        self.registry = open_registry(config.store, RowLayout.of(model, model_id)) if config.reuse != "off" else None
+        layout = RowLayout.of(model, model_id)
+        self.registry = (open_registry(config.store, layout, memory_bytes=int(config.kv_cache_gib * 2**30))
+                         if config.reuse != "off" else None)
         self.engine = Engine(model, self.tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
-                             prefix_bytes=config.prefix_bytes, model_id=model_id, registry=self.registry)
+                             kv_cache_gib=config.kv_cache_gib, model_id=model_id, registry=self.registry)
         self.metrics = ServerMetrics(self.model_name)
-        self.scheduler = Scheduler(self.engine, config.max_running_tokens, config.max_running_requests,
-                                   config.max_queued_requests, self.metrics)
-        self.metrics.watch(self.scheduler, self.engine.cache)
+        self.runner = EngineRunner(self.engine, config.max_running_requests, config.max_queued_requests, self.metrics)
+        self.metrics.watch(self.runner, self.engine.cache)
         self.started = time.time()
 
     def check_model(self, name: str | None) -> None:
@@ -94,7 +95,7 @@ class ServerState:
             raise APIError(403, "publishing is disabled: this server has API keys but no --admin-key")
 
     def close(self) -> None:
-        self.scheduler.stop()
+        self.runner.stop()
         if hasattr(self.registry, "close"):
             self.registry.close()
 
@@ -108,7 +109,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
         nonlocal state
         if state is None:
             state = await asyncio.to_thread(ServerState, config)
-        state.scheduler.start()
+        state.runner.start()
         app.state.irminsul = state
         log.info("serving %s (reuse=%s) on http://%s:%d", state.model_name, config.reuse, config.host, config.port)
         yield
@@ -165,13 +166,15 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
 
     @app.get("/health")
     async def health(request: Request):
-        if not state_of(request).scheduler.alive:
-            return JSONResponse({"status": "scheduler stopped"}, status_code=503)
+        if not state_of(request).runner.alive:
+            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        return Response(state_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+        s = state_of(request)
+        await s.runner.refresh_stats()
+        return Response(s.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -203,6 +206,6 @@ async def _publish(state: ServerState, request: Request) -> dict:
         state.engine.validate_prompt(tokens)
     except ValueError as e:
         raise APIError(400, str(e), param="text" if "text" in body else "token_ids") from None
-    done = await asyncio.wrap_future(state.scheduler.call(state.engine.cache.publish, tokens))
+    done = await asyncio.wrap_future(state.runner.call(state.engine.publish, tokens))
     return {"object": "cache.chunks", "tokens": len(tokens), "entries": done.entries,
             "stored_tokens": done.tokens, "skipped": done.skipped, "rejected": done.rejected}

@@ -14,11 +14,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--store", action="append", default=None, metavar="SPEC",
                    help="chunk store tier: memory (always), disk:PATH, redis://host:port/db; repeat to tier them")
-    p.add_argument("--cache-budget", default="512MiB", help="memory tier budget for reusable chunks")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="the latent pool: rows of running requests and cached content, one budget (GiB)")
     p.add_argument("--disk-budget", default="8GiB", help="disk tier budget")
-    p.add_argument("--prefix-budget", default="256MiB", help="exact-prefix (radix tree) budget")
-    p.add_argument("--max-running-tokens", type=int, default=65536,
-                   help="latent rows all running requests may hold (prompt + max_tokens each)")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill tokens per engine step")
@@ -35,15 +33,13 @@ def config_from_args(args):
     from irminsul.server.config import ServerConfig, ServerConfigError, parse_api_keys, parse_bytes
 
     try:
-        store = StoreConfig(tuple(args.store or ("memory",)), parse_bytes(args.cache_budget, "--cache-budget"),
-                            parse_bytes(args.disk_budget, "--disk-budget"))
+        store = StoreConfig(tuple(args.store or ("memory",)), disk_bytes=parse_bytes(args.disk_budget, "--disk-budget"))
     except ValueError as e:
         raise ServerConfigError(str(e)) from None
     return ServerConfig(
         model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
         reuse=args.reuse, dtype=args.dtype, device=args.device, store=store,
-        prefix_bytes=parse_bytes(args.prefix_budget, "--prefix-budget"),
-        max_running_tokens=args.max_running_tokens, max_running_requests=args.max_running_requests,
+        kv_cache_gib=args.kv_cache_gib, max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.max_prefill_tokens,
         default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key)
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from irminsul.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_supported,
                                       parse_body, resolve_max_tokens, sampling_params, usage)
-from irminsul.server.scheduler import Delta, Failed, Finished, Job, QueueFull
+from irminsul.server.runner import Delta, Failed, Finished, Job, QueueFull
 
 
 class _Channel:
@@ -82,27 +82,29 @@ def prepare(state, request: Request, req, chat: bool) -> Job:
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     max_tokens = resolve_max_tokens(requested, len(tokens), state.context, state.config.default_max_tokens)
     params = sampling_params(req, max_tokens)
-    budget = state.config.max_running_tokens
-    if len(tokens) + max_tokens > budget:
-        raise APIError(400, f"the request needs {len(tokens)} prompt + {max_tokens} output rows but this server "
-                            f"holds at most {budget} (--max-running-tokens); shorten it or lower max_tokens")
+    pool = state.engine.pool
+    if len(tokens) + max_tokens > pool.n_slots - 1:
+        raise APIError(400, f"the request needs {len(tokens)} prompt + {max_tokens} output rows but this server's "
+                            f"KV pool holds {pool.n_slots - 1} (--kv-cache-gib); shorten it or lower max_tokens")
     return Job(tokens=tokens, params=params, emit=None, segment_starts=starts, tenant=tenant)
 
 
 async def handle(state, request: Request, chat: bool):
-    req = parse_body(await request.body(), ChatCompletionRequest if chat else CompletionRequest)
-    job = prepare(state, request, req, chat)
+    body = await request.body()
+    # JSON parsing, chat rendering and tokenization run on a worker thread, never on the event loop.
+    req = await asyncio.to_thread(parse_body, body, ChatCompletionRequest if chat else CompletionRequest)
+    job = await asyncio.to_thread(prepare, state, request, req, chat)
     channel = _Channel()
     job.emit = channel.emit
     try:
-        state.scheduler.submit(job)
+        state.runner.submit(job)
     except QueueFull as e:
         raise APIError(503, f"the server is overloaded: {e}; retry later") from None
     fmt = _Format(chat, state.model_name, req)
     watcher = asyncio.ensure_future(_disconnected(request))
     first = await _next(channel, watcher)
     if first is None:
-        state.scheduler.abort(job)
+        state.runner.abort(job)
         return JSONResponse({}, status_code=499)  # nobody reads it
     if isinstance(first, Failed):
         watcher.cancel()
@@ -115,7 +117,7 @@ async def handle(state, request: Request, chat: bool):
         while not isinstance(event, (Finished, Failed)):
             event = await _next(channel, watcher)
             if event is None:
-                state.scheduler.abort(job)
+                state.runner.abort(job)
                 return JSONResponse({}, status_code=499)
     finally:
         watcher.cancel()
@@ -146,7 +148,7 @@ async def _stream(state, job: Job, channel: _Channel, fmt: "_Format", first):
         done = True
     finally:
         if not done:
-            state.scheduler.abort(job)
+            state.runner.abort(job)
 
 
 class _Format:

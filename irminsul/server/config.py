@@ -58,8 +58,7 @@ class ServerConfig:
     dtype: str = "float32"
     device: str = "cpu"
     store: StoreConfig = field(default_factory=StoreConfig)
-    prefix_bytes: int = 256 * 2**20  # radix tree (exact prefix) budget
-    max_running_tokens: int = 65536  # latent rows held by running requests (prompt + max_tokens each)
+    kv_cache_gib: float = 1.0  # the latent pool: running requests and cached content, one budget
     max_running_requests: int = 64
     max_queued_requests: int = 1024
     max_prefill_tokens: int = 2048  # per engine step; longer prompts are prefilled in chunks
@@ -72,10 +71,11 @@ class ServerConfig:
             raise ServerConfigError(f"--reuse {self.reuse!r}: choose one of {', '.join(MODES)}")
         if not 0 <= self.port < 65536:
             raise ServerConfigError(f"--port {self.port} is not a TCP port")
-        for name in ("max_running_tokens", "max_running_requests", "max_queued_requests", "max_prefill_tokens",
-                     "default_max_tokens", "prefix_bytes"):
+        for name in ("max_running_requests", "max_queued_requests", "max_prefill_tokens", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ServerConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.kv_cache_gib > 0:
+            raise ServerConfigError(f"--kv-cache-gib must be > 0, got {self.kv_cache_gib}")
         if len({k for k, _ in self.api_keys}) != len(self.api_keys):
             raise ServerConfigError("--api-key lists the same key twice")
 

@@ -66,25 +66,28 @@ class ServerMetrics:
 
     # -- scrape-time gauges --------------------------------------------------------------
 
-    def watch(self, scheduler, cache) -> None:
-        self.registry.register(_StateCollector(scheduler, cache, self.model_name))
+    def watch(self, runner, cache) -> None:
+        self.registry.register(_StateCollector(runner, cache, self.model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _StateCollector:
-    def __init__(self, scheduler, cache, model_name: str):
-        self.scheduler, self.cache, self.model = scheduler, cache, model_name
+    def __init__(self, runner, cache, model_name: str):
+        self.runner, self.cache, self.model = runner, cache, model_name
 
     def collect(self):
-        s, m = self.scheduler, [self.model]
+        m = [self.model]
+        st = self.runner.stats  # taken on the engine thread (the pool and the caches are its alone)
         for name, doc, value in (
-            ("irminsul_running_requests", "requests being prefilled or decoded", len(s.running)),
-            ("irminsul_queued_requests", "requests waiting for admission", s.queued),
-            ("irminsul_running_tokens", "latent rows held by running requests", s.running_tokens),
-            ("irminsul_running_tokens_peak", "peak of irminsul_running_tokens", s.peak_running_tokens),
-            ("irminsul_running_tokens_budget", "--max-running-tokens", s.max_running_tokens),
+            ("irminsul_running_requests", "requests being prefilled or decoded", st["running_sequences"]),
+            ("irminsul_running_sequences", "sequences holding rows in the pool", st["running_sequences"]),
+            ("irminsul_queued_requests", "requests waiting for admission", self.runner.queued),
+            ("irminsul_kv_pool_bytes_used", "pool bytes held by running requests or cached content",
+             st["kv_pool_bytes_used"]),
+            ("irminsul_kv_pool_bytes_capacity", "pool size (--kv-cache-gib)", st["kv_pool_bytes_capacity"]),
+            ("irminsul_cached_bytes", "pool bytes the prefix tree and the chunk registry hold", st["cached_bytes"]),
         ):
             g = GaugeMetricFamily(name, doc, labels=["model"])
             g.add_metric(m, value)

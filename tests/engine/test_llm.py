@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from irminsul import LLM, CheckpointError, ConfigError, RequestError
+from irminsul import LLM, CheckpointError, ConfigError, RequestError, Segments
 from irminsul.model.tiny import make_tiny_checkpoint
 
 
@@ -58,9 +58,27 @@ def test_stop_token_ids_and_strings(llm):
 
 
 def test_segments_prompt_concatenates(llm):
-    a = llm.generate([[256, 104, 105], [32, 116, 104, 101, 114, 101]], max_tokens=4, ignore_eos=True)
+    a = llm.generate(Segments([[256, 104, 105], [32, 116, 104, 101, 114, 101]]), max_tokens=4, ignore_eos=True)
     b = llm.generate([256, 104, 105, 32, 116, 104, 101, 114, 101], max_tokens=4, ignore_eos=True)
     assert a.token_ids == b.token_ids
+
+
+def test_a_list_of_prompts_is_a_batch_with_the_same_answers(llm):
+    """vLLM's convention: a list of prompts gives a list of results, in order, each the one the
+    prompt gets alone (greedy decoding is batch-invariant here), generated together."""
+    prompts = ["hello world", [256, 104, 105], Segments([[256, 120], [121, 122]]), "a longer prompt " * 5]
+    alone = [llm.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
+    together = llm.generate(prompts, max_tokens=6, ignore_eos=True)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [r.text for r in together] == [r.text for r in alone]
+    pair = llm.generate([[256, 1, 2], [256, 3, 4]], max_tokens=2, ignore_eos=True)  # two token-id prompts
+    assert [r.prompt_token_ids for r in pair] == [[256, 1, 2], [256, 3, 4]]
+
+
+def test_stats_report_the_pool(llm):
+    s = llm.stats()
+    assert s["kv_pool_bytes_capacity"] > 0 and 0 <= s["kv_pool_bytes_used"] <= s["kv_pool_bytes_capacity"]
+    assert s["running_sequences"] == 0 and s["cached_bytes"] == 0  # reuse off: nothing is kept
 
 
 @pytest.mark.parametrize("prompt,match", [

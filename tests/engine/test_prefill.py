@@ -32,7 +32,7 @@ def test_out_of_order_prefill_is_exact(tiny_dir):
     # only reads filled rows at positions <= p, so the order of filling must not matter.
     seq = model.new_rows()
     model.prefill(seq, ids, torch.arange(n))
-    rows_ref = seq.rows.clone()
+    rows_ref = seq.raw.clone()
     chunks = [np.arange(a, min(a + 25, n)) for a in range(0, n, 25)]
     rng = np.random.default_rng(0)
     seq2 = model.new_rows()
@@ -44,7 +44,7 @@ def test_out_of_order_prefill_is_exact(tiny_dir):
     hidden = model.prefill(seq2, ids[subset], torch.as_tensor(subset))
     logits = model.logits(hidden)
     assert (logits - full[subset]).abs().max().item() < 1e-4
-    assert (seq2.rows[:, :n] - rows_ref[:, :n]).abs().max().item() < 1e-5
+    assert (seq2.raw[:, :n] - rows_ref[:, :n]).abs().max().item() < 1e-5
 
 
 def test_sparse_prefill_with_holes_filled_in_one_pass(tiny_dir):
@@ -58,23 +58,39 @@ def test_sparse_prefill_with_holes_filled_in_one_pass(tiny_dir):
     holes = np.setdiff1d(np.arange(n), kept)
     seq2 = model.new_rows()
     for a, b in ((0, 20), (40, 70), (90, 100)):
-        seq2.write(a, seq.rows[:, a:b])
+        seq2.write(a, seq.raw[:, a:b])
     logits = model.logits(model.prefill(seq2, ids[holes], torch.as_tensor(holes)))
     assert (logits - full[holes]).abs().max().item() < 1e-4
 
 
 def test_batched_forward_equals_separate(tiny_dir):
+    """Two prefills and three decodes of different lengths in one pass, through one shared pool:
+    each sequence's logits equal its own full forward."""
+    from irminsul.model.attention import SeqAttention
     from irminsul.model.mla import ForwardBatch
 
     model = load_model(tiny_dir)
-    a = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(3))
-    b = torch.randint(0, 300, (45,), generator=torch.Generator().manual_seed(4))
-    ref_a, ref_b = _full_logits(model, a), _full_logits(model, b)
-    sa, sb = model.new_rows(), model.new_rows()
-    batch = ForwardBatch(torch.cat([a, b]), torch.cat([torch.arange(30), torch.arange(45)]), [sa, sb], [0, 30, 75])
+    cfg = model.config
+    lengths, decode_from = (30, 45, 12, 70, 33), (None, None, 11, 69, 32)
+    ids = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(3 + i)) for i, n in enumerate(lengths)]
+    refs = [_full_logits(model, x) for x in ids]
+    pool = torch.zeros(cfg.num_hidden_layers, 1 + sum(lengths), cfg.row_width)
+    tables = np.split(np.arange(1, 1 + sum(lengths)), np.cumsum(lengths)[:-1])
+    for x, table, start in zip(ids, tables, decode_from):  # the decoding sequences' earlier rows
+        if start is not None:
+            sr = model.new_rows()
+            model.prefill(sr, x[:start], torch.arange(start))
+            pool[:, table[:start]] = sr.raw[:, :start]
+    qs = [np.arange(n) if s is None else np.array([s]) for n, s in zip(lengths, decode_from)]
+    offsets = np.concatenate([[0], np.cumsum([len(q) for q in qs])]).tolist()
+    batch = ForwardBatch(torch.cat([x[q] for x, q in zip(ids, qs)]), torch.as_tensor(np.concatenate(qs)), pool,
+                         torch.as_tensor(np.concatenate([t[q] for t, q in zip(tables, qs)])),
+                         model.attention.plan([SeqAttention(q, t[: q[-1] + 1]) for q, t in zip(qs, tables)],
+                                              offsets, "cpu"))
+    assert [len(g.token_index) for g in batch.groups] == [3, 75]  # one decode group, one prefill group
     logits = model.logits(model(batch))
-    assert (logits[:30] - ref_a).abs().max().item() < 1e-4
-    assert (logits[30:] - ref_b).abs().max().item() < 1e-4
+    for i, (ref, q) in enumerate(zip(refs, qs)):
+        assert (logits[offsets[i]:offsets[i + 1]] - ref[q]).abs().max().item() < 1e-4, i
 
 
 def test_bf16_runs_and_stays_close(tiny_dir):
@@ -82,5 +98,5 @@ def test_bf16_runs_and_stays_close(tiny_dir):
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5))
     a = _full_logits(fp32, ids).softmax(-1)
     b = _full_logits(bf16, ids).softmax(-1)
-    assert bf16.new_rows().rows.dtype == torch.bfloat16
+    assert bf16.new_rows().raw.dtype == torch.bfloat16
     assert (a - b).abs().max().item() < 0.05

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul import LLM
+from irminsul import LLM, RequestError, Segments
 from irminsul.model.tiny import make_tiny_checkpoint
 
 
@@ -43,18 +43,27 @@ def test_pic_reproduces_full_prefill_on_one_layer(one_layer):
             assert err > 1e-2, err  # stale k_r: the paper's naive baseline measurably differs
 
 
-def test_reused_rows_equal_rows_computed_in_place(one_layer):
+def test_reused_rows_are_shared_and_equal_rows_computed_in_place(one_layer):
+    """A content hit at another position points the slot table at the cached rows themselves (no
+    copy), and on one layer those stored rows equal the rows computed at the new position: the
+    pool's k_r is un-rotated, so a row has no position in it."""
     first, second = _shifted_case(5)
     off = LLM(one_layer, reuse="off")
     ref_seq = off.engine.add(second, _params())
-    off.engine.run(ref_seq)
+    while ref_seq.in_prefill:
+        off.engine.forward([ref_seq])
+    ref_rows = off.engine.pool.read(ref_seq.slots)
+    off.engine.finish(ref_seq)
     pic = LLM(one_layer, reuse="pic")
     pic.generate(first, max_tokens=1)
+    cached = np.concatenate([e.payload for e in pic.engine.cache.registry.entries()])
     seq = pic.engine.add(second, _params())
     reused = [s for s in seq.plan.spans if s.kind == "reuse"]
     assert reused and all(s.delta == 117 for s in reused)
     for s in reused:
-        assert torch.allclose(seq.rows.rows[:, s.start:s.end], ref_seq.rows.rows[:, s.start:s.end], atol=1e-5)
+        assert np.isin(seq.slots[s.start:s.end], cached).all()  # the registry's own slots
+        got = pic.engine.pool.read(seq.slots[s.start:s.end])
+        assert torch.allclose(got, ref_rows[:, s.start:s.end], atol=1e-5)
     pic.engine.run(seq)
 
 
@@ -106,18 +115,34 @@ def test_shifted_body_recovered_behind_random_headers(tiny_dir):
 def test_s2_segments_recover_all_but_the_carve_out(tiny_dir):
     llm = LLM(tiny_dir, reuse="pic")
     docs = [_rand(300, 40 + i) for i in range(3)]
-    llm.generate([_rand(50, 50)] + docs, max_tokens=1)
+    llm.generate(Segments([_rand(50, 50)] + docs), max_tokens=1)
     header = _rand(90, 51)
-    r = llm.generate([header, docs[2], docs[0], docs[1], [7, 8]], max_tokens=1)
+    r = llm.generate(Segments([header, docs[2], docs[0], docs[1], [7, 8]]), max_tokens=1)
     assert r.stats.reused_tokens == 900, r.stats
 
 
-def test_cache_budget_is_respected(tiny_dir):
-    llm = LLM(tiny_dir, reuse="pic", cache_bytes=200_000, prefix_bytes=100_000)
+def test_one_pool_budget_evicts_cached_rows_to_admit_new_ones(tiny_dir):
+    """Running requests and cached content share the pool: once it is full of cached rows, new
+    requests evict the least recently used ones instead of failing."""
+    probe = LLM(tiny_dir, reuse="pic")
+    per_token = probe.engine.pool.bytes_per_slot
+    llm = LLM(tiny_dir, reuse="pic", kv_cache_gib=1200 * per_token / 2**30)  # room for 1,200 rows
+    pool = llm.engine.pool
     for i in range(6):
-        llm.generate(_rand(500, 60 + i), max_tokens=2, ignore_eos=True)
-        assert llm.engine.cache.registry.stats.bytes <= 200_000
-        assert llm.engine.cache.radix.stats.bytes <= 100_000
+        r = llm.generate(_rand(500, 60 + i), max_tokens=2, ignore_eos=True)
+        assert r.finish_reason == "length"
+        assert pool.used_bytes <= pool.capacity_bytes
+        assert llm.stats()["cached_bytes"] <= pool.used_bytes  # everything held is cached (nothing runs)
+    assert llm.engine.cache.registry.stats.evictions > 0 and llm.engine.cache.radix.stats.evictions > 0
+    assert pool.free + pool.used == pool.n_slots - 1  # no slot lost or double-freed
+
+
+def test_a_request_larger_than_the_pool_is_refused_clearly(tiny_dir):
+    probe = LLM(tiny_dir, reuse="pic")
+    llm = LLM(tiny_dir, reuse="pic", kv_cache_gib=300 * probe.engine.pool.bytes_per_slot / 2**30)
+    with pytest.raises(RequestError, match="KV pool"):
+        llm.generate(_rand(400, 1), max_tokens=2)
+    assert llm.generate(_rand(100, 2), max_tokens=2, ignore_eos=True).finish_reason == "length"
 
 
 def test_tenants_never_reuse_each_other(tiny_dir):
@@ -140,7 +165,7 @@ def test_published_documents_are_shared_across_tenants(tiny_dir):
     llm = LLM(tiny_dir, reuse="pic")
     engine = llm.engine
     doc = _rand(600, 80)
-    engine.cache.publish(doc)
+    engine.publish(doc)
     for tenant in ("alice", "bob"):
         seq = engine.add(_rand(55, 81) + doc + [5], _params(), tenant=tenant)
         assert seq.stats.reused_tokens >= 500, seq.stats

@@ -38,12 +38,13 @@ def test_logprobs_match_transformers(tmp_path, variant, yarn, extra):
     seq = ours.new_rows()
     got = ours.logits(ours.prefill(seq, ids[0], torch.arange(96))).log_softmax(-1)
     assert (got - ref).abs().max().item() < 1e-4
-    # The cached rows are transformers' latent cache: c_KV after the norm, k_r rotated, same layout.
-    r = ours.config.kv_lora_rank
+    # The cached rows, with k_r encoded at their positions as attention reads them, are transformers'
+    # latent cache: c_KV after the norm, k_r rotated, same layout.
+    r, rows = ours.config.kv_lora_rank, seq.rows(ours.rotary)
     for layer, cache_layer in enumerate(out.past_key_values.layers):
         c_kv, k_r = cache_layer.keys[0, 0], cache_layer.values[0, 0]
-        assert torch.allclose(seq.rows[layer, :96, :r], c_kv, atol=1e-5)
-        assert torch.allclose(seq.rows[layer, :96, r:], k_r, atol=1e-5)
+        assert torch.allclose(rows[layer, :96, :r], c_kv, atol=1e-5)
+        assert torch.allclose(rows[layer, :96, r:], k_r, atol=1e-5)
 
 
 def test_parity_is_sensitive_to_the_yarn_softmax_scale(tmp_path, monkeypatch):

@@ -31,14 +31,14 @@ def _trace():
 
 @pytest.mark.parametrize("mode, strategy", [("prefix", "prefix"), ("pic", "cdc+s1"), ("pic", "cdc+s2")])
 def test_replay_equals_engine_stats(tiny, mode, strategy):
-    from irminsul import LLM
+    from irminsul import LLM, Segments
     from irminsul.engine.llm import checkpoint_id
 
     trace = _trace()
     llm = LLM(tiny, reuse=mode)
     engine = []
     for segs in trace:
-        prompt = segs if strategy == "cdc+s2" else [t for s in segs for t in s]
+        prompt = Segments(segs) if strategy == "cdc+s2" else [t for s in segs for t in s]
         st = llm.generate(prompt, max_tokens=1).stats
         engine.append((st.prompt_tokens, st.prefix_tokens, st.reused_tokens, st.s1_tokens, st.carve_out_tokens))
     rendered = [("s", Rendered(np.array([t for s in segs for t in s], dtype=np.int32),

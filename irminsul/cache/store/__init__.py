@@ -16,7 +16,7 @@ from irminsul.cache.store.stats import TierStats, memory_tier_stats
 @dataclass(frozen=True)
 class StoreConfig:
     specs: tuple[str, ...] = ("memory",)
-    memory_bytes: int = 512 * 2**20
+    memory_bytes: int = 512 * 2**20  # the engine sizes its memory tier by its pool instead
     disk_bytes: int = 8 * 2**30
 
     def __post_init__(self):
@@ -37,8 +37,8 @@ class StoreConfig:
         return next((s for s in self.specs if s != "memory" and not s.startswith("disk:")), None)
 
 
-def open_registry(config: StoreConfig, layout: RowLayout) -> Registry:
-    memory = MemoryRegistry(config.memory_bytes)
+def open_registry(config: StoreConfig, layout: RowLayout, memory_bytes: int | None = None) -> Registry:
+    memory = MemoryRegistry(config.memory_bytes if memory_bytes is None else memory_bytes)
     lower: list[Registry] = []
     if config.disk_path:
         from irminsul.cache.store.disk import DiskRegistry

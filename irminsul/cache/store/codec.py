@@ -1,6 +1,7 @@
 """One registry entry as bytes: a safetensors blob with a checksum, shared by the disk and Redis tiers.
 
-Layout: tensors ``rows`` [n_layers, n_tokens, row_width] (the model's dtype) and ``token_ids``
+Layout: tensors ``rows`` [n_layers, n_tokens, row_width] (the model's dtype; c_KV and un-rotated
+k_r, as the engine's pool holds them) and ``token_ids``
 [n_tokens] int64; metadata ``format``, ``model_id``, ``fingerprint`` (hex), ``base_pos``, ``dtype``,
 ``shape`` and ``checksum``: xxHash64 over the other metadata fields, the token ids and the row
 bytes. ``decode`` checks all of it against what the reader expects, so a truncated, bit-flipped or
@@ -21,7 +22,8 @@ from safetensors.torch import save as st_save
 
 from irminsul.cache.registry import Entry
 
-FORMAT = "irminsul-chunk-v1"
+# v2: k_r is stored un-rotated (the engine encodes it when attention reads it); v1 stored it rotated
+FORMAT = "irminsul-chunk-v2"
 
 
 class CorruptEntry(Exception):

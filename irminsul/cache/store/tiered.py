@@ -2,15 +2,23 @@
 
 A lookup tries the in-process memory tier first, then each lower tier in order; a verified hit in
 a lower tier is copied into every tier above it, so hot entries move towards the engine. Writes
-go to every tier (Redis's are queued in the background). Membership (``in``) and ``peek`` see the
-memory tier only: ``register`` then always fills the local tier and its S1 window index, and the
-window index stays in step with the memory tier through ``on_evict``.
+go to every tier (Redis's are queued in the background), so content the memory tier evicts is
+still found below it. Membership (``in``) and ``peek`` see the memory tier only: ``register``
+then always fills the local tier and its S1 window index, and the window index stays in step with
+the memory tier through ``on_evict``.
 
-Pins protect memory entries; an entry that could not be promoted (memory full of pinned rows) is
-still served, and its pin is a counted no-op: the engine copies rows before it uses them.
+The tiers may hold different payloads: the engine's memory tier holds pool slots, the lower tiers
+hold the rows themselves. ``bind(promote, to_lower)`` says how to move between them: ``to_lower``
+turns a memory entry into what the lower tiers store, ``promote`` brings a lower tier's entry into
+the memory tier (returning the memory entry, or None when there is no room: a miss). Unbound, both
+tiers hold the same payload.
+
+Pins protect memory entries; a pin on an entry that is not in memory is a counted no-op.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,35 +30,50 @@ class TieredRegistry(Registry):
     def __init__(self, memory: MemoryRegistry, lower: list[Registry]):
         super().__init__()
         self.memory, self.lower = memory, list(lower)
-        self.on_evict = memory.on_evict  # NOTE: shared list: window indexes follow the memory tier
+        # NOTE: shared lists: window indexes and slot references follow the memory tier
+        self.on_store, self.on_evict = memory.on_store, memory.on_evict
         self._phantom = PinCounts()  # pins of entries that are not in memory
         self._hits = self._misses = 0
+        self._promote: Callable[[Entry], Entry | None] = self._put_in_memory
+        self._to_lower: Callable[[Entry], Entry] = lambda entry: entry
+
+    def bind(self, promote: Callable[[Entry], Entry | None], to_lower: Callable[[Entry], Entry]) -> None:
+        self._promote, self._to_lower = promote, to_lower
+
+    def _put_in_memory(self, entry: Entry) -> Entry:
+        self.memory.put(entry)
+        return entry
 
     def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
         entry = self.memory.get(fingerprint, token_ids)
         if entry is None:
             for i, tier in enumerate(self.lower):
-                entry = tier.get(fingerprint, token_ids)
-                if entry is not None:
-                    self._promote(entry, i)
+                found = tier.get(fingerprint, token_ids)
+                if found is not None:
+                    for upper in self.lower[:i]:
+                        upper.put(found)
+                    entry = self._promote(found)
                     break
         self._hits += entry is not None
         self._misses += entry is None
         return entry
-
-    def _promote(self, entry: Entry, found_in: int) -> None:
-        self.memory.put(entry)
-        for tier in self.lower[:found_in]:
-            tier.put(entry)
 
     def peek(self, fingerprint: int) -> Entry | None:
         return self.memory.peek(fingerprint)
 
     def put(self, entry: Entry) -> bool:
         stored = self.memory.put(entry)
-        for tier in self.lower:
-            tier.put(entry)  # lower tiers keep the first copy of a fingerprint (disk: skip, Redis: SET NX)
+        if self.lower:
+            below = self._to_lower(entry)
+            for tier in self.lower:
+                tier.put(below)  # lower tiers keep the first copy of a fingerprint (disk: skip, Redis: SET NX)
         return stored
+
+    def evict(self, nbytes: int) -> int:
+        return self.memory.evict(nbytes)
+
+    def entries(self) -> list[Entry]:
+        return self.memory.entries()
 
     def pin(self, fingerprint: int) -> None:
         if fingerprint in self.memory:

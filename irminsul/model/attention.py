@@ -1,0 +1,157 @@
+"""Attention over the latent pool, batched across sequences: the torch backend.
+
+The pool holds one row per token and layer, `[c_KV | k_r]`, with `k_r` stored *un-rotated* (in the
+cache's pair layout). A row therefore has no position in it at all, and a content hit at another
+position shares it as it is: no copy, no rotation at admission. RoPE is applied when attention
+reads the keys, in fp32 with the model's own rotary class (YaRN, both layouts), at each key's
+RoPE position: its position in the sequence (`pic`, and every computed row), or, for the paper's
+`naive` baseline, the position it was computed at (stale `k_r`).
+
+A step's sequences fall into at most two groups, each one padded batch and one call per layer:
+decode (one query per sequence) in the absorbed form, and prefill spans (several queries per
+sequence) in the absorbed or the expanded form, whichever costs fewer multiply-adds
+(`expand_is_cheaper`, the split SGLang and vLLM make for MLA). Keys are every position
+0..T-1 of a sequence, read through its slot table; slot 0 is "no row" (padding, or a gap in a
+sparse prefill) and is masked out. A query at position p attends to every row at a position <= p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from irminsul.model.config import ModelConfig
+from irminsul.model.rope import Rotary
+
+EMPTY_SLOT = 0  # pool slot 0 holds no row: padding and not-yet-filled positions point here
+
+
+@dataclass(frozen=True)
+class SeqAttention:
+    """What one sequence contributes to a step's attention (built by the caller)."""
+
+    q_positions: np.ndarray  # [m] int64, increasing: the positions computed this step
+    key_slots: np.ndarray  # [T] int64: pool slot of positions 0..T-1 (EMPTY_SLOT: no row), T > max(q)
+    key_rope: np.ndarray | None = None  # [T] RoPE position of each key; None: its own position
+
+
+@dataclass
+class AttentionGroup:
+    """One padded batch of sequences: B sequences, M query rows and T key rows each."""
+
+    token_index: torch.Tensor  # [n] rows of the flat batch that are this group's queries
+    grid_index: torch.Tensor  # [n] their places in the padded [B * M] query grid
+    key_slots: torch.Tensor  # [B, T]
+    key_cos: torch.Tensor  # [B or 1, T, rope/2] float32
+    key_sin: torch.Tensor
+    mask: torch.Tensor  # [B, M, T] bool, True = attend
+    expanded: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.mask.shape  # (B, M, T)
+
+
+def expand_is_cheaper(cfg: ModelConfig, m: int, length: int) -> bool:
+    """Absorbed attention costs ~m·L·H·(2r + rope) multiply-adds; expanding the latent into
+    per-head keys and values costs L·H·r·(nope + v) once, then m·L·H·(nope + rope + v). Prefill
+    (large m) expands, decode (m = 1) absorbs."""
+    absorbed = m * length * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    expanded = length * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) + m * length * (
+        cfg.qk_head_dim + cfg.v_head_dim)
+    return expanded < absorbed
+
+
+class TorchAttention:
+    """The reference backend: plain torch ops, any device torch runs on."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        self.cfg, self.rotary = cfg, rotary
+
+    # -- once per forward pass -----------------------------------------------------------
+
+    def plan(self, seqs: list[SeqAttention], offsets: list[int], device) -> list[AttentionGroup]:
+        """Group the step's sequences (decode / prefill) and build each group's padded metadata.
+        Sequence i's queries are rows offsets[i]:offsets[i+1] of the flat batch."""
+        decode = [i for i, s in enumerate(seqs) if len(s.q_positions) == 1]
+        prefill = [i for i, s in enumerate(seqs) if len(s.q_positions) > 1]
+        return [self._group([seqs[i] for i in ids], [offsets[i] for i in ids], device)
+                for ids in (decode, prefill) if ids]
+
+    def _group(self, seqs: list[SeqAttention], starts: list[int], device) -> AttentionGroup:
+        b, m = len(seqs), max(len(s.q_positions) for s in seqs)
+        t = max(len(s.key_slots) for s in seqs)
+        slots = np.zeros((b, t), np.int64)
+        qpos = np.zeros((b, m), np.int64)
+        token_index, grid_index = [], []
+        rope = None if all(s.key_rope is None for s in seqs) else np.zeros((b, t), np.int64)
+        for i, s in enumerate(seqs):
+            n, k = len(s.q_positions), len(s.key_slots)
+            slots[i, :k] = s.key_slots
+            qpos[i, :n] = s.q_positions
+            qpos[i, n:] = k - 1  # padded query rows see every key (never a fully masked row)
+            token_index.append(np.arange(starts[i], starts[i] + n))
+            grid_index.append(np.arange(i * m, i * m + n))
+            if rope is not None:
+                rope[i, :k] = s.key_rope if s.key_rope is not None else np.arange(k)
+        key_slots = torch.from_numpy(slots).to(device)
+        q = torch.from_numpy(qpos).to(device)
+        mask = (key_slots != EMPTY_SLOT)[:, None, :] & (torch.arange(t, device=device)[None, None, :] <= q[:, :, None])
+        if rope is None:  # every key at its own position: one table slice serves the whole group
+            cos, sin = self.rotary.table(t, device)
+            cos, sin = cos[None, :t], sin[None, :t]
+        else:
+            cos, sin = self.rotary.cos_sin(torch.from_numpy(rope).reshape(-1).to(device))
+            cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
+        return AttentionGroup(torch.from_numpy(np.concatenate(token_index)).to(device),
+                              torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin, mask,
+                              m > 1 and expand_is_cheaper(self.cfg, m, t))
+
+    # -- once per layer and group --------------------------------------------------------
+
+    def attend(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
+               g: AttentionGroup) -> torch.Tensor:
+        """q_nope [n, H, nope], q_pe [n, H, rope] (rotated) of the group's queries, pool [S, W] of
+        this layer -> attention output [n, H, v_head_dim] (before o_proj)."""
+        cfg = self.cfg
+        r, h = cfg.kv_lora_rank, cfg.num_attention_heads
+        b, m, t = g.shape
+        keys = pool[g.key_slots].to(q_nope.dtype)  # [B, T, r + rope]
+        c_kv = keys[..., :r]
+        k_r = self.rotary.encode_cached(keys[..., r:], g.key_cos, g.key_sin)  # [B, T, rope]
+        w = attn.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
+        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+        if g.expanded:
+            kv = attn.kv_b_proj(c_kv).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
+            k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+            k = torch.cat([k_nope, k_r[:, :, None, :].expand(b, t, h, cfg.qk_rope_head_dim)], dim=-1)
+            q = _grid(torch.cat([q_nope, q_pe], dim=-1), g)  # [B, M, H, qk]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=g.mask[:, None], scale=cfg.softmax_scale)
+            return _rows(o.transpose(1, 2).reshape(b * m, h, cfg.v_head_dim), g)
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [n, H, r]: W_UK absorbed into the query
+        q_lat = _grid(q_lat, g).reshape(b, m * h, r)
+        q_pe = _grid(q_pe, g).reshape(b, m * h, cfg.qk_rope_head_dim)
+        scores = (q_lat @ c_kv.transpose(1, 2) + q_pe @ k_r.transpose(1, 2)).float() * cfg.softmax_scale
+        scores = scores.view(b, m, h, t).masked_fill(~g.mask[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q_nope.dtype).view(b, m * h, t)
+        o_lat = _rows((probs @ c_kv).view(b * m, h, r), g)  # [n, H, r]
+        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)  # W_UV absorbed into the output
+
+
+def _grid(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    """Flat rows [n, ...] of the group's queries -> the padded grid [B, M, ...]."""
+    b, m, _ = g.shape
+    if x.shape[0] == b * m:  # no padding (every decode group): the rows are already in grid order
+        return x.reshape((b, m) + tuple(x.shape[1:]))
+    out = x.new_zeros((b * m,) + tuple(x.shape[1:]))
+    out[g.grid_index] = x
+    return out.view((b, m) + tuple(x.shape[1:]))
+
+
+def _rows(grid: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    """The padded grid [B * M, ...] -> the group's query rows [n, ...]."""
+    return grid if len(g.grid_index) == grid.shape[0] else grid[g.grid_index]

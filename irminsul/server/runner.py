@@ -1,0 +1,224 @@
+"""The engine's scheduler on a background thread, fed by HTTP handlers.
+
+The engine is single-threaded; this thread is the only one that touches it. Every iteration takes
+new jobs, aborts and calls from the inbox, runs one `Scheduler.step()` (admission, one batched
+forward step, finished requests handed to the cache), and sends each job the text that became safe
+to show. Results reach the asyncio side through each job's `emit`, a thread-safe callback.
+Detokenization happens here (incrementally, in the engine), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from irminsul.engine.engine import Engine
+from irminsul.engine.sampling import SamplingParams
+from irminsul.engine.scheduler import Scheduler
+from irminsul.engine.sequence import RequestStats, Sequence
+from irminsul.errors import RequestError
+
+log = logging.getLogger("irminsul.server")
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str  # the whole output (stop strings cut)
+    finish_reason: str
+    stats: RequestStats
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    tokens: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    segment_starts: list[int] | None = None
+    tenant: str | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.monotonic)
+    seq: Sequence | None = None
+    last_token_at: float | None = None
+
+
+class QueueFull(Exception):
+    pass
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, max_running_requests: int, max_queued_requests: int, metrics=None):
+        self.engine, self.metrics = engine, metrics
+        self.scheduler = Scheduler(engine, max_running_requests, on_admit=self._admitted)
+        self.max_queued_requests = max_queued_requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: dict[int, Job] = {}  # sequence id -> job, for every job the scheduler holds
+        self._submitted = 0  # jobs handed in and not yet admitted or dropped (for the queue limit)
+        self._count_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="irminsul-engine", daemon=True)
+        self.stats = self.scheduler.stats()  # the latest snapshot, for /metrics
+
+    async def refresh_stats(self, timeout: float = 5.0) -> dict:
+        """A fresh snapshot of the scheduler's stats, taken on the engine thread between steps (the
+        last one if the thread does not answer in time)."""
+        import asyncio
+
+        try:
+            self.stats = await asyncio.wait_for(asyncio.wrap_future(self.call(self.scheduler.stats)), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.stats
+
+    # -- any thread ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def queued(self) -> int:
+        return self._submitted
+
+    def submit(self, job: Job) -> None:
+        with self._count_lock:
+            if self._submitted >= self.max_queued_requests:
+                raise QueueFull(f"{self._submitted} requests are already queued (--max-queued-requests)")
+            self._submitted += 1
+        self._inbox.put(("job", job))
+
+    def _dequeued(self) -> None:
+        with self._count_lock:
+            self._submitted -= 1
+
+    def abort(self, job: Job) -> None:
+        self._inbox.put(("abort", job))
+
+    def call(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on the engine thread, between steps (e.g. publishing chunks)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (future, fn, args)))
+        return future
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.scheduler.has_work)
+            if self.scheduler.has_work:
+                self._step()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            kind, item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if kind == "job":
+                self._accept(item)
+            elif kind == "abort":
+                self._abort(item)
+            elif kind == "call":
+                future, fn, args = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as e:  # handed to the awaiting request
+                        future.set_exception(e)
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _accept(self, job: Job) -> None:
+        try:
+            job.seq = self.engine.new_sequence(job.tokens, job.params, job.segment_starts, tenant=job.tenant)
+        except RequestError as e:
+            self._dequeued()
+            job.emit(Failed(400, str(e)))
+            return
+        self._jobs[job.seq.id] = job
+        self.scheduler.add(job.seq)
+
+    def _admitted(self, seq: Sequence) -> None:
+        if seq.stats.preempted == 0:  # the first admission, not a re-admission after preemption
+            self._dequeued()
+            if self.metrics:
+                self.metrics.admitted(seq.stats)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.scheduler.step()
+        except Exception as e:
+            log.exception("engine step failed; failing the %d running requests", len(self.scheduler.running))
+            for seq in list(self.scheduler.running):
+                self.scheduler.abort(seq)
+                self._end(self._jobs.pop(seq.id), Failed(500, f"internal error during generation: {e}"))
+            return
+        now = time.monotonic()
+        for out in outputs:
+            job = self._jobs.get(out.seq.id)
+            if job is None:
+                continue
+            if out.token is not None and self.metrics:
+                if job.last_token_at is None:
+                    self.metrics.ttft(now - job.arrival)
+                else:
+                    self.metrics.inter_token(now - job.last_token_at)
+            if out.token is not None:
+                job.last_token_at = now
+            if out.seq.error is not None:  # refused at admission: it can never fit
+                self._dequeued()
+                self._end(self._jobs.pop(out.seq.id), Failed(400, out.seq.error))
+                continue
+            if out.text:
+                job.emit(Delta(out.text))
+            if out.finished:
+                seq = self._jobs.pop(out.seq.id).seq
+                job.emit(Finished(seq.text, seq.finish_reason, seq.stats, len(seq.output_ids)))
+                if self.metrics:
+                    self.metrics.finished(seq.finish_reason, len(seq.output_ids), now=now, arrival=job.arrival)
+
+    def _end(self, job: Job, event: Failed) -> None:
+        job.emit(event)
+        if self.metrics:
+            self.metrics.finished("abort", len(job.seq.output_ids), now=time.monotonic(), arrival=job.arrival)
+
+    def _abort(self, job: Job) -> None:
+        if job.seq is None or job.seq.id not in self._jobs:
+            return  # never accepted, or already done
+        if job.seq in self.scheduler.waiting:
+            self._dequeued()
+        self.scheduler.abort(job.seq)
+        del self._jobs[job.seq.id]
+        if self.metrics:
+            self.metrics.finished("abort", len(job.seq.output_ids), now=time.monotonic(), arrival=job.arrival)
