@@ -1,0 +1,88 @@
+"""The engine's scheduler: streamed text, preemption under a small pool, in-flight reuse of a shared
+document, and the pool holding that document once."""
+
+import numpy as np
+
+from irminsul import LLM
+from irminsul.engine.sampling import SamplingParams
+from irminsul.engine.scheduler import Scheduler
+
+
+def _rand(n, seed, lo=0, hi=250):
+    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
+
+
+def _run(sched: Scheduler, seqs) -> dict:
+    """Step until every sequence is done; the streamed text of each."""
+    for seq in seqs:
+        sched.add(seq)
+    streamed = {seq.id: "" for seq in seqs}
+    while sched.has_work:
+        for out in sched.step():
+            streamed[out.seq.id] += out.text
+    return streamed
+
+
+def test_streamed_text_is_the_output_and_never_shows_a_stop_string(tiny_dir):
+    llm = LLM(tiny_dir)
+    base = llm.generate("stop test", max_tokens=24, ignore_eos=True)
+    stop = base.text[5:8]
+    assert len(stop) == 3 and stop in base.text
+    seq = llm.engine.new_sequence(llm.tokenizer.encode("stop test"), SamplingParams(max_tokens=24, stop=(stop,),
+                                                                                    ignore_eos=True))
+    streamed = _run(Scheduler(llm.engine), [seq])[seq.id]
+    assert seq.finish_reason == "stop" and streamed == seq.text == base.text[: base.text.index(stop)]
+
+
+def test_a_small_pool_preempts_and_every_answer_stays_the_same(tiny_dir):
+    """Four requests whose outputs outgrow the pool: some are preempted and recomputed, none fails,
+    and each answer equals the one it gets alone (greedy)."""
+    prompts = [_rand(150, 200 + i) for i in range(4)]
+    alone = [LLM(tiny_dir).generate(p, max_tokens=120, ignore_eos=True).token_ids for p in prompts]
+    per_row = LLM(tiny_dir).engine.pool.bytes_per_slot
+    llm = LLM(tiny_dir, kv_cache_gib=900 * per_row / 2**30)  # 4 x (150 + 120) rows do not fit in 900
+    seqs = [llm.engine.new_sequence(p, SamplingParams(max_tokens=120, ignore_eos=True)) for p in prompts]
+    _run(llm.scheduler, seqs)
+    assert [s.output_ids for s in seqs] == alone
+    assert sum(s.stats.preempted for s in seqs) >= 1
+    pool = llm.engine.pool
+    assert pool.used == 0 and pool.free == pool.n_slots - 1  # reuse off: every row went back
+
+
+def _burst(tiny_dir, segmented: bool):
+    llm = LLM(tiny_dir, reuse="pic", max_prefill_tokens=512)
+    doc, tail = _rand(1500, 300), [1, 2, 3]
+    headers = [_rand(10 + 7 * i, 400 + i) for i in range(16)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    seqs = [llm.engine.new_sequence(h + doc + tail, params, [0, len(h), len(h) + len(doc)] if segmented else None)
+            for h in headers]
+    for seq in seqs:
+        llm.scheduler.add(seq)
+    peak = 0
+    while llm.scheduler.has_work:
+        llm.scheduler.step()
+        peak = max(peak, llm.engine.pool.used)
+    own = sum(len(h) + len(tail) for h in headers)  # every request's header and question
+    # one copy of every distinct token's rows: the document, each header, question and output, and
+    # the document rows the sink rule recomputes in each context (sources at positions < 32)
+    distinct = len(doc) + own + 16 * params.max_tokens + sum(s.stats.carve_out_tokens for s in seqs)
+    return seqs, sum(s.stats.computed_tokens for s in seqs), own, peak, distinct
+
+
+def test_a_burst_sharing_a_new_document_computes_it_once_and_holds_it_once(tiny_dir):
+    """The multi-agent fan-out: 16 chat requests arrive together (segmented: header, document,
+    question), the same new 1,500-token document behind 16 different headers. The first computes
+    it; the others wait for its rows and reuse them, every row read at its own position (the
+    δ-rotation). The pool holds the document once."""
+    seqs, computed, own, peak, distinct = _burst(tiny_dir, segmented=True)
+    assert computed <= 1500 + own + 16 * 32, [s.stats for s in seqs]  # + at most the sink carve-out each
+    assert all(s.stats.reused_tokens >= 1500 - 32 for s in seqs[1:])
+    assert peak <= 1.1 * distinct, (peak, distinct)
+
+
+def test_a_flat_burst_recomputes_only_where_chunk_boundaries_resynchronise(tiny_dir):
+    """The same burst as flat token ids (CDC alone): each later request computes the chunk its header
+    shares with the document, about one expected chunk (128 tokens), and nothing else of it."""
+    seqs, computed, own, peak, distinct = _burst(tiny_dir, segmented=False)
+    assert computed <= 1500 + own + 15 * 2 * 128, [s.stats for s in seqs]
+    assert peak <= 1.1 * (distinct + 15 * 2 * 128)
