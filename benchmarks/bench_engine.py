@@ -1,91 +1,122 @@
-"""Prefill and decode throughput of Irminsul's engine against transformers' eager forward on the
-same weights (issue 2). Reports tokens/s for both and their ratio, measured in the same run.
+"""Throughput of Irminsul's engine against transformers on the same weights and token ids, measured
+in the same run, one thread:
 
-    python benchmarks/bench_engine.py [--prefill 512] [--decode 32] [--sizes tiny,mid]
+  batch    N prompts of P tokens, G new tokens each (greedy, EOS ignored): `LLM.generate(list)`
+           against transformers' `generate` on the left-padded batch;
+  prefill  one prompt of L tokens: the engine's prefill against transformers' forward;
+  decode   G tokens at depth L, one sequence: the engine's steps against transformers' forward
+           with its KV cache.
+
+    python benchmarks/bench_engine.py [--model DIR] [--batch 32] [--prompt 100] [--new 64] [--depth 1500]
+
+Without --model it uses the bundled MLA model (DeepSeek-V2 architecture). Ratios > 1 mean the
+engine is faster.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from irminsul import LLM, bundled_model
 from irminsul.cli import run_for_people
+from irminsul.engine.sampling import SamplingParams
 from irminsul.machine import best_of, describe
-from irminsul.model.loader import load_model
-from irminsul.model.tiny import make_tiny_checkpoint
-
-SIZES = {
-    "tiny": {},
-    "mid": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
-                num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=256,
-                qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8,
-                num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1),
-}
 
 
-def ours(path: Path, ids: torch.Tensor, decode: int) -> tuple[float, float]:
-    model = load_model(path)
-    n = ids.shape[0]
+def ours(llm: LLM, prompts: list[list[int]], new: int, long: list[int]) -> dict[str, float]:
+    engine = llm.engine
+
+    def batch():
+        llm.generate(prompts, max_tokens=new, ignore_eos=True)
 
     def prefill():
-        model.prefill(model.new_rows(n + decode), ids, torch.arange(n))
+        seq = engine.add(long, SamplingParams(max_tokens=1, ignore_eos=True))
+        while seq.in_prefill:
+            engine.forward([seq])
+        engine.finish(seq)
 
-    def generate():
-        seq = model.new_rows(n + decode)
-        h = model.prefill(seq, ids, torch.arange(n))
-        tok = model.logits(h[-1:]).argmax(-1)
-        for p in range(n, n + decode):
-            tok = model.logits(model.prefill(seq, tok, torch.tensor([p]))).argmax(-1)
+    def decode():
+        seq = engine.add(long, SamplingParams(max_tokens=new, ignore_eos=True))
+        engine.reserve([seq])
+        engine.step([seq])  # the prefill and the first token
+        t = time.perf_counter()
+        while not seq.finished:
+            engine.reserve([seq])
+            engine.step([seq])
+        elapsed = time.perf_counter() - t
+        engine.finish(seq)
+        return elapsed
 
-    t_prefill = best_of(prefill, 3)
-    return t_prefill, best_of(generate, 2) - t_prefill
+    batch()  # warm-up
+    return {"batch": best_of(batch, 2), "prefill": best_of(prefill, 3), "decode": min(decode() for _ in range(2))}
 
 
-def transformers_eager(path: Path, ids: torch.Tensor, decode: int) -> tuple[float, float]:
+def transformers_side(path: Path, prompts: list[list[int]], new: int, long: list[int]) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    batch = ids[None]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    one = torch.tensor([long])
+
+    @torch.inference_mode()
+    def batch():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=pad)
 
     @torch.inference_mode()
     def prefill():
-        model(batch, use_cache=True)
+        model(one, use_cache=True, logits_to_keep=1)
 
     @torch.inference_mode()
-    def generate():
-        out = model(batch, use_cache=True)
+    def decode():
+        out = model(one, use_cache=True, logits_to_keep=1)
         tok = out.logits[:, -1:].argmax(-1)
-        for _ in range(decode):
-            out = model(tok, past_key_values=out.past_key_values, use_cache=True)
+        cache = out.past_key_values
+        t = time.perf_counter()
+        for _ in range(new - 1):
+            out = model(tok, past_key_values=cache, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
+        return time.perf_counter() - t
 
-    t_prefill = best_of(prefill, 3)
-    return t_prefill, best_of(generate, 2) - t_prefill
+    batch()  # warm-up
+    return {"batch": best_of(batch, 2), "prefill": best_of(prefill, 3), "decode": min(decode() for _ in range(2))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--sizes", default="tiny,mid")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled MLA model)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=100)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=1500)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids stalls on a shared box)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else bundled_model("mla")
+    llm = LLM(path)
+    vocab = llm.model.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, vocab, args.prompt).tolist() for _ in range(args.batch)]
+    long = rng.integers(10, vocab, args.depth).tolist()
     print(f"machine: {describe()}")
-    print(f"prefill {args.prefill} tokens, then {args.decode} greedy decode steps; best of 3 (prefill) / 2 (decode)\n")
-    print(f"{'size':6} {'phase':8} {'irminsul tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes.split(","):
-            path = make_tiny_checkpoint(Path(tmp) / size, **SIZES[size])
-            ids = torch.randint(0, 250, (args.prefill,), generator=torch.Generator().manual_seed(0))
-            ours_p, ours_d = ours(path, ids, args.decode)
-            hf_p, hf_d = transformers_eager(path, ids, args.decode)
-            for phase, a, b, n in (("prefill", ours_p, hf_p, args.prefill), ("decode", ours_d, hf_d, args.decode)):
-                print(f"{size:6} {phase:8} {n / a:15.1f} {n / b:19.1f} {b / a:6.2f}x")
+    print(f"model: {path}\n")
+    a = ours(llm, prompts, args.new, long)
+    b = transformers_side(path, prompts, args.new, long)
+    rows = (("batch", f"{args.batch} x ({args.prompt} + {args.new} new)", args.batch * args.new),
+            ("prefill", f"{args.depth} tokens", args.depth), ("decode", f"{args.new - 1} at depth {args.depth}",
+                                                              args.new - 1))
+    print(f"{'case':8} {'shape':24} {'irminsul tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
+    for key, shape, n in rows:
+        print(f"{key:8} {shape:24} {n / a[key]:15.1f} {n / b[key]:19.1f} {b[key] / a[key]:6.2f}x")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ class AttentionGroup:
     key_sin: torch.Tensor
     mask: torch.Tensor  # [B, M, T] bool, True = attend
     expanded: bool
+    # every sequence computes positions 0..m-1 with no row before them (a prompt prefilled from
+    # scratch): the mask is plain causal, which SDPA runs about twice as fast as an explicit mask
+    causal: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -88,8 +91,10 @@ class TorchAttention:
         qpos = np.zeros((b, m), np.int64)
         token_index, grid_index = [], []
         rope = None if all(s.key_rope is None for s in seqs) else np.zeros((b, t), np.int64)
+        causal = m == t
         for i, s in enumerate(seqs):
             n, k = len(s.q_positions), len(s.key_slots)
+            causal = causal and n == k and int(s.q_positions[0]) == 0 and int(s.q_positions[-1]) == n - 1
             slots[i, :k] = s.key_slots
             qpos[i, :n] = s.q_positions
             qpos[i, n:] = k - 1  # padded query rows see every key (never a fully masked row)
@@ -108,7 +113,7 @@ class TorchAttention:
             cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
         return AttentionGroup(torch.from_numpy(np.concatenate(token_index)).to(device),
                               torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin, mask,
-                              m > 1 and expand_is_cheaper(self.cfg, m, t))
+                              m > 1 and expand_is_cheaper(self.cfg, m, t), causal)
 
     # -- once per layer and group --------------------------------------------------------
 
@@ -119,9 +124,10 @@ class TorchAttention:
         cfg = self.cfg
         r, h = cfg.kv_lora_rank, cfg.num_attention_heads
         b, m, t = g.shape
-        keys = pool[g.key_slots].to(q_nope.dtype)  # [B, T, r + rope]
-        c_kv = keys[..., :r]
-        k_r = self.rotary.encode_cached(keys[..., r:], g.key_cos, g.key_sin)  # [B, T, rope]
+        keys = pool.index_select(0, g.key_slots.view(-1)).view(b, t, -1).to(q_nope.dtype)  # [B, T, r + rope]
+        # RoPE at read time, in place on the gathered copy: the keys become [c_KV | k_r encoded]
+        keys[..., r:] = self.rotary.encode_cached(keys[..., r:], g.key_cos, g.key_sin)
+        c_kv, k_r = keys[..., :r], keys[..., r:]
         w = attn.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
         if g.expanded:
@@ -129,17 +135,20 @@ class TorchAttention:
             k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
             k = torch.cat([k_nope, k_r[:, :, None, :].expand(b, t, h, cfg.qk_rope_head_dim)], dim=-1)
             q = _grid(torch.cat([q_nope, q_pe], dim=-1), g)  # [B, M, H, qk]
+            # NOTE: causal: padded keys (beyond a shorter sequence) are seen only by its padded queries
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=g.mask[:, None], scale=cfg.softmax_scale)
+                                               attn_mask=None if g.causal else g.mask[:, None],
+                                               is_causal=g.causal, scale=cfg.softmax_scale)
             return _rows(o.transpose(1, 2).reshape(b * m, h, cfg.v_head_dim), g)
-        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [n, H, r]: W_UK absorbed into the query
-        q_lat = _grid(q_lat, g).reshape(b, m * h, r)
-        q_pe = _grid(q_pe, g).reshape(b, m * h, cfg.qk_rope_head_dim)
-        scores = (q_lat @ c_kv.transpose(1, 2) + q_pe @ k_r.transpose(1, 2)).float() * cfg.softmax_scale
+        # W_UK absorbed into the query: q_lat = q_nope · W_UK, [n, H, r]; one product then scores
+        # q_lat · c_KV + q_pe · k_r against the [c_KV | k_r] keys
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        q = _grid(torch.cat([q_lat, q_pe], dim=-1), g).reshape(b, m * h, r + cfg.qk_rope_head_dim)
+        scores = torch.bmm(q, keys.transpose(1, 2)).float() * cfg.softmax_scale  # [B, M * H, T]
         scores = scores.view(b, m, h, t).masked_fill(~g.mask[:, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(q_nope.dtype).view(b, m * h, t)
-        o_lat = _rows((probs @ c_kv).view(b * m, h, r), g)  # [n, H, r]
-        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)  # W_UV absorbed into the output
+        o_lat = _rows(torch.bmm(probs, c_kv).view(b * m, h, r), g)  # [n, H, r]
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # W_UV absorbed: [n, H, v]
 
 
 def _grid(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

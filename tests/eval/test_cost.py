@@ -24,7 +24,12 @@ def _counted(fn) -> int:
     return fc.get_total_flops()
 
 
-def test_mla_flops_equal_the_flop_counter_in_both_attention_forms(tiny_q_lora):
+def test_mla_flops_equal_the_flop_counter_in_both_attention_forms(tiny_q_lora, monkeypatch):
+    from irminsul.model.layers import MoE
+
+    # The grouped expert path pads each expert's batch to the busiest one's; the count is of the
+    # useful multiply-adds, which the per-expert path runs exactly.
+    monkeypatch.setattr(MoE, "grouped", False)
     model = load_model(tiny_q_lora)
     arch = Arch.from_config(json.loads((tiny_q_lora / "config.json").read_text()))
     rows = model.new_rows(128)
