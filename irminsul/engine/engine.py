@@ -184,10 +184,12 @@ class Engine:
                              self.model.attention.plan(specs, offsets, dev))
         return self.model(batch), offsets
 
-    def forward(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
+    def forward(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[torch.Tensor | None]:
         """One forward pass; the next-token logits [vocab] of each sequence whose prompt is done
-        (None for one still in prefill, or one that got no prefill tokens this step)."""
-        takes, budget, ran = [], self.max_prefill_tokens, []
+        (None for one still in prefill, or one that got no prefill tokens this step). At most
+        `prefill_budget` (default max_prefill_tokens) prompt positions are computed in all."""
+        takes, ran = [], []
+        budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
         for seq in seqs:
             if seq.in_prefill:
                 if budget <= 0:
@@ -210,10 +212,10 @@ class Engine:
                 out = {ran[i].id: logits[row] for row, i in enumerate(wanted)}
         return [out.get(seq.id) for seq in seqs]
 
-    def step(self, seqs: list[Sequence]) -> list[int | None]:
+    def step(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[int | None]:
         """Forward + sample; appends the new token to each sequence that produced one. Decoding
         sequences need their slot first (`reserve`)."""
-        logits = self.forward(seqs)
+        logits = self.forward(seqs, prefill_budget)
         rows = [i for i, x in enumerate(logits) if x is not None]
         new: list[int | None] = [None] * len(seqs)
         if not rows:

@@ -10,9 +10,14 @@ Every `step()`:
 2. give every decoding sequence a slot for its newest token; when the pool cannot, preempt the
    most recently admitted sequence (its rows are freed, it goes back to the front of the queue
    and is recomputed, or partly reused, when admitted again) and try again;
-3. run ONE `Engine.step` over every running sequence: prefill chunks (at most `max_prefill_tokens`
-   in all, so a long prompt never stalls the decodes) together with one decode token for each
-   sequence already past its prompt;
+3. run ONE `Engine.step` over every running sequence: prefill chunks together with one decode
+   token for each sequence already past its prompt. The prefill chunk is at most
+   `max_prefill_tokens`, and while sequences are decoding it is sized so that the step takes at
+   most `decode_slowdown` times a decode-only step, so arriving prompts never stall the streams.
+   The size is found by feedback, not a cost model (a prompt's late tokens attend to more rows, and
+   a step that carries prefill has a fixed cost of its own): it shrinks by 30% after a step over
+   80% of the limit and grows by 10% after one under it; the decode-only step time is a moving
+   average, refreshed by one decode-only step in 16 while prompts are waiting;
 4. report each sequence's new text and finish those that are done.
 
 Nothing here is thread-safe: one thread drives a scheduler (the server runs it on a worker thread).
@@ -21,6 +26,7 @@ Nothing here is thread-safe: one thread drives a scheduler (the server runs it o
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,10 +47,16 @@ class StepOutput:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_running_requests: int = 256,
-                 on_admit: Callable[[Sequence], None] | None = None):
+                 on_admit: Callable[[Sequence], None] | None = None, decode_slowdown: float | None = 2.0):
+        if decode_slowdown is not None and not decode_slowdown > 1:
+            raise ValueError(f"decode_slowdown={decode_slowdown} must be > 1 (or None: no limit)")
         self.engine = engine
         self.max_running_requests = max_running_requests
         self.on_admit = on_admit  # told of every admission (a preempted sequence is admitted again)
+        self.decode_slowdown = decode_slowdown
+        self._decode_s: float | None = None  # moving average of a decode-only step's seconds
+        self._chunk = 64.0  # prompt positions a step beside decoding carries (adapted, see step 3)
+        self._steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._shown: dict[int, int] = {}  # characters of output text already reported, per sequence
@@ -81,7 +93,11 @@ class Scheduler:
         out += self._reserve()
         if not self.running:
             return out
-        new = self.engine.step(self.running)
+        prefill = sum(len(s.pending) for s in self.running)
+        budget = self._prefill_budget(prefill)
+        t = time.perf_counter()
+        new = self.engine.step(self.running, budget)
+        self._observe(time.perf_counter() - t, min(prefill, budget), decoding=any(x is not None for x in new))
         for seq, token in zip(list(self.running), new):
             text = self.engine.streamable(seq)
             shown = self._shown.get(seq.id, 0)
@@ -93,6 +109,25 @@ class Scheduler:
             if token is not None or seq.finished:
                 out.append(StepOutput(seq, token, delta, seq.finished))
         return out
+
+    def _prefill_budget(self, pending: int) -> int:
+        """Prompt positions this step may compute (see the module docstring, step 3)."""
+        decoding = any(not s.in_prefill for s in self.running)
+        if not pending or not decoding or self.decode_slowdown is None or self._decode_s is None:
+            return self.engine.max_prefill_tokens
+        self._steps += 1
+        if self._steps % 16 == 0:
+            return 0  # a decode-only step now and then: decoding slows as contexts grow, re-measure it
+        return int(min(self.engine.max_prefill_tokens, self._chunk))
+
+    def _observe(self, seconds: float, prefill_tokens: int, decoding: bool) -> None:
+        if not prefill_tokens:
+            if decoding:
+                self._decode_s = seconds if self._decode_s is None else 0.8 * self._decode_s + 0.2 * seconds
+        elif decoding and self._decode_s is not None and self.decode_slowdown is not None:
+            # aim 20% under the limit: the step times scatter around the aim, and the limit is for most
+            over = seconds > 0.8 * self.decode_slowdown * self._decode_s
+            self._chunk = min(self.engine.max_prefill_tokens, max(1.0, self._chunk * (0.7 if over else 1.1)))
 
     def _admit(self) -> list[StepOutput]:
         failed: list[StepOutput] = []

@@ -7,10 +7,12 @@ reads the keys, in fp32 with the model's own rotary class (YaRN, both layouts), 
 RoPE position: its position in the sequence (`pic`, and every computed row), or, for the paper's
 `naive` baseline, the position it was computed at (stale `k_r`).
 
-A step's sequences fall into at most two groups, each one padded batch and one call per layer:
-decode (one query per sequence) in the absorbed form, and prefill spans (several queries per
-sequence) in the absorbed or the expanded form, whichever costs fewer multiply-adds
-(`expand_is_cheaper`, the split SGLang and vLLM make for MLA). Keys are every position
+A step's sequences fall into a few groups, each one padded batch and one call per layer: decode
+(one query per sequence) in the absorbed form, and prefill spans (several queries per sequence)
+in the absorbed or the expanded form, whichever costs fewer multiply-adds (`expand_is_cheaper`,
+the split SGLang and vLLM make for MLA). Sequences of very different lengths go to different
+groups, so that padding never more than `PADDING_SLACK`-folds a group's work (a 1,500-row
+sequence beside thirty 200-row ones would otherwise make each of them read 1,500 rows). Keys are every position
 0..T-1 of a sequence, read through its slot table; slot 0 is "no row" (padding, or a gap in a
 sparse prefill) and is masked out. A query at position p attends to every row at a position <= p.
 """
@@ -27,6 +29,7 @@ from irminsul.model.config import ModelConfig
 from irminsul.model.rope import Rotary
 
 EMPTY_SLOT = 0  # pool slot 0 holds no row: padding and not-yet-filled positions point here
+PADDING_SLACK = 1.5  # a group's padded work (B x M x T) stays within this factor of its real work
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class TorchAttention:
         decode = [i for i, s in enumerate(seqs) if len(s.q_positions) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.q_positions) > 1]
         return [self._group([seqs[i] for i in ids], [offsets[i] for i in ids], device)
-                for ids in (decode, prefill) if ids]
+                for kind in (decode, prefill) for ids in _buckets(kind, seqs)]
 
     def _group(self, seqs: list[SeqAttention], starts: list[int], device) -> AttentionGroup:
         b, m = len(seqs), max(len(s.q_positions) for s in seqs)
@@ -115,40 +118,99 @@ class TorchAttention:
                               torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin, mask,
                               m > 1 and expand_is_cheaper(self.cfg, m, t), causal)
 
-    # -- once per layer and group --------------------------------------------------------
+    # -- once per layer --------------------------------------------------------------------
 
-    def attend(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
-               g: AttentionGroup) -> torch.Tensor:
-        """q_nope [n, H, nope], q_pe [n, H, rope] (rotated) of the group's queries, pool [S, W] of
-        this layer -> attention output [n, H, v_head_dim] (before o_proj)."""
+    def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
+                groups: list[AttentionGroup]) -> torch.Tensor:
+        """q_nope [n, H, nope], q_pe [n, H, rope] (rotated) of the step's queries, pool [S, W] of
+        this layer -> attention output [n, H, v_head_dim] (before o_proj). The absorbed groups
+        share one W_UK product before and one W_UV product after their attention."""
+        cfg = self.cfg
+        n, h, r = q_nope.shape[0], cfg.num_attention_heads, cfg.kv_lora_rank
+        w = attn.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
+        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+        absorbed = [g for g in groups if not g.expanded]
+        expanded = [g for g in groups if g.expanded]
+        if not expanded and len(absorbed) == 1 and len(absorbed[0].token_index) == n:
+            idx = None  # the common decode step: one group, every query, in order
+        else:
+            idx = torch.cat([g.token_index for g in absorbed]) if absorbed else None
+        out = None if idx is None and absorbed else q_nope.new_empty(n, h, cfg.v_head_dim)
+        if absorbed:
+            qn, qp = (q_nope, q_pe) if idx is None else (q_nope[idx], q_pe[idx])
+            q_lat = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)  # [n', H, r]: W_UK absorbed
+            o_lat, at = [], 0
+            for g in absorbed:
+                k = len(g.token_index)
+                o_lat.append(self._absorbed(q_lat[at : at + k], qp[at : at + k], pool, g))
+                at += k
+            o_lat = o_lat[0] if len(o_lat) == 1 else torch.cat(o_lat)
+            o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # W_UV absorbed
+            if idx is None:
+                return o
+            out[idx] = o
+        for g in expanded:
+            out[g.token_index] = self._expanded(attn, q_nope[g.token_index], q_pe[g.token_index], pool, g)
+        return out
+
+    def _keys(self, pool: torch.Tensor, g: AttentionGroup, dtype) -> torch.Tensor:
+        """The group's keys [B, T, r + rope]: [c_KV | k_r encoded at each key's RoPE position]."""
+        b, _, t = g.shape
+        r = self.cfg.kv_lora_rank
+        keys = pool.index_select(0, g.key_slots.view(-1)).view(b, t, -1).to(dtype)
+        # RoPE at read time, in place on the gathered copy
+        keys[..., r:] = self.rotary.encode_cached(keys[..., r:], g.key_cos, g.key_sin)
+        return keys
+
+    def _absorbed(self, q_lat, q_pe, pool, g: AttentionGroup) -> torch.Tensor:
+        """Scores q_lat · c_KV + q_pe · k_r as one product against [c_KV | k_r]; -> o_lat [n, H, r]."""
         cfg = self.cfg
         r, h = cfg.kv_lora_rank, cfg.num_attention_heads
         b, m, t = g.shape
-        keys = pool.index_select(0, g.key_slots.view(-1)).view(b, t, -1).to(q_nope.dtype)  # [B, T, r + rope]
-        # RoPE at read time, in place on the gathered copy: the keys become [c_KV | k_r encoded]
-        keys[..., r:] = self.rotary.encode_cached(keys[..., r:], g.key_cos, g.key_sin)
-        c_kv, k_r = keys[..., :r], keys[..., r:]
-        w = attn.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
-        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
-        if g.expanded:
-            kv = attn.kv_b_proj(c_kv).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
-            k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-            k = torch.cat([k_nope, k_r[:, :, None, :].expand(b, t, h, cfg.qk_rope_head_dim)], dim=-1)
-            q = _grid(torch.cat([q_nope, q_pe], dim=-1), g)  # [B, M, H, qk]
-            # NOTE: causal: padded keys (beyond a shorter sequence) are seen only by its padded queries
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=None if g.causal else g.mask[:, None],
-                                               is_causal=g.causal, scale=cfg.softmax_scale)
-            return _rows(o.transpose(1, 2).reshape(b * m, h, cfg.v_head_dim), g)
-        # W_UK absorbed into the query: q_lat = q_nope · W_UK, [n, H, r]; one product then scores
-        # q_lat · c_KV + q_pe · k_r against the [c_KV | k_r] keys
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        keys = self._keys(pool, g, q_lat.dtype)
         q = _grid(torch.cat([q_lat, q_pe], dim=-1), g).reshape(b, m * h, r + cfg.qk_rope_head_dim)
         scores = torch.bmm(q, keys.transpose(1, 2)).float() * cfg.softmax_scale  # [B, M * H, T]
         scores = scores.view(b, m, h, t).masked_fill(~g.mask[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q_nope.dtype).view(b, m * h, t)
-        o_lat = _rows(torch.bmm(probs, c_kv).view(b * m, h, r), g)  # [n, H, r]
-        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # W_UV absorbed: [n, H, v]
+        probs = scores.softmax(dim=-1).to(q_lat.dtype).view(b, m * h, t)
+        return _rows(torch.bmm(probs, keys[..., :r]).view(b * m, h, r), g)
+
+    def _expanded(self, attn, q_nope, q_pe, pool, g: AttentionGroup) -> torch.Tensor:
+        """Keys and values expanded from the latent (k_nope = c_KV·W_UK, v = c_KV·W_UV), then SDPA."""
+        cfg = self.cfg
+        r, h = cfg.kv_lora_rank, cfg.num_attention_heads
+        b, m, t = g.shape
+        keys = self._keys(pool, g, q_nope.dtype)
+        kv = attn.kv_b_proj(keys[..., :r]).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, keys[:, :, None, r:].expand(b, t, h, cfg.qk_rope_head_dim)], dim=-1)
+        q = _grid(torch.cat([q_nope, q_pe], dim=-1), g)  # [B, M, H, qk]
+        # NOTE: causal: padded keys (beyond a shorter sequence) are seen only by its padded queries
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=None if g.causal else g.mask[:, None],
+                                           is_causal=g.causal, scale=cfg.softmax_scale)
+        return _rows(o.transpose(1, 2).reshape(b * m, h, cfg.v_head_dim), g)
+
+
+def _buckets(ids: list[int], seqs: list[SeqAttention]) -> list[list[int]]:
+    """Split sequences into groups whose padded work stays within PADDING_SLACK of the real work:
+    longest first, a sequence joins the current group while the group stays within the slack."""
+    order = sorted(ids, key=lambda i: len(seqs[i].key_slots), reverse=True)
+    out: list[list[int]] = []
+    work = 0
+    for i in order:
+        s = seqs[i]
+        real = len(s.q_positions) * len(s.key_slots)
+        if out:
+            g = out[-1]
+            m = max(len(s.q_positions), *(len(seqs[j].q_positions) for j in g))
+            padded = (len(g) + 1) * m * len(seqs[g[0]].key_slots)
+            if padded <= PADDING_SLACK * (work + real):
+                g.append(i)
+                work += real
+                continue
+        out.append([i])
+        work = real
+    return [sorted(g) for g in out]
 
 
 def _grid(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

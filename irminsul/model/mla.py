@@ -155,10 +155,5 @@ class MLAttention(nn.Module):
         pool = batch.pool[self.layer]  # [n_slots, width]
         # NOTE: written before attending: a query attends to rows computed in this same pass.
         pool.index_copy_(0, batch.write_slots, self.stored_rows(x).to(pool.dtype))
-        if len(batch.groups) == 1 and len(batch.groups[0].token_index) == n:
-            out = self.backend.attend(self, q_nope, q_pe, pool, batch.groups[0])
-        else:
-            out = x.new_empty(n, h, cfg.v_head_dim)
-            for g in batch.groups:  # at most two: decode and prefill
-                out[g.token_index] = self.backend.attend(self, q_nope[g.token_index], q_pe[g.token_index], pool, g)
+        out = self.backend.forward(self, q_nope, q_pe, pool, batch.groups)  # [n, H, v]
         return self.o_proj(out.reshape(n, h * cfg.v_head_dim))

@@ -87,7 +87,8 @@ def test_batched_forward_equals_separate(tiny_dir):
                          torch.as_tensor(np.concatenate([t[q] for t, q in zip(tables, qs)])),
                          model.attention.plan([SeqAttention(q, t[: q[-1] + 1]) for q, t in zip(qs, tables)],
                                               offsets, "cpu"))
-    assert [len(g.token_index) for g in batch.groups] == [3, 75]  # one decode group, one prefill group
+    decode = [g for g in batch.groups if g.shape[1] == 1]
+    assert sum(len(g.token_index) for g in decode) == 3 and sum(len(g.token_index) for g in batch.groups) == 78
     logits = model.logits(model(batch))
     for i, (ref, q) in enumerate(zip(refs, qs)):
         assert (logits[offsets[i]:offsets[i + 1]] - ref[q]).abs().max().item() < 1e-4, i
