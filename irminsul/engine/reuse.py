@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from irminsul.cache.chunker import ChunkerConfig, namespace_seed
+from irminsul.cache.chunker import ChunkerConfig, chunk, namespace_seed
 from irminsul.cache.planner import Planner, PlannerConfig
 from irminsul.cache.radix import PrefixMatch, PrefixPiece, RadixCache
 from irminsul.cache.registry import Entry, MemoryRegistry
@@ -60,6 +60,9 @@ class NoReuse:
 
     def waits_for(self, tokens, segment_starts, tenant) -> bool:
         return False
+
+    def prefetch(self, tokens, segment_starts, tenant) -> int:
+        return 0
 
     def computed(self, seq: Sequence) -> None:
         pass
@@ -177,6 +180,20 @@ class CacheReuse:
         stored = self.registry.memory.put(promoted)  # the memory tier takes its own reference
         self.pool.release(slots)  # ours: if the memory tier refused, the slots are free again
         return promoted if stored else None
+
+    def prefetch(self, tokens: list[int], segment_starts, tenant: str | None) -> int:
+        """Read this prompt's chunks from the disk and Redis tiers ahead of its admission, into the
+        tiered registry's staging area. Pure of engine state: safe on any thread."""
+        if not hasattr(self.registry, "prefetch") or not self.planner_config.content_reuse:
+            return 0
+        ids = np.asarray(tokens, dtype=np.int64)
+        tenant = self.default_tenant if tenant is None else tenant
+        wanted = []
+        for name in dict.fromkeys([tenant, SHARED]):
+            seed = namespace_seed(self.model_id, name)
+            wanted += [(c.fingerprint, ids[c.start : c.end])
+                       for c in chunk(ids, self.planner_config.chunker, seed, segment_starts)]
+        return self.registry.prefetch(wanted)
 
     # -- admission -------------------------------------------------------------------------
 

@@ -94,6 +94,8 @@ async def handle(state, request: Request, chat: bool):
     # JSON parsing, chat rendering and tokenization run on a worker thread, never on the event loop.
     req = await asyncio.to_thread(parse_body, body, ChatCompletionRequest if chat else CompletionRequest)
     job = await asyncio.to_thread(prepare, state, request, req, chat)
+    if state.registry is not None and hasattr(state.registry, "lower"):
+        await asyncio.to_thread(state.runner.prefetch, job)  # disk / Redis reads, off the engine thread
     channel = _Channel()
     job.emit = channel.emit
     try:

@@ -116,6 +116,14 @@ class EngineRunner:
             self._submitted += 1
         self._inbox.put(("job", job))
 
+    def prefetch(self, job: Job) -> None:
+        """Read the job's cached chunks from the disk and Redis tiers (call from a worker thread, not
+        the engine's): admission then finds them staged instead of waiting on I/O."""
+        try:
+            self.engine.cache.prefetch(job.tokens, job.segment_starts, job.tenant)
+        except Exception:  # a store problem costs reuse, never the request
+            log.exception("prefetching request %d's chunks failed", job.id)
+
     def _dequeued(self) -> None:
         with self._count_lock:
             self._submitted -= 1

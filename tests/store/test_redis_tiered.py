@@ -78,3 +78,19 @@ def test_tiered_falls_through_promotes_and_pins(tmp_path, redis_proc, layout):
         small.put(entry(fp))
     assert small.memory.stats.bytes <= 800 and evicted
     reg.close(), other.close()
+
+
+def test_prefetch_stages_lower_tier_entries_so_the_lookup_does_no_io(tmp_path, layout):
+    from irminsul.cache.store.disk import DiskRegistry
+
+    disk = DiskRegistry(tmp_path, layout, 10**7)
+    disk.put(entry(11, seed=1))
+    tiered = TieredRegistry(MemoryRegistry(10**6), [disk])
+    assert tiered.prefetch([(11, np.arange(1, 9)), (12, np.arange(0, 8))]) == 1  # 12 is nowhere
+
+    def no_io(*args):
+        raise AssertionError("the disk was read at lookup time")
+
+    disk.get = no_io
+    got = tiered.get(11, np.arange(1, 9))  # staged: promoted without touching the disk
+    assert got is not None and torch.equal(got.payload, entry(11, seed=1).payload) and 11 in tiered.memory

@@ -13,11 +13,17 @@ turns a memory entry into what the lower tiers store, ``promote`` brings a lower
 the memory tier (returning the memory entry, or None when there is no room: a miss). Unbound, both
 tiers hold the same payload.
 
+``prefetch`` reads lower-tier entries ahead of the lookup that will want them, on any thread (the
+server calls it from a worker as a request arrives, so disk and Redis reads never sit on the
+thread that decodes); ``get`` then takes a staged entry without I/O. The staging area is bounded.
+
 Pins protect memory entries; a pin on an entry that is not in memory is a counted no-op.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -36,6 +42,9 @@ class TieredRegistry(Registry):
         self._hits = self._misses = 0
         self._promote: Callable[[Entry], Entry | None] = self._put_in_memory
         self._to_lower: Callable[[Entry], Entry] = lambda entry: entry
+        self._staged: OrderedDict[int, tuple[int, Entry]] = OrderedDict()  # fingerprint -> (tier, entry)
+        self._staged_lock = threading.Lock()
+        self.max_staged = 4096
 
     def bind(self, promote: Callable[[Entry], Entry | None], to_lower: Callable[[Entry], Entry]) -> None:
         self._promote, self._to_lower = promote, to_lower
@@ -44,11 +53,38 @@ class TieredRegistry(Registry):
         self.memory.put(entry)
         return entry
 
+    def prefetch(self, wanted: list[tuple[int, np.ndarray]]) -> int:
+        """Stage the lower tiers' entries for (fingerprint, token ids) pairs the memory tier lacks;
+        returns how many were found. Safe to call from any thread."""
+        found = 0
+        for fingerprint, token_ids in wanted:
+            if fingerprint in self.memory or fingerprint in self._staged:
+                continue
+            for i, tier in enumerate(self.lower):
+                entry = tier.get(fingerprint, token_ids)
+                if entry is not None:
+                    with self._staged_lock:
+                        self._staged[fingerprint] = (i, entry)
+                        while len(self._staged) > self.max_staged:
+                            self._staged.popitem(last=False)
+                    found += 1
+                    break
+        return found
+
+    def _staged_entry(self, fingerprint: int, token_ids: np.ndarray) -> tuple[int, Entry] | None:
+        with self._staged_lock:
+            staged = self._staged.pop(fingerprint, None)
+        if staged is not None and np.array_equal(staged[1].token_ids, token_ids):
+            return staged
+        return None
+
     def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
         entry = self.memory.get(fingerprint, token_ids)
         if entry is None:
-            for i, tier in enumerate(self.lower):
-                found = tier.get(fingerprint, token_ids)
+            staged = self._staged_entry(fingerprint, token_ids)
+            tiers = [(staged[0], staged[1])] if staged else ((i, t.get(fingerprint, token_ids))
+                                                              for i, t in enumerate(self.lower))
+            for i, found in tiers:
                 if found is not None:
                     for upper in self.lower[:i]:
                         upper.put(found)
