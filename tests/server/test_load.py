@@ -1,4 +1,4 @@
-"""Continuous batching under load: 32 concurrent streams, budgets held, a long prompt stalls nobody."""
+"""Continuous batching under load: 64 concurrent streams, budgets held, a long prompt stalls nobody."""
 
 import asyncio
 import json
@@ -27,10 +27,10 @@ async def stream(client, url, prompt, max_tokens=8):
     return "".join(pieces), reason, usage
 
 
-def test_32_concurrent_streams_complete_within_budgets(tiny_dir):
+def test_64_concurrent_streams_complete_within_budgets(tiny_dir):
     s = start(tiny_dir, **BUDGETS)
     try:
-        prompts = [f"{i}: " + text(12 + i % 5, 100 + i) for i in range(32)]
+        prompts = [f"{i}: " + text(12 + i % 5, 100 + i) for i in range(64)]
         # references, one at a time (greedy decoding is batch-invariant here)
         refs = [httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 8,
                                                            "temperature": 0, "ignore_eos": True}).json()
