@@ -6,7 +6,9 @@
   decode   64 tokens at depth 1,500                          (llama-bench -n 64 -d 1500)
 
 Throughput is tokens processed (prompt + generated) per second; for llama.cpp the better of flash
-attention on and off. Optional: it needs a built llama.cpp and the model in GGUF.
+attention on and off, with its default f16 KV cache (llama-bench offers no f32 one; this engine's
+rows are f32), so the comparison leans its way. Optional: it needs a built llama.cpp and the model
+in GGUF.
 
     # once: llama.cpp's source (vendored by llama-cpp-python) and its two benchmark tools
     pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
