@@ -89,9 +89,9 @@ class MoE(nn.Module):
     The routed experts run grouped: each expert's tokens are gathered into one padded batch and all
     experts run in two batched matmuls (gate|up, then down) over weights stacked once
     ([E, 2I, H] and [E, H, I]; the per-expert parameters become views of them, so nothing is held
-    twice and checkpoints load as they are). When routing is so uneven that padding would more than
-    double the work (a long prefill whose tokens crowd a few experts; up to 256 padded rows per
-    expert are always fine), it loops over the experts hit.
+    twice and checkpoints load as they are). When fewer than half the experts are hit (a decode step
+    of a few sequences: the grouped product would read every expert's weights), or routing is so
+    uneven that padding would more than double the work, it loops over the experts hit.
     """
 
     grouped = True  # False: always loop (exact FLOPs: the grouped path also multiplies its padding)
@@ -127,8 +127,10 @@ class MoE(nn.Module):
         n, k = ids.shape
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=len(self.experts))
-        cap = int(counts.max())
-        if self.grouped and cap * len(self.experts) <= 2 * n * k + 256 * len(self.experts):
+        cap, experts = int(counts.max()), len(self.experts)
+        # grouped when most experts are hit (it reads every expert's weights) and padding at most
+        # doubles the work (up to 256 padded rows per expert are always fine)
+        if self.grouped and 2 * int((counts > 0).sum()) >= experts and cap * experts <= 2 * n * k + 256 * experts:
             out = self._grouped(x, weights, flat, counts, cap)
         else:
             out = torch.zeros_like(x)
