@@ -224,7 +224,11 @@ class Engine:
         greedy = stacked.argmax(-1).tolist()  # one call for every greedy sequence of the step
         for row, i in enumerate(rows):
             seq = seqs[i]
-            token = greedy[row] if seq.params.greedy else sample(stacked[row], seq.params, seq.generator)
+            try:
+                token = greedy[row] if seq.params.greedy else sample(stacked[row], seq.params, seq.generator)
+            except Exception as e:  # a bug in one request's sampling ends that request, not the step
+                seq.finish_reason, seq.error = "abort", f"internal error while sampling: {e}"
+                continue
             self._append(seq, token)
             new[i] = token
         return new

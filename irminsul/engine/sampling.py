@@ -1,7 +1,14 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded."""
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded.
+
+Any value that passes validation samples: a temperature below 1e-5 (vLLM's threshold) is greedy,
+and so is a top_p too small to keep more than the most likely token once it is float32 (1e-50 is
+0 there); a distribution that still degenerates (non-finite, or nothing left) falls back to greedy
+instead of failing the step that every other running request shares.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,11 +28,12 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise RequestError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not 0.0 <= self.temperature <= 100.0:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and 0.0 <= self.temperature <= 100.0):
             raise RequestError(f"temperature={self.temperature!r} must be in [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p={self.top_p!r} must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise RequestError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
@@ -36,7 +44,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1 or self.top_p < GREEDY_BELOW
+
+
+GREEDY_BELOW = 1e-5  # a temperature or top_p below this samples the most likely token
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -60,6 +71,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest set whose mass reaches top_p (the first token is always kept)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop[0] = False  # NOTE: in float32 a tiny top_p is 0, and 0 >= 0 would drop the first token too
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    total = float(probs.sum())
+    if not math.isfinite(total) or total <= 0.0 or not bool(torch.isfinite(probs).all()):
+        return int(logits.argmax())  # a degenerate distribution: the most likely token
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))

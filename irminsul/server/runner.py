@@ -74,6 +74,7 @@ class EngineRunner:
         self.max_queued_requests = max_queued_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[int, Job] = {}  # sequence id -> job, for every job the scheduler holds
+        self._admitted_ids: set[int] = set()  # jobs admitted at least once (no longer counted as queued)
         self._submitted = 0  # jobs handed in and not yet admitted or dropped (for the queue limit)
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
@@ -178,7 +179,8 @@ class EngineRunner:
         self.scheduler.add(job.seq)
 
     def _admitted(self, seq: Sequence) -> None:
-        if seq.stats.preempted == 0:  # the first admission, not a re-admission after preemption
+        if seq.id not in self._admitted_ids:  # the first admission, not a re-admission after preemption
+            self._admitted_ids.add(seq.id)
             self._dequeued()
             if self.metrics:
                 self.metrics.admitted(seq.stats)
@@ -190,6 +192,7 @@ class EngineRunner:
             log.exception("engine step failed; failing the %d running requests", len(self.scheduler.running))
             for seq in list(self.scheduler.running):
                 self.scheduler.abort(seq)
+                self._admitted_ids.discard(seq.id)
                 self._end(self._jobs.pop(seq.id), Failed(500, f"internal error during generation: {e}"))
             return
         now = time.monotonic()
@@ -204,13 +207,18 @@ class EngineRunner:
                     self.metrics.inter_token(now - job.last_token_at)
             if out.token is not None:
                 job.last_token_at = now
-            if out.seq.error is not None:  # refused at admission: it can never fit
-                self._dequeued()
-                self._end(self._jobs.pop(out.seq.id), Failed(400, out.seq.error))
+            if out.seq.error is not None:
+                if out.seq.id in self._admitted_ids:  # failed while running: a bug, this request only
+                    self._end(self._jobs.pop(out.seq.id), Failed(500, out.seq.error))
+                else:  # refused at admission: it can never fit
+                    self._dequeued()
+                    self._end(self._jobs.pop(out.seq.id), Failed(400, out.seq.error))
+                self._admitted_ids.discard(out.seq.id)
                 continue
             if out.text:
                 job.emit(Delta(out.text))
             if out.finished:
+                self._admitted_ids.discard(out.seq.id)
                 seq = self._jobs.pop(out.seq.id).seq
                 job.emit(Finished(seq.text, seq.finish_reason, seq.stats, len(seq.output_ids)))
                 if self.metrics:
@@ -228,5 +236,6 @@ class EngineRunner:
             self._dequeued()
         self.scheduler.abort(job.seq)
         del self._jobs[job.seq.id]
+        self._admitted_ids.discard(job.seq.id)
         if self.metrics:
             self.metrics.finished("abort", len(job.seq.output_ids), now=time.monotonic(), arrival=job.arrival)

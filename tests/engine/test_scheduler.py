@@ -86,3 +86,30 @@ def test_a_flat_burst_recomputes_only_where_chunk_boundaries_resynchronise(tiny_
     seqs, computed, own, peak, distinct = _burst(tiny_dir, segmented=False)
     assert computed <= 1500 + own + 15 * 2 * 128, [s.stats for s in seqs]
     assert peak <= 1.1 * (distinct + 15 * 2 * 128)
+
+
+def test_degenerate_sampling_values_sample_and_never_fail_the_step(tiny_dir):
+    """top_p=1e-50 is 0 in float32 and temperature=1e-40 overflows the logits: both once failed the
+    whole batch ("invalid multinomial distribution"). Every value that passes validation samples,
+    degenerate ones greedily, and the greedy neighbours in the same steps are untouched."""
+    import pytest
+    import torch
+
+    from irminsul.engine.sampling import sample
+
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    for p in (SamplingParams(temperature=1.0, top_p=1e-50), SamplingParams(temperature=1e-40),
+              SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=100.0, top_k=3)):
+        token = sample(logits, p, None)
+        assert 0 <= token < 300 and (not p.greedy or token == int(logits.argmax()))
+    llm = LLM(tiny_dir)
+    prompt = llm.tokenizer.encode("degenerate sampling")
+    greedy = llm.generate(prompt, max_tokens=8, ignore_eos=True).token_ids
+    odd = [SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-50, ignore_eos=True),
+           SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True)]
+    seqs = [llm.engine.new_sequence(prompt, p) for p in [SamplingParams(max_tokens=8, ignore_eos=True), *odd]]
+    _run(Scheduler(llm.engine), seqs)
+    assert all(s.finish_reason == "length" and s.error is None for s in seqs)
+    assert all(s.output_ids == greedy for s in seqs)  # degenerate sampling is greedy
+    with pytest.raises(Exception, match="temperature"):
+        SamplingParams(temperature=float("nan"))

@@ -49,3 +49,18 @@ def test_server_keeps_serving_after_errors(server):
     out = chat(server.url, HI, max_tokens=2)
     assert out["choices"][0]["finish_reason"] in ("length", "stop")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_degenerate_sampling_fails_nobody(server):
+    """top_p=1e-50 and temperature=1e-40 once answered 500 and failed every stream running with them."""
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            bodies = [{"prompt": "hello there", "max_tokens": 8, "temperature": 1, "top_p": 1e-50},
+                      {"prompt": "hello there", "max_tokens": 8, "temperature": 1e-40},
+                      {"prompt": "hello there", "max_tokens": 8, "temperature": 0.8, "seed": 1}]
+            return await asyncio.gather(*(client.post(server.url + "/v1/completions", json=b) for b in bodies))
+
+    for r in asyncio.run(run()):
+        assert r.status_code == 200, r.text
