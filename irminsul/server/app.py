@@ -87,12 +87,12 @@ class ServerState:
         return tenant
 
     def check_admin(self, request: Request) -> None:
+        """Publishing fills the namespace every tenant reads: only the operator's key may do it."""
         admin, key = self.config.admin_key, self._bearer(request)
-        if admin is not None:
-            if not hmac.compare_digest(admin, key):
-                raise APIError(403, "publishing shared chunks needs the admin key (--admin-key)")
-        elif self.config.tenants:
-            raise APIError(403, "publishing is disabled: this server has API keys but no --admin-key")
+        if admin is None:
+            raise APIError(403, "publishing is disabled: start the server with --admin-key to publish shared chunks")
+        if not hmac.compare_digest(admin, key):
+            raise APIError(403, "publishing shared chunks needs the admin key (--admin-key)")
 
     def close(self) -> None:
         self.runner.stop()

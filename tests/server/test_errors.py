@@ -29,8 +29,12 @@ CASES = [
     ("completions", {"prompt": ["a", "b"]}, 400, "batched prompts"),
     ("completions", {"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
-    ("chunks", {"text": ""}, 400, "non-empty"),
-    ("chunks", {"text": "a", "token_ids": [1]}, 400, "exactly one"),
+    ("chunks", {"text": ""}, 403, "--admin-key"),  # publishing is the operator's: no admin key, no publishing
+]
+ADMIN_CASES = [
+    ({"text": ""}, 400, "non-empty"),
+    ({"text": "a", "token_ids": [1]}, 400, "exactly one"),
+    ({"token_ids": [1, True]}, 400, "list of integers"),
 ]
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "chunks": "/v1/cache/chunks"}
 
@@ -42,6 +46,21 @@ def test_bad_input_gets_a_clear_4xx(server, kind, body, status, message):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["type"], error
+
+
+@pytest.fixture(scope="module")
+def admin_server(tiny_dir):
+    from tests.server.server_helpers import start
+
+    s = start(tiny_dir, admin_key="root")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("body, status, message", ADMIN_CASES, ids=[c[2] for c in ADMIN_CASES])
+def test_bad_publish_gets_a_clear_4xx(admin_server, body, status, message):
+    r = httpx.post(admin_server.url + PATHS["chunks"], json=body, headers={"Authorization": "Bearer root"})
+    assert r.status_code == status and message in r.json()["error"]["message"], r.text
 
 
 def test_server_keeps_serving_after_errors(server):

@@ -27,7 +27,7 @@ def test_agent_session_reuses_moved_content(server):
     assert metric(server.url, "irminsul_reused_tokens_total") - before == split["reused_tokens"]
 
 
-def test_tenants_are_isolated_and_published_chunks_shared(server):
+def test_tenants_are_isolated_and_nobody_publishes_without_the_admin_key(server):
     private = text(120, 20)
     chat(server.url, agent_turn("hdr x1", private, "q"), cache_salt="tenant-x")
     other = chat(server.url, agent_turn("hdr y12345", private, "q"), cache_salt="tenant-y")
@@ -39,14 +39,24 @@ def test_tenants_are_isolated_and_published_chunks_shared(server):
     assert chat(server.url, agent_turn("hdr z", private, "q"), cache_salt="tenant-z")["usage"]["irminsul"][
         "reused_tokens"] == 0
 
-    shared = text(120, 21)
-    r = httpx.post(server.url + "/v1/cache/chunks", json={"text": shared})
-    assert r.status_code == 200 and r.json()["entries"] >= 2, r.text
-    for salt, header in (("tenant-x", "h1"), ("tenant-y", "header 2 is longer")):
-        msgs = [{"role": "system", "content": header},
-                {"role": "user", "content": [{"type": "text", "text": shared}]}]  # the document as its own part
-        got = chat(server.url, msgs, cache_salt=salt)["usage"]["irminsul"]
-        assert got["reused_tokens"] > 0.6 * len(shared), (salt, got)
+    # Without an admin key nobody may publish: the shared namespace is every tenant's to read.
+    r = httpx.post(server.url + "/v1/cache/chunks", json={"text": text(120, 21)})
+    assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"]
+
+
+def test_published_chunks_are_shared_by_every_tenant(tiny_dir):
+    s = start(tiny_dir, admin_key="root")
+    try:
+        shared = text(120, 21)
+        r = httpx.post(s.url + "/v1/cache/chunks", json={"text": shared}, headers={"Authorization": "Bearer root"})
+        assert r.status_code == 200 and r.json()["entries"] >= 2, r.text
+        for salt, header in (("tenant-x", "h1"), ("tenant-y", "header 2 is longer")):
+            msgs = [{"role": "system", "content": header},
+                    {"role": "user", "content": [{"type": "text", "text": shared}]}]  # the document as its own part
+            got = chat(s.url, msgs, cache_salt=salt)["usage"]["irminsul"]
+            assert got["reused_tokens"] > 0.6 * len(shared), (salt, got)
+    finally:
+        s.stop()
 
 
 def test_api_keys_name_tenants_and_guard_publishing(tiny_dir):
@@ -69,12 +79,12 @@ def test_api_keys_name_tenants_and_guard_publishing(tiny_dir):
 
 
 def test_reuse_off_serves_without_a_store(tiny_dir):
-    s = start(tiny_dir, reuse="off")
+    s = start(tiny_dir, reuse="off", admin_key="root")
     try:
         u = chat(s.url, agent_turn("h", text(30, 90), "q"))["usage"]
         assert u["irminsul"]["computed_tokens"] == u["prompt_tokens"]
         assert "irminsul_store_bytes" not in httpx.get(s.url + "/metrics").text
-        r = httpx.post(s.url + "/v1/cache/chunks", json={"text": "doc"})
+        r = httpx.post(s.url + "/v1/cache/chunks", json={"text": "doc"}, headers={"Authorization": "Bearer root"})
         assert r.status_code == 400 and "--reuse" in r.json()["error"]["message"]
     finally:
         s.stop()
