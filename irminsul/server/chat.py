@@ -57,22 +57,19 @@ class RenderedChat:
 
 
 class ChatRenderer:
-    """Renders OpenAI chat messages (+ tools) for one tokenizer; memoises segment tokenisation."""
+    """Renders OpenAI chat messages (+ tools) for one tokenizer.
 
-    def __init__(self, tokenizer: Tokenizer, cache_size: int = 50_000):
+    NOTE: no memo of tokenised text across requests: one shared by every tenant made a request's
+    timing tell whether some tenant had sent the same text before (a membership oracle), and one
+    bounded by entries, not bytes, grew by the size of every distinct large body.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.template = template_for(tokenizer)
-        self._cache: dict[str, list[int]] = {}
-        self._cache_size = cache_size
 
     def _encode(self, text: str) -> list[int]:
-        ids = self._cache.get(text)
-        if ids is None:
-            ids = self.tokenizer.encode(text, add_bos=False)
-            if len(self._cache) >= self._cache_size:
-                self._cache.clear()
-            self._cache[text] = ids
-        return ids
+        return self.tokenizer.encode(text, add_bos=False)
 
     def render(self, messages: list, tools: list | None = None) -> RenderedChat:
         """Raises ValueError with a message for people when the request cannot be rendered."""

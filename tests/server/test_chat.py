@@ -38,3 +38,20 @@ def test_each_tool_and_text_part_is_its_own_segment(renderer):
 def test_bad_messages_say_what_is_wrong(renderer):
     with pytest.raises(ValueError, match=r"messages\[0\]"):
         renderer.render([{"role": "user", "content": 5}])
+
+
+def test_nothing_one_request_sent_changes_how_another_is_rendered(tiny_dir):
+    """A renderer memo shared by every tenant was a membership oracle: a request rejected before any
+    compute answered faster when some tenant had sent the same text. Every render tokenises anew."""
+    from irminsul.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_dir)
+    calls = []
+    encode = tok.encode
+    tok.encode = lambda text, add_bos=None: calls.append(text) or encode(text, add_bos)
+    renderer = ChatRenderer(tok)
+    secret = [{"role": "user", "content": "alice's private document " * 20}]
+    first = renderer.render(secret)
+    n = len(calls)
+    again = renderer.render(secret)  # another tenant sends the same text
+    assert len(calls) == 2 * n and again == first
