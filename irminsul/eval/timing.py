@@ -62,7 +62,7 @@ class Timing:
         return 1 - self.hit_s / self.miss_s
 
 
-def _best(fn, repeats: int) -> float:
+def _median(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -77,7 +77,7 @@ def time_mla(llm, req: Request, repeats: int = 3) -> Timing:
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     off = Engine(llm.model, llm.tokenizer, reuse="off")
-    miss = _best(lambda: off.run(off.add(req.prompt, params)), repeats)
+    miss = _median(lambda: off.run(off.add(req.prompt, params)), repeats)
     hits, stats = [], None
     for _ in range(repeats):
         eng = Engine(llm.model, llm.tokenizer, reuse="pic")
@@ -133,5 +133,5 @@ def time_gqa(model, req: Request, repeats: int = 3) -> Timing:
         with torch.no_grad():
             model(input_ids=torch.tensor([req.prompt]), use_cache=True, logits_to_keep=1)
 
-    return Timing(_best(miss, repeats), _best(lambda: gqa_hit_logits(model, rotary, req, span), repeats),
+    return Timing(_median(miss, repeats), _median(lambda: gqa_hit_logits(model, rotary, req, span), repeats),
                   len(req.header) + len(req.tail), len(req.shared))

@@ -244,6 +244,11 @@ def train(cfg: TrainConfig) -> Path:
         per_step = _time_steps(cfg, build_model(config), batches)
         steps = int(cfg.minutes * 60 * 0.9 / per_step)  # 10% for evals and checkpoints
         tqdm.write(f"timed {per_step:.2f} s/step -> {steps} steps for {cfg.minutes} min (reproduce with --steps {steps})")
+    if cfg.start_step >= steps:
+        from irminsul.errors import UserFacingError
+
+        raise UserFacingError(f"--start-step {cfg.start_step} is at or past the schedule's end (--steps {steps}): "
+                              f"nothing is left to train")
     torch.manual_seed(cfg.seed)
     if cfg.init:
         from irminsul.train.checkpoint import load_checkpoint

@@ -161,3 +161,10 @@ def test_weights_that_do_not_match_the_config(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="shape"):
         LLM(ckpt)
+
+
+@pytest.mark.parametrize("gib", [0, -1.0])
+def test_a_zero_or_negative_pool_is_refused(tiny_dir, gib):
+    """A zero budget once became 512 MiB silently (`x or default`)."""
+    with pytest.raises(RequestError, match="kv_cache_gib"):
+        LLM(tiny_dir, kv_cache_gib=gib)

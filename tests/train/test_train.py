@@ -83,3 +83,20 @@ def test_a_second_stage_resumes_the_schedule_and_carries_the_state(tmp_path):
     assert b["wall_s"] >= a["wall_s"] and [s["step"] for s in b["previous_stages"]] == [2]
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
     assert sorted(set(steps)) == [2, 3]
+
+
+def test_a_start_step_past_the_schedule_is_a_clear_error(tmp_path):
+    """It used to train nothing and then fail in the final save with a NameError."""
+    import dataclasses
+
+    from irminsul.errors import UserFacingError
+    from irminsul.train.arch import ReferenceShape
+    from irminsul.train.train import train
+
+    shape = dataclasses.replace(ReferenceShape(), hidden=32, layers=2, heads=2, kv_heads=1, kv_lora_rank=16,
+                                qk_rope_head_dim=2, qk_nope_head_dim=6, v_head_dim=8, dense_intermediate=64,
+                                moe_intermediate=16, routed_experts=4)
+    cfg = TrainConfig(out=str(tmp_path / "a"), steps=4, start_step=4, threads=1, phases=((64, 2, 1.0),), shape=shape,
+                      warmup=1, minutes=10, attn_heads=2)
+    with pytest.raises(UserFacingError, match="nothing is left to train"):
+        train(cfg)
