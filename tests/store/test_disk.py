@@ -69,3 +69,21 @@ def test_disk_budget_evicts_least_recently_used(tmp_path, layout):
     disk.pin(1), disk.pin(3), disk.pin(4)
     assert not disk.put(entry(5))  # everything else pinned: rejected, store untouched
     assert len(disk) == 3 and disk.stats.rejected == 1
+
+
+def test_corrupt_entries_are_logged_but_never_flood_the_log(tmp_path, layout, caplog):
+    import logging
+
+    disk = DiskRegistry(tmp_path, layout, budget_bytes=1 << 20)
+    for i in range(5):
+        disk.put(entry(200 + i, seed=i))
+        path = disk._path(200 + i)
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x01
+        path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="irminsul.store"):
+        for i in range(5):
+            assert disk.get(200 + i, np.arange(i, i + 8)) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "irminsul.store"]
+    assert len(lines) == 1 and "disk tier" in lines[0] and "checksum" in lines[0]  # the rest held back
+    assert disk.tier_stats.corrupt == 5

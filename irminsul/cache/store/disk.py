@@ -18,7 +18,7 @@ import numpy as np
 
 from irminsul.cache.registry import Entry, PinCounts, Registry, RegistryStats
 from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
-from irminsul.cache.store.stats import TierStats
+from irminsul.cache.store.stats import CorruptionLog, TierStats
 
 SUFFIX = ".safetensors"
 
@@ -37,6 +37,7 @@ class DiskRegistry(Registry):
         self._bytes = 0
         self._hits = self._misses = self._collisions = self._corrupt = 0
         self._evictions = self._insertions = self._rejected = 0
+        self._report = CorruptionLog("disk")
         self._load_index()
 
     def _path(self, fingerprint: int) -> Path:
@@ -63,8 +64,9 @@ class DiskRegistry(Registry):
         try:
             blob = self._path(fingerprint).read_bytes()
             return decode(blob, self.layout, fingerprint)
-        except (OSError, CorruptEntry):
+        except (OSError, CorruptEntry) as e:
             self._corrupt += 1
+            self._report(fingerprint, str(e))
             self._drop(fingerprint)
             return None
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from irminsul.cache.registry import Entry, Registry, RegistryStats
 from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
-from irminsul.cache.store.stats import TierStats
+from irminsul.cache.store.stats import CorruptionLog, TierStats
 
 
 class RedisRegistry(Registry):
@@ -47,6 +47,7 @@ class RedisRegistry(Registry):
         self._closed = False
         self._hits = self._misses = self._collisions = self._corrupt = 0
         self._failures = self._dropped = self._insertions = self._reconnects = 0
+        self._report = CorruptionLog("redis")
         self._entries = self._bytes = 0  # refreshed by the background thread (DBSIZE-like count of our keys)
         self._probe()
         self._thread = threading.Thread(target=self._run, name="irminsul-redis", daemon=True)
@@ -173,8 +174,9 @@ class RedisRegistry(Registry):
             return None
         try:
             return decode(blob, self.layout, fingerprint)
-        except CorruptEntry:
+        except CorruptEntry as e:
             self._corrupt += 1
+            self._report(fingerprint, str(e))
             self._delete(fingerprint)
             return None
 

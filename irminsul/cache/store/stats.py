@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
+
+log = logging.getLogger("irminsul.store")
 
 
 @dataclass(frozen=True)
@@ -25,3 +30,24 @@ class TierStats:
 def memory_tier_stats(registry) -> TierStats:
     s = registry.stats
     return TierStats("memory", s.hits, s.misses, s.evictions, s.insertions, s.entries, s.bytes, s.budget_bytes)
+
+
+class CorruptionLog:
+    """Logs entries that fail verification, at most one line per `interval` seconds per tier, with
+    the number of those it held back, so a flood of corrupt entries cannot flood the log."""
+
+    def __init__(self, tier: str, interval: float = 10.0):
+        self.tier, self.interval = tier, interval
+        self._last, self._held = float("-inf"), 0
+        self._lock = threading.Lock()
+
+    def __call__(self, fingerprint: int, reason: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval:
+                self._held += 1
+                return
+            held, self._held, self._last = self._held, 0, now
+        more = f" ({held} more since the last report)" if held else ""
+        log.warning("%s tier: entry %016x failed verification and was dropped: %s%s", self.tier, fingerprint,
+                    reason, more)
