@@ -1,6 +1,7 @@
 """Redis tier against a real redis-server, and the memory -> disk -> Redis tiering."""
 
 import numpy as np
+import pytest
 import torch
 
 from irminsul.cache.registry import MemoryRegistry
@@ -94,3 +95,21 @@ def test_prefetch_stages_lower_tier_entries_so_the_lookup_does_no_io(tmp_path, l
     disk.get = no_io
     got = tiered.get(11, np.arange(1, 9))  # staged: promoted without touching the disk
     assert got is not None and torch.equal(got.payload, entry(11, seed=1).payload) and 11 in tiered.memory
+
+
+def test_the_size_gauge_does_bounded_work_whatever_redis_holds(redis_proc, layout):
+    """It used to SCAN every key every 2 s: O(keys) for Redis, forever."""
+    client = redis_proc.client()
+    client.mset({f"other:{i}": b"x" * 10 for i in range(3000)})  # another application's keys
+    r = RedisRegistry(redis_proc.url, layout)
+    for i in range(5):
+        r.put(entry(50 + i, seed=i))
+    assert r.flush()
+    calls = []
+    scan = r.client.scan
+    r.client.scan = lambda *a, **k: calls.append(k) or scan(*a, **k)
+    r.client.scan_iter = lambda *a, **k: pytest.fail("scan_iter walks every key")
+    r._refresh_size()
+    assert len(calls) == 1 and calls[0]["count"] <= 64
+    assert r.tier_stats.entries == 3005 and r.tier_stats.bytes > 0  # DBSIZE: the whole db
+    r.close()

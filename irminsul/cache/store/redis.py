@@ -100,7 +100,7 @@ class RedisRegistry(Registry):
             if entry is not None:
                 self._write(entry)
                 self._queue.task_done()
-            if self._up and time.monotonic() - last_size > 2.0:
+            if self._up and time.monotonic() - last_size > 10.0:
                 self._refresh_size()
                 last_size = time.monotonic()
 
@@ -124,9 +124,13 @@ class RedisRegistry(Registry):
             self._dropped += 1
             self._failed()
 
-    def _refresh_size(self, sample: int = 256) -> None:
+    def _refresh_size(self, sample: int = 64) -> None:
+        """Entries and bytes for the gauges, in bounded work whatever Redis holds: DBSIZE (O(1)) times
+        the mean size of one SCAN batch. Both describe the whole Redis db, so give Irminsul a db of
+        its own. (Scanning every key every few seconds cost Redis O(keys).)"""
         try:
-            keys = list(self.client.scan_iter(match=self.prefix + "*", count=1000))
+            total = self.client.dbsize()
+            _, keys = self.client.scan(cursor=0, count=sample)
             pipe = self.client.pipeline(transaction=False)
             for key in keys[:sample]:
                 pipe.strlen(key)
@@ -134,8 +138,8 @@ class RedisRegistry(Registry):
         except self._errors:
             self._failed()
             return
-        self._entries = len(keys)
-        self._bytes = sum(sizes) * len(keys) // max(1, len(sizes))  # exact up to `sample` keys
+        self._entries = total
+        self._bytes = sum(sizes) * total // len(sizes) if sizes else 0
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until queued writes are done (tests, shutdown); False on timeout."""
