@@ -17,6 +17,8 @@ def register(sub) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
                    help="the latent pool: rows of running requests and cached content, one budget (GiB)")
     p.add_argument("--disk-budget", default="8GiB", help="disk tier budget")
+    p.add_argument("--redis-ttl", type=int, default=None, metavar="SECONDS",
+                   help="expire Redis entries after this long (default: never; Redis's maxmemory policy bounds it)")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill tokens per engine step")
@@ -33,7 +35,8 @@ def config_from_args(args):
     from irminsul.server.config import ServerConfig, ServerConfigError, parse_api_keys, parse_bytes
 
     try:
-        store = StoreConfig(tuple(args.store or ("memory",)), disk_bytes=parse_bytes(args.disk_budget, "--disk-budget"))
+        store = StoreConfig(tuple(args.store or ("memory",)), disk_bytes=parse_bytes(args.disk_budget, "--disk-budget"),
+                            redis_ttl_s=args.redis_ttl)
     except ValueError as e:
         raise ServerConfigError(str(e)) from None
     return ServerConfig(

@@ -113,3 +113,12 @@ def test_the_size_gauge_does_bounded_work_whatever_redis_holds(redis_proc, layou
     assert len(calls) == 1 and calls[0]["count"] <= 64
     assert r.tier_stats.entries == 3005 and r.tier_stats.bytes > 0  # DBSIZE: the whole db
     r.close()
+
+
+def test_redis_entries_can_expire(redis_proc, layout, tmp_path):
+    registry = open_registry(StoreConfig(("memory", redis_proc.url), redis_ttl_s=120), layout)
+    registry.put(entry(77))
+    redis = registry.lower[0]
+    assert redis.flush()
+    assert 0 < redis_proc.client().ttl(redis._key(77)) <= 120
+    registry.close()

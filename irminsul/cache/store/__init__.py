@@ -18,6 +18,7 @@ class StoreConfig:
     specs: tuple[str, ...] = ("memory",)
     memory_bytes: int = 512 * 2**20  # the engine sizes its memory tier by its pool instead
     disk_bytes: int = 8 * 2**30
+    redis_ttl_s: int | None = None  # expire Redis entries after this many seconds (None: never)
 
     def __post_init__(self):
         for spec in self.specs:
@@ -27,6 +28,8 @@ class StoreConfig:
                 raise ValueError("--store disk: needs a directory, e.g. disk:/var/cache/irminsul")
         if self.memory_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("store budgets must be >= 0 bytes")
+        if self.redis_ttl_s is not None and self.redis_ttl_s < 1:
+            raise ValueError(f"--redis-ttl {self.redis_ttl_s} must be >= 1 second")
 
     @property
     def disk_path(self) -> str | None:
@@ -47,7 +50,7 @@ def open_registry(config: StoreConfig, layout: RowLayout, memory_bytes: int | No
     if config.redis_url:
         from irminsul.cache.store.redis import RedisRegistry
 
-        lower.append(RedisRegistry(config.redis_url, layout))
+        lower.append(RedisRegistry(config.redis_url, layout, ttl_s=config.redis_ttl_s))
     if not lower:
         return memory
     from irminsul.cache.store.tiered import TieredRegistry
