@@ -62,7 +62,7 @@ def test_tiered_falls_through_promotes_and_pins(tmp_path, redis_proc, layout):
     reg.on_evict.append(lambda e: evicted.append(e.fingerprint))
     for fp in range(1, 6):  # 384 B per entry in memory: all fit; all reach disk and redis
         assert reg.put(entry(fp, seed=fp))
-    reg.lower[1].flush()
+    assert reg.flush() and reg.lower[1].flush()  # the writer thread, then Redis's own queue
     # A second replica with an empty memory tier and its own disk sees Redis only.
     other = open_registry(StoreConfig(("memory", f"disk:{tmp_path / 'b'}", redis_proc.url)), layout)
     got = other.get(3, np.arange(3, 11))
@@ -119,6 +119,26 @@ def test_redis_entries_can_expire(redis_proc, layout, tmp_path):
     registry = open_registry(StoreConfig(("memory", redis_proc.url), redis_ttl_s=120), layout)
     registry.put(entry(77))
     redis = registry.lower[0]
-    assert redis.flush()
+    assert registry.flush() and redis.flush()
     assert 0 < redis_proc.client().ttl(redis._key(77)) <= 120
     registry.close()
+
+
+def test_lower_tier_writes_never_wait_on_the_caller(tmp_path, layout):
+    """Disk writes used to run on the thread that decodes: a slow disk stalled every stream."""
+    import threading
+
+    from irminsul.cache.store.disk import DiskRegistry
+
+    disk = DiskRegistry(tmp_path, layout, 10**7)
+    release = threading.Event()
+    put = disk.put
+    disk.put = lambda e: release.wait(10) and put(e)  # a disk that takes its time
+    tiered = TieredRegistry(MemoryRegistry(10**6), [disk])
+    import time
+
+    t = time.perf_counter()
+    assert tiered.put(entry(5))
+    assert time.perf_counter() - t < 1.0 and 5 in tiered.memory and 5 not in disk
+    release.set()
+    assert tiered.flush() and 5 in disk

@@ -2,8 +2,9 @@
 
 A lookup tries the in-process memory tier first, then each lower tier in order; a verified hit in
 a lower tier is copied into every tier above it, so hot entries move towards the engine. Writes
-go to every tier (Redis's are queued in the background), so content the memory tier evicts is
-still found below it. Membership (``in``) and ``peek`` see the memory tier only: ``register``
+go to every tier, on a background writer thread (encoding and file or network writes never sit
+on the thread that decodes; a full write queue drops the write and counts it), so content the
+memory tier evicts is still found below it. Membership (``in``) and ``peek`` see the memory tier only: ``register``
 then always fills the local tier and its S1 window index, and the window index stays in step with
 the memory tier through ``on_evict``.
 
@@ -22,6 +23,7 @@ Pins protect memory entries; a pin on an entry that is not in memory is a counte
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -45,6 +47,9 @@ class TieredRegistry(Registry):
         self._staged: OrderedDict[int, tuple[int, Entry]] = OrderedDict()  # fingerprint -> (tier, entry)
         self._staged_lock = threading.Lock()
         self.max_staged = 4096
+        self._writes: queue.Queue = queue.Queue(1024)
+        self._writer: threading.Thread | None = None
+        self.dropped_writes = 0
 
     def bind(self, promote: Callable[[Entry], Entry | None], to_lower: Callable[[Entry], Entry]) -> None:
         self._promote, self._to_lower = promote, to_lower
@@ -100,10 +105,38 @@ class TieredRegistry(Registry):
     def put(self, entry: Entry) -> bool:
         stored = self.memory.put(entry)
         if self.lower:
-            below = self._to_lower(entry)
-            for tier in self.lower:
-                tier.put(below)  # lower tiers keep the first copy of a fingerprint (disk: skip, Redis: SET NX)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="irminsul-store-writer", daemon=True)
+                self._writer.start()
+            try:
+                self._writes.put_nowait(self._to_lower(entry))
+            except queue.Full:
+                self.dropped_writes += 1
         return stored
+
+    def _write_loop(self) -> None:
+        while True:
+            below = self._writes.get()
+            try:
+                if below is None:
+                    return
+                for tier in self.lower:
+                    tier.put(below)  # lower tiers keep the first copy of a fingerprint (disk: skip, Redis: SET NX)
+            except Exception:  # a broken tier costs reuse, never the server
+                import logging
+
+                logging.getLogger("irminsul.store").exception("writing an entry to a lower tier failed")
+            finally:
+                self._writes.task_done()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued lower-tier writes are written (tests, shutdown); False on timeout."""
+        import time
+
+        end = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.01)
+        return not self._writes.unfinished_tasks
 
     def evict(self, nbytes: int) -> int:
         return self.memory.evict(nbytes)
@@ -141,6 +174,11 @@ class TieredRegistry(Registry):
         return [memory_tier_stats(self.memory), *(t.tier_stats for t in self.lower)]
 
     def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._writes.put(None)
         for tier in self.lower:
+            if hasattr(tier, "flush"):
+                tier.flush()
             if hasattr(tier, "close"):
                 tier.close()
