@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 
 from irminsul.bundled import bundled_model
 from irminsul.engine.engine import Engine
@@ -20,6 +19,7 @@ from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.scheduler import Scheduler
 from irminsul.engine.sequence import RequestStats
 from irminsul.errors import RequestError
+from irminsul.model.identity import checkpoint_id
 from irminsul.model.loader import load_model
 from irminsul.model.tokenizer import Tokenizer
 
@@ -38,14 +38,6 @@ class GenerationResult:
     stats: RequestStats
     finish_reason: str
     prompt_token_ids: list[int]
-
-
-def checkpoint_id(path: Path) -> str:
-    """A model identity for cache namespaces: the config plus the weight files' names and sizes."""
-    h = xxhash.xxh64((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size};".encode())
-    return h.hexdigest()
 
 
 def _token_ids(x) -> bool:
@@ -81,7 +73,7 @@ class LLM:
         self.path = Path(model) if model is not None else bundled_model("mla")
         self.model = load_model(self.path, dtype=dtype, device=device)
         self.tokenizer = Tokenizer(self.path)
-        cache_options.setdefault("model_id", checkpoint_id(self.path))
+        cache_options.setdefault("model_id", checkpoint_id(self.path, dtype))
         self.engine = Engine(self.model, self.tokenizer, reuse=reuse, kv_cache_gib=kv_cache_gib, **cache_options)
         self.scheduler = Scheduler(self.engine, max_running_requests)
 

@@ -33,7 +33,7 @@ class ServerState:
         from irminsul.bundled import bundled_model
         from irminsul.cache.store import RowLayout, open_registry
         from irminsul.engine.engine import Engine
-        from irminsul.engine.llm import checkpoint_id
+        from irminsul.model.identity import checkpoint_id
         from irminsul.model.loader import load_model
         from irminsul.model.tokenizer import Tokenizer
         from irminsul.server.chat import ChatRenderer
@@ -47,7 +47,7 @@ class ServerState:
         self.tokenizer = Tokenizer(path)
         self.renderer = ChatRenderer(self.tokenizer)
         self.context = model.config.max_position_embeddings
-        model_id = checkpoint_id(path)
+        model_id = checkpoint_id(path, config.dtype)
         layout = RowLayout.of(model, model_id)
         self.registry = (open_registry(config.store, layout, memory_bytes=int(config.kv_cache_gib * 2**30))
                          if config.reuse != "off" else None)

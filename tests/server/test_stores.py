@@ -80,3 +80,39 @@ def test_corrupt_disk_entry_is_detected_and_recomputed(tiny_dir, tmp_path):
         assert httpx.get(s.url + "/health").status_code == 200
     finally:
         s.stop()
+
+
+def test_a_store_filled_by_another_checkpoint_gives_no_hits_and_loses_nothing(tiny_dir, tmp_path):
+    """A copy of the model with one matrix's rows shuffled (same names, same sizes) once shared the
+    original's namespace: it took the original's rows and answered wrongly."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shuffled = tmp_path / "shuffled"
+    shutil.copytree(tiny_dir, shuffled)
+    with safe_open(shuffled / "model.safetensors", "pt") as f:
+        meta = f.metadata()
+    weights = load_file(shuffled / "model.safetensors")
+    key = next(k for k in weights if k.endswith("kv_a_proj_with_mqa.weight"))
+    weights[key] = weights[key].flip(0)
+    save_file(weights, shuffled / "model.safetensors", metadata=meta)
+    store = StoreConfig(("memory", f"disk:{tmp_path / 'store'}"))
+    doc = text(150, 90)
+    s = start(tiny_dir, store=store)
+    try:
+        chat(s.url, turn("original, first", doc))
+        s.app.state.irminsul.registry.flush()
+    finally:
+        s.stop()
+    files = sorted((tmp_path / "store").rglob("*.safetensors"))
+    assert files
+    s = start(shuffled, store=store)
+    try:
+        got = chat(s.url, turn("the copy, at another position", doc))["usage"]["irminsul"]
+        assert got["reused_tokens"] == 0 and metric(s.url, "irminsul_store_hits_total", tier="disk") == 0
+    finally:
+        s.stop()
+    assert all(f.exists() for f in files)  # nothing of the original's was deleted

@@ -32,7 +32,7 @@ def _trace():
 @pytest.mark.parametrize("mode, strategy", [("prefix", "prefix"), ("pic", "cdc+s1"), ("pic", "cdc+s2")])
 def test_replay_equals_engine_stats(tiny, mode, strategy):
     from irminsul import LLM, Segments
-    from irminsul.engine.llm import checkpoint_id
+    from irminsul.model.identity import checkpoint_id
 
     trace = _trace()
     llm = LLM(tiny, reuse=mode)
