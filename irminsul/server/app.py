@@ -48,7 +48,10 @@ class ServerState:
         self.renderer = ChatRenderer(self.tokenizer)
         self.context = model.config.max_position_embeddings
         model_id = checkpoint_id(path, config.dtype)
-        layout = RowLayout.of(model, model_id)
+        layout = RowLayout.of(model, model_id, secret=(config.store_secret or "").encode())
+        if config.store.specs != ("memory",) and not config.store_secret:
+            log.warning("the disk / Redis tiers have no --store-secret: whoever can write to them can "
+                        "substitute cached rows undetected (see docs/serving.md, Security model)")
         self.registry = (open_registry(config.store, layout, memory_bytes=int(config.kv_cache_gib * 2**30))
                          if config.reuse != "off" else None)
         self.engine = Engine(model, self.tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,

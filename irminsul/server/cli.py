@@ -26,11 +26,16 @@ def register(sub) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                    help="accept this bearer key as this tenant (repeat, or @FILE with one per line)")
     p.add_argument("--admin-key", default=None, help="bearer key that may publish shared chunks")
+    p.add_argument("--store-secret", default=None,
+                   help="key of the MAC that authenticates disk and Redis entries (default: the "
+                        "IRMINSUL_STORE_SECRET environment variable; without one, entries are only checksummed)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=serve)
 
 
 def config_from_args(args):
+    import os
+
     from irminsul.cache.store import StoreConfig
     from irminsul.server.config import ServerConfig, ServerConfigError, parse_api_keys, parse_bytes
 
@@ -44,7 +49,8 @@ def config_from_args(args):
         reuse=args.reuse, dtype=args.dtype, device=args.device, store=store,
         kv_cache_gib=args.kv_cache_gib, max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.max_prefill_tokens,
-        default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key)
+        default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key,
+        store_secret=args.store_secret if args.store_secret is not None else os.environ.get("IRMINSUL_STORE_SECRET"))
 
 
 def serve(args) -> int:

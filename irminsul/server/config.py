@@ -64,7 +64,8 @@ class ServerConfig:
     max_prefill_tokens: int = 2048  # per engine step; longer prompts are prefilled in chunks
     default_max_tokens: int = 256
     api_keys: tuple[tuple[str, str], ...] = ()  # (key, tenant); empty: no authentication
-    admin_key: str | None = None  # required to publish shared chunks when set
+    admin_key: str | None = None  # required to publish shared chunks
+    store_secret: str | None = field(default=None, repr=False)  # keys the MAC of disk and Redis entries
 
     def __post_init__(self):
         if self.reuse not in MODES:

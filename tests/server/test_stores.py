@@ -116,3 +116,31 @@ def test_a_store_filled_by_another_checkpoint_gives_no_hits_and_loses_nothing(ti
     finally:
         s.stop()
     assert all(f.exists() for f in files)  # nothing of the original's was deleted
+
+
+def test_a_store_shared_under_another_secret_is_neither_served_nor_deleted(tiny_dir, tmp_path, monkeypatch):
+    from irminsul.cli import build_parser
+    from irminsul.server.cli import config_from_args
+
+    store = StoreConfig(("memory", f"disk:{tmp_path}"))
+    doc = text(150, 95)
+    s = start(tiny_dir, store=store, store_secret="alpha")
+    try:
+        chat(s.url, turn("first, under alpha", doc))
+        s.app.state.irminsul.registry.flush()
+    finally:
+        s.stop()
+    files = sorted(tmp_path.rglob("*.safetensors"))
+    for secret, hits in (("beta", False), ("alpha", True)):
+        s = start(tiny_dir, store=store, store_secret=secret)
+        try:
+            got = chat(s.url, turn(f"again under {secret}, elsewhere", doc))["usage"]["irminsul"]
+            assert (got["reused_tokens"] > 0.5 * len(doc)) is hits, (secret, got)
+            assert metric(s.url, "irminsul_store_corrupt_total", tier="disk") == 0
+        finally:
+            s.stop()
+        assert all(f.exists() for f in files)
+    # the CLI maps the environment variable explicitly; the flag wins over it
+    monkeypatch.setenv("IRMINSUL_STORE_SECRET", "from-env")
+    assert config_from_args(build_parser().parse_args(["serve"])).store_secret == "from-env"
+    assert config_from_args(build_parser().parse_args(["serve", "--store-secret", "x"])).store_secret == "x"

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from irminsul.cache.registry import Entry
-from irminsul.cache.store import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store import CorruptEntry, ForeignEntry, RowLayout, decode, encode
 from irminsul.cache.store.disk import DiskRegistry
+from tests.store.conftest import LAYOUT
 
 
 def entry(fp, n=8, base=0, seed=0, layout=None):
@@ -32,7 +33,7 @@ def test_codec_round_trip_and_every_check(layout):
     for what, data in cases.items():
         with pytest.raises(CorruptEntry, match=what):
             decode(data, layout, 0xABD if what == "holds" else 0xABC)
-    with pytest.raises(CorruptEntry, match="model"):
+    with pytest.raises(ForeignEntry, match="model"):
         decode(blob, RowLayout("model-b", 2, 6, torch.float32))
     with pytest.raises(CorruptEntry, match="rows"):
         decode(blob, RowLayout("model-a", 3, 6, torch.float32))
@@ -87,3 +88,35 @@ def test_corrupt_entries_are_logged_but_never_flood_the_log(tmp_path, layout, ca
     lines = [r.getMessage() for r in caplog.records if r.name == "irminsul.store"]
     assert len(lines) == 1 and "disk tier" in lines[0] and "checksum" in lines[0]  # the rest held back
     assert disk.tier_stats.corrupt == 5
+
+
+def test_entries_are_authenticated_by_the_store_secret(tmp_path):
+    """Anyone who could write to the store could substitute rows: the checksum was an unkeyed xxh64.
+    Now an entry rewritten without the secret does not verify, and an entry under another secret is
+    left alone for its owner."""
+    import dataclasses
+    import json
+    import struct
+
+    from safetensors.torch import load, save
+
+    ours = dataclasses.replace(LAYOUT, secret=b"operator secret")
+    theirs = dataclasses.replace(LAYOUT, secret=b"another operator")
+    e = entry(0x77)
+    blob = encode(e, ours)
+    assert torch.equal(decode(blob, ours, 0x77).payload, e.payload)
+    # an attacker without the secret replaces the rows and keeps every metadata field as it was
+    (n,) = struct.unpack("<Q", blob[:8])
+    meta = json.loads(blob[8:8 + n])["__metadata__"]
+    tensors = load(blob)
+    forged = save({"rows": torch.zeros_like(tensors["rows"]), "token_ids": tensors["token_ids"]}, metadata=meta)
+    with pytest.raises(CorruptEntry, match="MAC"):
+        decode(forged, ours, 0x77)
+    with pytest.raises(ForeignEntry, match="secret"):
+        decode(blob, theirs, 0x77)
+    # a store shared with another secret: its entries are neither served nor deleted
+    disk = DiskRegistry(tmp_path, ours, budget_bytes=1 << 20)
+    disk.put(entry(0x78))
+    other = DiskRegistry(tmp_path, theirs, budget_bytes=1 << 20)
+    assert other.get(0x78, np.arange(8)) is None and other.tier_stats.corrupt == 0
+    assert disk._path(0x78).exists() and disk.get(0x78, np.arange(8)) is not None

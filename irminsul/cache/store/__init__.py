@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from irminsul.cache.registry import MemoryRegistry, Registry
-from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store.codec import CorruptEntry, ForeignEntry, RowLayout, decode, encode
 from irminsul.cache.store.stats import TierStats, memory_tier_stats
 
 
@@ -69,5 +69,5 @@ def tier_stats(registry: Registry) -> list[TierStats]:
     return [memory_tier_stats(registry)]
 
 
-__all__ = ["CorruptEntry", "RowLayout", "StoreConfig", "TierStats", "decode", "encode", "open_registry",
+__all__ = ["CorruptEntry", "ForeignEntry", "RowLayout", "StoreConfig", "TierStats", "decode", "encode", "open_registry",
            "tier_stats"]

@@ -1,33 +1,44 @@
-"""One registry entry as bytes: a safetensors blob with a checksum, shared by the disk and Redis tiers.
+"""One registry entry as bytes: a safetensors blob with a keyed MAC, shared by the disk and Redis tiers.
 
 Layout: tensors ``rows`` [n_layers, n_tokens, row_width] (the model's dtype; c_KV and un-rotated
-k_r, as the engine's pool holds them) and ``token_ids``
-[n_tokens] int64; metadata ``format``, ``model_id``, ``fingerprint`` (hex), ``base_pos``, ``dtype``,
-``shape`` and ``checksum``: xxHash64 over the other metadata fields, the token ids and the row
-bytes. ``decode`` checks all of it against what the reader expects, so a truncated, bit-flipped or
-foreign entry is reported as corrupt and never reaches the engine (docs/design.md section 6).
+k_r, as the engine's pool holds them) and ``token_ids`` [n_tokens] int64; metadata ``format``,
+``model_id`` (the namespace: the checkpoint's identity), ``fingerprint`` (hex, itself seeded by
+the tenant's namespace), ``base_pos``, ``dtype``, ``shape``, ``key_id`` and ``mac``: BLAKE2b keyed
+with the store secret over the other metadata fields, the token ids and the row bytes.
+
+Anyone who can write to Redis or the disk directory can write bytes there, but without the secret
+they cannot make an entry that verifies: substituted rows are reported as corrupt and never reach
+the engine (docs/design.md section 6). ``decode`` tells the two kinds of failure apart: an entry of
+another namespace (another model, another secret's ``key_id``) is ``ForeignEntry``, left where it is
+for its owner; anything else that fails (truncated, bit-flipped, forged) is ``CorruptEntry`` and is
+dropped. Without a secret the MAC is keyed with the empty key: integrity, not authenticity.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from irminsul.cache.registry import Entry
 
-# v2: k_r is stored un-rotated (the engine encodes it when attention reads it); v1 stored it rotated
-FORMAT = "irminsul-chunk-v2"
+# v3: a keyed MAC (v2: k_r un-rotated, an unkeyed checksum; v1: k_r rotated)
+FORMAT = "irminsul-chunk-v3"
 
 
 class CorruptEntry(Exception):
     """A stored blob failed verification; the message says which check."""
+
+
+class ForeignEntry(CorruptEntry):
+    """A valid-looking blob of another namespace (model or store secret): not ours to serve or drop."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,7 @@ class RowLayout:
     row_width: int
     dtype: torch.dtype
     device: str = "cpu"
+    secret: bytes = field(default=b"", repr=False)  # the store secret keying every entry's MAC
 
     def __post_init__(self):
         if not self.model_id or self.n_layers < 1 or self.row_width < 1:
@@ -48,18 +60,24 @@ class RowLayout:
     def bytes_per_token(self) -> int:
         return self.n_layers * self.row_width * torch.finfo(self.dtype).bits // 8
 
+    @property
+    def key_id(self) -> str:
+        """Names the secret without revealing it (entries under another secret are foreign)."""
+        return hashlib.blake2b(self.secret, digest_size=8, person=b"irminsul-keyid").hexdigest() if self.secret else "none"
+
     @classmethod
-    def of(cls, model, model_id: str) -> "RowLayout":
+    def of(cls, model, model_id: str, secret: bytes = b"") -> "RowLayout":
         cfg = model.config
-        return cls(model_id, cfg.num_hidden_layers, cfg.row_width, model.dtype, str(model.device))
+        return cls(model_id, cfg.num_hidden_layers, cfg.row_width, model.dtype, str(model.device), secret)
 
 
 def _raw(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def _checksum(meta: dict, tokens: torch.Tensor, rows: torch.Tensor) -> str:
-    h = xxhash.xxh64(json.dumps({k: meta[k] for k in sorted(meta) if k != "checksum"}).encode())
+def _mac(secret: bytes, meta: dict, tokens: torch.Tensor, rows: torch.Tensor) -> str:
+    h = hashlib.blake2b(key=secret, digest_size=32, person=b"irminsul-entry")
+    h.update(json.dumps({k: meta[k] for k in sorted(meta) if k != "mac"}).encode())
     h.update(_raw(tokens))
     h.update(_raw(rows))
     return h.hexdigest()
@@ -70,8 +88,8 @@ def encode(entry: Entry, layout: RowLayout) -> bytes:
     tokens = torch.as_tensor(np.asarray(entry.token_ids, dtype=np.int64))
     meta = {"format": FORMAT, "model_id": layout.model_id, "fingerprint": f"{entry.fingerprint:016x}",
             "base_pos": str(entry.base_pos), "dtype": str(rows.dtype).removeprefix("torch."),
-            "shape": ",".join(map(str, rows.shape))}
-    meta["checksum"] = _checksum(meta, tokens, rows)
+            "shape": ",".join(map(str, rows.shape)), "key_id": layout.key_id}
+    meta["mac"] = _mac(layout.secret, meta, tokens, rows)
     return st_save({"rows": rows, "token_ids": tokens}, metadata=meta)
 
 
@@ -99,10 +117,12 @@ def decode(blob: bytes, layout: RowLayout, fingerprint: int | None = None) -> En
         rows, tokens = tensors["rows"], tensors["token_ids"]
     except Exception as e:  # safetensors raises its own error types for truncated data
         raise CorruptEntry(f"unreadable tensors ({e})") from None
-    if meta.get("checksum") != _checksum(meta, tokens, rows):
-        raise CorruptEntry("checksum mismatch")
-    if meta["model_id"] != layout.model_id:
-        raise CorruptEntry(f"entry of model {meta['model_id']}, expected {layout.model_id}")
+    if meta.get("model_id") != layout.model_id:
+        raise ForeignEntry(f"entry of model {meta.get('model_id')}, expected {layout.model_id}")
+    if meta.get("key_id") != layout.key_id:
+        raise ForeignEntry(f"entry written under another store secret (key id {meta.get('key_id')})")
+    if not hmac.compare_digest(str(meta.get("mac", "")), _mac(layout.secret, meta, tokens, rows)):
+        raise CorruptEntry("checksum mismatch: the MAC does not verify (damaged, or written without the secret)")
     fp = int(meta["fingerprint"], 16)
     if fingerprint is not None and fp != fingerprint:
         raise CorruptEntry(f"stored under {fingerprint:016x} but holds {fp:016x}")

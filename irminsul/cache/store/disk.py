@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from irminsul.cache.registry import Entry, PinCounts, Registry, RegistryStats
-from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store.codec import CorruptEntry, ForeignEntry, RowLayout, decode, encode
 from irminsul.cache.store.stats import CorruptionLog, TierStats
 
 SUFFIX = ".safetensors"
@@ -64,6 +64,8 @@ class DiskRegistry(Registry):
         try:
             blob = self._path(fingerprint).read_bytes()
             return decode(blob, self.layout, fingerprint)
+        except ForeignEntry:
+            return None  # another namespace's (another store secret): not ours to serve or drop
         except (OSError, CorruptEntry) as e:
             self._corrupt += 1
             self._report(fingerprint, str(e))

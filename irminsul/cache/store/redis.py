@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from irminsul.cache.registry import Entry, Registry, RegistryStats
-from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store.codec import CorruptEntry, ForeignEntry, RowLayout, decode, encode
 from irminsul.cache.store.stats import CorruptionLog, TierStats
 
 
@@ -178,6 +178,8 @@ class RedisRegistry(Registry):
             return None
         try:
             return decode(blob, self.layout, fingerprint)
+        except ForeignEntry:
+            return None  # another namespace's (another store secret): not ours to serve or drop
         except CorruptEntry as e:
             self._corrupt += 1
             self._report(fingerprint, str(e))
