@@ -35,7 +35,10 @@ class SamplingParams:
             raise RequestError(f"temperature={self.temperature!r} must be in [0, 100]")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise RequestError(f"seed={self.seed!r} must be an integer in [0, 2^63)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise RequestError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))

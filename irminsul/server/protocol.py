@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.sequence import RequestStats
@@ -30,6 +32,24 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _no_bool(value):
+    # NOTE: JSON true is not the number 1: pydantic's lax mode would take it as one
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+def _no_bools(value):
+    if isinstance(value, list) and any(isinstance(v, bool) for v in value):
+        raise ValueError("must hold integers, not booleans")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool)]
+IntList = Annotated[list[int], BeforeValidator(_no_bools)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
@@ -39,15 +59,15 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM/SGLang extension
-    seed: int | None = None
+    max_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None  # vLLM/SGLang extension
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
+    stop_token_ids: IntList | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM: the request's cache namespace
@@ -64,14 +84,37 @@ class ChatCompletionRequest(_Common):
     messages: list[Any]
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     response_format: dict | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | IntList | list[str] | list[IntList]
     echo: bool = False
     suffix: str | None = None
+
+
+MAX_DEPTH = 64  # nesting of JSON arrays and objects a request may use
+
+
+def _check_values(value, path: str = "", depth: int = 0) -> None:
+    """Refuse what JSON can carry but the engine cannot take: lone surrogates (\\ud800 escapes
+    make strings no tokenizer encodes) and deep nesting."""
+    if depth > MAX_DEPTH:
+        raise APIError(400, f"the request nests deeper than {MAX_DEPTH} levels{f' at {path}' if path else ''}")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{path or 'a string'} holds an unpaired UTF-16 surrogate; send valid Unicode",
+                           param=path or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_values(k, path, depth + 1)
+            _check_values(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_values(v, f"{path}[{i}]", depth + 1)
 
 
 def parse_body(raw: bytes, model: type[BaseModel]):
@@ -80,8 +123,11 @@ def parse_body(raw: bytes, model: type[BaseModel]):
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, f"the request nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_values(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:

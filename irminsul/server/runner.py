@@ -142,9 +142,12 @@ class EngineRunner:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.scheduler.has_work)
-            if self.scheduler.has_work:
-                self._step()
+            try:
+                self._drain(block=not self.scheduler.has_work)
+                if self.scheduler.has_work:
+                    self._step()
+            except Exception:  # a bug must cost the requests it touches, never the thread
+                log.exception("the engine loop hit an unexpected error; it keeps serving")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -171,9 +174,13 @@ class EngineRunner:
     def _accept(self, job: Job) -> None:
         try:
             job.seq = self.engine.new_sequence(job.tokens, job.params, job.segment_starts, tenant=job.tenant)
-        except RequestError as e:
+        except Exception as e:  # NOTE: nothing a request sends may stop this thread
             self._dequeued()
-            job.emit(Failed(400, str(e)))
+            if isinstance(e, RequestError):
+                job.emit(Failed(400, str(e)))
+            else:
+                log.exception("accepting request %d failed", job.id)
+                job.emit(Failed(500, f"internal error while accepting the request: {e}"))
             return
         self._jobs[job.seq.id] = job
         self.scheduler.add(job.seq)

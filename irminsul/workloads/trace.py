@@ -61,6 +61,17 @@ def _check_message(i: int, m) -> None:
                 raise ValueError(f"messages[{i}].content[{j}] is not a text part {{'type': 'text', 'text': ...}}")
     elif content is not None and not isinstance(content, str):
         raise ValueError(f"messages[{i}].content must be a string, a list of text parts or null")
+    calls = m.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be a list of tool calls")
+    for j, call in enumerate(calls or []):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': "
+                             f"{{'name': ..., 'arguments': ...}}}}")
+    legacy = m.get("function_call")
+    if legacy is not None and not (isinstance(legacy, dict) and isinstance(legacy.get("name"), str)):
+        raise ValueError(f"messages[{i}].function_call must be {{'name': ..., 'arguments': ...}}")
 
 
 def parse_request(obj) -> Request:

@@ -30,6 +30,18 @@ CASES = [
     ("completions", {"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("chunks", {"text": ""}, 403, "--admin-key"),  # publishing is the operator's: no admin key, no publishing
+    # once 500s (and the first stopped the engine thread for everyone)
+    ("completions", {"prompt": "hi", "seed": 2**70, "max_tokens": 2}, 400, "seed"),
+    ("chat", {"messages": [{"role": "assistant", "content": "a", "tool_calls": ["x"]}, *HI]}, 400, "tool_calls[0]"),
+    ("chat", {"messages": [{"role": "assistant", "content": "a", "tool_calls": 5}, *HI]}, 400, "tool_calls must"),
+    ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"function": "f"}]}, *HI]}, 400, "tool_calls[0]"),
+    ("chat", {"messages": [{"role": "assistant", "content": "a", "function_call": "f"}, *HI]}, 400, "function_call"),
+    ("completions", {"prompt": "hi", "max_tokens": True}, 400, "not a boolean"),
+    ("completions", {"prompt": "hi", "max_tokens": 2, "temperature": True}, 400, "not a boolean"),
+    ("completions", {"prompt": [1, True, 3], "max_tokens": 2}, 400, "prompt"),
+    ("completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "surrogate"),
+    ("chat", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate"),
+    ("completions", ('{"prompt": "hi", "x": ' + "[" * 5000 + "]" * 5000 + "}").encode(), 400, "nests deeper"),
 ]
 ADMIN_CASES = [
     ({"text": ""}, 400, "non-empty"),
