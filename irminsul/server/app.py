@@ -186,9 +186,11 @@ async def _publish(state: ServerState, request: Request) -> dict:
     """{"text": str} or {"token_ids": [int]}: precompute in a trusted context and share with all tenants."""
     import json
 
+    from irminsul.server.protocol import read_body
+
     state.check_admin(request)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(await read_body(request, state.config.max_request_bytes))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict) or ("text" in body) == ("token_ids" in body):

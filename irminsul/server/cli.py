@@ -23,6 +23,7 @@ def register(sub) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill tokens per engine step")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--max-request-bytes", default="8MiB", help="larger request bodies get a 413 before they are read")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                    help="accept this bearer key as this tenant (repeat, or @FILE with one per line)")
     p.add_argument("--admin-key", default=None, help="bearer key that may publish shared chunks")
@@ -50,6 +51,7 @@ def config_from_args(args):
         kv_cache_gib=args.kv_cache_gib, max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.max_prefill_tokens,
         default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key,
+        max_request_bytes=parse_bytes(args.max_request_bytes, "--max-request-bytes"),
         store_secret=args.store_secret if args.store_secret is not None else os.environ.get("IRMINSUL_STORE_SECRET"))
 
 

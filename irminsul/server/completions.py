@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from irminsul.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_supported,
-                                      parse_body, resolve_max_tokens, sampling_params, usage)
+                                      parse_body, read_body, resolve_max_tokens, sampling_params, usage)
 from irminsul.server.runner import Delta, Failed, Finished, Job, QueueFull
 
 
@@ -90,7 +90,7 @@ def prepare(state, request: Request, req, chat: bool) -> Job:
 
 
 async def handle(state, request: Request, chat: bool):
-    body = await request.body()
+    body = await read_body(request, state.config.max_request_bytes)
     # JSON parsing, chat rendering and tokenization run on a worker thread, never on the event loop.
     req = await asyncio.to_thread(parse_body, body, ChatCompletionRequest if chat else CompletionRequest)
     job = await asyncio.to_thread(prepare, state, request, req, chat)

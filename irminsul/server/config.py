@@ -63,6 +63,7 @@ class ServerConfig:
     max_queued_requests: int = 1024
     max_prefill_tokens: int = 2048  # per engine step; longer prompts are prefilled in chunks
     default_max_tokens: int = 256
+    max_request_bytes: int = 8 * 2**20  # larger bodies get a 413 before they are read
     api_keys: tuple[tuple[str, str], ...] = ()  # (key, tenant); empty: no authentication
     admin_key: str | None = None  # required to publish shared chunks
     store_secret: str | None = field(default=None, repr=False)  # keys the MAC of disk and Redis entries
@@ -72,7 +73,8 @@ class ServerConfig:
             raise ServerConfigError(f"--reuse {self.reuse!r}: choose one of {', '.join(MODES)}")
         if not 0 <= self.port < 65536:
             raise ServerConfigError(f"--port {self.port} is not a TCP port")
-        for name in ("max_running_requests", "max_queued_requests", "max_prefill_tokens", "default_max_tokens"):
+        for name in ("max_running_requests", "max_queued_requests", "max_prefill_tokens", "default_max_tokens",
+                     "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ServerConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.kv_cache_gib > 0:

@@ -26,7 +26,8 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                             404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
+                             404: "not_found_error", 413: "invalid_request_error",
+                             503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -95,6 +96,26 @@ class CompletionRequest(_Common):
 
 
 MAX_DEPTH = 64  # nesting of JSON arrays and objects a request may use
+# Each is far beyond what a client needs and bounds the work one request can make for everyone
+# (a million stop strings once slowed every request 25x: they are checked at every token).
+MAX_STOP, MAX_STOP_CHARS = 16, 1024
+MAX_MESSAGES, MAX_TOOLS = 4096, 512
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it is larger than `limit` bytes: by its
+    Content-Length before anything is read, else as it streams in."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {int(declared)} bytes; this server takes at most {limit} "
+                            f"(--max-request-bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is over {limit} bytes (--max-request-bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _check_values(value, path: str = "", depth: int = 0) -> None:
@@ -161,6 +182,17 @@ def check_supported(req: _Common) -> None:
     for param, bad, message in refuse:
         if bad:
             raise APIError(400, message, param=param, code="unsupported_parameter")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise APIError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each",
+                       param="stop")
+    if len(req.stop_token_ids or []) > MAX_STOP:
+        raise APIError(400, f"stop_token_ids takes at most {MAX_STOP} ids", param="stop_token_ids")
+    if isinstance(req, ChatCompletionRequest):
+        if len(req.messages) > MAX_MESSAGES:
+            raise APIError(400, f"at most {MAX_MESSAGES} messages per request", param="messages")
+        if len(req.tools or []) > MAX_TOOLS:
+            raise APIError(400, f"at most {MAX_TOOLS} tools per request", param="tools")
     if req.cache_salt is not None and not (0 < len(req.cache_salt) <= 256):
         raise APIError(400, "cache_salt must be a non-empty string of at most 256 characters", param="cache_salt")
 

@@ -95,3 +95,31 @@ def test_degenerate_sampling_fails_nobody(server):
 
     for r in asyncio.run(run()):
         assert r.status_code == 200, r.text
+
+
+def test_a_large_body_is_refused_before_it_is_parsed_and_nobody_waits(server):
+    """An 18.5 MB body used to get its 400 after 19-35 s while /health did not answer."""
+    import threading
+    import time
+
+    from tests.server.server_helpers import metric
+
+    big = b'{"prompt": "' + b"word " * (2 * 2**20) + b'", "max_tokens": 2}'  # 10 MiB > the 8 MiB default
+    def errors_413():
+        text = httpx.get(server.url + "/metrics").text
+        return metric(server.url, "irminsul_request_errors_total", status="413") if 'status="413"' in text else 0
+
+    before = errors_413()
+    health = []
+    poller = threading.Thread(target=lambda: health.append(httpx.get(server.url + "/health", timeout=5).status_code))
+    t = time.perf_counter()
+    poller.start()
+    r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"},
+                   timeout=30)
+    poller.join()
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+    assert time.perf_counter() - t < 5 and health == [200]
+    assert errors_413() == before + 1
+    # a request that fits but asks for absurd work is refused by name
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "stop": [str(i) for i in range(10_000)]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
