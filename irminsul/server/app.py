@@ -120,43 +120,52 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
 
     app = FastAPI(title="Irminsul", lifespan=lifespan)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
+    def error(request: Request, e: APIError, headers=None) -> JSONResponse:
+        """Every error answer: counted in irminsul_request_errors_total, OpenAI's body."""
         state = getattr(request.app.state, "irminsul", None)
         if state is not None:
             state.metrics.error(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return error(request, e)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {e}").body(), status_code=500)
+        return error(request, APIError(500, f"internal error: {e}"))
 
     @app.exception_handler(404)
     async def not_found(request: Request, e):
-        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}").body(), status_code=404)
+        return error(request, APIError(404, f"no route {request.method} {request.url.path}"))
 
     @app.exception_handler(405)
     async def bad_method(request: Request, e):
-        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                                     type="invalid_request_error").body(), status_code=405)
+        allow = (getattr(e, "headers", None) or {}).get("Allow")
+        return error(request, APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                       type="invalid_request_error"), headers={"Allow": allow} if allow else None)
 
     def state_of(request: Request) -> ServerState:
         return request.app.state.irminsul
 
-    @app.post("/v1/chat/completions")
+    from irminsul.server.protocol import ChatCompletionRequest, CompletionRequest, PublishRequest, body_schema
+
+    # NOTE: bodies are read and parsed by the handlers (size limit first, parsing off the event loop);
+    # their models are declared here so /openapi.json describes them.
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         from irminsul.server.completions import handle
 
         return await handle(state_of(request), request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request):
         from irminsul.server.completions import handle
 
         return await handle(state_of(request), request, chat=False)
 
-    @app.post("/v1/cache/chunks")
+    @app.post("/v1/cache/chunks", openapi_extra=body_schema(PublishRequest))
     async def publish(request: Request):
         return await _publish(state_of(request), request)
 

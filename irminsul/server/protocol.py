@@ -138,6 +138,31 @@ def _check_values(value, path: str = "", depth: int = 0) -> None:
             _check_values(v, f"{path}[{i}]", depth + 1)
 
 
+class PublishRequest(BaseModel):
+    """POST /v1/cache/chunks: exactly one of text or token_ids."""
+
+    model: str | None = None
+    text: str | None = None
+    token_ids: IntList | None = None
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """OpenAPI `requestBody` for a route whose handler reads and parses the body itself (the
+    model's JSON schema with its definitions inlined, so it stands alone in /openapi.json)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 def parse_body(raw: bytes, model: type[BaseModel]):
     """Raw body -> request model; every failure is a 400 that says what was wrong."""
     try:

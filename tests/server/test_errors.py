@@ -123,3 +123,13 @@ def test_a_large_body_is_refused_before_it_is_parsed_and_nobody_waits(server):
     # a request that fits but asks for absurd work is refused by name
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "stop": [str(i) for i in range(10_000)]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+
+
+def test_a_wrong_method_says_which_are_allowed_and_every_error_is_counted(server):
+    from tests.server.server_helpers import metric
+
+    before = metric(server.url, "irminsul_request_errors_total")
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert httpx.get(server.url + "/v1/nope").status_code == 404
+    assert metric(server.url, "irminsul_request_errors_total") == before + 2
