@@ -48,6 +48,20 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Encode text that comes from a client: a special token's string in it (`<|end|>`) is
+        encoded as the text it is, never as the control token, so nobody can forge a role boundary."""
+        plain = getattr(self, "_plain", None)
+        if plain is None:  # a second instance: the flag is per instance, and encode runs on many threads
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return plain.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_strings(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -9,6 +9,7 @@ The template is chosen from the checkpoint's special tokens.
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass
 
 from irminsul.model.tokenizer import Tokenizer
@@ -43,6 +44,18 @@ _BY_TOKENS = (
 )
 
 
+def _wrapped(value, mark: str):
+    """Every string value in a JSON value between two marks (roles and types stay as they are: the
+    template reads them; keys too: it looks fields up by name)."""
+    if isinstance(value, str):
+        return f"{mark}{value}{mark}"
+    if isinstance(value, list):
+        return [_wrapped(v, mark) for v in value]
+    if isinstance(value, dict):
+        return {k: v if k in ("role", "type") else _wrapped(v, mark) for k, v in value.items()}
+    return value
+
+
 def template_for(tokenizer: Tokenizer) -> ChatTemplate | None:
     for template, tokens in _BY_TOKENS:
         if all(tokenizer.token_to_id(t) is not None for t in tokens):
@@ -67,9 +80,22 @@ class ChatRenderer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.template = template_for(tokenizer)
+        self._specials = tokenizer.special_strings
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_bos=False)
+    def _encode(self, text: str, mark: str) -> list[int]:
+        """One segment's text, in which every client string is wrapped in `mark`s. Where no client
+        string holds a special token's text, the segment is encoded whole, as it always was; where
+        one does, the template's pieces are encoded with their control tokens and the client's
+        pieces as text."""
+        pieces = text.split(mark)  # template, client, template, client, ..., template
+        client = pieces[1::2]
+        if not any(s in c for c in client for s in self._specials):
+            return self.tokenizer.encode("".join(pieces), add_bos=False)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if piece:
+                ids += self.tokenizer.encode_text(piece) if i % 2 else self.tokenizer.encode(piece, add_bos=False)
+        return ids
 
     def render(self, messages: list, tools: list | None = None) -> RenderedChat:
         """Raises ValueError with a message for people when the request cannot be rendered."""
@@ -79,11 +105,15 @@ class ChatRenderer:
         # OpenAI's newer "developer" role is a system message to every template here.
         messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                     for m in messages]
-        request = parse_request({"messages": messages, "tools": tools or []})  # validates, says what is wrong
+        parse_request({"messages": messages, "tools": tools or []})  # validates, says what is wrong
+        # Every string the client sent is wrapped in a mark no client can guess, so the template's
+        # text and the client's can be told apart after rendering (control tokens: see _encode).
+        mark = f"\ue000{secrets.token_hex(8)}\ue001"
+        request = parse_request({"messages": _wrapped(messages, mark), "tools": _wrapped(tools or [], mark)})
         tokens: list[int] = []
         starts: list[int] = []
         for text in segment_texts(request, self.template):
-            ids = self._encode(text) if text else []
+            ids = self._encode(text, mark) if text else []
             if ids:
                 starts.append(len(tokens))
                 tokens.extend(ids)
