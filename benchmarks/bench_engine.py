@@ -29,11 +29,9 @@ from irminsul.engine.sampling import SamplingParams
 from irminsul.machine import best_of, describe
 
 
-def ours(llm: LLM, prompts: list[list[int]], new: int, long: list[int]) -> dict[str, float]:
+def engine_prefill_decode(llm: LLM, long: list[int], new: int) -> tuple[float, float]:
+    """(seconds to prefill `long`, seconds to decode `new` tokens after it), one sequence, best runs."""
     engine = llm.engine
-
-    def batch():
-        llm.generate(prompts, max_tokens=new, ignore_eos=True)
 
     def prefill():
         seq = engine.add(long, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -42,7 +40,7 @@ def ours(llm: LLM, prompts: list[list[int]], new: int, long: list[int]) -> dict[
         engine.finish(seq)
 
     def decode():
-        seq = engine.add(long, SamplingParams(max_tokens=new, ignore_eos=True))
+        seq = engine.add(long, SamplingParams(max_tokens=new + 1, ignore_eos=True))
         engine.reserve([seq])
         engine.step([seq])  # the prefill and the first token
         t = time.perf_counter()
@@ -53,8 +51,16 @@ def ours(llm: LLM, prompts: list[list[int]], new: int, long: list[int]) -> dict[
         engine.finish(seq)
         return elapsed
 
+    return best_of(prefill, 3), min(decode() for _ in range(2))
+
+
+def ours(llm: LLM, prompts: list[list[int]], new: int, long: list[int]) -> dict[str, float]:
+    def batch():
+        llm.generate(prompts, max_tokens=new, ignore_eos=True)
+
     batch()  # warm-up
-    return {"batch": best_of(batch, 2), "prefill": best_of(prefill, 3), "decode": min(decode() for _ in range(2))}
+    prefill, decode = engine_prefill_decode(llm, long, new - 1)
+    return {"batch": best_of(batch, 2), "prefill": prefill, "decode": decode}
 
 
 def transformers_side(path: Path, prompts: list[list[int]], new: int, long: list[int]) -> dict[str, float]:

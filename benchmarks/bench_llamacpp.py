@@ -25,7 +25,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +32,11 @@ import torch
 
 from irminsul import LLM, bundled_model
 from irminsul.cli import run_for_people
-from irminsul.engine.sampling import SamplingParams
 from irminsul.errors import UserFacingError
 from irminsul.machine import best_of, describe
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_engine import engine_prefill_decode  # noqa: E402  (a sibling script)
 
 SHAPES = {"one": (1, 100, 64), "batch32": (32, 100, 64)}
 
@@ -67,35 +68,15 @@ def llamacpp(llama: Path, gguf: Path, depth: int, new: int) -> dict[str, float]:
 
 
 def irminsul(llm: LLM, depth: int, new: int) -> dict[str, float]:
-    engine, vocab = llm.engine, llm.model.config.vocab_size
+    vocab = llm.model.config.vocab_size
     rng = np.random.default_rng(0)
     out = {}
     for key, (b, p, g) in SHAPES.items():
         prompts = [rng.integers(10, vocab, p).tolist() for _ in range(b)]
         llm.generate(prompts, max_tokens=4, ignore_eos=True)  # warm-up
         out[key] = b * (p + g) / best_of(lambda: llm.generate(prompts, max_tokens=g, ignore_eos=True), 2)
-    long = rng.integers(10, vocab, depth).tolist()
-
-    def prefill():
-        seq = engine.add(long, SamplingParams(max_tokens=1))
-        while seq.in_prefill:
-            engine.forward([seq])
-        engine.finish(seq)
-
-    def decode():
-        seq = engine.add(long, SamplingParams(max_tokens=new + 1, ignore_eos=True))
-        engine.reserve([seq])
-        engine.step([seq])  # prefill and the first token
-        t = time.perf_counter()
-        while not seq.finished:
-            engine.reserve([seq])
-            engine.step([seq])
-        elapsed = time.perf_counter() - t
-        engine.finish(seq)
-        return elapsed
-
-    out["prefill"] = depth / best_of(prefill, 3)
-    out["decode"] = new / min(decode() for _ in range(2))
+    prefill, decode = engine_prefill_decode(llm, rng.integers(10, vocab, depth).tolist(), new)
+    out["prefill"], out["decode"] = depth / prefill, new / decode
     return out
 
 
