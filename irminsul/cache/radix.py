@@ -207,6 +207,10 @@ class RadixCache:
         self._nodes += 1
         return upper
 
+    def values(self) -> list:
+        """Every stored value (the engine's slot arrays), for accounting."""
+        return [n.value for n in self._iter_nodes() if n.value is not None]
+
     def _iter_nodes(self):
         stack = list(self.root.children.values())
         while stack:

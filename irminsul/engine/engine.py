@@ -262,9 +262,6 @@ class Engine:
             return seq.text
         return seq.text[: max(0, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)]
 
-    def output_text(self, seq: Sequence) -> str:
-        return seq.text
-
     def finish(self, seq: Sequence) -> None:
         """Hand the sequence's rows to the cache (registry and tree) and drop its own references."""
         if seq.finish_reason is None:

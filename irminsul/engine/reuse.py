@@ -298,7 +298,7 @@ class CacheReuse:
     @property
     def cached_slots(self) -> np.ndarray:
         """Distinct slots the tree and the registry hold (for the pool's statistics)."""
-        parts = [node.value for node in self.radix._iter_nodes() if node.value is not None]
+        parts = self.radix.values()
         parts += [e.payload for e in self.registry.entries()]
         slots = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
         return slots[slots != EMPTY_SLOT]
