@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions, /v1/completions   (completions.py)
     POST /v1/cache/chunks                         publish a document to the shared namespace
-    GET  /v1/models, /health, /metrics
+    POST /tokenize, /detokenize                   vLLM's tokenizer endpoints
+    GET  /v1/models, /v1/models/{id}, /health, /metrics
 
 ``create_app(config)`` loads the model when the app starts (lifespan) and stops the scheduler and
 the store's background threads when it stops.
@@ -149,7 +150,8 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     def state_of(request: Request) -> ServerState:
         return request.app.state.irminsul
 
-    from irminsul.server.protocol import ChatCompletionRequest, CompletionRequest, PublishRequest, body_schema
+    from irminsul.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PublishRequest,
+                                          TokenizeRequest, body_schema, parse_body, read_body)
 
     # NOTE: bodies are read and parsed by the handlers (size limit first, parsing off the event loop);
     # their models are declared here so /openapi.json describes them.
@@ -169,12 +171,47 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     async def publish(request: Request):
         return await _publish(state_of(request), request)
 
+    def model_card(s: ServerState) -> dict:
+        return {"id": s.model_name, "object": "model", "created": int(s.started), "owned_by": "irminsul",
+                "max_model_len": s.context, "irminsul": {"reuse": s.engine.reuse, "store": list(s.config.store.specs)}}
+
     @app.get("/v1/models")
     async def models(request: Request):
+        return {"object": "list", "data": [model_card(state_of(request))]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
         s = state_of(request)
-        card = {"id": s.model_name, "object": "model", "created": int(s.started), "owned_by": "irminsul",
-                "max_model_len": s.context, "irminsul": {"reuse": s.engine.reuse, "store": list(s.config.store.specs)}}
-        return {"object": "list", "data": [card]}
+        s.check_model(model_id)
+        return model_card(s)
+
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
+    async def tokenize(request: Request):
+        """vLLM's: {"prompt": str} or {"messages": [...]} (rendered with the chat template) -> token ids."""
+        s = state_of(request)
+        req = await asyncio.to_thread(parse_body, await read_body(request, s.config.max_request_bytes), TokenizeRequest)
+        s.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send exactly one of 'prompt' (a string) or 'messages' (a chat)")
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(s.tokenizer.encode, req.prompt, None if req.add_special_tokens else False)
+        else:
+            try:
+                ids = (await asyncio.to_thread(s.renderer.render, req.messages, req.tools)).token_ids
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+        return {"count": len(ids), "max_model_len": s.context, "tokens": ids}
+
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
+    async def detokenize(request: Request):
+        s = state_of(request)
+        req = await asyncio.to_thread(parse_body, await read_body(request, s.config.max_request_bytes),
+                                      DetokenizeRequest)
+        s.check_model(req.model)
+        vocab = s.engine.config.vocab_size
+        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": await asyncio.to_thread(s.tokenizer.decode, req.tokens, False)}
 
     @app.get("/health")
     async def health(request: Request):

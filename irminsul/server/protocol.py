@@ -146,6 +146,19 @@ class PublishRequest(BaseModel):
     token_ids: IntList | None = None
 
 
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: IntList
+
+
 def body_schema(model: type[BaseModel]) -> dict:
     """OpenAPI `requestBody` for a route whose handler reads and parses the body itself (the
     model's JSON schema with its definitions inlined, so it stands alone in /openapi.json)."""

@@ -133,3 +133,18 @@ def test_a_wrong_method_says_which_are_allowed_and_every_error_is_counted(server
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert httpx.get(server.url + "/v1/nope").status_code == 404
     assert metric(server.url, "irminsul_request_errors_total") == before + 2
+
+
+def test_tokenize_detokenize_and_the_model_card(server):
+    chat_ids = httpx.post(server.url + "/tokenize", json={"messages": HI}).json()
+    assert chat_ids["count"] == len(chat_ids["tokens"]) and chat_ids["max_model_len"] == 4096
+    chat_ids_ref = chat(server.url, HI, max_tokens=1)["usage"]["prompt_tokens"]
+    assert chat_ids["count"] == chat_ids_ref  # the same rendering the chat endpoint uses
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert text == "hello world"
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert httpx.post(server.url + "/tokenize", json={}).status_code == 400
+    assert httpx.get(server.url + "/v1/models/tiny").json()["id"] == "tiny"
+    assert httpx.get(server.url + "/v1/models/gpt-4o").status_code == 404

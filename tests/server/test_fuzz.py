@@ -24,7 +24,7 @@ def test_no_request_the_schema_allows_or_mangles_gets_a_5xx(tiny_dir):
                 failures.append(f"{case.method} {case.path} {case.body!r:.200}: {e!s:.300}")
 
         operations = [result.ok() for result in schema.get_all_operations()]
-        assert len(operations) == 6
+        assert len(operations) == 9
         for op in operations:
             run = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                            suppress_health_check=list(HealthCheck))(given(case=op.as_strategy())(lambda case: check(case)))
