@@ -79,6 +79,15 @@ class _Common(BaseModel):
     logit_bias: dict | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # vLLM extensions, known and not honoured yet: refused unless at their no-op value
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    min_p: float | None = None
+    include_stop_str_in_output: bool | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -87,6 +96,9 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict | None = None
     max_completion_tokens: Int | None = None
     response_format: dict | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class CompletionRequest(_Common):
@@ -207,6 +219,14 @@ def check_supported(req: _Common) -> None:
         ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported"),
         ("stream_options", req.stream_options is not None and not req.stream,
          "stream_options can only be set when stream=true"),
+        # NOTE: refused, never silently ignored: a client that sets them expects a different output
+        ("repetition_penalty", req.repetition_penalty not in (None, 1, 1.0), "repetition_penalty is not supported"),
+        ("min_tokens", bool(req.min_tokens), "min_tokens is not supported"),
+        ("min_p", bool(req.min_p), "min_p is not supported"),
+        ("include_stop_str_in_output", bool(req.include_stop_str_in_output),
+         "include_stop_str_in_output is not supported"),
+        *((name, getattr(req, name) is not None, f"{name} (structured output) is not supported")
+          for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")),
     ]
     if isinstance(req, ChatCompletionRequest):
         fmt = (req.response_format or {}).get("type", "text")
@@ -214,6 +234,10 @@ def check_supported(req: _Common) -> None:
             ("response_format", fmt != "text", f"response_format type {fmt!r} is not supported; only 'text'"),
             ("tool_choice", req.tool_choice not in (None, "auto", "none"),
              "tool_choice must be 'auto' or 'none'; forcing a tool call is not supported"),
+            ("add_generation_prompt", req.add_generation_prompt is False,
+             "add_generation_prompt=false is not supported: the assistant turn is always opened"),
+            ("continue_final_message", bool(req.continue_final_message), "continue_final_message is not supported"),
+            ("chat_template_kwargs", bool(req.chat_template_kwargs), "chat_template_kwargs is not supported"),
         ]
     else:
         refuse += [("echo", req.echo, "echo is not supported"), ("suffix", bool(req.suffix), "suffix is not supported")]

@@ -29,6 +29,15 @@ CASES = [
     ("completions", {"prompt": ["a", "b"]}, 400, "batched prompts"),
     ("completions", {"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    # once silently ignored: the output did not change
+    ("completions", {"prompt": "hi", "repetition_penalty": 1.3}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "hi", "min_tokens": 5}, 400, "min_tokens"),
+    ("completions", {"prompt": "hi", "min_p": 0.1}, 400, "min_p"),
+    ("completions", {"prompt": "hi", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ("chat", {"messages": HI, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("chat", {"messages": HI, "chat_template_kwargs": {"enable_thinking": True}}, 400, "chat_template_kwargs"),
+    ("chat", {"messages": HI, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    ("chat", {"messages": HI, "continue_final_message": True}, 400, "continue_final_message"),
     ("chunks", {"text": ""}, 403, "--admin-key"),  # publishing is the operator's: no admin key, no publishing
     # once 500s (and the first stopped the engine thread for everyone)
     ("completions", {"prompt": "hi", "seed": 2**70, "max_tokens": 2}, 400, "seed"),
