@@ -22,7 +22,7 @@ import torch
 from irminsul.engine.pool import LatentPool
 from irminsul.engine.reuse import make_reuse
 from irminsul.engine.sampling import SamplingParams, make_generator, sample
-from irminsul.engine.sequence import Sequence
+from irminsul.engine.sequence import Sequence, TokenLogprob
 from irminsul.errors import RequestError
 from irminsul.model.attention import EMPTY_SLOT, SeqAttention
 from irminsul.model.deepseek import DeepseekModel
@@ -222,6 +222,8 @@ class Engine:
             return new
         stacked = torch.stack([logits[i] for i in rows])
         greedy = stacked.argmax(-1).tolist()  # one call for every greedy sequence of the step
+        wants = [row for row, i in enumerate(rows) if seqs[i].params.logprobs is not None]
+        logprobs = dict(zip(wants, stacked[wants].log_softmax(-1))) if wants else {}
         for row, i in enumerate(rows):
             seq = seqs[i]
             try:
@@ -229,7 +231,13 @@ class Engine:
             except Exception as e:  # a bug in one request's sampling ends that request, not the step
                 seq.finish_reason, seq.error = "abort", f"internal error while sampling: {e}"
                 continue
+            before = len(seq.tokens)
             self._append(seq, token)
+            if row in logprobs and len(seq.tokens) > before:  # a stop token is not output, nor its log-prob
+                lp = logprobs[row]
+                top = lp.topk(seq.params.logprobs) if seq.params.logprobs else None
+                seq.logprobs.append(TokenLogprob(token, float(lp[token]), tuple(
+                    zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()))
             new[i] = token
         return new
 

@@ -17,7 +17,7 @@ from irminsul.bundled import bundled_model
 from irminsul.engine.engine import Engine
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.scheduler import Scheduler
-from irminsul.engine.sequence import RequestStats
+from irminsul.engine.sequence import RequestStats, TokenLogprob
 from irminsul.errors import RequestError
 from irminsul.model.identity import checkpoint_id
 from irminsul.model.loader import load_model
@@ -38,6 +38,7 @@ class GenerationResult:
     stats: RequestStats
     finish_reason: str
     prompt_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # with generate(logprobs=N): one per generated token
 
 
 def _token_ids(x) -> bool:
@@ -83,13 +84,14 @@ class LLM:
 
     def generate(self, prompts, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop=None, stop_token_ids=(),
-                 ignore_eos: bool = False) -> GenerationResult | list[GenerationResult]:
+                 ignore_eos: bool = False, logprobs: int | None = None) -> GenerationResult | list[GenerationResult]:
         """One prompt -> one result; a list of prompts -> a list of results, in order, generated
         together (continuous batching). Greedy by default; the sampling options apply to every prompt."""
         batch = isinstance(prompts, (list, tuple)) and not isinstance(prompts, Segments) and not _token_ids(prompts)
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+                                seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                                logprobs=logprobs)
         items = list(prompts) if batch else [prompts]  # NOTE: [] is an empty prompt, refused as such
         seqs = []
         for p in items:
@@ -108,7 +110,8 @@ class LLM:
             if seq.error:
                 raise RequestError(seq.error)
         results = [GenerationResult(token_ids=seq.output_ids, text=seq.text, stats=seq.stats,
-                                    finish_reason=seq.finish_reason, prompt_token_ids=seq.tokens[: seq.prompt_len])
+                                    finish_reason=seq.finish_reason, prompt_token_ids=seq.tokens[: seq.prompt_len],
+                                    logprobs=seq.logprobs if logprobs is not None else None)
                    for seq in seqs]
         return results if batch else results[0]
 

@@ -26,6 +26,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; N >= 0: each sampled token's log-prob and the N most likely
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -40,6 +41,9 @@ class SamplingParams:
             raise RequestError(f"seed={self.seed!r} must be an integer in [0, 2^63)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise RequestError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -51,6 +55,7 @@ class SamplingParams:
 
 
 GREEDY_BELOW = 1e-5  # a temperature or top_p below this samples the most likely token
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:

@@ -33,6 +33,16 @@ class RequestStats:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (before temperature, top-k and top-p:
+    what `LLM.score` gives), and the most likely alternatives at its position, best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(eq=False)
 class Sequence:
     tokens: list[int]  # prompt, then generated tokens
@@ -51,6 +61,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None  # why the engine could not serve it (with finish_reason "abort")
     text: str = ""  # output text so far, stop strings cut
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked for
     detok: object | None = None  # incremental detokenizer state
     id: int = field(default_factory=lambda: next(_ids))
     _buf: np.ndarray | None = field(default=None, repr=False)

@@ -102,7 +102,7 @@ async def handle(state, request: Request, chat: bool):
         state.runner.submit(job)
     except QueueFull as e:
         raise APIError(503, f"the server is overloaded: {e}; retry later") from None
-    fmt = _Format(chat, state.model_name, req)
+    fmt = _Format(chat, state.model_name, req, state.tokenizer)
     watcher = asyncio.ensure_future(_disconnected(request))
     first = await _next(channel, watcher)
     if first is None:
@@ -136,7 +136,7 @@ async def _stream(state, job: Job, channel: _Channel, fmt: "_Format", first):
         event = first
         while True:
             if isinstance(event, Delta):
-                yield fmt.sse(fmt.chunk(event.text))
+                yield fmt.sse(fmt.chunk(event.text, logprobs=event.logprobs))
             elif isinstance(event, Finished):
                 yield fmt.sse(fmt.chunk("" if not fmt.chat else {}, event.finish_reason))
                 if fmt.include_usage:
@@ -156,8 +156,8 @@ async def _stream(state, job: Job, channel: _Channel, fmt: "_Format", first):
 class _Format:
     """OpenAI response and chunk objects for one request."""
 
-    def __init__(self, chat: bool, model: str, req):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, req, tokenizer):
+        self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -165,13 +165,32 @@ class _Format:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, delta, finish_reason: str | None = None) -> dict:
+    def logprobs(self, entries, text_start: int = 0) -> dict | None:
+        """OpenAI's logprobs object for generated tokens (chat: `content`; completions: the legacy
+        parallel lists). A token's text is its own decoding (a piece of a multi-byte character is
+        U+FFFD, as in OpenAI's API, whose `bytes` then carry the real bytes)."""
+        if not entries:
+            return None
+        text = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        if self.chat:
+            def one(t, lp):
+                s = text(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+            return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+                                for e in entries]}
+        tokens = [text(e.token) for e in entries]
+        offsets = [text_start + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+
+    def chunk(self, delta, finish_reason: str | None = None, logprobs=()) -> dict:
         if self.chat:
             d = delta if isinstance(delta, dict) else {"content": delta}
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": d, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
@@ -183,11 +202,12 @@ class _Format:
 
     def response(self, event: Finished) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": event.text}, "logprobs": None,
-                      "finish_reason": event.finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": event.text},
+                      "logprobs": self.logprobs(event.logprobs), "finish_reason": event.finish_reason}
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
+            choice = {"index": 0, "text": event.text, "logprobs": self.logprobs(event.logprobs),
+                      "finish_reason": event.finish_reason}
             head = self._head("text_completion")
         return {**head, "choices": [choice], "usage": usage(event.stats, event.completion_tokens)}
 

@@ -74,8 +74,8 @@ class _Common(BaseModel):
     cache_salt: str | None = None  # vLLM: the request's cache namespace
     # Known but unsupported; each is refused with a 400 when set to a non-default value.
     best_of: int | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
+    logprobs: bool | Int | None = None  # chat: true/false; completions: the number of alternatives
+    top_logprobs: Int | None = None
     logit_bias: dict | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -213,7 +213,7 @@ def check_supported(req: _Common) -> None:
     refuse = [
         ("n", req.n != 1, f"n={req.n} is not supported; Irminsul returns one choice per request (n=1)"),
         ("best_of", req.best_of not in (None, 1), "best_of is not supported"),
-        ("logprobs", bool(req.logprobs) or req.top_logprobs, "logprobs are not supported yet"),
+        ("echo", getattr(req, "echo", False), "echo (prompt log-probs) is not supported yet"),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported"),
         ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported"),
@@ -239,8 +239,12 @@ def check_supported(req: _Common) -> None:
             ("continue_final_message", bool(req.continue_final_message), "continue_final_message is not supported"),
             ("chat_template_kwargs", bool(req.chat_template_kwargs), "chat_template_kwargs is not supported"),
         ]
+        refuse += [("top_logprobs", req.top_logprobs is not None and not req.logprobs,
+                    "top_logprobs needs logprobs=true")]
     else:
-        refuse += [("echo", req.echo, "echo is not supported"), ("suffix", bool(req.suffix), "suffix is not supported")]
+        refuse += [("suffix", bool(req.suffix), "suffix is not supported"),
+                   ("top_logprobs", req.top_logprobs is not None, "top_logprobs is a chat field; completions take "
+                                                                  "logprobs=N")]
     for param, bad, message in refuse:
         if bad:
             raise APIError(400, message, param=param, code="unsupported_parameter")
@@ -259,6 +263,20 @@ def check_supported(req: _Common) -> None:
         raise APIError(400, "cache_salt must be a non-empty string of at most 256 characters", param="cache_salt")
 
 
+def requested_logprobs(req: _Common) -> int | None:
+    """None (off) or how many alternatives per token: chat says logprobs=true + top_logprobs=N,
+    completions logprobs=N."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs is not None and not isinstance(req.logprobs, bool):
+            raise APIError(400, "logprobs must be true or false for chat completions", param="logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if req.logprobs is None or req.logprobs is False:
+        return None
+    if isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int):
+        raise APIError(400, "logprobs must be an integer (the number of alternatives) for completions", param="logprobs")
+    return req.logprobs
+
+
 def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(
@@ -270,6 +288,7 @@ def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
             stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            logprobs=requested_logprobs(req),
         )
     except RequestError as e:
         name = str(e).split("=", 1)[0]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from irminsul.engine.engine import Engine
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.scheduler import Scheduler
-from irminsul.engine.sequence import RequestStats, Sequence
+from irminsul.engine.sequence import RequestStats, Sequence, TokenLogprob
 from irminsul.errors import RequestError
 
 log = logging.getLogger("irminsul.server")
@@ -31,6 +31,7 @@ _ids = itertools.count(1)
 @dataclass(frozen=True)
 class Delta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens generated since the last event (when asked for)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Finished:
     finish_reason: str
     stats: RequestStats
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None  # every generated token's, when asked for
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     seq: Sequence | None = None
     last_token_at: float | None = None
+    logprobs_sent: int = 0
 
 
 class QueueFull(Exception):
@@ -222,12 +225,15 @@ class EngineRunner:
                     self._end(self._jobs.pop(out.seq.id), Failed(400, out.seq.error))
                 self._admitted_ids.discard(out.seq.id)
                 continue
-            if out.text:
-                job.emit(Delta(out.text))
+            fresh = tuple(out.seq.logprobs[job.logprobs_sent:])
+            job.logprobs_sent += len(fresh)
+            if out.text or fresh:
+                job.emit(Delta(out.text, fresh))
             if out.finished:
                 self._admitted_ids.discard(out.seq.id)
                 seq = self._jobs.pop(out.seq.id).seq
-                job.emit(Finished(seq.text, seq.finish_reason, seq.stats, len(seq.output_ids)))
+                job.emit(Finished(seq.text, seq.finish_reason, seq.stats, len(seq.output_ids),
+                                  tuple(seq.logprobs) if seq.params.logprobs is not None else None))
                 if self.metrics:
                     self.metrics.finished(seq.finish_reason, len(seq.output_ids), now=now, arrival=job.arrival)
 

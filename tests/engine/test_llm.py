@@ -168,3 +168,18 @@ def test_a_zero_or_negative_pool_is_refused(tiny_dir, gib):
     """A zero budget once became 512 MiB silently (`x or default`)."""
     with pytest.raises(RequestError, match="kv_cache_gib"):
         LLM(tiny_dir, kv_cache_gib=gib)
+
+
+def test_generated_logprobs_equal_score(llm):
+    prompt = [256] + list(b"log probabilities")
+    out = llm.generate(prompt, max_tokens=6, ignore_eos=True, logprobs=3)
+    ref = llm.score(prompt, out.token_ids)
+    assert [lp.token for lp in out.logprobs] == out.token_ids
+    for i, lp in enumerate(out.logprobs):
+        assert abs(lp.logprob - float(ref[i, lp.token])) < 1e-4
+        best = ref[i].topk(3)
+        assert [t for t, _ in lp.top] == best.indices.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(lp.top, best.values.tolist())) < 1e-4
+    assert llm.generate(prompt, max_tokens=2).logprobs is None
+    with pytest.raises(RequestError, match="logprobs"):
+        llm.generate(prompt, max_tokens=2, logprobs=21)

@@ -54,3 +54,31 @@ def test_errors_raise_the_clients_exceptions(client):
     with pytest.raises(openai.BadRequestError, match="n=2"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
 
+
+
+def test_logprobs_through_the_client_equal_score(client, tiny_dir):
+    """Chat and completion log-probs, streamed or not, equal LLM.score on the same tokens (1e-4)."""
+    from irminsul import LLM
+
+    llm = LLM(tiny_dir)
+    prompt = "score these words"
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    ids = llm.generate(prompt, max_tokens=5, ignore_eos=True).token_ids
+    ref = llm.score(llm.tokenizer.encode(prompt), ids)
+    assert len(lp.token_logprobs) == 5 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert max(abs(a - float(ref[i, t])) for i, (a, t) in enumerate(zip(lp.token_logprobs, ids))) < 1e-4
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == out.choices[0].text
+    messages = [{"role": "user", "content": "hi there"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = full.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
+                                     for c in content)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 5)) for c in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
