@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from irminsul.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_supported,
                                       parse_body, read_body, resolve_max_tokens, sampling_params, usage)
+from irminsul.engine.sequence import TokenLogprob
 from irminsul.server.runner import Delta, Failed, Finished, Job, QueueFull
 
 
@@ -103,6 +104,8 @@ async def handle(state, request: Request, chat: bool):
     except QueueFull as e:
         raise APIError(503, f"the server is overloaded: {e}; retry later") from None
     fmt = _Format(chat, state.model_name, req, state.tokenizer)
+    if not chat and req.echo:  # the prompt's own log-probs, scored on the engine thread between steps
+        fmt.echo = await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
     watcher = asyncio.ensure_future(_disconnected(request))
     first = await _next(channel, watcher)
     if first is None:
@@ -126,6 +129,20 @@ async def handle(state, request: Request, chat: bool):
     if isinstance(event, Failed):
         raise APIError(event.status, event.message)
     return JSONResponse(fmt.response(event))
+
+
+def _prompt_logprobs(engine, job: Job) -> tuple[list[int], list]:
+    """(prompt tokens, TokenLogprob of every prompt token but the first), as LLM.score gives them."""
+    tokens, n = job.tokens, job.params.logprobs
+    if len(tokens) < 2 or n is None:
+        return tokens, []
+    lp, _ = engine.score(tokens[:1], tokens[1:], None, job.tenant)
+    out = []
+    for row, token in zip(lp, tokens[1:]):
+        top = row.topk(n) if n else None
+        out.append(TokenLogprob(token, float(row[token]), tuple(zip(top.indices.tolist(), top.values.tolist()))
+                                if top is not None else ()))
+    return tokens, out
 
 
 async def _stream(state, job: Job, channel: _Channel, fmt: "_Format", first):
@@ -158,6 +175,7 @@ class _Format:
 
     def __init__(self, chat: bool, model: str, req, tokenizer):
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
+        self.echo: tuple[list[int], list] | None = None  # completions with echo: prompt tokens and log-probs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -171,7 +189,8 @@ class _Format:
         U+FFFD, as in OpenAI's API, whose `bytes` then carry the real bytes)."""
         if not entries:
             return None
-        text = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        # completions' text_offset indexes the text, which shows no special tokens; chat's tokens show them
+        text = lambda t: self.tokenizer.decode([t], skip_special_tokens=not self.chat)  # noqa: E731
         if self.chat:
             def one(t, lp):
                 s = text(t)
@@ -206,8 +225,21 @@ class _Format:
                       "logprobs": self.logprobs(event.logprobs), "finish_reason": event.finish_reason}
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": event.text, "logprobs": self.logprobs(event.logprobs),
-                      "finish_reason": event.finish_reason}
+            text, logprobs = event.text, self.logprobs(event.logprobs)
+            if self.echo is not None:  # the prompt first: its text, and its tokens' log-probs (the first has none)
+                tokens, entries = self.echo
+                prompt = self.tokenizer.decode(tokens)
+                text = prompt + text
+                if logprobs is not None or entries:
+                    head = self.logprobs(entries) or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                       "text_offset": []}
+                    first = self.tokenizer.decode(tokens[:1])
+                    tail = self.logprobs(event.logprobs, text_start=len(prompt)) or {k: [] for k in head}
+                    logprobs = {"tokens": [first, *head["tokens"], *tail["tokens"]],
+                                "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
+                                "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
+                                "text_offset": [0, *(o + len(first) for o in head["text_offset"]), *tail["text_offset"]]}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}
             head = self._head("text_completion")
         return {**head, "choices": [choice], "usage": usage(event.stats, event.completion_tokens)}
 

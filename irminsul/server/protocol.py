@@ -213,7 +213,7 @@ def check_supported(req: _Common) -> None:
     refuse = [
         ("n", req.n != 1, f"n={req.n} is not supported; Irminsul returns one choice per request (n=1)"),
         ("best_of", req.best_of not in (None, 1), "best_of is not supported"),
-        ("echo", getattr(req, "echo", False), "echo (prompt log-probs) is not supported yet"),
+        ("echo", getattr(req, "echo", False) and req.stream, "echo is not supported with stream=true yet"),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported"),
         ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported"),

@@ -82,3 +82,22 @@ def test_logprobs_through_the_client_equal_score(client, tiny_dir):
     streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                 for c in chunk.choices[0].logprobs.content]
     assert [(c.token, round(c.logprob, 5)) for c in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+
+
+def test_echo_returns_the_prompts_logprobs_as_lm_eval_reads_them(client, tiny_dir):
+    """lm-evaluation-harness's loglikelihood: echo=True, logprobs=1, max_tokens=1; it reads
+    token_logprobs over the continuation's span. They equal LLM.score of the same tokens."""
+    from irminsul import LLM
+
+    llm = LLM(tiny_dir)
+    context, continuation = "The capital of France is", " Paris"
+    out = client.completions.create(model="tiny", prompt=context + continuation, max_tokens=1, temperature=0,
+                                    logprobs=1, echo=True)
+    lp = out.choices[0].logprobs
+    ids = llm.tokenizer.encode(context + continuation)
+    assert out.choices[0].text.startswith(context + continuation)
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) + 1
+    ref = llm.score(ids[:1], ids[1:])
+    got = lp.token_logprobs[1:len(ids)]
+    assert max(abs(a - float(ref[i, t])) for i, (a, t) in enumerate(zip(got, ids[1:]))) < 1e-4
+    assert lp.text_offset[: len(ids)] == sorted(lp.text_offset[: len(ids)])
