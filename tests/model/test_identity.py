@@ -2,12 +2,9 @@
 
 import shutil
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
 from irminsul.model.identity import checkpoint_id
 from irminsul.model.tiny import make_tiny_checkpoint
+from tests.checkpoints import rows_reversed_copy
 
 
 def test_the_identity_follows_content_not_names_and_sizes(tmp_path, monkeypatch):
@@ -15,14 +12,7 @@ def test_the_identity_follows_content_not_names_and_sizes(tmp_path, monkeypatch)
     a = make_tiny_checkpoint(tmp_path / "a")
     same = tmp_path / "same"
     shutil.copytree(a, same)
-    shuffled = tmp_path / "shuffled"
-    shutil.copytree(a, shuffled)
-    with safe_open(shuffled / "model.safetensors", "pt") as f:
-        meta = f.metadata()
-    weights = load_file(shuffled / "model.safetensors")
-    key = next(k for k in weights if k.endswith("kv_a_proj_with_mqa.weight"))
-    weights[key] = weights[key][torch.randperm(weights[key].shape[0], generator=torch.Generator().manual_seed(0))]
-    save_file(weights, shuffled / "model.safetensors", metadata=meta)  # same names, same sizes, other rows
+    shuffled = rows_reversed_copy(a, tmp_path / "shuffled")  # same names, same sizes, other rows
     assert (shuffled / "model.safetensors").stat().st_size == (a / "model.safetensors").stat().st_size
     assert checkpoint_id(a) == checkpoint_id(same)  # the same weights make the same rows, wherever they sit
     assert checkpoint_id(a) != checkpoint_id(shuffled)

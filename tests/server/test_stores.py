@@ -85,20 +85,9 @@ def test_corrupt_disk_entry_is_detected_and_recomputed(tiny_dir, tmp_path):
 def test_a_store_filled_by_another_checkpoint_gives_no_hits_and_loses_nothing(tiny_dir, tmp_path):
     """A copy of the model with one matrix's rows shuffled (same names, same sizes) once shared the
     original's namespace: it took the original's rows and answered wrongly."""
-    import shutil
+    from tests.checkpoints import rows_reversed_copy
 
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    shuffled = tmp_path / "shuffled"
-    shutil.copytree(tiny_dir, shuffled)
-    with safe_open(shuffled / "model.safetensors", "pt") as f:
-        meta = f.metadata()
-    weights = load_file(shuffled / "model.safetensors")
-    key = next(k for k in weights if k.endswith("kv_a_proj_with_mqa.weight"))
-    weights[key] = weights[key].flip(0)
-    save_file(weights, shuffled / "model.safetensors", metadata=meta)
+    shuffled = rows_reversed_copy(tiny_dir, tmp_path / "shuffled")
     store = StoreConfig(("memory", f"disk:{tmp_path / 'store'}"))
     doc = text(150, 90)
     s = start(tiny_dir, store=store)
