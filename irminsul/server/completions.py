@@ -9,6 +9,7 @@ cancelled) aborts its job, and the scheduler frees its rows.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -16,8 +17,9 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from irminsul.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_supported,
-                                      parse_body, read_body, resolve_max_tokens, sampling_params, usage)
+from irminsul.server.protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest,
+                                      check_supported, parse_body, read_body, resolve_max_tokens, sampling_params,
+                                      usage)
 from irminsul.engine.sequence import TokenLogprob
 from irminsul.server.runner import Delta, Failed, Finished, Job, QueueFull
 
@@ -51,20 +53,24 @@ async def _next(channel: _Channel, watcher: asyncio.Task):
     return None
 
 
-def _prompt_tokens(state, req: CompletionRequest) -> list[int]:
+def _summed(parts: list[dict]) -> dict:
+    """Field by field sum of usage objects (nested blocks too)."""
+    out = {}
+    for key, value in parts[0].items():
+        out[key] = _summed([p[key] for p in parts]) if isinstance(value, dict) else sum(p[key] for p in parts)
+    return out
+
+
+def _prompts(state, req: CompletionRequest) -> list[list[int]]:
+    """A completion request's prompts: a string, token ids, or a list of either (a batch)."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"batched prompts ({len(prompt)}) are not supported; send one prompt per request",
-                           param="prompt", code="unsupported_parameter")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return state.tokenizer.encode(prompt)
-    return list(prompt)
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    return [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
 
 
-def prepare(state, request: Request, req, chat: bool) -> Job:
-    """Everything that can be refused before the job is queued."""
+def prepare(state, request: Request, req, chat: bool) -> list[Job]:
+    """Everything that can be refused before the jobs are queued: one job per prompt and choice
+    (`n` choices of one prompt differ by seed when sampling: seed, seed + 1, ...)."""
     check_supported(req)
     state.check_model(req.model)
     tenant = state.tenant_of(request, req.cache_salt)
@@ -73,28 +79,39 @@ def prepare(state, request: Request, req, chat: bool) -> Job:
             rendered = state.renderer.render(req.messages, req.tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        tokens, starts = rendered.token_ids, rendered.segment_starts
+        prompts, starts = [rendered.token_ids], rendered.segment_starts
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     else:
-        tokens, starts, requested = _prompt_tokens(state, req), None, req.max_tokens
-    try:
-        state.engine.validate_prompt(tokens)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
-    max_tokens = resolve_max_tokens(requested, len(tokens), state.context, state.config.default_max_tokens)
-    params = sampling_params(req, max_tokens)
-    pool = state.engine.pool
-    if len(tokens) + max_tokens > pool.n_slots - 1:
-        raise APIError(400, f"the request needs {len(tokens)} prompt + {max_tokens} output rows but this server's "
-                            f"KV pool holds {pool.n_slots - 1} (--kv-cache-gib); shorten it or lower max_tokens")
-    return Job(tokens=tokens, params=params, emit=None, segment_starts=starts, tenant=tenant)
+        prompts, starts, requested = _prompts(state, req), None, req.max_tokens
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices", param="n")
+    jobs = []
+    for tokens in prompts:
+        try:
+            state.engine.validate_prompt(tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        max_tokens = resolve_max_tokens(requested, len(tokens), state.context, state.config.default_max_tokens)
+        params = sampling_params(req, max_tokens)
+        pool = state.engine.pool
+        if len(tokens) + max_tokens > pool.n_slots - 1:
+            raise APIError(400, f"the request needs {len(tokens)} prompt + {max_tokens} output rows but this "
+                                f"server's KV pool holds {pool.n_slots - 1} (--kv-cache-gib); shorten it or "
+                                f"lower max_tokens")
+        for i in range(req.n):
+            seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+            jobs.append(Job(tokens=tokens, params=seeded, emit=None, segment_starts=starts, tenant=tenant))
+    return jobs
 
 
 async def handle(state, request: Request, chat: bool):
     body = await read_body(request, state.config.max_request_bytes)
     # JSON parsing, chat rendering and tokenization run on a worker thread, never on the event loop.
     req = await asyncio.to_thread(parse_body, body, ChatCompletionRequest if chat else CompletionRequest)
-    job = await asyncio.to_thread(prepare, state, request, req, chat)
+    jobs = await asyncio.to_thread(prepare, state, request, req, chat)
+    if len(jobs) > 1:
+        return await _several(state, request, req, chat, jobs)
+    job = jobs[0]
     if state.registry is not None and hasattr(state.registry, "lower"):
         await asyncio.to_thread(state.runner.prefetch, job)  # disk / Redis reads, off the engine thread
     channel = _Channel()
@@ -128,7 +145,53 @@ async def handle(state, request: Request, chat: bool):
         watcher.cancel()
     if isinstance(event, Failed):
         raise APIError(event.status, event.message)
-    return JSONResponse(fmt.response(event))
+    return JSONResponse(fmt.response([event], [fmt.echo] if fmt.echo is not None else None))
+
+
+async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
+    """n > 1 or a batch of prompts: every job runs in the engine's batch; one response, one choice
+    per job, in order (prompt-major). Not streamed yet."""
+    if req.stream:
+        raise APIError(400, "streaming several choices (n > 1 or a batch of prompts) is not supported yet",
+                       param="stream", code="unsupported_parameter")
+    fmt = _Format(chat, state.model_name, req, state.tokenizer)
+    channels = []
+    for job in jobs:
+        channel = _Channel()
+        job.emit = channel.emit
+        channels.append(channel)
+    submitted = []
+    try:
+        for job in jobs:
+            state.runner.submit(job)
+            submitted.append(job)
+    except QueueFull as e:
+        for job in submitted:
+            state.runner.abort(job)
+        raise APIError(503, f"the server is overloaded: {e}; retry later") from None
+    echoes = None
+    if not chat and req.echo:
+        echoes = [await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job)) for job in jobs]
+    watcher = asyncio.ensure_future(_disconnected(request))
+    events = []
+    try:
+        for job, channel in zip(jobs, channels):
+            event = None
+            while not isinstance(event, (Finished, Failed)):
+                event = await _next(channel, watcher)
+                if event is None:
+                    for j in jobs:
+                        state.runner.abort(j)
+                    return JSONResponse({}, status_code=499)
+            if isinstance(event, Failed):
+                for j in jobs:
+                    state.runner.abort(j)
+                raise APIError(event.status, event.message)
+            events.append(event)
+    finally:
+        watcher.cancel()
+    prompts = len(jobs) // req.n
+    return JSONResponse(fmt.response(events, echoes, prompts))
 
 
 def _prompt_logprobs(engine, job: Job) -> tuple[list[int], list]:
@@ -219,29 +282,36 @@ class _Format:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return {**head, "choices": [], "usage": usage(event.stats, event.completion_tokens)}
 
-    def response(self, event: Finished) -> dict:
+    def choice(self, event: Finished, index: int = 0, echo: tuple[list[int], list] | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": event.text},
-                      "logprobs": self.logprobs(event.logprobs), "finish_reason": event.finish_reason}
-            head = self._head("chat.completion")
-        else:
-            text, logprobs = event.text, self.logprobs(event.logprobs)
-            if self.echo is not None:  # the prompt first: its text, and its tokens' log-probs (the first has none)
-                tokens, entries = self.echo
-                prompt = self.tokenizer.decode(tokens)
-                text = prompt + text
-                if logprobs is not None or entries:
-                    head = self.logprobs(entries) or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                                       "text_offset": []}
-                    first = self.tokenizer.decode(tokens[:1])
-                    tail = self.logprobs(event.logprobs, text_start=len(prompt)) or {k: [] for k in head}
-                    logprobs = {"tokens": [first, *head["tokens"], *tail["tokens"]],
-                                "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
-                                "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
-                                "text_offset": [0, *(o + len(first) for o in head["text_offset"]), *tail["text_offset"]]}
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage(event.stats, event.completion_tokens)}
+            return {"index": index, "message": {"role": "assistant", "content": event.text},
+                    "logprobs": self.logprobs(event.logprobs), "finish_reason": event.finish_reason}
+        text, logprobs = event.text, self.logprobs(event.logprobs)
+        if echo is not None:  # the prompt first: its text, and its tokens' log-probs (the first has none)
+            tokens, entries = echo
+            prompt = self.tokenizer.decode(tokens)
+            text = prompt + text
+            if logprobs is not None or entries:
+                empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                before = self.logprobs(entries) or empty
+                first = self.tokenizer.decode(tokens[:1])
+                after = self.logprobs(event.logprobs, text_start=len(prompt)) or empty
+                logprobs = {"tokens": [first, *before["tokens"], *after["tokens"]],
+                            "token_logprobs": [None, *before["token_logprobs"], *after["token_logprobs"]],
+                            "top_logprobs": [None, *before["top_logprobs"], *after["top_logprobs"]],
+                            "text_offset": [0, *(o + len(first) for o in before["text_offset"]),
+                                            *after["text_offset"]]}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}
+
+    def response(self, events: list[Finished], echoes: list | None = None, prompts: int = 1) -> dict:
+        """One choice per event, in order; usage counts each distinct prompt once (n choices share it)."""
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        choices = [self.choice(e, i, echoes[i] if echoes else None) for i, e in enumerate(events)]
+        per = len(events) // prompts
+        total = _summed([usage(e.stats, 0) for e in events[::per]])  # each prompt once
+        total["completion_tokens"] = sum(e.completion_tokens for e in events)
+        total["total_tokens"] += total["completion_tokens"]
+        return {**head, "choices": choices, "usage": total}
 
     @staticmethod
     def sse(obj: dict) -> str:

@@ -112,6 +112,7 @@ MAX_DEPTH = 64  # nesting of JSON arrays and objects a request may use
 # (a million stop strings once slowed every request 25x: they are checked at every token).
 MAX_STOP, MAX_STOP_CHARS = 16, 1024
 MAX_MESSAGES, MAX_TOOLS = 4096, 512
+MAX_CHOICES = 64  # n x prompts of one request
 
 
 async def read_body(request, limit: int) -> bytes:
@@ -211,7 +212,7 @@ def parse_body(raw: bytes, model: type[BaseModel]):
 def check_supported(req: _Common) -> None:
     """Refuse parameters we know and cannot honour."""
     refuse = [
-        ("n", req.n != 1, f"n={req.n} is not supported; Irminsul returns one choice per request (n=1)"),
+        ("n", not 1 <= req.n <= MAX_CHOICES, f"n={req.n} must be in [1, {MAX_CHOICES}]"),
         ("best_of", req.best_of not in (None, 1), "best_of is not supported"),
         ("echo", getattr(req, "echo", False) and req.stream, "echo is not supported with stream=true yet"),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),

@@ -15,7 +15,8 @@ CASES = [
     ("chat", {"messages": HI, "max_tokens": 0}, 400, "at least 1"),
     ("chat", {"messages": HI, "max_tokens": 10_000}, 400, "too large"),
     ("chat", {"messages": HI, "max_tokens": "many"}, 400, "max_tokens"),
-    ("chat", {"messages": HI, "n": 2}, 400, "n=2 is not supported"),
+    ("chat", {"messages": HI, "n": 0}, 400, "n=0 must be"),
+    ("chat", {"messages": HI, "n": 2, "stream": True}, 400, "streaming several choices"),
     ("chat", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
     ("chat", {"messages": HI, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
@@ -28,7 +29,7 @@ CASES = [
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "role 'robot'"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text part"),
     ("chat", {}, 400, "messages"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "batched prompts"),
+    ("completions", {"prompt": ["a"] * 40, "n": 2}, 400, "more than 64 choices"),
     ("completions", {"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
     # once silently ignored: the output did not change
     ("completions", {"prompt": "hi", "repetition_penalty": 1.3}, 400, "repetition_penalty"),

@@ -51,8 +51,8 @@ def test_completions_and_stop_strings(client):
 def test_errors_raise_the_clients_exceptions(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="n=0"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=0)
 
 
 
@@ -101,3 +101,24 @@ def test_echo_returns_the_prompts_logprobs_as_lm_eval_reads_them(client, tiny_di
     got = lp.token_logprobs[1:len(ids)]
     assert max(abs(a - float(ref[i, t])) for i, (a, t) in enumerate(zip(got, ids[1:]))) < 1e-4
     assert lp.text_offset[: len(ids)] == sorted(lp.text_offset[: len(ids)])
+
+
+def test_batched_prompts_and_n_choices(client):
+    """A list of prompts returns one choice per prompt, each what the prompt gets alone; n choices
+    of one prompt sample with seed, seed + 1, ... ; usage counts each prompt once."""
+    prompts = ["first prompt", "the second one", [256, 104, 105]]
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True}) for p in prompts]
+    batch = client.completions.create(model="tiny", prompt=prompts[:2], max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone[:2]]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[:2])
+    assert batch.usage.completion_tokens == 8
+    many = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3,
+                                          max_tokens=6, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in many.choices] == [0, 1, 2] and many.usage.completion_tokens == 18
+    one = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                         temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert many.choices[0].message.content == one.choices[0].message.content  # choice 0 uses the seed itself
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
