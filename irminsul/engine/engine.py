@@ -21,7 +21,7 @@ import torch
 
 from irminsul.engine.pool import LatentPool
 from irminsul.engine.reuse import make_reuse
-from irminsul.engine.sampling import SamplingParams, make_generator, sample
+from irminsul.engine.sampling import SamplingParams, adjust_logits, make_generator, sample
 from irminsul.engine.sequence import Sequence, TokenLogprob
 from irminsul.errors import RequestError
 from irminsul.model.attention import EMPTY_SLOT, SeqAttention
@@ -84,6 +84,9 @@ class Engine:
         """A validated request, not yet admitted (it holds no rows)."""
         tokens = [int(t) for t in tokens]
         self.validate_prompt(tokens)
+        vocab = self.config.vocab_size
+        if bad := [t for t, _ in params.logit_bias if not 0 <= t < vocab]:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return Sequence(tokens=tokens, prompt_len=len(tokens), params=params, segment_starts=segment_starts,
                         tenant=tenant, generator=make_generator(params.seed), detok=self.tokenizer.decode_stream())
 
@@ -221,9 +224,15 @@ class Engine:
         if not rows:
             return new
         stacked = torch.stack([logits[i] for i in rows])
-        greedy = stacked.argmax(-1).tolist()  # one call for every greedy sequence of the step
         wants = [row for row, i in enumerate(rows) if seqs[i].params.logprobs is not None]
-        logprobs = dict(zip(wants, stacked[wants].log_softmax(-1))) if wants else {}
+        logprobs = dict(zip(wants, stacked[wants].log_softmax(-1))) if wants else {}  # the model's, unadjusted
+        for row, i in enumerate(rows):
+            p = seqs[i].params
+            if p.adjusts_logits:
+                ends = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_ids)]
+                stacked[row] = adjust_logits(stacked[row], p, seqs[i].tokens[: seqs[i].prompt_len],
+                                             seqs[i].output_ids, ends)
+        greedy = stacked.argmax(-1).tolist()  # one call for every greedy sequence of the step
         for row, i in enumerate(rows):
             seq = seqs[i]
             try:
@@ -250,7 +259,7 @@ class Engine:
         seq.stats.generated_tokens += 1
         before = len(seq.text)
         seq.text += seq.detok(token)
-        if p.stop and self._cut_at_stop(seq, before):
+        if p.stop and len(seq.output_ids) >= p.min_tokens and self._cut_at_stop(seq, before):
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.config.max_position_embeddings:
             seq.finish_reason = "length"
@@ -259,9 +268,10 @@ class Engine:
     def _cut_at_stop(seq: Sequence, before: int) -> bool:
         """Look for a stop string in the text the new token completed; cut the output before it."""
         start = max(0, before - max(len(s) for s in seq.params.stop) + 1)
-        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((seq.text.find(s, start), s) for s in seq.params.stop) if i >= 0]
         if hits:
-            seq.text = seq.text[: min(hits)]
+            at, end = min(hits)
+            seq.text = seq.text[: end if seq.params.include_stop_str_in_output else at]
         return bool(hits)
 
     def streamable(self, seq: Sequence) -> str:

@@ -84,14 +84,18 @@ class LLM:
 
     def generate(self, prompts, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop=None, stop_token_ids=(),
-                 ignore_eos: bool = False, logprobs: int | None = None) -> GenerationResult | list[GenerationResult]:
+                 ignore_eos: bool = False, logprobs: int | None = None,
+                 **controls) -> GenerationResult | list[GenerationResult]:
         """One prompt -> one result; a list of prompts -> a list of results, in order, generated
-        together (continuous batching). Greedy by default; the sampling options apply to every prompt."""
+        together (continuous batching). Greedy by default; the sampling options apply to every prompt;
+        `controls` are SamplingParams' logit controls (presence_penalty, frequency_penalty,
+        repetition_penalty, logit_bias as ((id, bias), ...), min_p, min_tokens,
+        include_stop_str_in_output)."""
         batch = isinstance(prompts, (list, tuple)) and not isinstance(prompts, Segments) and not _token_ids(prompts)
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                                logprobs=logprobs)
+                                logprobs=logprobs, **controls)
         items = list(prompts) if batch else [prompts]  # NOTE: [] is an empty prompt, refused as such
         seqs = []
         for p in items:

@@ -27,6 +27,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N >= 0: each sampled token's log-prob and the N most likely
+    # logit controls, applied before greedy or sampled choice (`adjust_logits`)
+    presence_penalty: float = 0.0  # OpenAI: minus this from every token generated at least once
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often a token was generated
+    repetition_penalty: float = 1.0  # HF/vLLM: logits of prompt and output tokens divided (>0) or multiplied (<0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (sampling only)
+    min_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many tokens
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -44,6 +52,18 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise RequestError(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("min_p", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi):
+                raise RequestError(f"{name}={value!r} must be in [{lo:g}, {hi:g}]")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0.0 < self.repetition_penalty <= 10.0):
+            raise RequestError(f"repetition_penalty={self.repetition_penalty!r} must be in (0, 10]")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens]")
+        if any(not (isinstance(b, (int, float)) and -100.0 <= b <= 100.0) for _, b in self.logit_bias):
+            raise RequestError("logit_bias values must be in [-100, 100]")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -52,6 +72,32 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1 or self.top_p < GREEDY_BELOW
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
+                  banned_until_min: list[int]) -> torch.Tensor:
+    """logits [vocab] -> the logits the choice is made from: logit bias, penalties (vLLM's
+    definitions) and, before min_tokens, the end tokens masked out."""
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.as_tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if output and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.as_tensor(output, dtype=torch.long), minlength=vocab)[:vocab].float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    for token, bias in params.logit_bias:
+        if 0 <= token < vocab:
+            logits[token] += bias
+    if len(output) < params.min_tokens and banned_until_min:
+        logits[torch.as_tensor(banned_until_min, dtype=torch.long)] = float("-inf")
+    return logits
 
 
 GREEDY_BELOW = 1e-5  # a temperature or top_p below this samples the most likely token
@@ -75,6 +121,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest set whose mass reaches top_p (the first token is always kept)

@@ -77,12 +77,12 @@ class _Common(BaseModel):
     logprobs: bool | Int | None = None  # chat: true/false; completions: the number of alternatives
     top_logprobs: Int | None = None
     logit_bias: dict | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    # vLLM extensions, known and not honoured yet: refused unless at their no-op value
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    min_p: float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    # vLLM extensions (the guided_* ones are known and refused: no structured output yet)
+    repetition_penalty: Float | None = None
+    min_tokens: Int | None = None
+    min_p: Float | None = None
     include_stop_str_in_output: bool | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -215,17 +215,9 @@ def check_supported(req: _Common) -> None:
         ("n", not 1 <= req.n <= MAX_CHOICES, f"n={req.n} must be in [1, {MAX_CHOICES}]"),
         ("best_of", req.best_of not in (None, 1), "best_of is not supported"),
         ("echo", getattr(req, "echo", False) and req.stream, "echo is not supported with stream=true yet"),
-        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
-        ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported"),
-        ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported"),
         ("stream_options", req.stream_options is not None and not req.stream,
          "stream_options can only be set when stream=true"),
         # NOTE: refused, never silently ignored: a client that sets them expects a different output
-        ("repetition_penalty", req.repetition_penalty not in (None, 1, 1.0), "repetition_penalty is not supported"),
-        ("min_tokens", bool(req.min_tokens), "min_tokens is not supported"),
-        ("min_p", bool(req.min_p), "min_p is not supported"),
-        ("include_stop_str_in_output", bool(req.include_stop_str_in_output),
-         "include_stop_str_in_output is not supported"),
         *((name, getattr(req, name) is not None, f"{name} (structured output) is not supported")
           for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")),
     ]
@@ -278,6 +270,20 @@ def requested_logprobs(req: _Common) -> int | None:
     return req.logprobs
 
 
+def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id as a string": bias} -> ((id, bias), ...)."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(400, f"logit_bias[{key!r}] must be a number", param="logit_bias")
+        out.append((token, float(value)))
+    return tuple(out)
+
+
 def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(
@@ -290,6 +296,13 @@ def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=requested_logprobs(req),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias),
+            min_p=req.min_p or 0.0,
+            min_tokens=req.min_tokens or 0,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
         )
     except RequestError as e:
         name = str(e).split("=", 1)[0]

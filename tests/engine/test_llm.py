@@ -183,3 +183,27 @@ def test_generated_logprobs_equal_score(llm):
     assert llm.generate(prompt, max_tokens=2).logprobs is None
     with pytest.raises(RequestError, match="logprobs"):
         llm.generate(prompt, max_tokens=2, logprobs=21)
+
+
+def test_logit_controls_change_the_output_as_defined(llm):
+    """logit_bias, presence / frequency / repetition penalties, min_tokens, min_p and
+    include_stop_str_in_output, each checked against its definition on the greedy output."""
+    prompt = [256] + list(b"the the the the")
+    base = llm.generate(prompt, max_tokens=8, ignore_eos=True)
+    forced = llm.generate(prompt, max_tokens=4, ignore_eos=True, logit_bias=((65, 100.0),))
+    assert forced.token_ids == [65] * 4  # a +100 bias wins every argmax
+    for kw in (dict(presence_penalty=2.0), dict(frequency_penalty=2.0), dict(repetition_penalty=3.0)):
+        out = llm.generate(prompt, max_tokens=8, ignore_eos=True, **kw)
+        assert len(set(out.token_ids)) >= len(set(base.token_ids)), kw  # penalised repeats: no fewer distinct
+    first = base.token_ids[0]
+    stopped = llm.generate(prompt, max_tokens=8, ignore_eos=True, stop_token_ids=[first])
+    assert stopped.token_ids == [] and stopped.finish_reason == "stop"
+    held = llm.generate(prompt, max_tokens=8, ignore_eos=True, stop_token_ids=[first], min_tokens=3)
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
+    assert llm.generate(prompt, max_tokens=8, temperature=1.0, seed=3, min_p=1.0, ignore_eos=True).token_ids == \
+        base.token_ids  # min_p = 1 keeps only the most likely token: greedy
+    text = base.text
+    if len(text) >= 3:
+        stop = text[1:3]
+        kept = llm.generate(prompt, max_tokens=8, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+        assert kept.text == text[: text.index(stop) + len(stop)]
