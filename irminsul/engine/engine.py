@@ -19,6 +19,7 @@ import math
 import numpy as np
 import torch
 
+from irminsul.engine.grammar import Grammars
 from irminsul.engine.pool import LatentPool
 from irminsul.engine.reuse import make_reuse
 from irminsul.engine.sampling import SamplingParams, adjust_logits, make_generator, sample
@@ -54,6 +55,14 @@ class Engine:
         self.cache = make_reuse(reuse, self.pool, cfg.num_hidden_layers, **cache_options)
         eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
         self.eos_ids = frozenset(eos - {None})
+        self._grammars: Grammars | None = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's matcher factory, built on first use."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer.to_json(), self.config.vocab_size, self.eos_ids)
+        return self._grammars
 
     @property
     def reuse(self) -> str:
@@ -80,15 +89,20 @@ class Engine:
             )
 
     def new_sequence(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
-                     tenant: str | None = None) -> Sequence:
-        """A validated request, not yet admitted (it holds no rows)."""
+                     tenant: str | None = None, matcher=None) -> Sequence:
+        """A validated request, not yet admitted (it holds no rows). `matcher`: the constraint's
+        grammar state, compiled beforehand (`grammars.matcher`) so the caller's thread pays for it;
+        compiled here when not given."""
         tokens = [int(t) for t in tokens]
         self.validate_prompt(tokens)
         vocab = self.config.vocab_size
         if bad := [t for t, _ in params.logit_bias if not 0 <= t < vocab]:
             raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.constraint is not None and matcher is None:
+            matcher = self.grammars.matcher(params.constraint)
         return Sequence(tokens=tokens, prompt_len=len(tokens), params=params, segment_starts=segment_starts,
-                        tenant=tenant, generator=make_generator(params.seed), detok=self.tokenizer.decode_stream())
+                        tenant=tenant, generator=make_generator(params.seed), matcher=matcher,
+                        detok=self.tokenizer.decode_stream(params.skip_special_tokens))
 
     def admit(self, seq: Sequence) -> bool:
         """Plan the sequence against the cache and give it rows: shared slots for what it reuses,
@@ -232,9 +246,16 @@ class Engine:
                 ends = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_ids)]
                 stacked[row] = adjust_logits(stacked[row], p, seqs[i].tokens[: seqs[i].prompt_len],
                                              seqs[i].output_ids, ends)
+        constrained = [row for row, i in enumerate(rows) if seqs[i].matcher is not None]
+        if constrained:  # one mask call for every constrained sequence of the step
+            allowed = self.grammars.allowed([seqs[rows[row]].matcher for row in constrained])
+            stacked[constrained] = stacked[constrained].masked_fill(~allowed, float("-inf"))
         greedy = stacked.argmax(-1).tolist()  # one call for every greedy sequence of the step
         for row, i in enumerate(rows):
             seq = seqs[i]
+            if seq.matcher is not None and seq.matcher.is_error():
+                seq.finish_reason, seq.error = "abort", f"the output constraint failed: {seq.matcher.get_error()}"
+                continue
             try:
                 token = greedy[row] if seq.params.greedy else sample(stacked[row], seq.params, seq.generator)
             except Exception as e:  # a bug in one request's sampling ends that request, not the step
@@ -259,7 +280,11 @@ class Engine:
         seq.stats.generated_tokens += 1
         before = len(seq.text)
         seq.text += seq.detok(token)
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)  # the mask allowed it; the matcher only moves on
         if p.stop and len(seq.output_ids) >= p.min_tokens and self._cut_at_stop(seq, before):
+            seq.finish_reason = "stop"
+        elif seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.config.max_position_embeddings:
             seq.finish_reason = "length"

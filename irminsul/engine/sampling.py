@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from irminsul.engine.grammar import Constraint
 from irminsul.errors import RequestError
 
 
@@ -35,6 +36,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (sampling only)
     min_tokens: int = 0  # EOS and stop_token_ids are not sampled before this many tokens
     include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None  # structured output: the text must match it (engine/grammar.py)
+    skip_special_tokens: bool = True  # False: special tokens' text is in the output (tool-call markers)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:

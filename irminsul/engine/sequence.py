@@ -63,6 +63,7 @@ class Sequence:
     text: str = ""  # output text so far, stop strings cut
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked for
     detok: object | None = None  # incremental detokenizer state
+    matcher: object | None = None  # the grammar's state when the output is constrained (engine/grammar.py)
     id: int = field(default_factory=lambda: next(_ids))
     _buf: np.ndarray | None = field(default=None, repr=False)
 

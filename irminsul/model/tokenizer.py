@@ -65,12 +65,23 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self):
+    def decode_stream(self, skip_special_tokens: bool = True):
         """An incremental decoder: call it with each new token id, get the text that token completes
         ("" while a multi-byte character is still incomplete). Constant work per token, where
         decoding the whole output again at every token is quadratic."""
-        stream = DecodeStream(skip_special_tokens=True)
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         return lambda token: stream.step(self._tok, token) or ""
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token (special or not) whose text this is; None for ordinary text."""
+        for token_id, token in self._tok.get_added_tokens_decoder().items():
+            if token.content == text:
+                return token_id
+        return None
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance's grammar matcher reads)."""
+        return self._tok.to_str()
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -1,0 +1,135 @@
+"""Structured output: a grammar decides which tokens may come next (constrained decoding).
+
+A request's `Constraint` (a JSON schema, a regular expression, a list of choices or a Lark grammar)
+becomes one llguidance matcher per sequence. Each step, the engine asks every constrained sequence's
+matcher for its allowed-token bitmask (all of them in one call, in parallel, in Rust), unpacks the
+masks into one boolean [batch, vocab] tensor and sets the other logits to -inf before the batched
+greedy / sampled choice; the chosen token is then fed back to the matcher. When the grammar is
+complete the sequence stops, without waiting for the model to choose an end token.
+
+Why llguidance (not xgrammar): it has no dependencies (xgrammar pulls torch, transformers and a
+C++ toolchain at run time), it compiles grammars lazily, so a new per-request JSON schema costs
+microseconds instead of a compile step before the first token, and it takes JSON schema, regex and
+Lark (with inline JSON schemas, which tool calls need) through one interface. vLLM and SGLang ship
+it as one of their two backends.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from irminsul.errors import RequestError
+
+# JSON is generated as json.dumps writes it: ", " and ": " between items, no other whitespace.
+# (Flexible whitespace lets a small model loop on newlines inside an object until max_tokens.)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. `kind`: json_schema | regex | choice | lark; `spec` its text
+    (the schema as JSON text, the pattern, the choices as a JSON list, the grammar)."""
+
+    kind: str
+    spec: str
+
+    KINDS = ("json_schema", "regex", "choice", "lark")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise RequestError(f"constraint kind {self.kind!r} must be one of {', '.join(self.KINDS)}")
+        if not isinstance(self.spec, str):
+            raise RequestError(f"a {self.kind} constraint is given as text")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | None = None) -> Constraint:
+        """Output valid against `schema` (generated `closed`); None: any JSON object (OpenAI's json_object)."""
+        if schema is None:
+            schema = {"type": "object"}
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError("a JSON schema must be an object")
+        return cls("json_schema", json.dumps(closed(schema)))
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: list[str]) -> Constraint:
+        if not options or not all(isinstance(o, str) for o in options):
+            raise RequestError("choices must be a non-empty list of strings")
+        return cls("choice", json.dumps(list(options)))
+
+    @classmethod
+    def lark(cls, grammar: str) -> Constraint:
+        """A Lark grammar (llguidance's dialect, with `%json {...}` for inline schemas) or a GBNF one."""
+        return cls("lark", grammar)
+
+    def grammar(self) -> str:
+        """llguidance's grammar text for this constraint."""
+        import llguidance
+
+        try:
+            if self.kind == "json_schema":
+                return llguidance.LLMatcher.grammar_from_json_schema(self.spec, defaults=JSON_LAYOUT)
+            if self.kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(self.spec)
+            if self.kind == "choice":
+                return llguidance.grammar_from("choice", self.spec)
+            return llguidance.grammar_from("grammar", self.spec)  # Lark, or GBNF converted to Lark
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise RequestError(f"the {self.kind.replace('_', ' ')} could not be compiled: {e}") from None
+
+
+def closed(schema):
+    """The schema with every object that lists its properties, and says nothing of others, closed
+    to them (additionalProperties: false), as OpenAI's strict mode requires. What it generates
+    still validates against the original; left open, a small model adds keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for k in _SCHEMA_MAPS:
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: closed(s) for name, s in schema[k].items()}
+    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "additionalProperties", "contains")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+class Grammars:
+    """The tokenizer view llguidance needs (built once per engine) and the batched mask."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids):
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+        self._executor = llguidance.LLExecutor()
+
+    def matcher(self, constraint: Constraint):
+        """A fresh matcher for one sequence; a grammar that does not compile is the request's error.
+        (Compiling may take up to a second for a huge grammar: call it off the engine thread.)"""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer, constraint.grammar(), log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"the {constraint.kind.replace('_', ' ')} could not be compiled: {matcher.get_error()}")
+        return matcher
+
+    def allowed(self, matchers: list) -> torch.Tensor:
+        """bool [len(matchers), vocab]: the tokens each matcher accepts next."""
+        words = (self.vocab_size + 31) // 32
+        bits = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.data_ptr(),
+                                               words * 4, len(matchers))
+        return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).view(len(matchers), -1)[:, : self.vocab_size].bool()
