@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass
 
 from irminsul.model.tokenizer import Tokenizer
+from irminsul.server import tools
 from irminsul.workloads.render import DEEPSEEK, QWEN2, ChatTemplate, segment_texts
 from irminsul.workloads.trace import parse_request
 
@@ -20,8 +21,9 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def _tool_call_text(calls) -> str:
-    return "".join(f"\n<tool_call>{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}</tool_call>"
-                   for n, a in calls)
+    # the bundled model's training data wrote each call as this object right after the content
+    # (irminsul/train/data.py), with the arguments as OpenAI sends them: JSON text
+    return "".join(json.dumps({"name": n, "arguments": a}, ensure_ascii=False) for n, a in calls)
 
 
 # The bundled model's (and tiny checkpoints') template: {{bos}} + <|role|>content<|end|> ... <|assistant|>
@@ -38,9 +40,9 @@ IRMINSUL = ChatTemplate(
 
 # Checked in order: the first template whose special tokens the tokenizer knows wins.
 _BY_TOKENS = (
-    (IRMINSUL, ("<|bos|>", "<|user|>", "<|assistant|>", "<|end|>")),
-    (DEEPSEEK, ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")),
-    (QWEN2, ("<|im_start|>", "<|im_end|>")),
+    (IRMINSUL, tools.IRMINSUL, ("<|bos|>", "<|user|>", "<|assistant|>", "<|end|>")),
+    (DEEPSEEK, tools.DEEPSEEK, ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")),
+    (QWEN2, tools.HERMES, ("<|im_start|>", "<|im_end|>")),
 )
 
 
@@ -56,11 +58,12 @@ def _wrapped(value, mark: str):
     return value
 
 
-def template_for(tokenizer: Tokenizer) -> ChatTemplate | None:
-    for template, tokens in _BY_TOKENS:
+def template_for(tokenizer: Tokenizer) -> tuple[ChatTemplate | None, tools.ToolFormat | None]:
+    """The chat template and the tool-call syntax that go with the tokenizer's special tokens."""
+    for template, tool_format, tokens in _BY_TOKENS:
         if all(tokenizer.token_to_id(t) is not None for t in tokens):
-            return template
-    return None
+            return template, tool_format
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.template = template_for(tokenizer)
+        self.template, self.tool_format = template_for(tokenizer)
         self._specials = tokenizer.special_strings
 
     def _encode(self, text: str, mark: str) -> list[int]:

@@ -18,8 +18,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from irminsul.server.protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest,
-                                      check_supported, parse_body, read_body, resolve_max_tokens, sampling_params,
-                                      usage)
+                                      check_supported, constraint_of, parse_body, read_body, resolve_max_tokens,
+                                      sampling_params, tool_functions, usage)
+from irminsul.server.tools import ToolCallParser, forcing_constraint, parse_all
 from irminsul.engine.sequence import TokenLogprob
 from irminsul.server.runner import Delta, Failed, Finished, Job, QueueFull
 
@@ -74,7 +75,16 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
     check_supported(req)
     state.check_model(req.model)
     tenant = state.tenant_of(request, req.cache_salt)
+    constraint, asked_by = constraint_of(req)
     if chat:
+        functions = tool_functions(req)
+        forced = forcing_constraint(state.renderer.tool_format, functions, req.tool_choice,
+                                    state.tokenizer.added_token_id) if state.renderer.tool_format else None
+        if forced is not None:
+            if constraint is not None:
+                raise APIError(400, f"tool_choice={req.tool_choice!r} and {asked_by} both constrain the output; "
+                                    f"set only one", param=asked_by)
+            constraint, asked_by = forced, "tool_choice"
         try:
             rendered = state.renderer.render(req.messages, req.tools)
         except ValueError as e:
@@ -92,7 +102,7 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
         except ValueError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
         max_tokens = resolve_max_tokens(requested, len(tokens), state.context, state.config.default_max_tokens)
-        params = sampling_params(req, max_tokens)
+        params = sampling_params(req, max_tokens, constraint)
         pool = state.engine.pool
         if len(tokens) + max_tokens > pool.n_slots - 1:
             raise APIError(400, f"the request needs {len(tokens)} prompt + {max_tokens} output rows but this "
@@ -100,8 +110,19 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
                                 f"lower max_tokens")
         for i in range(req.n):
             seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
-            jobs.append(Job(tokens=tokens, params=seeded, emit=None, segment_starts=starts, tenant=tenant))
+            jobs.append(Job(tokens=tokens, params=seeded, emit=None, segment_starts=starts, tenant=tenant,
+                            matcher=_matcher(state, constraint, asked_by)))
     return jobs
+
+
+def _matcher(state, constraint, asked_by: str | None):
+    """A fresh grammar state for one job (compiled here, on a worker thread, not the engine's)."""
+    if constraint is None:
+        return None
+    try:
+        return state.engine.grammars.matcher(constraint)
+    except ValueError as e:
+        raise APIError(400, f"{asked_by}: {e}", param=asked_by) from None
 
 
 async def handle(state, request: Request, chat: bool):
@@ -120,7 +141,7 @@ async def handle(state, request: Request, chat: bool):
         state.runner.submit(job)
     except QueueFull as e:
         raise APIError(503, f"the server is overloaded: {e}; retry later") from None
-    fmt = _Format(chat, state.model_name, req, state.tokenizer)
+    fmt = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat))
     if not chat and req.echo:  # the prompt's own log-probs, scored on the engine thread between steps
         fmt.echo = await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -154,7 +175,7 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
     if req.stream:
         raise APIError(400, "streaming several choices (n > 1 or a batch of prompts) is not supported yet",
                        param="stream", code="unsupported_parameter")
-    fmt = _Format(chat, state.model_name, req, state.tokenizer)
+    fmt = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat))
     channels = []
     for job in jobs:
         channel = _Channel()
@@ -194,6 +215,15 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
     return JSONResponse(fmt.response(events, echoes, prompts))
 
 
+def _tool_format(state, req, chat: bool):
+    """(the syntax tool calls are parsed from, the functions that may be called): chat requests
+    with tools, unless tool_choice is 'none'."""
+    if not (chat and req.tools and req.tool_choice != "none" and state.renderer.tool_format):
+        return None
+    names = frozenset(f.get("name") for f in tool_functions(req))
+    return state.renderer.tool_format, names
+
+
 def _prompt_logprobs(engine, job: Job) -> tuple[list[int], list]:
     """(prompt tokens, TokenLogprob of every prompt token but the first), as LLM.score gives them."""
     tokens, n = job.tokens, job.params.logprobs
@@ -213,12 +243,22 @@ async def _stream(state, job: Job, channel: _Channel, fmt: "_Format", first):
     try:
         if fmt.chat:
             yield fmt.sse(fmt.chunk({"role": "assistant", "content": ""}))
+        parser = ToolCallParser(fmt.tool_format, fmt.tool_names) if fmt.tool_format is not None else None
         event = first
         while True:
-            if isinstance(event, Delta):
+            if isinstance(event, Delta) and parser is None:
                 yield fmt.sse(fmt.chunk(event.text, logprobs=event.logprobs))
+            elif isinstance(event, Delta):  # tool calls: the parser decides what the text is
+                deltas = [fmt.tool_delta(e) for e in parser.feed(event.text)] or ([{}] if event.logprobs else [])
+                for i, delta in enumerate(deltas):
+                    yield fmt.sse(fmt.chunk(delta, logprobs=event.logprobs if i == 0 else ()))
             elif isinstance(event, Finished):
-                yield fmt.sse(fmt.chunk("" if not fmt.chat else {}, event.finish_reason))
+                reason = event.finish_reason
+                if parser is not None:
+                    for e in parser.finish():
+                        yield fmt.sse(fmt.chunk(fmt.tool_delta(e)))
+                    reason = "tool_calls" if parser.calls and reason == "stop" else reason
+                yield fmt.sse(fmt.chunk("" if not fmt.chat else {}, reason))
                 if fmt.include_usage:
                     yield fmt.sse(fmt.usage_chunk(event))
                 break
@@ -236,8 +276,9 @@ async def _stream(state, job: Job, channel: _Channel, fmt: "_Format", first):
 class _Format:
     """OpenAI response and chunk objects for one request."""
 
-    def __init__(self, chat: bool, model: str, req, tokenizer):
+    def __init__(self, chat: bool, model: str, req, tokenizer, tool_format=None):
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
+        self.tool_format, self.tool_names = tool_format or (None, None)
         self.echo: tuple[list[int], list] | None = None  # completions with echo: prompt tokens and log-probs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -278,14 +319,37 @@ class _Format:
             out["usage"] = None
         return out
 
+    @staticmethod
+    def tool_delta(event: tuple) -> dict:
+        """A ToolCallParser event as a chat delta: content, a call's start (id, name), its arguments."""
+        if event[0] == "content":
+            return {"content": event[1]}
+        if event[0] == "name":
+            return {"tool_calls": [{"index": event[1], "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                    "function": {"name": event[2], "arguments": ""}}]}
+        return {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}
+
+    def message(self, event: Finished) -> tuple[dict, str]:
+        """The assistant message of a finished chat choice, and its finish reason."""
+        if self.tool_format is None:
+            return {"role": "assistant", "content": event.text}, event.finish_reason
+        content, calls = parse_all(self.tool_format, event.text, self.tool_names)
+        message = {"role": "assistant", "content": content}
+        if not calls:
+            return message, event.finish_reason
+        message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return message, "tool_calls" if event.finish_reason == "stop" else event.finish_reason
+
     def usage_chunk(self, event: Finished) -> dict:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return {**head, "choices": [], "usage": usage(event.stats, event.completion_tokens)}
 
     def choice(self, event: Finished, index: int = 0, echo: tuple[list[int], list] | None = None) -> dict:
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": event.text},
-                    "logprobs": self.logprobs(event.logprobs), "finish_reason": event.finish_reason}
+            message, reason = self.message(event)
+            return {"index": index, "message": message, "logprobs": self.logprobs(event.logprobs),
+                    "finish_reason": reason}
         text, logprobs = event.text, self.logprobs(event.logprobs)
         if echo is not None:  # the prompt first: its text, and its tokens' log-probs (the first has none)
             tokens, entries = echo

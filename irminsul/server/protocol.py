@@ -1,8 +1,8 @@
 """The OpenAI wire format: request models, validation into engine parameters, errors, usage.
 
 Behaviour follows OpenAI's API and vLLM's server where they agree: unknown fields are ignored
-(agent frameworks send many), but a field we know and cannot honour (``n > 1``, ``logprobs``,
-``logit_bias`` ...) is a 400 that names it. Errors use OpenAI's body:
+(agent frameworks send many), but a field we know and cannot honour (``best_of``, ``suffix``,
+``chat_template_kwargs`` ...) is a 400 that names it. Errors use OpenAI's body:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -15,6 +15,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
+from irminsul.engine.grammar import Constraint
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.sequence import RequestStats
 from irminsul.errors import RequestError
@@ -72,22 +73,26 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM: the request's cache namespace
-    # Known but unsupported; each is refused with a 400 when set to a non-default value.
-    best_of: int | None = None
+    best_of: int | None = None  # only 1 (refused otherwise)
     logprobs: bool | Int | None = None  # chat: true/false; completions: the number of alternatives
     top_logprobs: Int | None = None
     logit_bias: dict | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
-    # vLLM extensions (the guided_* ones are known and refused: no structured output yet)
+    # vLLM extensions
     repetition_penalty: Float | None = None
     min_tokens: Int | None = None
     min_p: Float | None = None
     include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool = True
+    # structured output: at most one of these (OpenAI's response_format, vLLM's older guided_* and
+    # newer structured_outputs)
+    response_format: dict | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[Any] | None = None
     guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -95,7 +100,6 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
     max_completion_tokens: Int | None = None
-    response_format: dict | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict | None = None
@@ -217,16 +221,10 @@ def check_supported(req: _Common) -> None:
         ("echo", getattr(req, "echo", False) and req.stream, "echo is not supported with stream=true yet"),
         ("stream_options", req.stream_options is not None and not req.stream,
          "stream_options can only be set when stream=true"),
-        # NOTE: refused, never silently ignored: a client that sets them expects a different output
-        *((name, getattr(req, name) is not None, f"{name} (structured output) is not supported")
-          for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")),
     ]
     if isinstance(req, ChatCompletionRequest):
-        fmt = (req.response_format or {}).get("type", "text")
         refuse += [
-            ("response_format", fmt != "text", f"response_format type {fmt!r} is not supported; only 'text'"),
-            ("tool_choice", req.tool_choice not in (None, "auto", "none"),
-             "tool_choice must be 'auto' or 'none'; forcing a tool call is not supported"),
+            # NOTE: refused, never silently ignored: a client that sets them expects a different output
             ("add_generation_prompt", req.add_generation_prompt is False,
              "add_generation_prompt=false is not supported: the assistant turn is always opened"),
             ("continue_final_message", bool(req.continue_final_message), "continue_final_message is not supported"),
@@ -284,7 +282,81 @@ def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
+def constraint_of(req: _Common) -> tuple[Constraint | None, str | None]:
+    """The structured-output constraint a request asks for, and the field that asked (for errors)."""
+    asked = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            asked.append(("response_format", lambda: Constraint.json_schema(None)))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise APIError(400, "response_format type 'json_schema' needs json_schema.schema, a JSON schema object",
+                               param="response_format")
+            asked.append(("response_format", lambda: Constraint.json_schema(schema)))
+        elif kind != "text":
+            raise APIError(400, f"response_format type {kind!r} must be one of 'text', 'json_object', 'json_schema'",
+                           param="response_format")
+    so = req.structured_outputs or {}
+    if not isinstance(so, dict):
+        raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
+    for name, value, make in (
+        ("guided_json", req.guided_json, _json_constraint), ("guided_regex", req.guided_regex, Constraint.regex),
+        ("guided_choice", req.guided_choice, Constraint.choice), ("guided_grammar", req.guided_grammar, Constraint.lark),
+        ("structured_outputs.json", so.get("json"), _json_constraint),
+        ("structured_outputs.regex", so.get("regex"), Constraint.regex),
+        ("structured_outputs.choice", so.get("choice"), Constraint.choice),
+        ("structured_outputs.grammar", so.get("grammar"), Constraint.lark),
+    ):
+        if value is not None:
+            asked.append((name, lambda make=make, value=value: make(value)))
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        raise APIError(400, f"{' and '.join(n for n, _ in asked)} each constrain the output; set only one",
+                       param=asked[1][0])
+    name, make = asked[0]
+    try:
+        return make(), name
+    except RequestError as e:
+        raise APIError(400, f"{name}: {e}", param=name) from None
+
+
+def _json_constraint(value) -> Constraint:
+    if isinstance(value, str):  # vLLM takes the schema as JSON text too
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"the schema is not valid JSON ({e})") from None
+    return Constraint.json_schema(value)
+
+
+def tool_functions(req: ChatCompletionRequest) -> list[dict]:
+    """The request's functions ({"name", "parameters", ...}) after checking tool_choice against them."""
+    functions = [t.get("function", t) for t in req.tools or [] if isinstance(t, dict)]
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return functions
+    if choice == "required":
+        named = None
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        named = choice["function"]["name"]
+    else:
+        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
+                            "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if not functions:
+        raise APIError(400, f"tool_choice={choice!r} needs tools", param="tool_choice")
+    if named is not None and named not in [f.get("name") for f in functions]:
+        raise APIError(400, f"tool_choice names the function {named!r}, which is not among the tools",
+                       param="tool_choice")
+    return functions
+
+
+def sampling_params(req: _Common, max_tokens: int, constraint: Constraint | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -303,6 +375,8 @@ def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens or 0,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens,
+            constraint=constraint,
         )
     except RequestError as e:
         name = str(e).split("=", 1)[0]

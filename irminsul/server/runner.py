@@ -59,6 +59,7 @@ class Job:
     emit: Callable[[Event], None]
     segment_starts: list[int] | None = None
     tenant: str | None = None
+    matcher: object | None = None  # the output constraint's grammar state, compiled off the engine thread
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
     seq: Sequence | None = None
@@ -176,7 +177,8 @@ class EngineRunner:
 
     def _accept(self, job: Job) -> None:
         try:
-            job.seq = self.engine.new_sequence(job.tokens, job.params, job.segment_starts, tenant=job.tenant)
+            job.seq = self.engine.new_sequence(job.tokens, job.params, job.segment_starts, tenant=job.tenant,
+                                               matcher=job.matcher)
         except Exception as e:  # NOTE: nothing a request sends may stop this thread
             self._dequeued()
             if isinstance(e, RequestError):

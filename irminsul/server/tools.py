@@ -31,12 +31,14 @@ from irminsul.engine.grammar import JSON_LAYOUT, Constraint, closed
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
-    opener: str  # starts one call
-    closer: str  # ends one call
+    opener: str  # starts one call in the output
+    closer: str  # ends it, after the arguments
     header: str  # regex from after the opener to where the arguments' JSON value starts; names the function
     drop: tuple[str, ...] = ()  # markers around a group of calls: neither content nor calls
-    whole_json: bool = False  # a call's body is one JSON object {"name", "arguments"} (in any key order)
-    pad: str = ""  # text between the opener / closer and the body, when generating
+    json_call: bool = False  # a call is one JSON object {"name": ..., "arguments": ...}
+    wrap: tuple[str, str] = ("", "")  # the text around that object, when generating one
+    sep: str = "\n"  # between two calls, when generating
+    raw_json: bool = False  # a call whose header does not match may still be one JSON object (keys in any order)
 
     def grammar(self, tools: list[dict], named: str | None, added_token_id=lambda text: None) -> str:
         """Lark for one call (to `named`) or one or more (to any of `tools`). `added_token_id`: a
@@ -44,7 +46,7 @@ class ToolFormat:
         tokens by their text)."""
         markers = [m for m in (self.opener, self.closer, *self.drop, "<｜tool▁sep｜>") if added_token_id(m) is not None]
 
-        def _lit(text: str) -> str:
+        def lit(text: str) -> str:
             parts = regex.split("(" + "|".join(map(regex.escape, markers)) + ")", text) if markers else [text]
             return " ".join(f"<[{added_token_id(p)}]>" if p in markers else json.dumps(p, ensure_ascii=False)
                             for p in parts if p)
@@ -54,28 +56,31 @@ class ToolFormat:
             if named is not None and fn["name"] != named:
                 continue
             params = closed(fn.get("parameters") or {"type": "object"})
-            if self.whole_json:
+            if self.json_call:
                 schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                           "required": ["name", "arguments"], "additionalProperties": False,
                           "x-guidance": JSON_LAYOUT}
-                body = f"{_lit(self.opener + self.pad)} %json {json.dumps(schema)} {_lit(self.pad + self.closer)}"
-            else:  # deepseek
+                body = f"{lit(self.wrap[0])} %json {json.dumps(schema)} {lit(self.wrap[1])}"
+            else:  # deepseek: the name in the header, the arguments in a code block
                 schema = {**params, "x-guidance": JSON_LAYOUT} if isinstance(params, dict) else params
-                body = (f"{_lit(self.opener + 'function<｜tool▁sep｜>' + fn['name'] + chr(10) + '```json' + chr(10))}"
-                        f" %json {json.dumps(schema)} {_lit(chr(10) + '```' + self.closer)}")
-            rules.append(f"call_{i}: {body}")
+                body = (f"{lit(self.opener + 'function<｜tool▁sep｜>' + fn['name'] + chr(10) + '```json' + chr(10))}"
+                        f" %json {json.dumps(schema)} {lit(chr(10) + '```' + self.closer)}")
+            rules.append(f"call_{i}: {body.strip()}")
             names.append(f"call_{i}")
-        calls = "call" if named is not None else 'call ("\\n" call)*'
-        start = f"{_lit(self.drop[0])} {calls} {_lit(self.drop[1])}" if self.drop else calls
+        calls = "call" if named is not None else f"call ({lit(self.sep)} call)*" if self.sep else "call+"
+        start = f"{lit(self.drop[0])} {calls} {lit(self.drop[1])}" if self.drop else calls
         return "\n".join([f"start: {start}", f"call: {' | '.join(names)}", *rules])
 
 
-_HERMES_HEADER = r'\s*\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[{\["])'
-IRMINSUL = ToolFormat("irminsul", "<tool_call>", "</tool_call>", _HERMES_HEADER, whole_json=True)
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", _HERMES_HEADER, whole_json=True, pad="\n")
+_NAME_THEN_ARGUMENTS = r'\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[{\["])'
+# The bundled model writes a call as the JSON object itself (its training data's form)
+IRMINSUL = ToolFormat("irminsul", '{"name"', "}", _NAME_THEN_ARGUMENTS, json_call=True, sep="")
+HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", r'\s*\{\s*"name"' + _NAME_THEN_ARGUMENTS,
+                    json_call=True, wrap=("<tool_call>\n", "\n</tool_call>"), raw_json=True)
 DEEPSEEK = ToolFormat(
     "deepseek", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-    r"(?:function<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\s*(?=[{\[])|(?!function<)(?P<name2>[^<\n]+?)<｜tool▁sep｜>\s*(?=[{\[]))",
+    r"(?:function<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\s*(?=[{\[])"
+    r"|(?!function<)(?P<name2>[^<\n]+?)<｜tool▁sep｜>\s*(?=[{\[]))",
     drop=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
 )
 FORMATS = {f.name: f for f in (IRMINSUL, HERMES, DEEPSEEK)}
@@ -98,9 +103,11 @@ class Call:
 
 @dataclass
 class ToolCallParser:
-    """Output text in, events out: ("content", text), ("name", index, name), ("arguments", index, text)."""
+    """Output text in, events out: ("content", text), ("name", index, name), ("arguments", index, text).
+    `names`: the functions the request declared; a call to another one stays content."""
 
     fmt: ToolFormat
+    names: frozenset[str] | None = None
     calls: list[Call] = field(default_factory=list)
     _buf: str = ""
     _mode: str = "text"  # text | header | arguments | raw | tail
@@ -174,12 +181,17 @@ class ToolCallParser:
             if m.partial:  # (the header's lookahead needs the value's first character)
                 return False
             name = m.group("name") or (m.groupdict().get("name2") or "")
-            if fmt.whole_json:
+            if fmt.json_call:
                 try:
                     name = json.loads(f'"{name}"')
                 except json.JSONDecodeError:
                     pass
-            self.calls.append(Call(name.strip()))
+            name = name.strip()
+            if self.names is not None and name not in self.names:  # not a function it may call: text
+                self._content(out, fmt.opener + buf[: m.end()])
+                self._buf, self._mode = buf[m.end():], "text"
+                return True
+            self.calls.append(Call(name))
             out.append(("name", len(self.calls) - 1, self.calls[-1].name))
             self._buf = buf[m.end():]
             self._mode, self._depth, self._in_string, self._escape, self._value = "arguments", 0, False, False, ""
@@ -192,7 +204,9 @@ class ToolCallParser:
             if at < 0:
                 return False
             body, self._buf, self._mode = buf[:at], buf[at + len(fmt.closer):], "text"
-            call = _whole_call(body) if fmt.whole_json else None
+            call = _whole_call(body) if fmt.raw_json else None
+            if call is not None and self.names is not None and call[0] not in self.names:
+                call = None
             if call is None:
                 self._content(out, fmt.opener + body + fmt.closer)
             else:
@@ -287,9 +301,9 @@ def _whole_call(body: str) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def parse_all(fmt: ToolFormat, text: str) -> tuple[str | None, list[Call]]:
+def parse_all(fmt: ToolFormat, text: str, names=None) -> tuple[str | None, list[Call]]:
     """The whole output -> (content or None, calls): what a non-streamed response carries."""
-    parser = ToolCallParser(fmt)
+    parser = ToolCallParser(fmt, names)
     events = parser.feed(text) + parser.finish()
     content = "".join(e[1] for e in events if e[0] == "content")
     return (content or None) if parser.calls else content, parser.calls

@@ -18,7 +18,7 @@ def test_matches_the_checkpoints_jinja_template(renderer):
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bags?"}]
     want = jinja2.Template(tok.chat_template).render(messages=messages, bos_token="<|bos|>", add_generation_prompt=True)
     got = renderer.render(messages)
-    assert template_for(tok) is IRMINSUL
+    assert template_for(tok)[0] is IRMINSUL
     assert got.token_ids == tok.encode(want, add_bos=False)
     # one segment for bos, one per message, one for the generation prompt
     assert len(got.segment_starts) == 1 + len(messages) + 1 and got.segment_starts[0] == 0

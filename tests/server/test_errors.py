@@ -6,6 +6,7 @@ import pytest
 from tests.server.server_helpers import chat
 
 HI = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 CASES = [
     ("chat", b"{not json", 400, "not valid JSON"),
     ("chat", b"[1, 2]", 400, "JSON object"),
@@ -20,8 +21,20 @@ CASES = [
     ("chat", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
     ("chat", {"messages": HI, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
-    ("chat", {"messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
-    ("chat", {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"messages": HI, "tool_choice": "required"}, 400, "needs tools"),
+    ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "not among the tools"),
+    ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": "always"}, 400, "tool_choice must be"),
+    ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     400, "set only one"),
+    ("chat", {"messages": HI, "response_format": {"type": "xml"}}, 400, "response_format type 'xml'"),
+    ("chat", {"messages": HI, "response_format": {"type": "json_schema"}}, 400, "json_schema.schema"),
+    ("chat", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+     400, "could not be compiled"),
+    ("completions", {"prompt": "hi", "guided_regex": "(("}, 400, "guided_regex: the regex could not be compiled"),
+    ("completions", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("completions", {"prompt": "hi", "guided_json": "{not json"}, 400, "not valid JSON"),
+    ("completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400, "set only one"),
     ("chat", {"messages": HI, "stream_options": {"include_usage": True}}, 400, "stream=true"),
     ("chat", {"messages": HI, "temperature": -1}, 400, "temperature"),
     ("chat", {"messages": HI, "cache_salt": ""}, 400, "cache_salt"),
@@ -39,7 +52,6 @@ CASES = [
     ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "outside the vocabulary"),
     ("completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
-    ("chat", {"messages": HI, "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("chat", {"messages": HI, "chat_template_kwargs": {"enable_thinking": True}}, 400, "chat_template_kwargs"),
     ("chat", {"messages": HI, "add_generation_prompt": False}, 400, "add_generation_prompt"),
     ("chat", {"messages": HI, "continue_final_message": True}, 400, "continue_final_message"),

@@ -1,0 +1,137 @@
+"""Structured outputs and tool calls through the official openai client, on the bundled model.
+
+The bundled model is small: left free it rarely writes a tool call or valid JSON. Constrained
+decoding must make it do both anyway, and the answers must validate against the schemas.
+"""
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from irminsul.bundled import bundled_model
+from tests.server.server_helpers import start
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}
+FLIGHT = {"type": "object", "properties": {"origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                           "passengers": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["origin", "passengers"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "book_flight", "description": "Book a flight",
+                                           "parameters": FLIGHT}}]
+SCHEMAS = {"get_weather": WEATHER, "book_flight": FLIGHT}
+ASK = [{"role": "user", "content": "Book a flight from JFK for two people, then tell me the weather in Paris."}]
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    s = start(bundled_model("mla"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(bundled):
+    return openai.OpenAI(base_url=bundled.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _check_calls(calls, names=None):
+    assert calls, "no tool call was returned"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book_flight"}}])
+def test_forced_tool_calls_are_parsed_and_valid_streamed_or_not(client, choice):
+    kw = dict(model=_model(client), messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=0)
+    out = client.chat.completions.create(**kw)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    _check_calls(c.message.tool_calls, ["book_flight"] if isinstance(choice, dict) else None)
+    # streamed: the name first, then the arguments in pieces that add up to the same call
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    calls: dict[int, dict] = {}
+    pieces = 0
+    for chunk in chunks:
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            call = calls.setdefault(d.index, {"name": None, "arguments": ""})
+            if d.function.name:
+                assert call["name"] is None and d.id.startswith("call_")
+                call["name"] = d.function.name
+            call["arguments"] += d.function.arguments or ""
+            pieces += 1
+    assert [(v["name"], v["arguments"]) for _, v in sorted(calls.items())] == \
+        [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    assert pieces > 2 * len(calls)  # incremental, not one delta per call
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_a_tool_schema_is_reused_at_another_position(client):
+    """The tool schemas are their own segments: behind a different system prompt they are reused."""
+    model = _model(client)
+    for system in ("You are a travel agent for a small airline.", "Answer briefly. " * 30):
+        out = client.chat.completions.create(model=model, messages=[{"role": "system", "content": system}, *ASK],
+                                             tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0)
+    split = out.usage.model_extra["irminsul"]
+    assert split["reused_tokens"] > 60, split  # the two tool schemas, found at a shifted position
+
+
+def test_json_schema_response_format_validates(client):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+                                               "bags": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+              "required": ["answer", "confidence", "bags"]}
+    out = client.chat.completions.create(
+        model=_model(client), messages=[{"role": "user", "content": "Are two checked bags free?"}], max_tokens=80,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    c = out.choices[0]
+    assert c.finish_reason == "stop"
+    value = json.loads(c.message.content)
+    jsonschema.validate(value, schema)
+    assert set(value) == {"answer", "confidence", "bags"}  # closed: no keys the schema does not list
+
+
+def test_guided_choice_regex_and_json_object_on_completions(client):
+    model = _model(client)
+    out = client.completions.create(model=model, prompt="The sky is", max_tokens=10, n=4, temperature=1.0, seed=3,
+                                    extra_body={"guided_choice": ["blue", "green", "grey"]})
+    assert all(c.text in ("blue", "green", "grey") and c.finish_reason == "stop" for c in out.choices)
+    out = client.completions.create(model=model, prompt="Flight number:", max_tokens=10, temperature=0,
+                                    extra_body={"guided_regex": "[A-Z]{2}[0-9]{3,4}"})
+    assert re.fullmatch("[A-Z]{2}[0-9]{3,4}", out.choices[0].text)
+    out = client.chat.completions.create(model=model, messages=ASK, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    c = out.choices[0]
+    if c.finish_reason == "stop":  # (a free-form object may run to max_tokens; when it ends, it parses)
+        assert isinstance(json.loads(c.message.content), dict)
+    else:
+        assert c.message.content.startswith("{")
+
+
+def test_auto_tool_choice_parses_what_the_model_writes(client):
+    """tool_choice=auto: text stays content; a call in the bundled model's syntax (put in its output
+    here by a regex constraint) becomes tool_calls; a call to an undeclared function stays text."""
+    model = _model(client)
+    call = '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": \\"celsius\\"}"}'
+    out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+                                         extra_body={"guided_regex": "Sure\\. " + re.escape(call)})
+    c = out.choices[0]
+    assert c.message.content == "Sure." and c.finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
+        [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    for choice, text in (("none", call), ("auto", call.replace("get_weather", "get_time"))):
+        out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                             max_tokens=60, temperature=0, extra_body={"guided_regex": re.escape(text)})
+        assert out.choices[0].message.content == text and not out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "stop"
