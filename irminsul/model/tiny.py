@@ -69,12 +69,11 @@ def _byte_order(ch: str) -> int:
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
     byte_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
-    template = (
-        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
+    from irminsul.model.tokenizer import IRMINSUL_CHAT_TEMPLATE
+
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": True, "chat_template": template}, indent=1))
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": True,
+         "chat_template": IRMINSUL_CHAT_TEMPLATE}, indent=1))
 
 
 def make_tiny_checkpoint(path: str | Path, variant: str = "v2", yarn: bool = False, seed: int = 0,

@@ -17,6 +17,40 @@ def _token_text(value) -> str | None:
     return value
 
 
+# The bundled models' chat template (tokenizer_config.json): `<|bos|>`, then `<|role|>content<|end|>`
+# per message, tool schemas as JSON lines in the system turn, an assistant's tool calls as
+# {"name", "arguments"} objects after its content (the training data's form), text parts each
+# followed by a blank line. `irminsul.server.chat.IRMINSUL` is the same format, hand-written.
+IRMINSUL_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(sys=0) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'system' and loop.index0 == ns.sys -%}{%- set ns.sys = ns.sys + 1 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- macro calls(m) -%}"
+    "{%- for c in (m.get('tool_calls') or []) + ([m['function_call']] if m.get('function_call') else []) -%}"
+    "{%- set f = c['function'] if 'function' in c else c -%}{%- set a = f.get('arguments', '') -%}"
+    "{{- {'name': f.get('name', '') | string, 'arguments': a if a is string else a | tojson} | tojson -}}"
+    "{%- endfor -%}"
+    "{%- endmacro -%}"
+    "{%- macro message(m, close) -%}"
+    "{%- set role = 'tool' if m['role'] == 'function' else m['role'] -%}"
+    "{{- '<|' + role + '|>' -}}"
+    "{%- if m['content'] is string -%}{{- m['content'] -}}"
+    "{%- elif m['content'] is not none -%}{%- for p in m['content'] -%}{{- p['text'] + '\\n\\n' -}}{%- endfor -%}{%- endif -%}"
+    "{%- if role == 'assistant' -%}{{- calls(m) -}}{%- endif -%}"
+    "{%- if close -%}{{- '<|end|>' -}}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{{- bos_token -}}"
+    "{%- for m in messages[:ns.sys] -%}{{- message(m, not tools or loop.index0 < ns.sys - 1) -}}{%- endfor -%}"
+    "{%- if tools -%}"
+    "{{- ('' if ns.sys else '<|system|>') + '# Tools\\nYou may call these functions:' -}}"
+    "{%- for t in tools -%}{{- '\\n' + t | tojson -}}{%- endfor -%}"
+    "{{- '\\n<|end|>' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages[ns.sys:] -%}{{- message(m, true) -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -33,6 +67,12 @@ class Tokenizer:
         self.bos_token_id = self._id(self.config.get("bos_token"))
         self.eos_token_id = self._id(self.config.get("eos_token"))
         self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """bos_token, eos_token, ... as a chat template sees them (transformers passes these)."""
+        names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        return {n: _token_text(self.config[n]) for n in names if _token_text(self.config.get(n)) is not None}
 
     def _id(self, token) -> int | None:
         text = _token_text(token)
@@ -57,6 +97,11 @@ class Tokenizer:
             plain.encode_special_tokens = True
             self._plain = plain
         return plain.encode(text, add_special_tokens=False).ids
+
+    @property
+    def added_strings(self) -> tuple[str, ...]:
+        """Every added token's text, special or not (each always tokenizes as itself)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
 
     @property
     def special_strings(self) -> tuple[str, ...]:

@@ -197,7 +197,8 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
             ids = await asyncio.to_thread(s.tokenizer.encode, req.prompt, None if req.add_special_tokens else False)
         else:
             try:
-                ids = (await asyncio.to_thread(s.renderer.render, req.messages, req.tools)).token_ids
+                ids = (await asyncio.to_thread(s.renderer.render, req.messages, req.tools, req.add_generation_prompt,
+                                               req.continue_final_message, req.chat_template_kwargs)).token_ids
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
         return {"count": len(ids), "max_model_len": s.context, "tokens": ids}

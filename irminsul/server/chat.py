@@ -1,19 +1,22 @@
-"""Chat requests -> token ids + segment starts, on render.py's segment-aligned templates.
+"""Chat requests -> token ids + segment starts.
 
-Each message (and each text part of one) and each tool schema is tokenised on its own, so the
+Each message (and each text part of one) and each tool schema starts a segment of its own, so the
 same content always tokenises the same way wherever it sits, and every segment start is handed to
 the engine: CDC chunking restarts there (S2 without model-visible markers, docs/design.md section 3).
-The template is chosen from the checkpoint's special tokens.
+The template is the checkpoint's own Jinja `chat_template` (`template.py`); a checkpoint without one
+gets the hand-written template (render.py) its special tokens match.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 
 from irminsul.model.tokenizer import Tokenizer
 from irminsul.server import tools
+from irminsul.server.template import REASONING_FIELDS, RESERVED, JinjaTemplate, Marks, Piece, boundaries
 from irminsul.workloads.render import DEEPSEEK, QWEN2, ChatTemplate, segment_texts
 from irminsul.workloads.trace import parse_request
 
@@ -73,7 +76,9 @@ class RenderedChat:
 
 
 class ChatRenderer:
-    """Renders OpenAI chat messages (+ tools) for one tokenizer.
+    """Renders OpenAI chat messages (+ tools) for one tokenizer: with the checkpoint's own Jinja
+    chat template when it has one (`template.py`), else with the hand-written template its special
+    tokens match.
 
     NOTE: no memo of tokenised text across requests: one shared by every tenant made a request's
     timing tell whether some tenant had sent the same text before (a membership oracle), and one
@@ -83,41 +88,185 @@ class ChatRenderer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.template, self.tool_format = template_for(tokenizer)
+        self.jinja = JinjaTemplate(tokenizer.chat_template, tokenizer.special_tokens_map) \
+            if tokenizer.chat_template else None
+        if self.jinja is not None and self.template is None:  # its tool syntax, from its tokens or its text
+            if tokenizer.added_token_id("<｜tool▁calls▁begin｜>") is not None:
+                self.tool_format = tools.DEEPSEEK
+            elif "<tool_call>" in self.jinja.source:
+                self.tool_format = tools.HERMES
         self._specials = tokenizer.special_strings
+        self._special_re = _alternatives(self._specials)  # client text holding one is encoded as text
+        self._added_re = _alternatives(tokenizer.added_strings)  # segments may start at any added token
 
-    def _encode(self, text: str, mark: str) -> list[int]:
-        """One segment's text, in which every client string is wrapped in `mark`s. Where no client
-        string holds a special token's text, the segment is encoded whole, as it always was; where
-        one does, the template's pieces are encoded with their control tokens and the client's
-        pieces as text."""
-        pieces = text.split(mark)  # template, client, template, client, ..., template
-        client = pieces[1::2]
-        if not any(s in c for c in client for s in self._specials):
-            return self.tokenizer.encode("".join(pieces), add_bos=False)
-        ids: list[int] = []
-        for i, piece in enumerate(pieces):
-            if piece:
-                ids += self.tokenizer.encode_text(piece) if i % 2 else self.tokenizer.encode(piece, add_bos=False)
+    def _has_special(self, text: str) -> bool:
+        return self._special_re is not None and self._special_re.search(text) is not None
+
+    def _encode(self, text: str, client: list[tuple[int, int]]) -> list[int]:
+        """One segment's text; `client` the spans in it that the client sent. Where no client span
+        holds a special token's text, the segment is encoded whole; where one does, the template's
+        pieces are encoded with their control tokens and the client's as text."""
+        if not any(self._has_special(text[a:b]) for a, b in client):
+            return self.tokenizer.encode(text, add_bos=False)
+        ids, at = [], 0
+        for a, b in client:
+            if a > at:
+                ids += self.tokenizer.encode(text[at:a], add_bos=False)
+            ids += self.tokenizer.encode_text(text[a:b])
+            at = b
+        if at < len(text):
+            ids += self.tokenizer.encode(text[at:], add_bos=False)
         return ids
 
-    def render(self, messages: list, tools: list | None = None) -> RenderedChat:
+    def render(self, messages: list, tools: list | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, template_kwargs: dict | None = None) -> RenderedChat:
         """Raises ValueError with a message for people when the request cannot be rendered."""
-        if self.template is None:
-            raise ValueError("this model's tokenizer matches no chat template Irminsul knows "
-                             "(irminsul, deepseek, qwen2); use /v1/completions with a rendered prompt")
         # OpenAI's newer "developer" role is a system message to every template here.
         messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                     for m in messages]
         parse_request({"messages": messages, "tools": tools or []})  # validates, says what is wrong
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=true needs add_generation_prompt=false: the final message "
+                             "is continued, not answered")
+        if continue_final_message and messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message=true needs an assistant message last")
+        if self.jinja is None:
+            return self._render_builtin(messages, tools, add_generation_prompt, continue_final_message,
+                                        template_kwargs)
+        return self._render_jinja(messages, tools, add_generation_prompt, continue_final_message,
+                                  template_kwargs or {})
+
+    # -- the checkpoint's Jinja template ---------------------------------------------------
+
+    def _prepare(self, messages: list) -> list[dict]:
+        """Messages as templates expect them (as transformers gives them): no None-valued keys (OpenAI
+        sends `content: null` beside tool calls; templates handle a missing key), reasoning under
+        every name templates read, and tool-call arguments as objects where the template writes
+        them with tojson."""
+        out = []
+        for m in messages:
+            m = {k: v for k, v in m.items() if v is not None}
+            reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+            if reasoning is not None:
+                m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+            if self.jinja.decodes_arguments and m.get("tool_calls"):
+                m["tool_calls"] = [_decoded_arguments(c) for c in m["tool_calls"]]
+            out.append(m)
+        return out
+
+    def _with_parts(self, messages: list[dict], wrap) -> list[dict]:
+        """Text parts as the template reads them: a list of parts, or (most templates) one string,
+        joined by newlines as vLLM joins them. `wrap(text, unit)` marks each client string."""
+        out = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            rest = wrap({k: v for k, v in m.items() if k != "content"}, ("message", i))
+            if isinstance(content, list):
+                parts = [wrap(p["text"], ("part", i, j)) for j, p in enumerate(content)]
+                content = [{**p, "text": t} for p, t in zip(content, parts)] if self.jinja.parts_as_list \
+                    else "\n".join(parts)
+            elif isinstance(content, str):
+                content = wrap(content, ("message", i))
+            out.append({**rest, "content": content} if "content" in m else rest)
+        return out
+
+    def _render_jinja(self, messages, tools, add_generation_prompt, continue_final_message, kwargs) -> RenderedChat:
+        if bad := sorted(set(kwargs) & RESERVED):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}")
+        if self._has_special(json.dumps(kwargs, ensure_ascii=False)):
+            raise ValueError("chat_template_kwargs holds a special token's text")
+        prepared = self._prepare(messages)
+        marks = Marks()
+        marked = self.jinja.render(self._with_parts(prepared, marks.wrap),
+                                   [marks.wrap(t, ("tool", k)) for k, t in enumerate(tools or [])],
+                                   add_generation_prompt, kwargs)
+        plain = self.jinja.render(self._with_parts(prepared, lambda v, unit: v), tools, add_generation_prompt, kwargs)
+        split = marks.split(marked)
+        if split is not None and split[0] == plain:
+            text, pieces = split
+        else:  # the template rewrote some client text: find each message's content instead
+            text, pieces = plain, self._find_contents(plain, messages, tools)
+        if continue_final_message:  # the text ends where the final message's content does
+            last = len(messages) - 1
+            ends = [p.end for p in pieces if p.unit is not None and p.unit[1] == last and p.unit[0] != "tool"]
+            if not ends:
+                raise ValueError("continue_final_message: the chat template does not show the final message")
+            text = text[: max(ends)]
+            pieces = [Piece(p.start, min(p.end, len(text)), p.unit) for p in pieces if p.start < len(text)]
+        tokens, starts = [], []
+        cuts = boundaries(text, pieces, self._added_re) + [len(text)]
+        for a, b in zip(cuts, cuts[1:]):
+            client = [(max(p.start, a) - a, min(p.end, b) - a) for p in pieces
+                      if p.unit is not None and p.start < b and p.end > a]
+            ids = self._encode(text[a:b], client)
+            if ids:
+                starts.append(len(tokens))
+                tokens.extend(ids)
+        return RenderedChat(tokens, starts)
+
+    def _find_contents(self, text: str, messages, tools) -> list[Piece]:
+        """Pieces for a rendering without marks: each message's content where it is found, in order.
+        Client text cannot be told from the template's then, so none may hold a special token."""
+        if self._has_special(json.dumps([messages, tools or []], ensure_ascii=False)):
+            raise ValueError("this model's chat template rewrites message text, so text holding a special "
+                             "token's string cannot be told apart from the template's; remove it")
+        pieces, at = [], 0
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "\n".join(p["text"] for p in content)
+            if not content:
+                continue
+            found = text.find(content.strip(), at)
+            if found >= 0:
+                pieces.append(Piece(found, found + len(content.strip()), ("message", i)))
+                at = found + len(content.strip())
+        return pieces
+
+    # -- the hand-written templates (checkpoints without a chat_template) -------------------
+
+    def _render_builtin(self, messages, tools, add_generation_prompt, continue_final_message,
+                        template_kwargs) -> RenderedChat:
+        if self.template is None:
+            raise ValueError("this model has no chat_template and its tokenizer matches no chat template Irminsul "
+                             "knows (irminsul, deepseek, qwen2); use /v1/completions with a rendered prompt")
+        if not add_generation_prompt or continue_final_message or template_kwargs:
+            raise ValueError("add_generation_prompt=false, continue_final_message and chat_template_kwargs need "
+                             "the checkpoint's own chat_template, which this model's tokenizer_config.json lacks")
         # Every string the client sent is wrapped in a mark no client can guess, so the template's
         # text and the client's can be told apart after rendering (control tokens: see _encode).
         mark = f"\ue000{secrets.token_hex(8)}\ue001"
         request = parse_request({"messages": _wrapped(messages, mark), "tools": _wrapped(tools or [], mark)})
         tokens: list[int] = []
         starts: list[int] = []
-        for text in segment_texts(request, self.template):
-            ids = self._encode(text, mark) if text else []
+        for marked in segment_texts(request, self.template):
+            pieces = marked.split(mark)  # template, client, template, client, ..., template
+            text, client, at = "", [], 0
+            for k, piece in enumerate(pieces):
+                if k % 2:
+                    client.append((len(text), len(text) + len(piece)))
+                text += piece
+            ids = self._encode(text, client) if text else []
             if ids:
                 starts.append(len(tokens))
                 tokens.extend(ids)
         return RenderedChat(tokens, starts)
+
+
+def _alternatives(strings) -> re.Pattern | None:
+    return re.compile("|".join(re.escape(t) for t in sorted(strings, key=len, reverse=True))) if strings else None
+
+
+def _decoded_arguments(call):
+    """A tool call whose arguments (OpenAI's JSON text) decode to an object carries the object."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            value = json.loads(args)
+        except json.JSONDecodeError:
+            return call
+        if isinstance(value, dict):
+            return {**call, "function": {**call["function"], "arguments": value}}
+    return call

@@ -86,7 +86,8 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
                                     f"set only one", param=asked_by)
             constraint, asked_by = forced, "tool_choice"
         try:
-            rendered = state.renderer.render(req.messages, req.tools)
+            rendered = state.renderer.render(req.messages, req.tools, req.add_generation_prompt,
+                                             req.continue_final_message, req.chat_template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         prompts, starts = [rendered.token_ids], rendered.segment_starts

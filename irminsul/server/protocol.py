@@ -100,8 +100,8 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
     max_completion_tokens: Int | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
+    add_generation_prompt: bool = True  # vLLM's chat-template controls
+    continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
 
 
@@ -169,6 +169,9 @@ class TokenizeRequest(BaseModel):
     messages: list[Any] | None = None
     tools: list[Any] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -223,13 +226,6 @@ def check_supported(req: _Common) -> None:
          "stream_options can only be set when stream=true"),
     ]
     if isinstance(req, ChatCompletionRequest):
-        refuse += [
-            # NOTE: refused, never silently ignored: a client that sets them expects a different output
-            ("add_generation_prompt", req.add_generation_prompt is False,
-             "add_generation_prompt=false is not supported: the assistant turn is always opened"),
-            ("continue_final_message", bool(req.continue_final_message), "continue_final_message is not supported"),
-            ("chat_template_kwargs", bool(req.chat_template_kwargs), "chat_template_kwargs is not supported"),
-        ]
         refuse += [("top_logprobs", req.top_logprobs is not None and not req.logprobs,
                     "top_logprobs needs logprobs=true")]
     else:

@@ -12,16 +12,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from irminsul.model.tokenizer import IRMINSUL_CHAT_TEMPLATE
+
 BOS, EOS, END = "<|bos|>", "<|eos|>", "<|end|>"
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKENS = [BOS, EOS, END, "<|pad|>"] + [f"<|{r}|>" for r in ROLES]
 VOCAB_SIZE = 8192
 
-# Jinja chat template; `render_chat` in data.py writes the same text.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+# Jinja chat template; `render_chat` in data.py writes the same text for plain messages.
+CHAT_TEMPLATE = IRMINSUL_CHAT_TEMPLATE
 
 
 def train_tokenizer(texts, vocab_size: int = VOCAB_SIZE) -> Tokenizer:

