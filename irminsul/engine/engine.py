@@ -263,11 +263,14 @@ class Engine:
                 continue
             before = len(seq.tokens)
             self._append(seq, token)
-            if row in logprobs and len(seq.tokens) > before:  # a stop token is not output, nor its log-prob
+            appended = len(seq.tokens) > before
+            # a stop token (EOS or stop_token_ids) is not output, but its log-prob is, as vLLM's are:
+            # lm-evaluation-harness drops the last entry of an echoed prompt + one generated token
+            if row in logprobs and (appended or seq.finish_reason == "stop"):
                 lp = logprobs[row]
                 top = lp.topk(seq.params.logprobs) if seq.params.logprobs else None
                 seq.logprobs.append(TokenLogprob(token, float(lp[token]), tuple(
-                    zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()))
+                    zip(top.indices.tolist(), top.values.tolist())) if top is not None else (), stop=not appended))
             new[i] = token
         return new
 

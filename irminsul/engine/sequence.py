@@ -41,6 +41,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    stop: bool = False  # the stop token that ended the sequence: scored, but not in the output
 
 
 @dataclass(eq=False)

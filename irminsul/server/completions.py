@@ -303,7 +303,7 @@ class _Format:
 
             return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
                                 for e in entries]}
-        tokens = [text(e.token) for e in entries]
+        tokens = [("" if e.stop else text(e.token)) for e in entries]  # the text holds no stop token
         offsets = [text_start + sum(map(len, tokens[:i])) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{text(t): v for t, v in e.top} for e in entries], "text_offset": offsets}

@@ -103,6 +103,24 @@ def test_echo_returns_the_prompts_logprobs_as_lm_eval_reads_them(client, tiny_di
     assert lp.text_offset[: len(ids)] == sorted(lp.text_offset[: len(ids)])
 
 
+def test_a_stop_token_is_scored_though_not_output(client, tiny_dir):
+    """When the one generated token is EOS, its entry is still there (as vLLM's is): lm-eval reads
+    token_logprobs[ctxlen:-1], so a missing entry would cut the continuation's last token."""
+    from irminsul import LLM
+
+    llm = LLM(tiny_dir)
+    eos = sorted(llm.engine.eos_ids)[0]
+    prompt = "The capital of France is Paris"
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                    echo=True, logit_bias={str(eos): 100})  # biased: the log-probs are the model's
+    c = out.choices[0]
+    ids = llm.tokenizer.encode(prompt)
+    assert c.finish_reason == "stop" and c.text == prompt and out.usage.completion_tokens == 0
+    assert len(c.logprobs.token_logprobs) == len(ids) + 1 and c.logprobs.tokens[-1] == ""
+    assert abs(c.logprobs.token_logprobs[-1] - float(llm.score(ids, [eos])[0, eos])) < 1e-4
+    assert "".join(c.logprobs.tokens) == c.text
+
+
 def test_batched_prompts_and_n_choices(client):
     """A list of prompts returns one choice per prompt, each what the prompt gets alone; n choices
     of one prompt sample with seed, seed + 1, ... ; usage counts each prompt once."""
