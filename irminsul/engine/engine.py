@@ -89,10 +89,11 @@ class Engine:
             )
 
     def new_sequence(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
-                     tenant: str | None = None, matcher=None) -> Sequence:
+                     tenant: str | None = None, matcher=None, leader: Sequence | None = None) -> Sequence:
         """A validated request, not yet admitted (it holds no rows). `matcher`: the constraint's
         grammar state, compiled beforehand (`grammars.matcher`) so the caller's thread pays for it;
-        compiled here when not given."""
+        compiled here when not given. `leader`: another choice of the same prompt, queued before
+        this one; this one shares the leader's prompt rows (n > 1 costs one prefill)."""
         tokens = [int(t) for t in tokens]
         self.validate_prompt(tokens)
         vocab = self.config.vocab_size
@@ -100,14 +101,20 @@ class Engine:
             raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if params.constraint is not None and matcher is None:
             matcher = self.grammars.matcher(params.constraint)
+        if leader is not None and (leader.tokens[: leader.prompt_len] != tokens or leader.tenant != tenant):
+            raise ValueError("a leader must be a choice of the same prompt, for the same tenant")
         return Sequence(tokens=tokens, prompt_len=len(tokens), params=params, segment_starts=segment_starts,
                         tenant=tenant, generator=make_generator(params.seed), matcher=matcher,
-                        detok=self.tokenizer.decode_stream(params.skip_special_tokens))
+                        detok=self.tokenizer.decode_stream(params.skip_special_tokens), leader=leader)
 
     def admit(self, seq: Sequence) -> bool:
         """Plan the sequence against the cache and give it rows: shared slots for what it reuses,
         fresh ones for what it computes. False (holding nothing) when it must wait: a running
-        sequence is computing some of its chunks right now, or the pool cannot hold it yet."""
+        sequence is computing some of its chunks right now, its leader is still computing their
+        shared prompt, or the pool cannot hold it yet."""
+        lead = seq.leader
+        if lead is not None and lead.admitted and not lead.finished and lead.prompt_len == seq.prompt_len:
+            return False if lead.in_prefill else self._admit_sibling(seq, lead)
         if self.cache.waits_for(seq.tokens, seq.segment_starts, seq.tenant):
             return False
         self.cache.prepare(seq)  # the plan, the slot table of reused rows, the stats
@@ -121,6 +128,24 @@ class Engine:
         except BaseException:
             self._unadmit(seq)
             raise
+        return True
+
+    def _admit_sibling(self, seq: Sequence, lead: Sequence) -> bool:
+        """Share the leader's prompt rows (one more reference each) and compute only the last prompt
+        position, whose logits start this choice. Counted as prefix tokens: rows found, not computed."""
+        n = seq.prompt_len - 1
+        seq.slots = np.zeros(seq.prompt_len, np.int64)
+        seq.slots[:n] = lead.slots[:n]
+        self.pool.retain(seq.slots[:n])
+        seq.pending = np.array([n], np.int64)
+        seq.plan, seq.registered = None, seq.prompt_len
+        st = seq.stats
+        st.prompt_tokens, st.prefix_tokens, st.reused_tokens, st.computed_tokens = seq.prompt_len, n, 0, 1
+        st.carve_out_tokens = st.s1_tokens = 0
+        if not self._alloc(seq, seq.pending):
+            self._unadmit(seq)
+            return False
+        seq.leader = None  # admitted: it holds its own references now
         return True
 
     def add(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,

@@ -65,6 +65,8 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked for
     detok: object | None = None  # incremental detokenizer state
     matcher: object | None = None  # the grammar's state when the output is constrained (engine/grammar.py)
+    # Another choice of the same prompt (n > 1): this one shares its prompt rows instead of computing them
+    leader: Sequence | None = field(default=None, repr=False)
     id: int = field(default_factory=lambda: next(_ids))
     _buf: np.ndarray | None = field(default=None, repr=False)
 

@@ -109,10 +109,12 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
             raise APIError(400, f"the request needs {len(tokens)} prompt + {max_tokens} output rows but this "
                                 f"server's KV pool holds {pool.n_slots - 1} (--kv-cache-gib); shorten it or "
                                 f"lower max_tokens")
+        leader = None
         for i in range(req.n):
             seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
             jobs.append(Job(tokens=tokens, params=seeded, emit=None, segment_starts=starts, tenant=tenant,
-                            matcher=_matcher(state, constraint, asked_by)))
+                            matcher=_matcher(state, constraint, asked_by), leader=leader))
+            leader = leader or jobs[-1]  # the other choices share the first one's prompt rows
     return jobs
 
 
@@ -155,7 +157,8 @@ async def handle(state, request: Request, chat: bool):
         raise APIError(first.status, first.message)
     if req.stream:
         watcher.cancel()  # NOTE: from here Starlette cancels the body iterator when the client leaves
-        return StreamingResponse(_stream(state, job, channel, fmt, first), media_type="text/event-stream")
+        tagged = _Tagged(channel)
+        return StreamingResponse(_stream(state, [job], tagged, fmt, (0, first)), media_type="text/event-stream")
     event = first
     try:
         while not isinstance(event, (Finished, Failed)):
@@ -172,15 +175,13 @@ async def handle(state, request: Request, chat: bool):
 
 async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
     """n > 1 or a batch of prompts: every job runs in the engine's batch; one response, one choice
-    per job, in order (prompt-major). Not streamed yet."""
-    if req.stream:
-        raise APIError(400, "streaming several choices (n > 1 or a batch of prompts) is not supported yet",
-                       param="stream", code="unsupported_parameter")
+    per job, in order (prompt-major); streamed, each chunk names its choice's index."""
     fmt = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat))
     channels = []
-    for job in jobs:
+    merged = _Channel()  # streaming: every job's events, tagged with the job's index, in one queue
+    for i, job in enumerate(jobs):
         channel = _Channel()
-        job.emit = channel.emit
+        job.emit = (lambda e, i=i: merged.emit((i, e))) if req.stream else channel.emit
         channels.append(channel)
     submitted = []
     try:
@@ -191,6 +192,9 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
         for job in submitted:
             state.runner.abort(job)
         raise APIError(503, f"the server is overloaded: {e}; retry later") from None
+    if req.stream:  # (stream with echo is refused up front)
+        return StreamingResponse(_stream(state, jobs, merged, fmt, None, len(jobs) // req.n),
+                                 media_type="text/event-stream")
     echoes = None
     if not chat and req.echo:
         echoes = [await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job)) for job in jobs]
@@ -239,39 +243,59 @@ def _prompt_logprobs(engine, job: Job) -> tuple[list[int], list]:
     return tokens, out
 
 
-async def _stream(state, job: Job, channel: _Channel, fmt: "_Format", first):
+class _Tagged:
+    """One job's channel read as (choice index 0, event) pairs, as `_stream` reads several jobs'."""
+
+    def __init__(self, channel: _Channel):
+        self.channel = channel
+
+    async def get(self):
+        return 0, await self.channel.queue.get()
+
+
+async def _stream(state, jobs: list[Job], channel, fmt: "_Format", first, prompts: int = 1):
+    """Server-sent chunks for one or several jobs; `channel` yields (choice index, event) pairs
+    (`first`, if given, is the first pair, already read). Each choice has its own tool-call parser
+    and finishes on its own; the usage chunk, when asked for, comes after the last choice."""
+    get = channel.get if isinstance(channel, _Tagged) else channel.queue.get
     done = False
     try:
         if fmt.chat:
-            yield fmt.sse(fmt.chunk({"role": "assistant", "content": ""}))
-        parser = ToolCallParser(fmt.tool_format, fmt.tool_names) if fmt.tool_format is not None else None
-        event = first
-        while True:
+            for i in range(len(jobs)):
+                yield fmt.sse(fmt.chunk({"role": "assistant", "content": ""}, index=i))
+        parsers = [ToolCallParser(fmt.tool_format, fmt.tool_names) if fmt.tool_format is not None else None
+                   for _ in jobs]
+        finished: dict[int, Finished] = {}
+        failed = False
+        while len(finished) < len(jobs):
+            i, event = first if first is not None else await get()
+            first, parser = None, parsers[i]
             if isinstance(event, Delta) and parser is None:
-                yield fmt.sse(fmt.chunk(event.text, logprobs=event.logprobs))
+                yield fmt.sse(fmt.chunk(event.text, logprobs=event.logprobs, index=i))
             elif isinstance(event, Delta):  # tool calls: the parser decides what the text is
                 deltas = [fmt.tool_delta(e) for e in parser.feed(event.text)] or ([{}] if event.logprobs else [])
-                for i, delta in enumerate(deltas):
-                    yield fmt.sse(fmt.chunk(delta, logprobs=event.logprobs if i == 0 else ()))
+                for k, delta in enumerate(deltas):
+                    yield fmt.sse(fmt.chunk(delta, logprobs=event.logprobs if k == 0 else (), index=i))
             elif isinstance(event, Finished):
                 reason = event.finish_reason
                 if parser is not None:
                     for e in parser.finish():
-                        yield fmt.sse(fmt.chunk(fmt.tool_delta(e)))
+                        yield fmt.sse(fmt.chunk(fmt.tool_delta(e), index=i))
                     reason = "tool_calls" if parser.calls and reason == "stop" else reason
-                yield fmt.sse(fmt.chunk("" if not fmt.chat else {}, reason))
-                if fmt.include_usage:
-                    yield fmt.sse(fmt.usage_chunk(event))
-                break
+                yield fmt.sse(fmt.chunk("" if not fmt.chat else {}, reason, index=i))
+                finished[i] = event
             else:  # Failed mid-stream: an error object, as vLLM sends it
                 yield fmt.sse(APIError(event.status, event.message).body())
+                failed = True
                 break
-            event = await channel.queue.get()
+        if fmt.include_usage and not failed:
+            yield fmt.sse(fmt.usage_chunk([finished[i] for i in range(len(jobs))], prompts))
         yield "data: [DONE]\n\n"
         done = True
     finally:
         if not done:
-            state.runner.abort(job)
+            for job in jobs:
+                state.runner.abort(job)
 
 
 class _Format:
@@ -308,13 +332,13 @@ class _Format:
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{text(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
 
-    def chunk(self, delta, finish_reason: str | None = None, logprobs=()) -> dict:
+    def chunk(self, delta, finish_reason: str | None = None, logprobs=(), index: int = 0) -> dict:
         if self.chat:
             d = delta if isinstance(delta, dict) else {"content": delta}
-            choice = {"index": 0, "delta": d, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+            choice = {"index": index, "delta": d, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+            choice = {"index": index, "text": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
@@ -342,9 +366,18 @@ class _Format:
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return message, "tool_calls" if event.finish_reason == "stop" else event.finish_reason
 
-    def usage_chunk(self, event: Finished) -> dict:
+    def usage_chunk(self, events: list[Finished], prompts: int = 1) -> dict:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return {**head, "choices": [], "usage": usage(event.stats, event.completion_tokens)}
+        return {**head, "choices": [], "usage": self.usage(events, prompts)}
+
+    @staticmethod
+    def usage(events: list[Finished], prompts: int = 1) -> dict:
+        """Usage of a request's choices: each distinct prompt once (n choices share it), every output."""
+        per = len(events) // prompts
+        total = _summed([usage(e.stats, 0) for e in events[::per]])
+        total["completion_tokens"] = sum(e.completion_tokens for e in events)
+        total["total_tokens"] += total["completion_tokens"]
+        return total
 
     def choice(self, event: Finished, index: int = 0, echo: tuple[list[int], list] | None = None) -> dict:
         if self.chat:
@@ -372,11 +405,7 @@ class _Format:
         """One choice per event, in order; usage counts each distinct prompt once (n choices share it)."""
         head = self._head("chat.completion" if self.chat else "text_completion")
         choices = [self.choice(e, i, echoes[i] if echoes else None) for i, e in enumerate(events)]
-        per = len(events) // prompts
-        total = _summed([usage(e.stats, 0) for e in events[::per]])  # each prompt once
-        total["completion_tokens"] = sum(e.completion_tokens for e in events)
-        total["total_tokens"] += total["completion_tokens"]
-        return {**head, "choices": choices, "usage": total}
+        return {**head, "choices": choices, "usage": self.usage(events, prompts)}
 
     @staticmethod
     def sse(obj: dict) -> str:

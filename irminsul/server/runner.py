@@ -60,6 +60,7 @@ class Job:
     segment_starts: list[int] | None = None
     tenant: str | None = None
     matcher: object | None = None  # the output constraint's grammar state, compiled off the engine thread
+    leader: Job | None = None  # the first choice of the same prompt (n > 1): its prompt rows are shared
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
     seq: Sequence | None = None
@@ -177,8 +178,9 @@ class EngineRunner:
 
     def _accept(self, job: Job) -> None:
         try:
+            lead = job.leader.seq if job.leader is not None else None  # None if the leader was refused
             job.seq = self.engine.new_sequence(job.tokens, job.params, job.segment_starts, tenant=job.tenant,
-                                               matcher=job.matcher)
+                                               matcher=job.matcher, leader=lead)
         except Exception as e:  # NOTE: nothing a request sends may stop this thread
             self._dequeued()
             if isinstance(e, RequestError):

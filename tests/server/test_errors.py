@@ -17,7 +17,6 @@ CASES = [
     ("chat", {"messages": HI, "max_tokens": 10_000}, 400, "too large"),
     ("chat", {"messages": HI, "max_tokens": "many"}, 400, "max_tokens"),
     ("chat", {"messages": HI, "n": 0}, 400, "n=0 must be"),
-    ("chat", {"messages": HI, "n": 2, "stream": True}, 400, "streaming several choices"),
     ("chat", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
     ("chat", {"messages": HI, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),

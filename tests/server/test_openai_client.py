@@ -140,3 +140,55 @@ def test_batched_prompts_and_n_choices(client):
                                          temperature=1.0, seed=5, extra_body={"ignore_eos": True})
     assert many.choices[0].message.content == one.choices[0].message.content  # choice 0 uses the seed itself
     assert many.usage.prompt_tokens == one.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("reuse", ["off", "prefix", "pic"])
+def test_n_choices_share_one_prefill(tiny_dir, reuse):
+    """n choices of one prompt compute it once, in every reuse mode (off too): the other choices
+    share the first one's rows and compute only the prompt's last position. Sharing changes no
+    output: each choice is what its seed gets alone."""
+    from tests.server.server_helpers import metric, start
+
+    s = start(tiny_dir, reuse=reuse)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        prompt = text(300, 11)
+        before = metric(s.url, "irminsul_computed_tokens_total", model="tiny")
+        many = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=3, temperature=1.0, seed=9,
+                                         extra_body={"ignore_eos": True})
+        computed = metric(s.url, "irminsul_computed_tokens_total", model="tiny") - before
+        p = many.usage.prompt_tokens
+        assert computed == p + 3  # once, plus the last position for each other choice
+        assert many.usage.prompt_tokens_details.cached_tokens == 0  # what the request found, not its siblings
+        for i, c in enumerate(many.choices):
+            alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=1.0, seed=9 + i,
+                                              extra_body={"ignore_eos": True})
+            assert c.text == alone.choices[0].text
+    finally:
+        s.stop()
+
+
+def test_several_choices_stream_and_agree_with_the_response(client):
+    """n > 1 and a batch of prompts, streamed: chunks name their choice; each choice's text and
+    finish reason equal the non-streamed response's; one usage chunk at the end counts each prompt once."""
+    for kw in ({"prompt": "several streamed choices", "n": 3, "temperature": 1.0, "seed": 4},
+               {"prompt": ["first of two", "and the second"], "temperature": 0}):
+        whole = client.completions.create(model="tiny", max_tokens=5, extra_body={"ignore_eos": True}, **kw)
+        chunks = list(client.completions.create(model="tiny", max_tokens=5, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}, **kw))
+        texts, reasons = {}, {}
+        for c in chunks[:-1]:
+            (choice,) = c.choices
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+        assert [texts[c.index] for c in whole.choices] == [c.text for c in whole.choices]
+        assert [reasons[c.index] for c in whole.choices] == [c.finish_reason for c in whole.choices]
+        assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    many = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, temperature=1.0, seed=2, stream=True,
+                                          extra_body={"ignore_eos": True})
+    roles = [c.choices[0].index for c in many if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
