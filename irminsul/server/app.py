@@ -152,6 +152,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
 
     from irminsul.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PublishRequest,
                                           TokenizeRequest, body_schema, parse_body, read_body)
+    from irminsul.server.responses import ResponsesRequest
 
     # NOTE: bodies are read and parsed by the handlers (size limit first, parsing off the event loop);
     # their models are declared here so /openapi.json describes them.
@@ -166,6 +167,12 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
         from irminsul.server.completions import handle
 
         return await handle(state_of(request), request, chat=False)
+
+    @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
+    async def responses(request: Request):
+        from irminsul.server.responses import handle
+
+        return await handle(state_of(request), request)
 
     @app.post("/v1/cache/chunks", openapi_extra=body_schema(PublishRequest))
     async def publish(request: Request):

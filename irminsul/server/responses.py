@@ -1,0 +1,381 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless, on the chat path.
+
+Newer agent SDKs speak this API by default. A request's `instructions` and `input` items become
+chat messages (a `function_call` item is an assistant tool call, a `function_call_output` item the
+tool's answer), its function tools and `text.format` become the chat request's `tools` and
+`response_format`, and from there it is a chat completion: the checkpoint's template, the same
+reuse, the same tool-call parser and grammar-forced `tool_choice`. The answer is a `response`
+object whose `output` holds a `message` item for text and a `function_call` item per call;
+streamed, it is the API's typed events (`response.created` ... `response.output_text.delta` ...
+`response.function_call_arguments.delta` ... `response.completed`).
+
+Stateless: nothing is stored, so `previous_response_id`, `conversation`, `background` and item
+references are refused with a 400 that says so; send the whole conversation as `input`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from irminsul.server.completions import _Channel, _disconnected, _Format, _next, _tool_format, prepare
+from irminsul.server.protocol import (APIError, ChatCompletionRequest, Float, Int, _Common, parse_body, read_body,
+                                      usage)
+from irminsul.server.runner import Delta, Failed, Finished, QueueFull
+from irminsul.server.tools import ToolCallParser
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_logprobs: Int | None = None
+    include: list[str] | None = None
+    text: dict | None = None
+    stream: bool = False
+    metadata: dict | None = None
+    store: bool | None = None  # accepted; nothing is stored (the response says store: false)
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    reasoning: dict | None = None
+    truncation: str | None = None
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# chat fields a Responses request may also carry (vLLM accepts its sampling extensions here too)
+_PASSED = set(_Common.model_fields) - {"max_tokens", "n", "stream", "stream_options", "logprobs", "top_logprobs",
+                                       "response_format", "best_of"}
+
+
+def _refuse(req: ResponsesRequest) -> None:
+    checks = [
+        ("previous_response_id", req.previous_response_id is not None,
+         "this server is stateless: previous_response_id is not supported; send the whole conversation as input"),
+        ("conversation", req.conversation is not None,
+         "this server is stateless: conversation is not supported; send the whole conversation as input"),
+        ("background", bool(req.background), "background responses are not supported"),
+        ("reasoning", bool(req.reasoning and req.reasoning.get("effort") not in (None, "none", "minimal")),
+         "reasoning effort is not supported: the served model does not reason"),
+        ("truncation", req.truncation not in (None, "disabled"),
+         "truncation='auto' is not supported; a conversation longer than the context is refused"),
+        ("include", any(i != LOGPROBS_INCLUDE for i in req.include or []),
+         f"include supports only {LOGPROBS_INCLUDE!r}"),
+    ]
+    for param, bad, message in checks:
+        if bad:
+            raise APIError(400, message, param=param)
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string or a list of input_text / output_text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of text parts", param=where)
+    out = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}.content[{k}] is a {kind!r} part; this model takes text parts only "
+                                f"(input_text, output_text)", param=f"{where}.content")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def to_messages(req: ResponsesRequest) -> list[dict]:
+    """`instructions` and `input` as chat messages."""
+    messages: list[dict] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return messages + [{"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(400, f"{where}.role must be user, assistant, system or developer", param=where)
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)",
+                               param=where)
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # calls of one turn: one assistant message
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or output is None:
+                raise APIError(400, f"{where}: a function_call_output needs call_id and output", param=where)
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": output if isinstance(output, str) else _text(output, where)})
+        elif kind == "reasoning":
+            continue  # another model's reasoning summary: nothing this model's template can show
+        else:
+            raise APIError(400, f"{where} is a {kind!r} item; this server takes message, function_call and "
+                                f"function_call_output items", param=where)
+    return messages
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    _refuse(req)
+    body: dict[str, Any] = {k: v for k, v in (req.model_extra or {}).items() if k in _PASSED}
+    body.update(model=req.model, messages=to_messages(req), temperature=req.temperature, top_p=req.top_p,
+                max_completion_tokens=req.max_output_tokens)
+    if req.tools:
+        tools = []
+        for i, t in enumerate(req.tools):
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise APIError(400, f"tools[{i}] is a {kind!r} tool; this server runs function tools only",
+                               param=f"tools[{i}]")
+            tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                           if k in t}})
+        body["tools"] = tools
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+                           param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    body["tool_choice"] = choice
+    fmt = (req.text or {}).get("format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+        elif kind == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif kind != "text":
+            raise APIError(400, "text.format.type must be text, json_object or json_schema", param="text.format")
+    if req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or []):
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
+    return ChatCompletionRequest.model_validate(body)
+
+
+class _Builder:
+    """The response object and its stream of events, built from the chat path's events."""
+
+    def __init__(self, req: ResponsesRequest, fmt: _Format, model: str):
+        self.req, self.fmt, self.model = req, fmt, model
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.output: list[dict] = []
+        self.seq = 0
+        self.open: dict | None = None  # the item being streamed
+        self.logprobs: list[dict] = []
+
+    def response(self, status: str, finished: Finished | None = None) -> dict:
+        req = self.req
+        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+               "model": self.model, "output": self.output, "error": None, "incomplete_details": None,
+               "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+               "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
+               "temperature": 1.0 if req.temperature is None else req.temperature,
+               "top_p": 1.0 if req.top_p is None else req.top_p, "tools": req.tools or [],
+               "tool_choice": req.tool_choice or "auto", "text": req.text or {"format": {"type": "text"}},
+               "store": False, "previous_response_id": None, "reasoning": None, "truncation": "disabled",
+               "usage": None}
+        if status == "incomplete":
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        if finished is not None:
+            u = usage(finished.stats, finished.completion_tokens)
+            out["usage"] = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
+                            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": u["total_tokens"], "irminsul": u["irminsul"]}
+        return out
+
+    def status(self, finished: Finished) -> str:
+        return "incomplete" if finished.finish_reason == "length" else "completed"
+
+    # -- whole ------------------------------------------------------------------------------
+
+    def whole(self, finished: Finished) -> dict:
+        message, _ = self.fmt.message(finished)
+        logprobs = self._logprobs(finished.logprobs)
+        if message.get("content"):
+            self.output.append(self._message(message["content"], "completed", logprobs))
+        for call in message.get("tool_calls", []):
+            self.output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                                "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                                "status": "completed"})
+        return self.response(self.status(finished), finished)
+
+    def _logprobs(self, entries) -> list[dict]:
+        lp = self.fmt.logprobs(entries) if entries else None
+        return lp["content"] if lp else []
+
+    @staticmethod
+    def _message(text: str, status: str, logprobs: list[dict]) -> dict:
+        return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+
+    # -- streamed ---------------------------------------------------------------------------
+
+    def event(self, kind: str, **fields) -> str:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        r = self.response("in_progress")
+        return [self.event("response.created", response=r), self.event("response.in_progress", response=r)]
+
+    def piece(self, event: tuple, logprobs: list[dict]) -> list[str]:
+        """Events for one ToolCallParser event: ("content", text), ("name", i, name), ("arguments", i, text)."""
+        if event[0] == "content":
+            return self.text(event[1], logprobs) if event[1] else []
+        return self.call(event[2]) if event[0] == "name" else self.arguments(event[2])
+
+    def text(self, piece: str, logprobs: list[dict]) -> list[str]:
+        out = []
+        if self.open is None or self.open["type"] != "message":
+            out += self.close()
+            self.open = self._message("", "in_progress", [])
+            text_part = self.open["content"][0]
+            self.open["content"] = []
+            out.append(self.event("response.output_item.added", output_index=len(self.output), item=self.open))
+            self.open["content"] = [text_part]
+            out.append(self.event("response.content_part.added", item_id=self.open["id"],
+                                  output_index=len(self.output), content_index=0, part={**text_part}))
+        part = self.open["content"][0]
+        part["text"] += piece
+        part["logprobs"] += logprobs
+        out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
+                              content_index=0, delta=piece, logprobs=logprobs))
+        return out
+
+    def call(self, name: str) -> list[str]:
+        out = self.close()
+        self.open = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
+                     "name": name, "arguments": "", "status": "in_progress"}
+        out.append(self.event("response.output_item.added", output_index=len(self.output), item={**self.open}))
+        return out
+
+    def arguments(self, piece: str) -> list[str]:
+        self.open["arguments"] += piece
+        return [self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                           output_index=len(self.output), delta=piece)]
+
+    def close(self) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, out = len(self.output), []
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=part["text"], logprobs=part["logprobs"]))
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part))
+        else:
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=item["name"], arguments=item["arguments"]))
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+        return out
+
+    def end(self, finished: Finished) -> list[str]:
+        out = self.close()
+        status = self.status(finished)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return out + [self.event(kind, response=self.response(status, finished))]
+
+
+async def handle(state, request: Request):
+    body = await read_body(request, state.config.max_request_bytes)
+    req = await asyncio.to_thread(parse_body, body, ResponsesRequest)
+    chat = to_chat(req)
+    (job,) = await asyncio.to_thread(prepare, state, request, chat, True)
+    channel = _Channel()
+    job.emit = channel.emit
+    try:
+        state.runner.submit(job)
+    except QueueFull as e:
+        raise APIError(503, f"the server is overloaded: {e}; retry later") from None
+    fmt = _Format(True, state.model_name, chat, state.tokenizer, _tool_format(state, chat, True))
+    build = _Builder(req, fmt, state.model_name)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    first = await _next(channel, watcher)
+    if first is None:
+        state.runner.abort(job)
+        return JSONResponse({}, status_code=499)
+    if isinstance(first, Failed):
+        watcher.cancel()
+        raise APIError(first.status, first.message)
+    if req.stream:
+        watcher.cancel()
+        return StreamingResponse(_stream(state, job, channel, build, first), media_type="text/event-stream")
+    event = first
+    try:
+        while not isinstance(event, (Finished, Failed)):
+            event = await _next(channel, watcher)
+            if event is None:
+                state.runner.abort(job)
+                return JSONResponse({}, status_code=499)
+    finally:
+        watcher.cancel()
+    if isinstance(event, Failed):
+        raise APIError(event.status, event.message)
+    return JSONResponse(build.whole(event))
+
+
+async def _stream(state, job, channel: _Channel, build: _Builder, first):
+    fmt = build.fmt
+    parser = ToolCallParser(fmt.tool_format, fmt.tool_names) if fmt.tool_format is not None else None
+    done = False
+    try:
+        for line in build.start():
+            yield line
+        event = first
+        while True:
+            if isinstance(event, Delta):
+                logprobs = build._logprobs(event.logprobs)  # (they go with the text, not with calls)
+                pieces = parser.feed(event.text) if parser is not None else [("content", event.text)]
+                for piece in pieces:
+                    lines = build.piece(piece, logprobs)
+                    if lines and piece[0] == "content":
+                        logprobs = []
+                    for line in lines:
+                        yield line
+            elif isinstance(event, Finished):
+                for piece in parser.finish() if parser is not None else []:
+                    for line in build.piece(piece, []):
+                        yield line
+                for line in build.end(event):
+                    yield line
+                break
+            else:
+                err = APIError(event.status, event.message)
+                yield build.event("error", code=err.code, message=err.message, param=err.param)
+                break
+            event = await channel.queue.get()
+        done = True
+    finally:
+        if not done:
+            state.runner.abort(job)

@@ -1,0 +1,108 @@
+"""POST /v1/responses through the official openai client (`client.responses`), on the bundled model:
+text, function calls (forced and round-tripped with their output), structured text, streaming
+events that add up to the whole response, and the stateless refusals."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from irminsul.bundled import bundled_model
+from tests.server.server_helpers import start
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "parameters": CITY}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    s = start(bundled_model("mla"))
+    yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    s.stop()
+
+
+def _streamed(client, **kw):
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    return events
+
+
+def test_text_streamed_or_not(client):
+    kw = dict(model="tiny", input="Which bags are free?", instructions="Answer briefly.", max_output_tokens=12,
+              temperature=0)
+    r = client.responses.create(**kw)
+    assert r.object == "response" and r.status in ("completed", "incomplete")
+    assert r.output[0].type == "message" and r.output_text
+    assert r.usage.output_tokens <= 12 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    events = _streamed(client, **kw)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text
+    last = events[-1]
+    assert last.type == f"response.{r.status}" and last.response.output_text == r.output_text
+    # the same request again finds its prompt in the prefix cache
+    again = client.responses.create(**kw)
+    assert again.usage.input_tokens_details.cached_tokens == again.usage.input_tokens - 1
+
+
+def test_forced_function_call_and_its_output_round_trip(client):
+    kw = dict(model="tiny", input="What is the weather in Paris?", tools=TOOLS, tool_choice="required",
+              max_output_tokens=60, temperature=0)
+    r = client.responses.create(**kw)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), CITY)
+    events = _streamed(client, **kw)
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == ["function_call"] and added[0].name == "get_weather"
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == call.arguments
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments
+    # the agent loop: the call and its output go back as input items
+    follow = client.responses.create(
+        model="tiny", tools=TOOLS, max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert follow.status in ("completed", "incomplete")
+    assert follow.usage.input_tokens > r.usage.input_tokens + 5  # the call and its output were rendered
+
+
+def test_named_tool_choice_and_structured_text(client):
+    r = client.responses.create(model="tiny", input="Weather?", tools=TOOLS, max_output_tokens=60, temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    assert [o.name for o in r.output if o.type == "function_call"] == ["get_weather"]
+    schema = {"type": "object", "properties": {"origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                               "seats": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["origin", "seats"]}
+    r = client.responses.create(model="tiny", input="Book a flight from JFK for two.", max_output_tokens=40,
+                                temperature=0, text={"format": {"type": "json_schema", "name": "booking",
+                                                                "schema": schema}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_logprobs_on_request(client):
+    r = client.responses.create(model="tiny", input="Hello", max_output_tokens=4, temperature=0, top_logprobs=2,
+                                include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == 4 and all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert "".join(lp.token for lp in lps) == r.output_text
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"include": ["file_search_call.results"]}, "include"),
+])
+def test_what_a_stateless_server_cannot_do_is_a_clear_400(client, kw, param):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**body)
+    assert e.value.body["param"] == param
