@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -307,11 +308,25 @@ class _Builder:
         return out + [self.event(kind, response=self.response(status, finished))]
 
 
+# the chat request's fields, as a Responses request calls them (for error messages)
+_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+          "response_format": "text.format"}
+
+
+def _renamed(e: APIError) -> APIError:
+    """A chat-path error in the Responses API's terms."""
+    swap = lambda text: re.sub(r"\b(" + "|".join(_NAMES) + r")\b", lambda m: _NAMES[m.group(1)], text)  # noqa: E731
+    return APIError(e.status, swap(e.message), swap(e.param) if e.param else None, e.code, e.type)
+
+
 async def handle(state, request: Request):
     body = await read_body(request, state.config.max_request_bytes)
     req = await asyncio.to_thread(parse_body, body, ResponsesRequest)
-    chat = to_chat(req)
-    (job,) = await asyncio.to_thread(prepare, state, request, chat, True)
+    try:
+        chat = to_chat(req)
+        (job,) = await asyncio.to_thread(prepare, state, request, chat, True)
+    except APIError as e:
+        raise _renamed(e) from None
     channel = _Channel()
     job.emit = channel.emit
     try:

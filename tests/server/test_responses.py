@@ -100,9 +100,12 @@ def test_logprobs_on_request(client):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"include": ["file_search_call.results"]}, "include"),
+    ({"input": []}, "input"),  # the chat path's errors, in the Responses API's names
+    ({"max_output_tokens": 100_000}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
 ])
 def test_what_a_stateless_server_cannot_do_is_a_clear_400(client, kw, param):
-    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **kw}
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **kw}  # (kw may override them)
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**body)
     assert e.value.body["param"] == param
