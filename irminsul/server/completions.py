@@ -79,7 +79,8 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
     if chat:
         functions = tool_functions(req)
         forced = forcing_constraint(state.renderer.tool_format, functions, req.tool_choice,
-                                    state.tokenizer.added_token_id) if state.renderer.tool_format else None
+                                    state.tokenizer.added_token_id, parallel=req.parallel_tool_calls is not False
+                                    ) if state.renderer.tool_format else None
         if forced is not None:
             if constraint is not None:
                 raise APIError(400, f"tool_choice={req.tool_choice!r} and {asked_by} both constrain the output; "
@@ -263,8 +264,8 @@ async def _stream(state, jobs: list[Job], channel, fmt: "_Format", first, prompt
         if fmt.chat:
             for i in range(len(jobs)):
                 yield fmt.sse(fmt.chunk({"role": "assistant", "content": ""}, index=i))
-        parsers = [ToolCallParser(fmt.tool_format, fmt.tool_names) if fmt.tool_format is not None else None
-                   for _ in jobs]
+        parsers = [ToolCallParser(fmt.tool_format, fmt.tool_names, fmt.max_calls) if fmt.tool_format is not None
+                   else None for _ in jobs]
         finished: dict[int, Finished] = {}
         failed = False
         while len(finished) < len(jobs):
@@ -304,6 +305,7 @@ class _Format:
     def __init__(self, chat: bool, model: str, req, tokenizer, tool_format=None):
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.tool_format, self.tool_names = tool_format or (None, None)
+        self.max_calls = 1 if chat and req.parallel_tool_calls is False else None
         self.echo: tuple[list[int], list] | None = None  # completions with echo: prompt tokens and log-probs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -358,7 +360,7 @@ class _Format:
         """The assistant message of a finished chat choice, and its finish reason."""
         if self.tool_format is None:
             return {"role": "assistant", "content": event.text}, event.finish_reason
-        content, calls = parse_all(self.tool_format, event.text, self.tool_names)
+        content, calls = parse_all(self.tool_format, event.text, self.tool_names, self.max_calls)
         message = {"role": "assistant", "content": content}
         if not calls:
             return message, event.finish_reason

@@ -99,6 +99,7 @@ class ChatCompletionRequest(_Common):
     messages: list[Any]
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (forced: exactly one)
     max_completion_tokens: Int | None = None
     add_generation_prompt: bool = True  # vLLM's chat-template controls
     continue_final_message: bool = False

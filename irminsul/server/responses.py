@@ -146,7 +146,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     _refuse(req)
     body: dict[str, Any] = {k: v for k, v in (req.model_extra or {}).items() if k in _PASSED}
     body.update(model=req.model, messages=to_messages(req), temperature=req.temperature, top_p=req.top_p,
-                max_completion_tokens=req.max_output_tokens)
+                max_completion_tokens=req.max_output_tokens, parallel_tool_calls=req.parallel_tool_calls)
     if req.tools:
         tools = []
         for i, t in enumerate(req.tools):
@@ -362,7 +362,7 @@ async def handle(state, request: Request):
 
 async def _stream(state, job, channel: _Channel, build: _Builder, first):
     fmt = build.fmt
-    parser = ToolCallParser(fmt.tool_format, fmt.tool_names) if fmt.tool_format is not None else None
+    parser = ToolCallParser(fmt.tool_format, fmt.tool_names, fmt.max_calls) if fmt.tool_format is not None else None
     done = False
     try:
         for line in build.start():

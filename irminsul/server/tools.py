@@ -40,10 +40,11 @@ class ToolFormat:
     sep: str = "\n"  # between two calls, when generating
     raw_json: bool = False  # a call whose header does not match may still be one JSON object (keys in any order)
 
-    def grammar(self, tools: list[dict], named: str | None, added_token_id=lambda text: None) -> str:
-        """Lark for one call (to `named`) or one or more (to any of `tools`). `added_token_id`: a
-        marker that is one added token is written as that token (llguidance does not match added
-        tokens by their text)."""
+    def grammar(self, tools: list[dict], named: str | None, added_token_id=lambda text: None,
+                single: bool = False) -> str:
+        """Lark for one call (to `named`, or to any of `tools` if `single`) or one or more (to any
+        of `tools`). `added_token_id`: a marker that is one added token is written as that token
+        (llguidance does not match added tokens by their text)."""
         markers = [m for m in (self.opener, self.closer, *self.drop, "<｜tool▁sep｜>") if added_token_id(m) is not None]
 
         def lit(text: str) -> str:
@@ -67,7 +68,7 @@ class ToolFormat:
                         f" %json {json.dumps(schema)} {lit(chr(10) + '```' + self.closer)}")
             rules.append(f"call_{i}: {body.strip()}")
             names.append(f"call_{i}")
-        calls = "call" if named is not None else f"call ({lit(self.sep)} call)*" if self.sep else "call+"
+        calls = "call" if named is not None or single else f"call ({lit(self.sep)} call)*" if self.sep else "call+"
         start = f"{lit(self.drop[0])} {calls} {lit(self.drop[1])}" if self.drop else calls
         return "\n".join([f"start: {start}", f"call: {' | '.join(names)}", *rules])
 
@@ -86,13 +87,15 @@ DEEPSEEK = ToolFormat(
 FORMATS = {f.name: f for f in (IRMINSUL, HERMES, DEEPSEEK)}
 
 
-def forcing_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, added_token_id=lambda text: None):
+def forcing_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, added_token_id=lambda text: None,
+                       parallel: bool = True):
     """The grammar for tool_choice "required" or {"type": "function", "function": {"name": ...}};
-    None for "auto" / "none". `tools` are the functions ({"name", "parameters", ...})."""
+    None for "auto" / "none". `tools` are the functions ({"name", "parameters", ...}); `parallel`
+    False: exactly one call."""
     if tool_choice in (None, "auto", "none"):
         return None
     named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
-    return Constraint.lark(fmt.grammar(tools, named, added_token_id))
+    return Constraint.lark(fmt.grammar(tools, named, added_token_id, single=not parallel))
 
 
 @dataclass
@@ -104,10 +107,13 @@ class Call:
 @dataclass
 class ToolCallParser:
     """Output text in, events out: ("content", text), ("name", index, name), ("arguments", index, text).
-    `names`: the functions the request declared; a call to another one stays content."""
+    `names`: the functions the request declared; a call to another one stays content. `max_calls`:
+    calls after that many are read but not reported (parallel_tool_calls=false keeps the first, as
+    vLLM does)."""
 
     fmt: ToolFormat
     names: frozenset[str] | None = None
+    max_calls: int | None = None
     calls: list[Call] = field(default_factory=list)
     _buf: str = ""
     _mode: str = "text"  # text | header | arguments | raw | tail
@@ -124,7 +130,12 @@ class ToolCallParser:
         out: list[tuple] = []
         while self._step(out, final=False):
             pass
-        return out
+        return self._kept(out)
+
+    def _kept(self, events: list[tuple]) -> list[tuple]:
+        if self.max_calls is None:
+            return events
+        return [e for e in events if e[0] == "content" or e[1] < self.max_calls]
 
     def finish(self) -> list[tuple]:
         """The events the end of the output releases (held-back text, an unfinished call's text)."""
@@ -141,7 +152,7 @@ class ToolCallParser:
         if self._ws and not self.calls:
             out.append(("content", self._ws))
         self._ws = ""
-        return out
+        return self._kept(out)
 
     # -- the state machine ---------------------------------------------------------------
 
@@ -301,9 +312,9 @@ def _whole_call(body: str) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def parse_all(fmt: ToolFormat, text: str, names=None) -> tuple[str | None, list[Call]]:
+def parse_all(fmt: ToolFormat, text: str, names=None, max_calls: int | None = None) -> tuple[str | None, list[Call]]:
     """The whole output -> (content or None, calls): what a non-streamed response carries."""
-    parser = ToolCallParser(fmt, names)
+    parser = ToolCallParser(fmt, names, max_calls)
     events = parser.feed(text) + parser.finish()
     content = "".join(e[1] for e in events if e[0] == "content")
-    return (content or None) if parser.calls else content, parser.calls
+    return (content or None) if parser.calls else content, parser.calls[:max_calls]

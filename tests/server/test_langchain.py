@@ -92,3 +92,9 @@ def test_with_structured_output_json_mode(llm):
         "Book a flight from JFK for 2 people.")
     assert out["parsing_error"] is None and isinstance(out["parsed"], dict)
     assert out["parsed"] == json.loads(out["raw"].content)
+
+
+def test_parallel_tool_calls_false_gives_one_call(llm):
+    bound = llm.bind_tools([get_weather, book_flight], tool_choice="required", parallel_tool_calls=False)
+    msg = bound.invoke("Book a flight from JFK for two people, then tell me the weather in Paris.")
+    assert len(msg.tool_calls) == 1 and not msg.invalid_tool_calls

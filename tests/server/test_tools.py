@@ -1,5 +1,6 @@
 """The tool-call parser: each syntax, fed whole or in random pieces, gives the same content and calls."""
 
+import json
 import random
 
 import pytest
@@ -88,14 +89,15 @@ def test_forcing_grammar_takes_the_formats_own_calls_and_nothing_else(fmt, token
         text = fmt.sep.join(calls)
         return f"{fmt.drop[0]}{text}{fmt.drop[1]}" if fmt.drop else text
 
-    def accepts(choice, text):
-        m = grammars.matcher(forcing_constraint(fmt, FUNCTIONS, choice, tok.added_token_id))
+    def accepts(choice, text, parallel=True):
+        m = grammars.matcher(forcing_constraint(fmt, FUNCTIONS, choice, tok.added_token_id, parallel=parallel))
         ok = all(m.consume_token(t) for t in tok.encode(text, add_bos=False))
         return ok and m.is_accepting()
 
     good = call("get_weather", '{"city": "Paris", "unit": "C"}')
     two = wrap([good, call("f2", "{}")])
     assert accepts("required", wrap([good])) and accepts("required", two)
+    assert accepts("required", wrap([good]), parallel=False) and not accepts("required", two, parallel=False)
     assert parse_all(fmt, two, NAMES)[1][1].name == "f2"
     named = {"type": "function", "function": {"name": "get_weather"}}
     assert accepts(named, wrap([good])) and not accepts(named, two)
@@ -104,3 +106,14 @@ def test_forcing_grammar_takes_the_formats_own_calls_and_nothing_else(fmt, token
     assert not accepts("required", wrap([call("get_weather", '{"city": "Paris", "unit": "C", "x": 1}')]))  # closed
     assert not accepts("required", wrap([call("get_time", "{}")]))  # undeclared
     assert not accepts("required", "I will not call anything.")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """parallel_tool_calls=false: a second call is read but not reported, whole or streamed (the
+    forcing grammar's side is in the test above)."""
+    two = '{"name": "a", "arguments": {"x": 1}}{"name": "b", "arguments": {"y": 2}}'
+    content, calls = parse_all(IRMINSUL, two, frozenset({"a", "b"}), max_calls=1)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1})]
+    parser = ToolCallParser(IRMINSUL, frozenset({"a", "b"}), max_calls=1)
+    events = [e for k in range(0, len(two), 5) for e in parser.feed(two[k:k + 5])] + parser.finish()
+    assert {e[1] for e in events if e[0] != "content"} == {0} and len(parser.calls) == 2
