@@ -1,6 +1,12 @@
 
+import os
+
 import pytest
 import torch
+
+# No GPU: Triton kernels run under Triton's interpreter (read when triton is imported, so set first)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One thread: on a shared 2-core box, two-thread ops stall on the busy core (~8 ms per op).
 torch.set_num_threads(1)

@@ -54,6 +54,21 @@ class DeepseekModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def set_attention_backend(self, name: str) -> None:
+        """"torch" (the reference, any device) or "triton" (model/triton_attention.py: a GPU, or
+        Triton's interpreter on CPU tensors)."""
+        if name == "torch":
+            backend = TorchAttention(self.config, self.rotary)
+        elif name == "triton":
+            from irminsul.model.triton_attention import TritonAttention
+
+            backend = TritonAttention(self.config, self.rotary)
+        else:
+            raise ValueError(f"attention_backend={name!r}: choose torch or triton")
+        self.attention = backend
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype

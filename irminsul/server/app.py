@@ -45,6 +45,8 @@ class ServerState:
         path = Path(config.model) if config.model else bundled_model("mla")
         self.model_name = config.served_model_name or path.name
         model = load_model(path, dtype=config.dtype, device=config.device)
+        if config.attention_backend != "torch":
+            model.set_attention_backend(config.attention_backend)
         self.tokenizer = Tokenizer(path)
         self.renderer = ChatRenderer(self.tokenizer)
         self.context = model.config.max_position_embeddings

@@ -57,6 +57,7 @@ class ServerConfig:
     reuse: str = "pic"
     dtype: str = "float32"
     device: str = "cpu"
+    attention_backend: str = "torch"  # torch | triton (a GPU, or TRITON_INTERPRET=1)
     store: StoreConfig = field(default_factory=StoreConfig)
     kv_cache_gib: float = 1.0  # the latent pool: running requests and cached content, one budget
     max_running_requests: int = 64
