@@ -51,14 +51,28 @@ def available() -> str | None:
 
 
 @dataclass
-class TritonPlan:
-    """A step's attention metadata: per query row, its sequence and the last key it sees."""
+class Tiles:
+    """Query tiles of one launch: up to `block_m` consecutive query rows of one sequence each."""
 
-    q_seq: torch.Tensor  # [n] int32: the row of key_slots each query reads
-    q_last: torch.Tensor  # [n] int32: its position (it attends keys 0..q_last)
+    seq: torch.Tensor  # [tiles] int32: the row of key_slots the tile's queries read
+    row0: torch.Tensor  # [tiles] int32: its first query row in the flat batch
+    rows: torch.Tensor  # [tiles] int32: how many query rows it has (<= block_m)
+    end: torch.Tensor  # [tiles] int32: 1 + the last position any of its queries sees
+    block_m: int
+    max_end: int
+
+
+@dataclass
+class TritonPlan:
+    """A step's attention metadata: per query row the last key it sees, and the query tiles: one
+    row each for decode, blocks of a sequence's consecutive rows for prefill spans (their keys are
+    read once per tile, not once per row)."""
+
+    q_last: torch.Tensor  # [n] int32: each query's position (it attends keys 0..q_last)
     key_slots: torch.Tensor  # [B, T] int64, EMPTY_SLOT = no row
     key_pos: torch.Tensor | None  # [B, T] int32 RoPE position of each key; None: its own index
     max_pos: int  # the largest RoPE position any key is encoded at
+    tiles: list[Tiles]
 
 
 class TritonAttention(TorchAttention):
@@ -74,19 +88,28 @@ class TritonAttention(TorchAttention):
     def plan(self, seqs: list[SeqAttention], offsets: list[int], device) -> TritonPlan:
         n = sum(len(s.q_positions) for s in seqs)
         t = max(len(s.key_slots) for s in seqs)
-        q_seq = np.zeros(n, np.int32)
         q_last = np.zeros(n, np.int32)
         slots = np.zeros((len(seqs), t), np.int64)
         pos = None if all(s.key_rope is None for s in seqs) else np.zeros((len(seqs), t), np.int32)
+        decode, prefill = [], []  # tiles: (seq, first row, rows, end)
+        block_m = prefill_block_m(self.cfg.num_attention_heads)
         for i, s in enumerate(seqs):
-            rows = slice(offsets[i], offsets[i] + len(s.q_positions))
-            q_seq[rows], q_last[rows] = i, s.q_positions
+            m = len(s.q_positions)
+            q_last[offsets[i] : offsets[i] + m] = s.q_positions
             slots[i, : len(s.key_slots)] = s.key_slots
             if pos is not None:
                 pos[i, : len(s.key_slots)] = s.key_rope if s.key_rope is not None else np.arange(len(s.key_slots))
+            if m == 1:
+                decode.append((i, offsets[i], 1, int(s.q_positions[0]) + 1))
+            for a in range(0, m if m > 1 else 0, block_m):
+                k = min(block_m, m - a)
+                prefill.append((i, offsets[i] + a, k, int(s.q_positions[a + k - 1]) + 1))
         max_pos = int(pos.max()) if pos is not None else t - 1
-        as_t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-        return TritonPlan(as_t(q_seq), as_t(q_last), as_t(slots), as_t(pos) if pos is not None else None, max_pos)
+        as_t = lambda a: torch.from_numpy(np.asarray(a, np.int32)).to(device)  # noqa: E731
+        tiles = [Tiles(*(as_t(col) for col in zip(*group)), block, max(e for *_, e in group))
+                 for group, block in ((decode, 1), (prefill, block_m)) if group]
+        return TritonPlan(as_t(q_last), torch.from_numpy(slots).to(device),
+                          as_t(pos) if pos is not None else None, max_pos, tiles)
 
     def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan: TritonPlan):
         cfg = self.cfg
@@ -100,33 +123,45 @@ class TritonAttention(TorchAttention):
         return torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
+def prefill_block_m(heads: int) -> int:
+    """Query rows per prefill tile: the tile is (rows x heads) queries against one block of keys;
+    64 of them fill a tensor-core tile, and at least 16 are needed for tl.dot."""
+    return max(1, 64 // triton.next_power_of_2(heads)) if triton is not None else 1
+
+
 def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, interleaved: bool,
                   block_t: int = 32, split: int = 256) -> torch.Tensor:
     """Absorbed MLA attention of n query rows over the pool -> o_lat [n, H, r] float32.
-    q_lat [n, H, r], q_pe [n, H, rope] (rotated, cache layout), pool [S, r + rope] of one layer."""
+    q_lat [n, H, r], q_pe [n, H, rope] (rotated, cache layout), pool [S, r + rope] of one layer.
+    One launch per tile kind (decode rows, prefill blocks), each split over the key length."""
     n, h, r = q_lat.shape
     rope = q_pe.shape[-1]
-    t = plan.key_slots.shape[1]
-    splits = max(1, math.ceil(t / split))
-    split_len = math.ceil(math.ceil(t / splits) / block_t) * block_t
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
-    block_h = max(16, triton.next_power_of_2(h))
     block_p = max(16, triton.next_power_of_2(rope // 2))
     block_r = max(16, triton.next_power_of_2(r))
-    acc = torch.empty(n, splits, h, r, dtype=torch.float32, device=pool.device)
-    mx = torch.empty(n, splits, h, dtype=torch.float32, device=pool.device)
-    sm = torch.empty(n, splits, h, dtype=torch.float32, device=pool.device)
+    splits = max(1, math.ceil(max(t.max_end for t in plan.tiles) / split))
+    # every row's partial results, one slot per split (a row in no tile of a split keeps -inf / 0)
+    acc = torch.zeros(n, splits, h, r, dtype=torch.float32, device=pool.device)
+    mx = torch.full((n, splits, h), float("-inf"), dtype=torch.float32, device=pool.device)
+    sm = torch.zeros(n, splits, h, dtype=torch.float32, device=pool.device)
     key_pos = plan.key_pos if plan.key_pos is not None else plan.key_slots  # (unused when absent)
-    _partial[(n, splits)](
-        q_lat, q_pe, pool, plan.key_slots, key_pos, cos, sin, plan.q_seq, plan.q_last, acc, mx, sm,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), pool.stride(0),
-        plan.key_slots.stride(0), key_pos.stride(0), cos.stride(0),
-        h, r, rope // 2, split_len, scale,
-        HAS_KEY_POS=plan.key_pos is not None, INTERLEAVED=interleaved,
-        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_T=block_t)
+    for tiles in plan.tiles:
+        block_h = triton.next_power_of_2(h)
+        if tiles.block_m * block_h < 16:
+            block_h = 16 // tiles.block_m  # tl.dot needs 16 rows
+        split_len = math.ceil(math.ceil(tiles.max_end / splits) / block_t) * block_t
+        _partial[(len(tiles.seq), splits)](
+            q_lat, q_pe, pool, plan.key_slots, key_pos, cos, sin, tiles.seq, tiles.row0, tiles.rows, tiles.end,
+            plan.q_last, acc, mx, sm,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), pool.stride(0),
+            plan.key_slots.stride(0), key_pos.stride(0), cos.stride(0),
+            h, r, rope // 2, split_len, splits, scale,
+            HAS_KEY_POS=plan.key_pos is not None, INTERLEAVED=interleaved, BLOCK_M=tiles.block_m,
+            BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_T=block_t)
     if splits == 1:
         return acc[:, 0] / sm[:, 0, :, None]
     out = torch.empty(n, h, r, dtype=torch.float32, device=pool.device)
+    block_h = triton.next_power_of_2(h)
     _combine[(n,)](acc, mx, sm, out, splits, h, r, BLOCK_H=block_h, BLOCK_R=block_r)
     return out
 
@@ -134,38 +169,44 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
 if triton is not None:
 
     @triton.jit
-    def _partial(q_lat, q_pe, pool, slots, key_pos, cos_tab, sin_tab, q_seq, q_last, acc_out, max_out, sum_out,
+    def _partial(q_lat, q_pe, pool, slots, key_pos, cos_tab, sin_tab, t_seq, t_row0, t_rows, t_end, q_last,
+                 acc_out, max_out, sum_out,
                  s_ql_n, s_ql_h, s_qp_n, s_qp_h, s_pool, s_slots, s_kpos, s_tab,
-                 H, R, HALF, split_len, scale,
-                 HAS_KEY_POS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 H, R, HALF, split_len, n_parts, scale,
+                 HAS_KEY_POS: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr):
-        """One query row x one split of its keys: online softmax over key blocks -> (acc, max, sum)."""
-        row = tl.program_id(0)
+        """One tile (BLOCK_M query rows of one sequence, all heads, as BLOCK_M * BLOCK_H rows of one
+        product) x one split of the keys: online softmax over key blocks -> (acc, max, sum) per row."""
+        tile = tl.program_id(0)
         part = tl.program_id(1)
-        n_parts = tl.num_programs(1)
-        b = tl.load(q_seq + row)
-        last = tl.load(q_last + row)
-        offs_h = tl.arange(0, BLOCK_H)
+        b = tl.load(t_seq + tile)
+        row0 = tl.load(t_row0 + tile)
+        n_rows = tl.load(t_rows + tile)
+        offs_q = tl.arange(0, BLOCK_M * BLOCK_H)  # query x head, head fastest
+        qm = offs_q // BLOCK_H
+        qh = offs_q % BLOCK_H
+        row = row0 + qm
+        live = (qm < n_rows) & (qh < H)
+        last = tl.load(q_last + row, mask=live, other=-1)
         offs_r = tl.arange(0, BLOCK_R)
         offs_p = tl.arange(0, BLOCK_P)
-        hm = offs_h < H
         rm = offs_r < R
         pm = offs_p < HALF
         if INTERLEAVED:  # pairs (2i, 2i + 1)
             ia, ib = 2 * offs_p, 2 * offs_p + 1
         else:  # halves (i, i + dim/2)
             ia, ib = offs_p, offs_p + HALF
-        ql = tl.load(q_lat + row * s_ql_n + offs_h[:, None] * s_ql_h + offs_r[None, :],
-                     mask=hm[:, None] & rm[None, :], other=0.0).to(tl.float32)
-        qa = tl.load(q_pe + row * s_qp_n + offs_h[:, None] * s_qp_h + ia[None, :],
-                     mask=hm[:, None] & pm[None, :], other=0.0).to(tl.float32)
-        qb = tl.load(q_pe + row * s_qp_n + offs_h[:, None] * s_qp_h + ib[None, :],
-                     mask=hm[:, None] & pm[None, :], other=0.0).to(tl.float32)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        ql = tl.load(q_lat + row[:, None] * s_ql_n + qh[:, None] * s_ql_h + offs_r[None, :],
+                     mask=live[:, None] & rm[None, :], other=0.0).to(tl.float32)
+        qa = tl.load(q_pe + row[:, None] * s_qp_n + qh[:, None] * s_qp_h + ia[None, :],
+                     mask=live[:, None] & pm[None, :], other=0.0).to(tl.float32)
+        qb = tl.load(q_pe + row[:, None] * s_qp_n + qh[:, None] * s_qp_h + ib[None, :],
+                     mask=live[:, None] & pm[None, :], other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_R], tl.float32)
         start = part * split_len
-        end = tl.minimum(start + split_len, last + 1)
+        end = tl.minimum(start + split_len, tl.load(t_end + tile))
         for t0 in range(start, end, BLOCK_T):
             offs_t = t0 + tl.arange(0, BLOCK_T)
             tm = offs_t < end
@@ -186,18 +227,19 @@ if triton is not None:
             s = tl.dot(ql, tl.trans(c), input_precision="ieee")
             s += tl.dot(qa, tl.trans(ra), input_precision="ieee")
             s += tl.dot(qb, tl.trans(rb), input_precision="ieee")
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            seen = valid[None, :] & (offs_t[None, :] <= last[:, None])  # causal, per query row
+            s = tl.where(seen, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no key yet
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
             m_i = m_new
-        out = (row * n_parts + part) * H + offs_h
-        tl.store(acc_out + out[:, None] * R + offs_r[None, :], acc, mask=hm[:, None] & rm[None, :])
-        tl.store(max_out + out, m_i, mask=hm)
-        tl.store(sum_out + out, l_i, mask=hm)
+        out = (row * n_parts + part) * H + qh
+        tl.store(acc_out + out[:, None] * R + offs_r[None, :], acc, mask=live[:, None] & rm[None, :])
+        tl.store(max_out + out, m_i, mask=live)
+        tl.store(sum_out + out, l_i, mask=live)
 
     @triton.jit
     def _combine(acc_in, max_in, sum_in, out, n_parts, H, R, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):

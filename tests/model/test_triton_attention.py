@@ -33,8 +33,11 @@ def test_prefill_scores_equal_the_torch_backend(tmp_path, variant, yarn, dtype):
 
 
 def test_ragged_decode_over_several_splits_equals_the_torch_backend(tiny_dir, monkeypatch):
+    """Three prompts of different lengths, prefilled in chunks of 24 positions (so steps mix one
+    prompt's chunk with the others' decode rows), then decoded over several key splits."""
     monkeypatch.setattr(TritonAttention, "SPLIT", 32)  # keys per split: 70 keys take three splits
-    ref, tri = _pair(tiny_dir)
+    ref = LLM(tiny_dir, max_prefill_tokens=24)
+    tri = LLM(tiny_dir, max_prefill_tokens=24, attention_backend="triton")
     prompts = [_rand(70, 2), _rand(9, 3), _rand(33, 4)]
     kw = dict(max_tokens=6, ignore_eos=True, logprobs=0)
     want, got = ref.generate(prompts, **kw), tri.generate(prompts, **kw)
@@ -65,7 +68,7 @@ def test_the_kernel_alone_against_a_dense_reference():
     explicit RoPE positions, queries that see different prefixes."""
     from irminsul.model.config import RopeConfig
     from irminsul.model.rope import Rotary
-    from irminsul.model.triton_attention import TritonPlan, mla_attention
+    from irminsul.model.triton_attention import Tiles, TritonPlan, mla_attention
 
     g = torch.Generator().manual_seed(0)
     h, r, rope, t = 3, 24, 8, 45
@@ -77,8 +80,16 @@ def test_the_kernel_alone_against_a_dense_reference():
     q_lat, q_pe = torch.randn(2, h, r, generator=g), torch.randn(2, h, rope, generator=g)
     last = torch.tensor([44, 20])
     cos, sin = rotary.table(91)
-    plan = TritonPlan(torch.zeros(2, dtype=torch.int32), last.int(), slots[None], pos[None].int(), 90)
-    got = mla_attention(q_lat, q_pe, pool, plan, cos, sin, 0.3, interleaved=False, block_t=16, split=16)
+    one = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    tiles = [Tiles(one(0, 0), one(0, 1), one(1, 1), one(45, 21), 1, 45),  # as two decode rows ...
+             Tiles(one(0), one(0), one(2), one(45), 4, 45)]  # ... and as one prefill tile of both
+    for tile in tiles:
+        plan = TritonPlan(last.int(), slots[None], pos[None].int(), 90, [tile])
+        got = mla_attention(q_lat, q_pe, pool, plan, cos, sin, 0.3, interleaved=False, block_t=16, split=16)
+        _check(got, q_lat, q_pe, pool, slots, pos, last, cos, sin, rotary, r, t)
+
+
+def _check(got, q_lat, q_pe, pool, slots, pos, last, cos, sin, rotary, r, t):
     keys = pool[slots].clone()
     keys[:, r:] = rotary.encode_cached(keys[:, r:], cos[pos], sin[pos])
     for i in range(2):
