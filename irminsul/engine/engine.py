@@ -22,7 +22,7 @@ import torch
 from irminsul.engine.grammar import Grammars
 from irminsul.engine.pool import LatentPool
 from irminsul.engine.reuse import make_reuse
-from irminsul.engine.sampling import SamplingParams, adjust_logits, make_generator, sample
+from irminsul.engine.sampling import SamplingParams, adjust_logits, request_seed, sample_batch
 from irminsul.engine.sequence import Sequence, TokenLogprob
 from irminsul.errors import RequestError
 from irminsul.model.attention import EMPTY_SLOT, SeqAttention
@@ -104,7 +104,7 @@ class Engine:
         if leader is not None and (leader.tokens[: leader.prompt_len] != tokens or leader.tenant != tenant):
             raise ValueError("a leader must be a choice of the same prompt, for the same tenant")
         return Sequence(tokens=tokens, prompt_len=len(tokens), params=params, segment_starts=segment_starts,
-                        tenant=tenant, generator=make_generator(params.seed), matcher=matcher,
+                        tenant=tenant, seed=request_seed(params.seed), matcher=matcher,
                         detok=self.tokenizer.decode_stream(params.skip_special_tokens), leader=leader)
 
     def admit(self, seq: Sequence) -> bool:
@@ -275,16 +275,23 @@ class Engine:
         if constrained:  # one mask call for every constrained sequence of the step
             allowed = self.grammars.allowed([seqs[rows[row]].matcher for row in constrained])
             stacked[constrained] = stacked[constrained].masked_fill(~allowed, float("-inf"))
-        greedy = stacked.argmax(-1).tolist()  # one call for every greedy sequence of the step
+        batch = [seqs[i] for i in rows]
+        failed = None
+        if all(seq.params.greedy for seq in batch):
+            tokens = stacked.argmax(-1).tolist()
+        else:  # one batched call, on the logits' device; its one host copy is here
+            try:
+                tokens = sample_batch(stacked, [seq.params for seq in batch], [seq.seed for seq in batch],
+                                      [len(seq.output_ids) for seq in batch]).tolist()
+            except Exception as e:  # a sampler bug ends the sampled requests of this step, not the greedy ones
+                tokens, failed = stacked.argmax(-1).tolist(), f"internal error while sampling: {e}"
         for row, i in enumerate(rows):
-            seq = seqs[i]
+            seq, token = seqs[i], tokens[row]
             if seq.matcher is not None and seq.matcher.is_error():
                 seq.finish_reason, seq.error = "abort", f"the output constraint failed: {seq.matcher.get_error()}"
                 continue
-            try:
-                token = greedy[row] if seq.params.greedy else sample(stacked[row], seq.params, seq.generator)
-            except Exception as e:  # a bug in one request's sampling ends that request, not the step
-                seq.finish_reason, seq.error = "abort", f"internal error while sampling: {e}"
+            if failed is not None and not seq.params.greedy:
+                seq.finish_reason, seq.error = "abort", failed
                 continue
             before = len(seq.tokens)
             self._append(seq, token)

@@ -9,6 +9,7 @@ instead of failing the step that every other running request shares.
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -107,33 +108,67 @@ GREEDY_BELOW = 1e-5  # a temperature or top_p below this samples the most likely
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
-def make_generator(seed: int | None) -> torch.Generator | None:
-    if seed is None:
-        return None
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
+def request_seed(seed: int | None) -> int:
+    """The seed a request samples with: its own, or a fresh random one (then it is not reproducible)."""
+    return seed if seed is not None else secrets.randbits(62)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [vocab] (float32) -> one token id."""
-    if params.greedy:
-        return int(logits.argmax())
-    logits = logits.float() / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest set whose mass reaches top_p (the first token is always kept)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        drop[0] = False  # NOTE: in float32 a tiny top_p is 0, and 0 >= 0 would drop the first token too
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    total = float(probs.sum())
-    if not math.isfinite(total) or total <= 0.0 or not bool(torch.isfinite(probs).all()):
-        return int(logits.argmax())  # a degenerate distribution: the most likely token
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+_M64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    x &= _M64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_MIX1, _MIX2, _GOLDEN = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB), _signed(0x9E3779B97F4A7C15)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 as if unsigned (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0, 1) [B, vocab] float32 from a counter-based hash (splitmix64) of (seed, step, token id):
+    the same numbers on any device, for any batch a sequence shares, whatever ran before. int64
+    products wrap as unsigned ones do, so the hash is exact in torch integer ops."""
+    x = seeds[:, None] * _GOLDEN + steps[:, None] * _MIX2 + torch.arange(vocab, device=seeds.device)[None, :]
+    for _ in range(2):
+        x = x + _GOLDEN
+        x = (x ^ _shr(x, 30)) * _MIX1
+        x = (x ^ _shr(x, 27)) * _MIX2
+        x = x ^ _shr(x, 31)
+    return (_shr(x, 40).float() + 0.5) / float(1 << 24)
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
+    """logits [B, vocab] -> token ids [B] (on the logits' device, no host synchronisation): each row
+    greedy or sampled after temperature, top-k, min-p and top-p, by an exponential race
+    (argmax p / E, E ~ Exp(1) from `uniforms`): the sampled row's distribution exactly, with the
+    randomness fixed by (seed, step). A degenerate row (nothing finite left) takes its argmax."""
+    dev, (b, vocab) = logits.device, logits.shape
+    logits = logits.float()
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    x = logits / temp[:, None]
+    if any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy):
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        srt, order = x.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev)[None, :]
+        srt = srt.masked_fill(rank >= top_k[:, None], float("-inf"))
+        probs = srt.softmax(-1)
+        drop = (probs < min_p[:, None] * probs[:, :1]) | (probs.cumsum(-1) - probs >= top_p[:, None])
+        drop[:, 0] = False  # the most likely token is always kept
+        x = torch.full_like(x, float("-inf")).scatter_(1, order, srt.masked_fill(drop, float("-inf")))
+    probs = x.softmax(-1)
+    race = probs / -torch.log(uniforms(torch.tensor(seeds, device=dev), torch.tensor(steps, device=dev), vocab))
+    bad = ~torch.isfinite(probs).all(-1) | (probs.sum(-1) <= 0)
+    return torch.where(greedy | bad, logits.argmax(-1), race.argmax(-1))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int | None = None, step: int = 0) -> int:
+    """logits [vocab] -> one token id (`sample_batch` for one row)."""
+    return int(sample_batch(logits[None], [params], [request_seed(seed)], [step])[0])

@@ -6,7 +6,6 @@ import itertools
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 from irminsul.engine.sampling import SamplingParams
 from irminsul.model.attention import EMPTY_SLOT
@@ -58,7 +57,7 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     plan: object | None = None  # the cache's plan, kept until finish() releases its pins
     registered: int = 0  # prompt positions whose chunks were offered to the cache (in-flight reuse)
-    generator: torch.Generator | None = None
+    seed: int = 0  # sampling randomness is a function of (seed, output position): engine/sampling.py
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None  # why the engine could not serve it (with finish_reason "abort")
     text: str = ""  # output text so far, stop strings cut
