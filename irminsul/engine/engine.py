@@ -30,7 +30,18 @@ from irminsul.model.deepseek import DeepseekModel
 from irminsul.model.mla import ForwardBatch
 from irminsul.model.tokenizer import Tokenizer
 
-DEFAULT_KV_CACHE_GIB = 1.0
+DEFAULT_KV_CACHE_GIB = 1.0  # on the CPU (committed lazily, as rows are written)
+GPU_MEMORY_SHARE = 0.85  # on a GPU: this share of the memory free once the weights are loaded
+
+
+def default_kv_cache_gib(device) -> float:
+    """The pool's default size: 1 GiB on the CPU; on a CUDA device, most of its free memory (as
+    vLLM's gpu_memory_utilization; the rest is left to activations)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_KV_CACHE_GIB
+    free, _ = torch.cuda.mem_get_info(device)
+    return GPU_MEMORY_SHARE * free / 2**30
 
 
 class PoolFull(RequestError):
@@ -47,7 +58,7 @@ class Engine:
         self.config = cfg = model.config
         self.max_prefill_tokens = max_prefill_tokens
         if pool is None:
-            gib = DEFAULT_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
+            gib = default_kv_cache_gib(model.device) if kv_cache_gib is None else kv_cache_gib
             if not gib > 0:
                 raise RequestError(f"kv_cache_gib={kv_cache_gib} must be > 0")
             pool = LatentPool.sized(cfg, int(gib * 2**30), model.dtype, model.device)

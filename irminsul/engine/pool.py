@@ -101,6 +101,24 @@ class LatentPool:
         self.rows.index_copy_(1, idx, rows.to(self.rows.device, self.rows.dtype))
         self.computed_at[slots] = positions
 
+    def write_host(self, slots: np.ndarray, rows: torch.Tensor, positions: np.ndarray) -> None:
+        """`write` from host memory: on a GPU through a pinned staging copy, so the transfer is a
+        DMA the copy engine runs beside the compute stream."""
+        if self.rows.is_cuda and not rows.is_cuda and not rows.is_pinned():
+            rows = rows.pin_memory()
+        idx = torch.as_tensor(slots, device=self.rows.device)
+        self.rows.index_copy_(1, idx, rows.to(self.rows.device, self.rows.dtype, non_blocking=True))
+        self.computed_at[slots] = positions
+
     def read(self, slots: np.ndarray) -> torch.Tensor:
         """Rows [n_layers, n, width] of slots (a copy, on the pool's device)."""
         return self.rows[:, torch.as_tensor(slots, device=self.rows.device)]
+
+    def read_host(self, slots: np.ndarray) -> torch.Tensor:
+        """Rows of slots in host memory (for the disk and Redis tiers): on a GPU into pinned memory."""
+        rows = self.read(slots)
+        if not rows.is_cuda:
+            return rows
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows)  # (synchronous: the tier reads it next)
+        return host

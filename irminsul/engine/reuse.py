@@ -166,7 +166,7 @@ class CacheReuse:
 
     def _to_lower(self, entry: Entry) -> Entry:
         """A memory entry (slots) as the disk and Redis tiers store it: its rows, read from the pool."""
-        return Entry(entry.fingerprint, entry.token_ids, entry.base_pos, self.pool.read(entry.payload).cpu(),
+        return Entry(entry.fingerprint, entry.token_ids, entry.base_pos, self.pool.read_host(entry.payload),
                      entry.nbytes)
 
     def _promote(self, entry: Entry) -> Entry | None:
@@ -175,7 +175,7 @@ class CacheReuse:
         if not self.make_room(n):
             return None
         slots = self.pool.alloc(n)
-        self.pool.write(slots, entry.payload, entry.base_pos + np.arange(n))
+        self.pool.write_host(slots, entry.payload, entry.base_pos + np.arange(n))
         promoted = Entry(entry.fingerprint, entry.token_ids, entry.base_pos, slots, entry.nbytes)
         stored = self.registry.memory.put(promoted)  # the memory tier takes its own reference
         self.pool.release(slots)  # ours: if the memory tier refused, the slots are free again

@@ -132,7 +132,9 @@ class MoE(nn.Module):
         cap, experts = int(counts.max()), len(self.experts)
         # grouped when most experts are hit (it reads every expert's weights) and padding at most
         # doubles the work (up to 256 padded rows per expert are always fine)
-        if self.grouped and 2 * int((counts > 0).sum()) >= experts and cap * experts <= 2 * n * k + 256 * experts:
+        # (on a GPU always grouped: two launches instead of a loop of launches over the experts hit)
+        if self.grouped and (x.is_cuda or 2 * int((counts > 0).sum()) >= experts
+                             and cap * experts <= 2 * n * k + 256 * experts):
             out = self._grouped(x, weights, flat, counts, cap)
         elif n == 1:  # one token (a single sequence's decode step): its k experts, no gathers
             w = weights[0].to(x.dtype)

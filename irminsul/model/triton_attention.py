@@ -40,6 +40,11 @@ except ImportError:  # the torch backend needs none of this
     triton = None
 
 
+# Triton's interpreter computes a bf16 tl.dot wrongly (NumPy has no bf16): there, the kernel takes its
+# fp32 path for every pool dtype, and the bf16 tensor-core path is exercised on a GPU only.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available() -> str | None:
     """None if the triton backend can run here, else why not."""
     if triton is None:
@@ -156,8 +161,10 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), pool.stride(0),
             plan.key_slots.stride(0), key_pos.stride(0), cos.stride(0),
             h, r, rope // 2, split_len, splits, scale,
-            HAS_KEY_POS=plan.key_pos is not None, INTERLEAVED=interleaved, BLOCK_M=tiles.block_m,
-            BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_T=block_t)
+            HAS_KEY_POS=plan.key_pos is not None, INTERLEAVED=interleaved,
+            LOW=pool.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED, BLOCK_M=tiles.block_m,
+            BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_T=block_t,
+            num_warps=8 if tiles.block_m * block_h * block_r >= 16384 else 4)
     if splits == 1:
         return acc[:, 0] / sm[:, 0, :, None]
     out = torch.empty(n, h, r, dtype=torch.float32, device=pool.device)
@@ -173,7 +180,7 @@ if triton is not None:
                  acc_out, max_out, sum_out,
                  s_ql_n, s_ql_h, s_qp_n, s_qp_h, s_pool, s_slots, s_kpos, s_tab,
                  H, R, HALF, split_len, n_parts, scale,
-                 HAS_KEY_POS: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_KEY_POS: tl.constexpr, INTERLEAVED: tl.constexpr, LOW: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr):
         """One tile (BLOCK_M query rows of one sequence, all heads, as BLOCK_M * BLOCK_H rows of one
         product) x one split of the keys: online softmax over key blocks -> (acc, max, sum) per row."""
@@ -224,7 +231,10 @@ if triton is not None:
             sn = tl.load(sin_tab + pos[:, None] * s_tab + offs_p[None, :], mask=valid[:, None] & pm[None, :], other=0.0)
             ra = ka * cs - kb * sn  # RoPE on read, at the key's position
             rb = kb * cs + ka * sn
-            s = tl.dot(ql, tl.trans(c), input_precision="ieee")
+            if LOW:  # a bf16 / fp16 pool: tensor-core products of the stored precision, fp32 sums
+                s = tl.dot(ql.to(pool.dtype.element_ty), tl.trans(c.to(pool.dtype.element_ty)))
+            else:  # fp32: exact products (no tf32), as the torch backend computes them
+                s = tl.dot(ql, tl.trans(c), input_precision="ieee")
             s += tl.dot(qa, tl.trans(ra), input_precision="ieee")
             s += tl.dot(qb, tl.trans(rb), input_precision="ieee")
             seen = valid[None, :] & (offs_t[None, :] <= last[:, None])  # causal, per query row
@@ -234,7 +244,10 @@ if triton is not None:
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+            if LOW:
+                acc = acc * alpha[:, None] + tl.dot(p.to(pool.dtype.element_ty), c.to(pool.dtype.element_ty))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
             m_i = m_new
         out = (row * n_parts + part) * H + qh
         tl.store(acc_out + out[:, None] * R + offs_r[None, :], acc, mask=live[:, None] & rm[None, :])

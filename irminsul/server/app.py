@@ -33,7 +33,7 @@ class ServerState:
     def __init__(self, config: ServerConfig):
         from irminsul.bundled import bundled_model
         from irminsul.cache.store import RowLayout, open_registry
-        from irminsul.engine.engine import Engine
+        from irminsul.engine.engine import Engine, default_kv_cache_gib
         from irminsul.model.identity import checkpoint_id
         from irminsul.model.loader import load_model
         from irminsul.model.tokenizer import Tokenizer
@@ -55,10 +55,11 @@ class ServerState:
         if config.store.specs != ("memory",) and not config.store_secret:
             log.warning("the disk / Redis tiers have no --store-secret: whoever can write to them can "
                         "substitute cached rows undetected (see docs/serving.md, Security model)")
-        self.registry = (open_registry(config.store, layout, memory_bytes=int(config.kv_cache_gib * 2**30))
+        pool_gib = config.kv_cache_gib if config.kv_cache_gib is not None else default_kv_cache_gib(model.device)
+        self.registry = (open_registry(config.store, layout, memory_bytes=int(pool_gib * 2**30))
                          if config.reuse != "off" else None)
         self.engine = Engine(model, self.tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
-                             kv_cache_gib=config.kv_cache_gib, model_id=model_id, registry=self.registry)
+                             kv_cache_gib=pool_gib, model_id=model_id, registry=self.registry)
         self.metrics = ServerMetrics(self.model_name)
         self.runner = EngineRunner(self.engine, config.max_running_requests, config.max_queued_requests, self.metrics)
         self.metrics.watch(self.runner, self.engine.cache)

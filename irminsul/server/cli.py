@@ -16,8 +16,9 @@ def register(sub) -> None:
                    help="triton: Triton kernels over the pool (a GPU, or TRITON_INTERPRET=1 for its CPU interpreter)")
     p.add_argument("--store", action="append", default=None, metavar="SPEC",
                    help="chunk store tier: memory (always), disk:PATH, redis://host:port/db; repeat to tier them")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0,
-                   help="the latent pool: rows of running requests and cached content, one budget (GiB)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="the latent pool: rows of running requests and cached content, one budget (GiB; default "
+                        "1 on the CPU, 85%% of the free memory on a GPU)")
     p.add_argument("--disk-budget", default="8GiB", help="disk tier budget")
     p.add_argument("--redis-ttl", type=int, default=None, metavar="SECONDS",
                    help="expire Redis entries after this long (default: never; Redis's maxmemory policy bounds it)")

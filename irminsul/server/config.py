@@ -59,7 +59,7 @@ class ServerConfig:
     device: str = "cpu"
     attention_backend: str = "torch"  # torch | triton (a GPU, or TRITON_INTERPRET=1)
     store: StoreConfig = field(default_factory=StoreConfig)
-    kv_cache_gib: float = 1.0  # the latent pool: running requests and cached content, one budget
+    kv_cache_gib: float | None = None  # the latent pool, one budget; None: the device's default (engine.py)
     max_running_requests: int = 64
     max_queued_requests: int = 1024
     max_prefill_tokens: int = 2048  # per engine step; longer prompts are prefilled in chunks
@@ -78,7 +78,7 @@ class ServerConfig:
                      "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ServerConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not self.kv_cache_gib > 0:
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ServerConfigError(f"--kv-cache-gib must be > 0, got {self.kv_cache_gib}")
         if len({k for k, _ in self.api_keys}) != len(self.api_keys):
             raise ServerConfigError("--api-key lists the same key twice")

@@ -13,12 +13,15 @@ from irminsul.model.tiny import make_tiny_checkpoint
 from irminsul.model.triton_attention import TritonAttention
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (benchmarks/gpu_check.sh runs these on a GPU)
+
+
 def _rand(n, seed, lo=3, hi=250):
     return np.random.default_rng(seed).integers(lo, hi, n).tolist()
 
 
 def _pair(path, dtype="float32"):
-    return LLM(path, dtype=dtype), LLM(path, dtype=dtype, attention_backend="triton")
+    return LLM(path, dtype=dtype, device=DEVICE), LLM(path, dtype=dtype, device=DEVICE, attention_backend="triton")
 
 
 @pytest.mark.parametrize("variant, yarn, dtype", [("v2", False, "float32"), ("v2", True, "float32"),
@@ -36,8 +39,8 @@ def test_ragged_decode_over_several_splits_equals_the_torch_backend(tiny_dir, mo
     """Three prompts of different lengths, prefilled in chunks of 24 positions (so steps mix one
     prompt's chunk with the others' decode rows), then decoded over several key splits."""
     monkeypatch.setattr(TritonAttention, "SPLIT", 32)  # keys per split: 70 keys take three splits
-    ref = LLM(tiny_dir, max_prefill_tokens=24)
-    tri = LLM(tiny_dir, max_prefill_tokens=24, attention_backend="triton")
+    ref = LLM(tiny_dir, max_prefill_tokens=24, device=DEVICE)
+    tri = LLM(tiny_dir, max_prefill_tokens=24, device=DEVICE, attention_backend="triton")
     prompts = [_rand(70, 2), _rand(9, 3), _rand(33, 4)]
     kw = dict(max_tokens=6, ignore_eos=True, logprobs=0)
     want, got = ref.generate(prompts, **kw), tri.generate(prompts, **kw)
@@ -53,9 +56,9 @@ def test_pic_on_one_layer_equals_full_prefill_and_naive_does_not(tmp_path):
     body = _rand(160, 5)
     first = Segments([_rand(20, 6), body])  # segments: the body is chunked from its own start
     second, tail = Segments([_rand(47, 7), body, _rand(1, 8)]), _rand(3, 9)
-    ref = LLM(path, reuse="off").score(second, tail)
+    ref = LLM(path, reuse="off", device=DEVICE).score(second, tail)
     for mode, exact in (("pic", True), ("naive", False)):
-        llm = LLM(path, reuse=mode, attention_backend="triton")
+        llm = LLM(path, reuse=mode, device=DEVICE, attention_backend="triton")
         llm.generate(first, max_tokens=1)
         got = llm.score(second, tail)
         assert llm.last_stats.reused_tokens >= 100, llm.last_stats
@@ -83,10 +86,12 @@ def test_the_kernel_alone_against_a_dense_reference():
     one = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     tiles = [Tiles(one(0, 0), one(0, 1), one(1, 1), one(45, 21), 1, 45),  # as two decode rows ...
              Tiles(one(0), one(0), one(2), one(45), 4, 45)]  # ... and as one prefill tile of both
+    on = lambda *xs: [x.to(DEVICE) for x in xs]  # noqa: E731
     for tile in tiles:
-        plan = TritonPlan(last.int(), slots[None], pos[None].int(), 90, [tile])
-        got = mla_attention(q_lat, q_pe, pool, plan, cos, sin, 0.3, interleaved=False, block_t=16, split=16)
-        _check(got, q_lat, q_pe, pool, slots, pos, last, cos, sin, rotary, r, t)
+        plan = TritonPlan(*on(last.int(), slots[None], pos[None].int()), 90,
+                          [Tiles(*on(tile.seq, tile.row0, tile.rows, tile.end), tile.block_m, tile.max_end)])
+        got = mla_attention(*on(q_lat, q_pe, pool), plan, *on(cos, sin), 0.3, interleaved=False, block_t=16, split=16)
+        _check(got.cpu(), q_lat, q_pe, pool, slots, pos, last, cos, sin, rotary, r, t)
 
 
 def _check(got, q_lat, q_pe, pool, slots, pos, last, cos, sin, rotary, r, t):
