@@ -78,7 +78,9 @@ class LLM:
         self.tokenizer = Tokenizer(self.path)
         cache_options.setdefault("model_id", checkpoint_id(self.path, dtype))
         self.engine = Engine(self.model, self.tokenizer, reuse=reuse, kv_cache_gib=kv_cache_gib, **cache_options)
-        self.scheduler = Scheduler(self.engine, max_running_requests)
+        # Offline batches are for throughput: prompts are prefilled at the full per-step budget
+        # (the server keeps decode_slowdown=2: its streams' inter-token latency comes first).
+        self.scheduler = Scheduler(self.engine, max_running_requests, decode_slowdown=None)
 
     @property
     def reuse(self) -> str:
