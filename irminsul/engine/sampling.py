@@ -147,7 +147,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     greedy or sampled after temperature, top-k, min-p and top-p, by an exponential race
     (argmax p / E, E ~ Exp(1) from `uniforms`): the sampled row's distribution exactly, with the
     randomness fixed by (seed, step). A degenerate row (nothing finite left) takes its argmax."""
-    dev, (b, vocab) = logits.device, logits.shape
+    dev, vocab = logits.device, logits.shape[-1]
     logits = logits.float()
     greedy = torch.tensor([p.greedy for p in params], device=dev)
     temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)

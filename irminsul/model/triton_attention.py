@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from irminsul.model.attention import EMPTY_SLOT, SeqAttention, TorchAttention
+from irminsul.model.attention import SeqAttention, TorchAttention
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import Rotary
 

@@ -137,41 +137,65 @@ async def handle(state, request: Request, chat: bool):
     if len(jobs) > 1:
         return await _several(state, request, req, chat, jobs)
     job = jobs[0]
+    channel = await submit_one(state, job)
+    fmt = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat))
+    if not chat and req.echo:  # the prompt's own log-probs, scored on the engine thread between steps
+        fmt.echo = await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
+    watcher = asyncio.ensure_future(_disconnected(request))
+    first = await first_event(state, job, channel, watcher)
+    if first is None:
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    if req.stream:
+        watcher.cancel()  # NOTE: from here Starlette cancels the body iterator when the client leaves
+        tagged = _Tagged(channel)
+        return StreamingResponse(_stream(state, [job], tagged, fmt, (0, first)), media_type="text/event-stream")
+    event = await last_event(state, job, channel, watcher, first)
+    if event is None:
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(fmt.response([event], [fmt.echo] if fmt.echo is not None else None))
+
+
+async def submit_one(state, job: Job) -> _Channel:
+    """Queue one job (its disk / Redis chunks prefetched first, off the engine thread); its events
+    arrive on the returned channel."""
     if state.registry is not None and hasattr(state.registry, "lower"):
-        await asyncio.to_thread(state.runner.prefetch, job)  # disk / Redis reads, off the engine thread
+        await asyncio.to_thread(state.runner.prefetch, job)
     channel = _Channel()
     job.emit = channel.emit
     try:
         state.runner.submit(job)
     except QueueFull as e:
         raise APIError(503, f"the server is overloaded: {e}; retry later") from None
-    fmt = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat))
-    if not chat and req.echo:  # the prompt's own log-probs, scored on the engine thread between steps
-        fmt.echo = await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
-    watcher = asyncio.ensure_future(_disconnected(request))
+    return channel
+
+
+async def first_event(state, job: Job, channel: _Channel, watcher: asyncio.Task):
+    """The job's first event (a failure at admission is raised: the response has not started);
+    None if the client went away first (the job is aborted)."""
     first = await _next(channel, watcher)
     if first is None:
         state.runner.abort(job)
-        return JSONResponse({}, status_code=499)  # nobody reads it
+        return None
     if isinstance(first, Failed):
         watcher.cancel()
         raise APIError(first.status, first.message)
-    if req.stream:
-        watcher.cancel()  # NOTE: from here Starlette cancels the body iterator when the client leaves
-        tagged = _Tagged(channel)
-        return StreamingResponse(_stream(state, [job], tagged, fmt, (0, first)), media_type="text/event-stream")
-    event = first
+    return first
+
+
+async def last_event(state, job: Job, channel: _Channel, watcher: asyncio.Task, event):
+    """Events until the job finishes -> its Finished event (a failure is raised); None if the client
+    went away first (the job is aborted)."""
     try:
         while not isinstance(event, (Finished, Failed)):
             event = await _next(channel, watcher)
             if event is None:
                 state.runner.abort(job)
-                return JSONResponse({}, status_code=499)
+                return None
     finally:
         watcher.cancel()
     if isinstance(event, Failed):
         raise APIError(event.status, event.message)
-    return JSONResponse(fmt.response([event], [fmt.echo] if fmt.echo is not None else None))
+    return event
 
 
 async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):

@@ -26,10 +26,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from irminsul.server.completions import _Channel, _disconnected, _Format, _next, _tool_format, prepare
+from irminsul.server.completions import (_Channel, _disconnected, _Format, _tool_format, first_event, last_event,
+                                         prepare, submit_one)
 from irminsul.server.protocol import (APIError, ChatCompletionRequest, Float, Int, _Common, parse_body, read_body,
                                       usage)
-from irminsul.server.runner import Delta, Failed, Finished, QueueFull
+from irminsul.server.runner import Delta, Finished
 from irminsul.server.tools import ToolCallParser
 
 
@@ -327,36 +328,19 @@ async def handle(state, request: Request):
         (job,) = await asyncio.to_thread(prepare, state, request, chat, True)
     except APIError as e:
         raise _renamed(e) from None
-    channel = _Channel()
-    job.emit = channel.emit
-    try:
-        state.runner.submit(job)
-    except QueueFull as e:
-        raise APIError(503, f"the server is overloaded: {e}; retry later") from None
+    channel = await submit_one(state, job)
     fmt = _Format(True, state.model_name, chat, state.tokenizer, _tool_format(state, chat, True))
     build = _Builder(req, fmt, state.model_name)
     watcher = asyncio.ensure_future(_disconnected(request))
-    first = await _next(channel, watcher)
+    first = await first_event(state, job, channel, watcher)
     if first is None:
-        state.runner.abort(job)
         return JSONResponse({}, status_code=499)
-    if isinstance(first, Failed):
-        watcher.cancel()
-        raise APIError(first.status, first.message)
     if req.stream:
         watcher.cancel()
         return StreamingResponse(_stream(state, job, channel, build, first), media_type="text/event-stream")
-    event = first
-    try:
-        while not isinstance(event, (Finished, Failed)):
-            event = await _next(channel, watcher)
-            if event is None:
-                state.runner.abort(job)
-                return JSONResponse({}, status_code=499)
-    finally:
-        watcher.cancel()
-    if isinstance(event, Failed):
-        raise APIError(event.status, event.message)
+    event = await last_event(state, job, channel, watcher, first)
+    if event is None:
+        return JSONResponse({}, status_code=499)
     return JSONResponse(build.whole(event))
 
 
