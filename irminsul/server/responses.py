@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from irminsul.server.completions import (_Channel, _disconnected, _Format, _tool_format, first_event, last_event,
                                          prepare, submit_one)
@@ -177,7 +177,12 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             raise APIError(400, "text.format.type must be text, json_object or json_schema", param="text.format")
     if req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or []):
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
-    return ChatCompletionRequest.model_validate(body)
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:  # a passed-through chat field with a bad value
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{loc}: {err['msg']}", param=loc) from None
 
 
 class _Builder:
@@ -189,7 +194,6 @@ class _Builder:
         self.output: list[dict] = []
         self.seq = 0
         self.open: dict | None = None  # the item being streamed
-        self.logprobs: list[dict] = []
 
     def response(self, status: str, finished: Finished | None = None) -> dict:
         req = self.req
