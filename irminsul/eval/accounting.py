@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from irminsul.model.config import ModelConfig
+from irminsul.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
 
-MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+MLA_TYPES = SUPPORTED_MODEL_TYPES  # every MLA family the engine loads
 GQA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 

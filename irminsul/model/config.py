@@ -13,7 +13,10 @@ from pathlib import Path
 
 from irminsul.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+# Families whose routing and RoPE layout are DeepSeek-V3's (sigmoid scores with a correction bias,
+# noaux_tc groups, rope_interleave): GLM-4.7-Flash is V3's MLA and MoE under its own config names.
+V3_LIKE = ("deepseek_v3", "glm4_moe_lite")
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
+    mlp_layer_types: tuple[str, ...] | None = None  # GLM: "dense" | "sparse" per layer (overrides the two above)
     scoring_func: str = "softmax"  # V2: softmax, V3: sigmoid
     topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
     n_group: int = 1
@@ -121,6 +125,8 @@ class ModelConfig:
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale**2
 
     def is_moe_layer(self, layer: int) -> bool:
+        if self.n_routed_experts and self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer] == "sparse"
         return (
             self.n_routed_experts > 0
             and layer >= self.first_k_dense_replace
@@ -161,7 +167,7 @@ def _rope(raw: dict, model_type: str) -> RopeConfig:
         params = {**params, **scaling}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if model_type == "deepseek_v3":
+    if model_type in V3_LIKE:
         style = "v3_interleave" if raw.get("rope_interleave", True) else "v3_half"
     else:
         style = "v2"
@@ -187,6 +193,18 @@ def _rope(raw: dict, model_type: str) -> RopeConfig:
     )
 
 
+def _mlp_layer_types(raw: dict, model_type: str) -> tuple[str, ...] | None:
+    """GLM's per-layer MLP kinds; its default is one dense layer, then MoE (as transformers builds it)."""
+    if model_type != "glm4_moe_lite":
+        return None
+    layers = _req(raw, "num_hidden_layers")
+    kinds = raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):
+        raise ConfigError(f"config.json: mlp_layer_types must name 'dense' or 'sparse' for each of the "
+                          f"{layers} layers, got {kinds!r}")
+    return tuple(kinds)
+
+
 def _parse(raw: dict) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -202,7 +220,7 @@ def _parse(raw: dict) -> ModelConfig:
     if q_lora is not None:
         q_lora = _req(raw, "q_lora_rank")
     n_routed = raw.get("n_routed_experts") or 0
-    is_v3 = model_type == "deepseek_v3"
+    is_v3 = model_type in V3_LIKE
     moe = {}
     if n_routed:
         topk = _req(raw, "num_experts_per_tok")
@@ -213,7 +231,7 @@ def _parse(raw: dict) -> ModelConfig:
         topk_method = raw.get("topk_method") or ("noaux_tc" if is_v3 else "greedy")
         scoring = raw.get("scoring_func") or ("sigmoid" if is_v3 else "softmax")
         if is_v3 and scoring != "sigmoid":
-            raise ConfigError(f"config.json: scoring_func={scoring!r}; DeepSeek-V3 routing is 'sigmoid'")
+            raise ConfigError(f"config.json: scoring_func={scoring!r}; {model_type} routing is 'sigmoid'")
         if not is_v3 and topk_method not in ("greedy", "group_limited_greedy"):
             raise ConfigError(f"config.json: topk_method={topk_method!r} is not a DeepSeek-V2 routing method")
         if n_routed % n_group:
@@ -227,6 +245,7 @@ def _parse(raw: dict) -> ModelConfig:
             moe_intermediate_size=_req(raw, "moe_intermediate_size"),
             first_k_dense_replace=raw.get("first_k_dense_replace") or 0,
             moe_layer_freq=raw.get("moe_layer_freq") or 1,
+            mlp_layer_types=_mlp_layer_types(raw, model_type),
             scoring_func=scoring,
             topk_method=topk_method,
             n_group=n_group,

@@ -32,6 +32,9 @@ VARIANTS = {
                routed_scaling_factor=1.0, norm_topk_prob=False),
     "v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc",
                n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True),
+    # GLM-4.7-Flash (glm4_moe_lite): V3's MLA and routing, per-layer MLP kinds, query LoRA
+    "glm": dict(model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"], n_group=2, topk_group=1,
+                norm_topk_prob=True, routed_scaling_factor=1.8, rope_interleave=True, q_lora_rank=24),
 }
 YARN = {"type": "yarn", "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
@@ -39,6 +42,9 @@ YARN = {"type": "yarn", "rope_type": "yarn", "factor": 32.0, "original_max_posit
 
 def tiny_config(variant: str = "v2", yarn: bool = False, **overrides) -> dict:
     raw = {**BASE, **VARIANTS[variant], **overrides}
+    if raw["model_type"] == "glm4_moe_lite" and "mlp_layer_types" not in overrides:
+        k, n = raw.pop("first_k_dense_replace"), raw["num_hidden_layers"]  # GLM names it per layer
+        raw["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (n - k)
     if yarn:
         raw["rope_scaling"] = dict(YARN)
     return raw

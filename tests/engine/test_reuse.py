@@ -43,6 +43,21 @@ def test_pic_reproduces_full_prefill_on_one_layer(one_layer):
             assert err > 1e-2, err  # stale k_r: the paper's naive baseline measurably differs
 
 
+@pytest.mark.parametrize("variant", ["v3", "glm"])
+def test_pic_is_exact_for_the_v3_like_families(tmp_path, variant):
+    """DeepSeek-V3 and GLM-4.7-Flash (halves and interleaved-in layouts, sigmoid routing): the same
+    one-layer exactness as V2."""
+    path = make_tiny_checkpoint(tmp_path / variant, variant, num_hidden_layers=1, first_k_dense_replace=0,
+                                yarn=True, std=0.3)
+    first, second = _shifted_case(2)
+    ref = LLM(path, reuse="off").score(second[:-3], second[-3:])
+    llm = LLM(path, reuse="pic")
+    llm.generate(first, max_tokens=1)
+    got = llm.score(second[:-3], second[-3:])
+    assert llm.last_stats.reused_tokens >= 400, llm.last_stats  # of the 600-token body
+    assert (got - ref).abs().max().item() < 1e-4
+
+
 def test_reused_rows_are_shared_and_equal_rows_computed_in_place(one_layer):
     """A content hit at another position points the slot table at the cached rows themselves (no
     copy), and on one layer those stored rows equal the rows computed at the new position: the

@@ -12,9 +12,10 @@ ISSUE_STRATEGIES = ("off", "prefix", "naive", "pic", "pic-nocarve", "pic+r0.05",
 STRATEGY_KEYS = ("kl_mean", "kl_p95", "argmax_agreement", "first_divergence", "accuracy", "reused_fraction")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "m", max_position_embeddings=1024)
+@pytest.fixture(scope="module", params=["v2", "glm"])
+def tiny(tmp_path_factory, request):
+    """DeepSeek-V2 and GLM-4.7-Flash (glm4_moe_lite) checkpoints: every study accepts both."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "m", request.param, max_position_embeddings=1024)
 
 
 def _run(capsys, tmp_path, *argv):

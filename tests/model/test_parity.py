@@ -18,6 +18,10 @@ CASES = [
     ("v3", True, {"q_lora_rank": 24}),
     ("v3", True, {"rope_interleave": False}),
     ("v3", False, {"rope_interleave": False, "n_group": 1, "topk_group": 1, "norm_topk_prob": False}),
+    # GLM-4.7-Flash (glm4_moe_lite): query LoRA, per-layer MLP kinds (here dense, MoE, dense)
+    ("glm", False, {}),
+    ("glm", True, {"mlp_layer_types": ["dense", "sparse", "dense"]}),
+    ("glm", True, {"rope_interleave": False, "q_lora_rank": None}),
 ]
 
 
