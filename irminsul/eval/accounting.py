@@ -21,9 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from irminsul.errors import ConfigError
 from irminsul.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
 
-MLA_TYPES = SUPPORTED_MODEL_TYPES  # every MLA family the engine loads
+# every MLA family the engine loads but LongCat-Flash, whose blocks (two MLA sublayers, two MLPs and a
+# shortcut MoE with identity experts) this accounting does not model yet
+MLA_TYPES = tuple(t for t in SUPPORTED_MODEL_TYPES if t != "longcat_flash")
 GQA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -73,8 +76,8 @@ class Arch:
             return cls(name, "gqa", raw["num_hidden_layers"], raw["hidden_size"], heads, raw["vocab_size"],
                        (FFN(raw["intermediate_size"]),) * raw["num_hidden_layers"],
                        kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim)
-        raise ValueError(f"model_type={t!r}: cost accounting knows MLA ({', '.join(MLA_TYPES)}) and GQA "
-                         f"({', '.join(GQA_TYPES)}) models")
+        raise ConfigError(f"model_type={t!r}: cost accounting knows MLA ({', '.join(MLA_TYPES)}) and GQA "
+                          f"({', '.join(GQA_TYPES)}) models")
 
     @property
     def row_values(self) -> int:

@@ -60,8 +60,8 @@ def mla_vectors(model, ids: list[int]) -> dict[str, torch.Tensor]:
     block = rows.rows(model.rotary, len(ids)).float()  # k_r encoded at its position, as the paper reads it
     c = block[..., :r]
     vs = []
-    for layer, m in enumerate(model.model.layers):
-        w = m.self_attn.kv_b_proj.weight.float().view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
+    for layer, (attn, _) in enumerate(model.sublayers()):
+        w = attn.kv_b_proj.weight.float().view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
         vs.append(torch.einsum("nr,hvr->nhv", c[layer], w[:, cfg.qk_nope_head_dim :]).flatten(1))
     return {"c_kv": c, "k_r": block[..., r:], "v": torch.stack(vs)}
 

@@ -41,10 +41,10 @@ def rotation_error(rotary: Rotary, k_raw: torch.Tensor, p_src: torch.Tensor, del
 
 def layer0_keys(model, ids: torch.Tensor) -> torch.Tensor:
     """Pre-rotation k_r [n, rope] of layer 0 for tokens `ids` (a function of the token alone)."""
-    layer = model.model.layers[0]
+    attn, norm = model.sublayers()[0]
     with torch.inference_mode():
-        x = layer.input_layernorm(model.model.embed_tokens(ids))
-        return layer.self_attn.kv_a_proj_with_mqa(x)[:, model.config.kv_lora_rank :].float()
+        x = norm(model.model.embed_tokens(ids))
+        return attn.kv_a_proj_with_mqa(x)[:, model.config.kv_lora_rank :].float()
 
 
 def random_v2_lite_keys(n: int, seed: int) -> tuple[Rotary, torch.Tensor]:
@@ -77,8 +77,8 @@ class KeyRecorder:
 
     def __init__(self, model):
         self.out: dict[int, torch.Tensor] = {}
-        self.handles = [layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(self._hook(i))
-                        for i, layer in enumerate(model.model.layers)]
+        self.handles = [attn.kv_a_proj_with_mqa.register_forward_hook(self._hook(i))
+                        for i, (attn, _) in enumerate(model.sublayers())]
 
     def _hook(self, i):
         def hook(module, args, output):

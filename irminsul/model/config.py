@@ -13,7 +13,7 @@ from pathlib import Path
 
 from irminsul.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash")
 # Families whose routing and RoPE layout are DeepSeek-V3's (sigmoid scores with a correction bias,
 # noaux_tc groups, rope_interleave): GLM-4.7-Flash is V3's MLA and MoE under its own config names.
 V3_LIKE = ("deepseek_v3", "glm4_moe_lite")
@@ -101,6 +101,12 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
     mlp_layer_types: tuple[str, ...] | None = None  # GLM: "dense" | "sparse" per layer (overrides the two above)
+    # LongCat-Flash: each decoder block holds two MLA sublayers (num_hidden_layers counts them, so
+    # the pool has a row per sublayer), two dense MLPs and a shortcut MoE whose last
+    # `zero_expert_num` experts are identities; MLA scales q and c_KV by sqrt(hidden / lora rank).
+    attention_per_block: int = 1
+    zero_expert_num: int = 0
+    mla_lora_scale: bool = False
     scoring_func: str = "softmax"  # V2: softmax, V3: sigmoid
     topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
     n_group: int = 1
@@ -109,6 +115,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def num_blocks(self) -> int:
+        """Decoder blocks (checkpoint `model.layers.N`): one per MLA sublayer except in LongCat."""
+        return self.num_hidden_layers // self.attention_per_block
 
     @property
     def qk_head_dim(self) -> int:
@@ -165,10 +176,13 @@ def _rope(raw: dict, model_type: str) -> RopeConfig:
     scaling = raw.get("rope_scaling") or {}
     if scaling:
         params = {**params, **scaling}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    default_theta = 1e7 if model_type == "longcat_flash" else 10000.0  # transformers' defaults
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if model_type in V3_LIKE:
         style = "v3_interleave" if raw.get("rope_interleave", True) else "v3_half"
+    elif model_type == "longcat_flash":
+        style = "v3_interleave"  # transformers applies the interleaved form unconditionally
     else:
         style = "v2"
     if kind == "default":
@@ -205,8 +219,26 @@ def _mlp_layer_types(raw: dict, model_type: str) -> tuple[str, ...] | None:
     return tuple(kinds)
 
 
+def _longcat(raw: dict) -> dict:
+    """LongCat-Flash's config in the DeepSeek names this module reads, plus what only it has."""
+    blocks = _req(raw, "num_layers")
+    if raw.get("q_lora_rank") is None:
+        raise ConfigError("config.json: longcat_flash needs q_lora_rank (its queries always go through a LoRA)")
+    if raw.get("head_dim", raw.get("qk_rope_head_dim")) != raw.get("qk_rope_head_dim"):
+        raise ConfigError(f"config.json: head_dim={raw.get('head_dim')} must equal qk_rope_head_dim="
+                          f"{raw.get('qk_rope_head_dim')} (transformers sizes LongCat's RoPE by head_dim)")
+    if raw.get("router_bias"):
+        raise ConfigError("config.json: router_bias=true is not supported for longcat_flash")
+    return {**raw, "num_hidden_layers": 2 * blocks, "intermediate_size": _req(raw, "ffn_hidden_size"),
+            "moe_intermediate_size": _req(raw, "expert_ffn_hidden_size"), "num_experts_per_tok": _req(raw, "moe_topk"),
+            "n_shared_experts": 0, "topk_method": "longcat", "scoring_func": "softmax", "norm_topk_prob": False,
+            "first_k_dense_replace": 0}
+
+
 def _parse(raw: dict) -> ModelConfig:
     model_type = raw.get("model_type")
+    if model_type == "longcat_flash":
+        raw = _longcat(raw)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"config.json: model_type={model_type!r} is not supported; Irminsul serves MLA models "
@@ -232,7 +264,7 @@ def _parse(raw: dict) -> ModelConfig:
         scoring = raw.get("scoring_func") or ("sigmoid" if is_v3 else "softmax")
         if is_v3 and scoring != "sigmoid":
             raise ConfigError(f"config.json: scoring_func={scoring!r}; {model_type} routing is 'sigmoid'")
-        if not is_v3 and topk_method not in ("greedy", "group_limited_greedy"):
+        if model_type == "deepseek_v2" and topk_method not in ("greedy", "group_limited_greedy"):
             raise ConfigError(f"config.json: topk_method={topk_method!r} is not a DeepSeek-V2 routing method")
         if n_routed % n_group:
             raise ConfigError(f"config.json: n_routed_experts={n_routed} is not divisible by n_group={n_group}")
@@ -257,7 +289,11 @@ def _parse(raw: dict) -> ModelConfig:
         raise ConfigError(f"config.json: hidden_act={raw.get('hidden_act')!r} is not supported (silu)")
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    longcat = model_type == "longcat_flash"
+    extra = dict(attention_per_block=2, zero_expert_num=int(raw.get("zero_expert_num") or 0),
+                 mla_lora_scale=True) if longcat else {}
     return ModelConfig(
+        **extra,
         model_type=model_type,
         vocab_size=_req(raw, "vocab_size"),
         hidden_size=_req(raw, "hidden_size"),

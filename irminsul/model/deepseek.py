@@ -17,7 +17,7 @@ from torch import nn
 
 from irminsul.model.attention import TorchAttention
 from irminsul.model.config import ModelConfig
-from irminsul.model.layers import MLP, MoE, RMSNorm
+from irminsul.model.layers import MLP, LongcatMoE, MoE, RMSNorm
 from irminsul.model.mla import ForwardBatch, MLAttention, SequenceRows
 from irminsul.model.rope import Rotary
 
@@ -34,12 +34,43 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def sublayers(self) -> list[tuple[MLAttention, RMSNorm]]:
+        return [(self.self_attn, self.input_layernorm)]
+
+
+class LongcatBlock(nn.Module):
+    """LongCat-Flash's decoder block: two MLA sublayers (pool layers 2i and 2i + 1), each followed by
+    a dense MLP, and a shortcut MoE fed after the first sublayer and added after the second."""
+
+    def __init__(self, cfg: ModelConfig, block: int, rotary: Rotary, backend: TorchAttention):
+        super().__init__()
+        self.mlp = LongcatMoE(cfg)
+        self.self_attn = nn.ModuleList(MLAttention(cfg, 2 * block + j, rotary, backend) for j in range(2))
+        self.mlps = nn.ModuleList(MLP(cfg.hidden_size, cfg.intermediate_size) for _ in range(2))
+        self.input_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(2))
+        self.post_attention_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, stop: int | None = None) -> torch.Tensor:
+        """stop=1: the hidden state entering the second sublayer (its norm not applied)."""
+        x = x + self.self_attn[0](self.input_layernorm[0](x), batch)
+        h = self.post_attention_layernorm[0](x)
+        shortcut = None if stop == 1 else self.mlp(h)
+        x = x + self.mlps[0](h)
+        if stop == 1:
+            return x
+        x = x + self.self_attn[1](self.input_layernorm[1](x), batch)
+        return x + self.mlps[1](self.post_attention_layernorm[1](x)) + shortcut
+
+    def sublayers(self) -> list[tuple[MLAttention, RMSNorm]]:
+        return list(zip(self.self_attn, self.input_layernorm))
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: TorchAttention):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, backend) for i in range(cfg.num_hidden_layers))
+        block = LongcatBlock if cfg.model_type == "longcat_flash" else DecoderLayer
+        self.layers = nn.ModuleList(block(cfg, i, rotary, backend) for i in range(cfg.num_blocks))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -66,8 +97,9 @@ class DeepseekModel(nn.Module):
         else:
             raise ValueError(f"attention_backend={name!r}: choose torch or triton")
         self.attention = backend
-        for layer in self.model.layers:
-            layer.self_attn.backend = backend
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.backend = backend
 
     @property
     def dtype(self) -> torch.dtype:
@@ -87,16 +119,25 @@ class DeepseekModel(nn.Module):
         With stop_layer, run only layers [0, stop_layer) and return the (un-normed) hidden state
         entering stop_layer; rows of later layers are left untouched."""
         x = self.model.embed_tokens(batch.token_ids)
-        for layer in self.model.layers[:stop_layer]:
-            x = layer(x, batch)
+        per = self.config.attention_per_block
+        for i, block in enumerate(self.model.layers):
+            if stop_layer is not None and i * per >= stop_layer:
+                break
+            if stop_layer is not None and stop_layer < (i + 1) * per:  # inside a LongCat block
+                return block(x, batch, stop=stop_layer - i * per)
+            x = block(x, batch)
         return x if stop_layer is not None else self.model.norm(x)
+
+    def sublayers(self) -> list[tuple[MLAttention, RMSNorm]]:
+        """Every MLA sublayer with the norm in front of it, in pool-layer order (one per decoder
+        layer; two per LongCat block)."""
+        return [pair for block in self.model.layers for pair in block.sublayers()]
 
     @torch.inference_mode()
     def fresh_rows(self, batch: ForwardBatch, layer: int) -> torch.Tensor:
-        """Rows [N, row_width] that `layer` would cache for the batch in its current context."""
-        block = self.model.layers[layer]
-        hidden = self.forward(batch, stop_layer=layer)
-        return block.self_attn.stored_rows(block.input_layernorm(hidden))
+        """Rows [N, row_width] that pool layer `layer` would cache for the batch in its current context."""
+        attn, norm = self.sublayers()[layer]
+        return attn.stored_rows(norm(self.forward(batch, stop_layer=layer)))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -166,3 +166,41 @@ class MoE(nn.Module):
         y = torch.bmm(F.silu(g) * u, down.transpose(1, 2))[expert, rank]  # [n * k, H]
         y = y * weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class LongcatRouter(nn.Module):
+    """LongCat-Flash's router: softmax over routed and zero-computation experts, the correction
+    bias added for the choice only, top-k weights scaled (not normalised)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        total = cfg.n_routed_experts + cfg.zero_expert_num
+        self.classifier = nn.Linear(cfg.hidden_size, total, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(total))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.classifier.weight.float()).softmax(dim=-1)
+        ids = (scores + self.e_score_correction_bias).topk(self.cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        return scores.gather(1, ids) * self.cfg.routed_scaling_factor, ids
+
+
+class LongcatMoE(nn.Module):
+    """Routed experts plus `zero_expert_num` identity experts (a token routed there keeps its
+    input, weighted): the zero-computation experts that let a token spend less compute."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = LongcatRouter(cfg)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)
+        out = torch.zeros_like(x)
+        for expert in ids.unique().tolist():
+            token, slot = torch.where(ids == expert)
+            xs = x[token]
+            y = self.experts[expert](xs) if expert < len(self.experts) else xs  # identity: zero computation
+            out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
+        return out

@@ -85,7 +85,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     cfg = ModelConfig.from_file(path / "config.json")
     dtype = resolve_dtype(dtype)
-    tensors = read_tensors(weight_files(path), cfg.num_hidden_layers)
+    tensors = read_tensors(weight_files(path), cfg.num_blocks)
     rotary = Rotary(cfg.rope, device)  # built outside the meta context: it holds real buffers
     with torch.device("meta"):
         model = DeepseekModel(cfg, rotary)

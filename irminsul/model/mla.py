@@ -133,22 +133,31 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias)
+        # LongCat-Flash scales q and the normed c_KV (what is cached) by sqrt(hidden / LoRA rank)
+        self.q_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
+        self.kv_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
+
+    def _c_kv(self, c: torch.Tensor) -> torch.Tensor:
+        c = self.kv_a_layernorm(c)
+        return c if self.kv_scale is None else c * self.kv_scale
 
     def stored_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> pool rows [n, kv_lora_rank + rope_dim]: c_KV normed, k_r un-rotated."""
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), self.rotary.to_cache(k_r)], dim=-1)
+        return torch.cat([self._c_kv(c), self.rotary.to_cache(k_r)], dim=-1)
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> rows [n, kv_lora_rank + rope_dim] as transformers caches them (k_r
         encoded at positions)."""
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), self.rotary.apply(k_r, positions)], dim=-1)
+        return torch.cat([self._c_kv(c), self.rotary.apply(k_r, positions)], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         n, h = x.shape[0], cfg.num_attention_heads
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if self.q_scale is not None:
+            q = q * self.q_scale
         q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         cos_sin = batch.memo("rope", lambda: self.rotary.cos_sin(batch.positions))
         q_pe = self.rotary.apply(q_pe, batch.positions, cos_sin)  # [n, H, rope]

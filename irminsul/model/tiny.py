@@ -32,6 +32,9 @@ VARIANTS = {
                routed_scaling_factor=1.0, norm_topk_prob=False),
     "v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc",
                n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True),
+    # LongCat-Flash: blocks of two MLA sublayers + two MLPs + a shortcut MoE with identity experts
+    "longcat": dict(model_type="longcat_flash", architectures=["LongcatFlashForCausalLM"], q_lora_rank=24,
+                    routed_scaling_factor=2.0, zero_expert_num=2),
     # GLM-4.7-Flash (glm4_moe_lite): V3's MLA and routing, per-layer MLP kinds, query LoRA
     "glm": dict(model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"], n_group=2, topk_group=1,
                 norm_topk_prob=True, routed_scaling_factor=1.8, rope_interleave=True, q_lora_rank=24),
@@ -42,6 +45,14 @@ YARN = {"type": "yarn", "rope_type": "yarn", "factor": 32.0, "original_max_posit
 
 def tiny_config(variant: str = "v2", yarn: bool = False, **overrides) -> dict:
     raw = {**BASE, **VARIANTS[variant], **overrides}
+    if raw["model_type"] == "longcat_flash":  # its own names; num_layers blocks of two MLA sublayers
+        for ours, theirs in (("intermediate_size", "ffn_hidden_size"), ("moe_intermediate_size", "expert_ffn_hidden_size"),
+                             ("num_experts_per_tok", "moe_topk")):
+            raw[theirs] = raw.pop(ours)
+        raw["num_layers"] = raw.pop("num_hidden_layers") if "num_layers" not in overrides else raw.pop("num_layers")
+        for unused in ("first_k_dense_replace", "n_shared_experts"):
+            raw.pop(unused, None)
+        raw["head_dim"] = raw["qk_rope_head_dim"]  # transformers sizes LongCat's RoPE by head_dim
     if raw["model_type"] == "glm4_moe_lite" and "mlp_layer_types" not in overrides:
         k, n = raw.pop("first_k_dense_replace"), raw["num_hidden_layers"]  # GLM names it per layer
         raw["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (n - k)
@@ -105,10 +116,27 @@ def make_tiny_checkpoint(path: str | Path, variant: str = "v2", yarn: bool = Fal
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
+    if cfg.zero_expert_num:
+        state = _fuse_experts(state, cfg)
     _save(path, state, shards)
     (path / "config.json").write_text(json.dumps(raw, indent=1))
     write_tokenizer(path, cfg.vocab_size)
     return path
+
+
+def _fuse_experts(state: dict, cfg: ModelConfig) -> dict:
+    """LongCat's experts as transformers stores them: gate_up [routed + zero experts, 2I, H] (the
+    identity experts' rows unused, zero), down [routed, H, I]."""
+    out = {}
+    for b in range(cfg.num_blocks):
+        prefix = f"model.layers.{b}.mlp.experts"
+        gate_up = [torch.cat([state.pop(f"{prefix}.{e}.gate_proj.weight"), state.pop(f"{prefix}.{e}.up_proj.weight")])
+                   for e in range(cfg.n_routed_experts)]
+        gate_up += [torch.zeros_like(gate_up[0])] * cfg.zero_expert_num
+        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{prefix}.down_proj"] = torch.stack([state.pop(f"{prefix}.{e}.down_proj.weight")
+                                                  for e in range(cfg.n_routed_experts)])
+    return {**state, **out}
 
 
 def _save(path: Path, state: dict, shards: int) -> None:

@@ -43,12 +43,21 @@ def test_pic_reproduces_full_prefill_on_one_layer(one_layer):
             assert err > 1e-2, err  # stale k_r: the paper's naive baseline measurably differs
 
 
-@pytest.mark.parametrize("variant", ["v3", "glm"])
-def test_pic_is_exact_for_the_v3_like_families(tmp_path, variant):
-    """DeepSeek-V3 and GLM-4.7-Flash (halves and interleaved-in layouts, sigmoid routing): the same
-    one-layer exactness as V2."""
-    path = make_tiny_checkpoint(tmp_path / variant, variant, num_hidden_layers=1, first_k_dense_replace=0,
-                                yarn=True, std=0.3)
+@pytest.mark.parametrize("variant", ["v3", "glm", "longcat"])
+def test_pic_is_exact_for_the_other_families(tmp_path, variant):
+    """DeepSeek-V3, GLM-4.7-Flash (interleaved-in, halves-out RoPE, sigmoid routing) and LongCat-Flash
+    (scaled latents, shortcut MoE) on one layer, where c_KV depends only on the token. LongCat's
+    smallest model is a block of two MLA sublayers, and the second one's c_KV depends on context;
+    zeroing its kv_a projection makes it cache nothing (its rows are 0 everywhere), so the block
+    is a one-layer model in the sense of the design doc's argument."""
+    layers = {"num_layers": 1} if variant == "longcat" else {"num_hidden_layers": 1, "first_k_dense_replace": 0}
+    path = make_tiny_checkpoint(tmp_path / variant, variant, yarn=True, std=0.3, **layers)
+    if variant == "longcat":
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(path / "model.safetensors"))
+        state["model.layers.0.self_attn.1.kv_a_proj_with_mqa.weight"].zero_()
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     first, second = _shifted_case(2)
     ref = LLM(path, reuse="off").score(second[:-3], second[-3:])
     llm = LLM(path, reuse="pic")

@@ -6,15 +6,17 @@ import pytest
 
 from irminsul.cli import main
 from irminsul.eval.quality import STRATEGIES
+from irminsul.model.config import ModelConfig
 from irminsul.model.tiny import make_tiny_checkpoint
 
 ISSUE_STRATEGIES = ("off", "prefix", "naive", "pic", "pic-nocarve", "pic+r0.05", "pic+r0.15")
 STRATEGY_KEYS = ("kl_mean", "kl_p95", "argmax_agreement", "first_divergence", "accuracy", "reused_fraction")
 
 
-@pytest.fixture(scope="module", params=["v2", "glm"])
+@pytest.fixture(scope="module", params=["v2", "glm", "longcat"])
 def tiny(tmp_path_factory, request):
-    """DeepSeek-V2 and GLM-4.7-Flash (glm4_moe_lite) checkpoints: every study accepts both."""
+    """DeepSeek-V2, GLM-4.7-Flash (glm4_moe_lite) and LongCat-Flash checkpoints: every study takes
+    them (cost accounting refuses LongCat's blocks with a message, below)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "m", request.param, max_position_embeddings=1024)
 
 
@@ -47,7 +49,7 @@ def test_eval_rotation_json(tiny, capsys, tmp_path):
     data = _run(capsys, tmp_path, "rotation", "--model", str(tiny), "--n", "1")
     assert set(data["layer0"]) >= {"fp32_rel_l2", "bf16_rel_l2"}
     assert data["layer0"]["fp32_rel_l2"] < 1e-5 < data["layer0"]["bf16_rel_l2"] < 1e-2
-    assert len(data["per_layer"]) == 3
+    assert len(data["per_layer"]) == ModelConfig.from_file(tiny / "config.json").num_hidden_layers  # MLA sublayers
 
 
 def test_eval_roc_json(tiny, capsys, tmp_path):
@@ -56,8 +58,12 @@ def test_eval_roc_json(tiny, capsys, tmp_path):
 
 
 def test_eval_cost_json(tiny, capsys, tmp_path):
-    data = _run(capsys, tmp_path, "cost", "--model", str(tiny), "--n", "1", "--prompt-tokens", "512",
-                "--gqa", "random-twin")
+    argv = ["cost", "--model", str(tiny), "--n", "1", "--prompt-tokens", "512", "--gqa", "random-twin"]
+    if json.loads((tiny / "config.json").read_text())["model_type"] == "longcat_flash":
+        assert main(["eval", *argv, "--out", str(tmp_path)]) == 2
+        assert "cost accounting knows MLA" in capsys.readouterr().err
+        return
+    data = _run(capsys, tmp_path, *argv)
     assert data["gqa"]["weights"].startswith("twin architecture")
     for name in ("mla", "gqa", "deepseek-v2-lite", "qwen3-32b-like"):
         assert {"flops_saved_fraction", "bytes_moved_per_hit", "energy_saved_fraction"} <= set(data[name])

@@ -22,6 +22,9 @@ CASES = [
     ("glm", False, {}),
     ("glm", True, {"mlp_layer_types": ["dense", "sparse", "dense"]}),
     ("glm", True, {"rope_interleave": False, "q_lora_rank": None}),
+    # LongCat-Flash: blocks of two MLA sublayers (a cache row each), shortcut MoE with identity experts
+    ("longcat", False, {}),
+    ("longcat", True, {"zero_expert_num": 4, "moe_topk": 3}),
 ]
 
 

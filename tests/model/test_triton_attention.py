@@ -25,7 +25,8 @@ def _pair(path, dtype="float32"):
 
 
 @pytest.mark.parametrize("variant, yarn, dtype", [("v2", False, "float32"), ("v2", True, "float32"),
-                                                  ("v3", True, "float32"), ("v3", False, "bfloat16")])
+                                                  ("v3", True, "float32"), ("v3", False, "bfloat16"),
+                                                  ("glm", True, "float32"), ("longcat", True, "float32")])
 def test_prefill_scores_equal_the_torch_backend(tmp_path, variant, yarn, dtype):
     path = make_tiny_checkpoint(tmp_path / "c", variant=variant, yarn=yarn)
     ref, tri = _pair(path, dtype)
