@@ -25,8 +25,9 @@ from irminsul.errors import ConfigError
 from irminsul.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
 
 # every MLA family the engine loads but LongCat-Flash, whose blocks (two MLA sublayers, two MLPs and a
-# shortcut MoE with identity experts) this accounting does not model yet
-MLA_TYPES = tuple(t for t in SUPPORTED_MODEL_TYPES if t != "longcat_flash")
+# shortcut MoE with identity experts) this accounting does not model yet, and DeepSeek-V3.2, whose
+# indexer it does not count
+MLA_TYPES = tuple(t for t in SUPPORTED_MODEL_TYPES if t not in ("longcat_flash", "deepseek_v32"))
 GQA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 

@@ -63,7 +63,7 @@ def mla_vectors(model, ids: list[int]) -> dict[str, torch.Tensor]:
     for layer, (attn, _) in enumerate(model.sublayers()):
         w = attn.kv_b_proj.weight.float().view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
         vs.append(torch.einsum("nr,hvr->nhv", c[layer], w[:, cfg.qk_nope_head_dim :]).flatten(1))
-    return {"c_kv": c, "k_r": block[..., r:], "v": torch.stack(vs)}
+    return {"c_kv": c, "k_r": block[..., r:cfg.latent_width], "v": torch.stack(vs)}
 
 
 @torch.no_grad()

@@ -111,8 +111,8 @@ def drift_pair(model, content: list[int], before_a: list[int], before_b: list[in
     p_tgt = torch.arange(b, b + n)
     out = []
     for layer in range(cfg.num_hidden_layers):
-        k_a = rows_a[layer, a:, r:]  # [n, rope] as cached (model dtype)
-        k_b = rows_b[layer, b:, r:]
+        k_a = rows_a[layer, a:, r:cfg.latent_width]  # [n, rope] as cached (model dtype)
+        k_b = rows_b[layer, b:, r:cfg.latent_width]
         moved = rot.rotate(k_a, delta)
         k_a_at_tgt = rot.apply(raw_a[layer][a:, r:].to(k_a.dtype), p_tgt)  # old context, new position
         out.append({"rotation": rel_l2(moved, k_a_at_tgt), "drift": rel_l2(k_a_at_tgt, k_b),

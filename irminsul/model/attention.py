@@ -19,6 +19,7 @@ sparse prefill) and is masked out. A query at position p attends to every row at
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,10 +122,12 @@ class TorchAttention:
     # -- once per layer --------------------------------------------------------------------
 
     def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
-                groups: list[AttentionGroup]) -> torch.Tensor:
+                groups: list[AttentionGroup], index=None) -> torch.Tensor:
         """q_nope [n, H, nope], q_pe [n, H, rope] (rotated) of the step's queries, pool [S, W] of
         this layer -> attention output [n, H, v_head_dim] (before o_proj). The absorbed groups
-        share one W_UK product before and one W_UV product after their attention."""
+        share one W_UK product before and one W_UV product after their attention. `index`:
+        V3.2's indexer queries and head weights ([n, heads, d], [n, heads]); each query then
+        attends only to the index_topk keys its indexer scores best."""
         cfg = self.cfg
         n, h, r = q_nope.shape[0], cfg.num_attention_heads, cfg.kv_lora_rank
         w = attn.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
@@ -142,7 +145,7 @@ class TorchAttention:
             o_lat, at = [], 0
             for g in absorbed:
                 k = len(g.token_index)
-                o_lat.append(self._absorbed(q_lat[at : at + k], qp[at : at + k], pool, g))
+                o_lat.append(self._absorbed(q_lat[at : at + k], qp[at : at + k], pool, g, _rows_of(index, g)))
                 at += k
             o_lat = o_lat[0] if len(o_lat) == 1 else torch.cat(o_lat)
             o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # W_UV absorbed
@@ -150,36 +153,58 @@ class TorchAttention:
                 return o
             out[idx] = o
         for g in expanded:
-            out[g.token_index] = self._expanded(attn, q_nope[g.token_index], q_pe[g.token_index], pool, g)
+            out[g.token_index] = self._expanded(attn, q_nope[g.token_index], q_pe[g.token_index], pool, g,
+                                                _rows_of(index, g))
         return out
 
-    def _keys(self, pool: torch.Tensor, g: AttentionGroup, dtype) -> torch.Tensor:
-        """The group's keys [B, T, r + rope]: [c_KV | k_r encoded at each key's RoPE position]."""
+    def _keys(self, pool: torch.Tensor, g: AttentionGroup, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The group's keys [B, T, r + rope]: [c_KV | k_r encoded at each key's RoPE position]; and
+        V3.2's indexer keys [B, T, d] (rotary part encoded likewise, half-split), else None."""
         b, _, t = g.shape
-        r = self.cfg.kv_lora_rank
-        keys = pool.index_select(0, g.key_slots.view(-1)).view(b, t, -1).to(dtype)
+        r, latent = self.cfg.kv_lora_rank, self.cfg.latent_width
+        rows = pool.index_select(0, g.key_slots.view(-1)).view(b, t, -1)
+        keys = rows[..., :latent].to(dtype)
         # RoPE at read time, in place on the gathered copy
         keys[..., r:] = self.rotary.encode_cached(keys[..., r:], g.key_cos, g.key_sin)
-        return keys
+        if not self.cfg.index_head_dim:
+            return keys, None
+        idx = rows[..., latent:].float()
+        half = self.cfg.qk_rope_head_dim // 2
+        a, c = idx[..., :half].clone(), idx[..., half : 2 * half].clone()
+        idx[..., :half] = a * g.key_cos - c * g.key_sin
+        idx[..., half : 2 * half] = c * g.key_cos + a * g.key_sin
+        return keys, idx
 
-    def _absorbed(self, q_lat, q_pe, pool, g: AttentionGroup) -> torch.Tensor:
+    def _selected(self, index, idx_keys: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        """V3.2's DSA: the group's mask [B, M, T] narrowed to each query's index_topk best keys."""
+        q, w = index  # [n', heads, d] (scaled), [n', heads]
+        b, m, t = g.shape
+        scores = torch.einsum("bmhd,btd->bmht", _grid(q, g), idx_keys).relu()
+        scores = torch.einsum("bmh,bmht->bmt", _grid(w, g), scores).masked_fill(~g.mask, float("-inf"))
+        top = scores.topk(min(self.cfg.index_topk, t), dim=-1).indices
+        return g.mask & torch.zeros_like(g.mask).scatter_(-1, top, True)
+
+    def _absorbed(self, q_lat, q_pe, pool, g: AttentionGroup, index=None) -> torch.Tensor:
         """Scores q_lat · c_KV + q_pe · k_r as one product against [c_KV | k_r]; -> o_lat [n, H, r]."""
         cfg = self.cfg
         r, h = cfg.kv_lora_rank, cfg.num_attention_heads
         b, m, t = g.shape
-        keys = self._keys(pool, g, q_lat.dtype)
+        keys, idx_keys = self._keys(pool, g, q_lat.dtype)
+        mask = g.mask if index is None else self._selected(index, idx_keys, g)
         q = _grid(torch.cat([q_lat, q_pe], dim=-1), g).reshape(b, m * h, r + cfg.qk_rope_head_dim)
         scores = torch.bmm(q, keys.transpose(1, 2)).float() * cfg.softmax_scale  # [B, M * H, T]
-        scores = scores.view(b, m, h, t).masked_fill(~g.mask[:, :, None, :], float("-inf"))
+        scores = scores.view(b, m, h, t).masked_fill(~mask[:, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(q_lat.dtype).view(b, m * h, t)
         return _rows(torch.bmm(probs, keys[..., :r]).view(b * m, h, r), g)
 
-    def _expanded(self, attn, q_nope, q_pe, pool, g: AttentionGroup) -> torch.Tensor:
+    def _expanded(self, attn, q_nope, q_pe, pool, g: AttentionGroup, index=None) -> torch.Tensor:
         """Keys and values expanded from the latent (k_nope = c_KV·W_UK, v = c_KV·W_UV), then SDPA."""
         cfg = self.cfg
         r, h = cfg.kv_lora_rank, cfg.num_attention_heads
         b, m, t = g.shape
-        keys = self._keys(pool, g, q_nope.dtype)
+        keys, idx_keys = self._keys(pool, g, q_nope.dtype)
+        if index is not None:  # V3.2: the mask narrowed to the indexer's picks; no plain causal path
+            g = dataclasses.replace(g, mask=self._selected(index, idx_keys, g), causal=False)
         kv = attn.kv_b_proj(keys[..., :r]).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat([k_nope, keys[:, :, None, r:].expand(b, t, h, cfg.qk_rope_head_dim)], dim=-1)
@@ -211,6 +236,11 @@ def _buckets(ids: list[int], seqs: list[SeqAttention]) -> list[list[int]]:
         out.append([i])
         work = real
     return [sorted(g) for g in out]
+
+
+def _rows_of(index, g: AttentionGroup):
+    """The indexer's inputs for a group's queries (None without an indexer)."""
+    return None if index is None else tuple(x[g.token_index] for x in index)
 
 
 def _grid(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

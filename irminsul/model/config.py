@@ -13,10 +13,10 @@ from pathlib import Path
 
 from irminsul.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "longcat_flash")
 # Families whose routing and RoPE layout are DeepSeek-V3's (sigmoid scores with a correction bias,
 # noaux_tc groups, rope_interleave): GLM-4.7-Flash is V3's MLA and MoE under its own config names.
-V3_LIKE = ("deepseek_v3", "glm4_moe_lite")
+V3_LIKE = ("deepseek_v3", "deepseek_v32", "glm4_moe_lite")
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,11 @@ class ModelConfig:
     attention_per_block: int = 1
     zero_expert_num: int = 0
     mla_lora_scale: bool = False
+    # DeepSeek-V3.2's sparse attention: a lightning indexer per layer (index_n_heads heads of
+    # index_head_dim, its own per-token key cached beside [c_KV | k_r]) picks index_topk keys per query
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     scoring_func: str = "softmax"  # V2: softmax, V3: sigmoid
     topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
     n_group: int = 1
@@ -126,9 +131,14 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def row_width(self) -> int:
-        """One cached row per token per layer: [c_KV | k_r] (DeepSeek: 512 + 64 = 576)."""
+    def latent_width(self) -> int:
+        """MLA's cached latent per token per layer: [c_KV | k_r] (DeepSeek: 512 + 64 = 576)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def row_width(self) -> int:
+        """One pool row per token per layer: the latent, then V3.2's indexer key (un-rotated)."""
+        return self.latent_width + self.index_head_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -179,7 +189,9 @@ def _rope(raw: dict, model_type: str) -> RopeConfig:
     default_theta = 1e7 if model_type == "longcat_flash" else 10000.0  # transformers' defaults
     theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if model_type in V3_LIKE:
+    if model_type == "deepseek_v32":
+        style = "v3_interleave"  # V3.2's MLA has no rope_interleave switch (its indexer is half-split)
+    elif model_type in V3_LIKE:
         style = "v3_interleave" if raw.get("rope_interleave", True) else "v3_half"
     elif model_type == "longcat_flash":
         style = "v3_interleave"  # transformers applies the interleaved form unconditionally
@@ -208,7 +220,10 @@ def _rope(raw: dict, model_type: str) -> RopeConfig:
 
 
 def _mlp_layer_types(raw: dict, model_type: str) -> tuple[str, ...] | None:
-    """GLM's per-layer MLP kinds; its default is one dense layer, then MoE (as transformers builds it)."""
+    """GLM's per-layer MLP kinds; its default is one dense layer, then MoE (as transformers builds it).
+    V3.2 configs written by transformers carry them too (derived from first_k_dense_replace)."""
+    if model_type == "deepseek_v32" and raw.get("mlp_layer_types"):
+        return tuple(raw["mlp_layer_types"])
     if model_type != "glm4_moe_lite":
         return None
     layers = _req(raw, "num_hidden_layers")
@@ -292,6 +307,13 @@ def _parse(raw: dict) -> ModelConfig:
     longcat = model_type == "longcat_flash"
     extra = dict(attention_per_block=2, zero_expert_num=int(raw.get("zero_expert_num") or 0),
                  mla_lora_scale=True) if longcat else {}
+    if model_type == "deepseek_v32":
+        if q_lora is None:
+            raise ConfigError("config.json: deepseek_v32 needs q_lora_rank (its indexer reads the query LoRA)")
+        extra = dict(index_n_heads=_req(raw, "index_n_heads"), index_head_dim=_req(raw, "index_head_dim"),
+                     index_topk=_req(raw, "index_topk"))
+        if extra["index_head_dim"] < _req(raw, "qk_rope_head_dim"):
+            raise ConfigError("config.json: index_head_dim must be at least qk_rope_head_dim")
     return ModelConfig(
         **extra,
         model_type=model_type,

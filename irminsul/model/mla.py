@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from irminsul.model.attention import EMPTY_SLOT, AttentionGroup, SeqAttention, TorchAttention
@@ -61,9 +62,12 @@ class SequenceRows:
     def rows(self, rotary: Rotary, n: int | None = None) -> torch.Tensor:
         """Rows [n_layers, n, width] as transformers caches them: k_r encoded at each position."""
         n = self.length if n is None else n
-        raw, r = self.raw[:, :n], self.cfg.kv_lora_rank
+        raw, r, latent = self.raw[:, :n], self.cfg.kv_lora_rank, self.cfg.latent_width
         cos, sin = rotary.table(n, raw.device)
-        return torch.cat([raw[..., :r], rotary.encode_cached(raw[..., r:], cos[:n], sin[:n])], dim=-1)
+        parts = [raw[..., :r], rotary.encode_cached(raw[..., r:latent], cos[:n], sin[:n])]
+        if self.cfg.index_head_dim:  # V3.2's indexer keys, half-split rotary part encoded too
+            parts.append(rope_half(raw[..., latent:].transpose(0, 1), cos[:n], sin[:n]).transpose(0, 1))
+        return torch.cat(parts, dim=-1)
 
     def ensure(self, capacity: int) -> None:
         if capacity <= self.capacity:
@@ -128,7 +132,8 @@ class MLAttention(nn.Module):
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.row_width, bias=bias)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_width, bias=bias)
+        self.indexer = Indexer(cfg) if cfg.index_n_heads else None
         # HF builds kv_a_layernorm with its default eps (1e-6), not rms_norm_eps.
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
@@ -142,20 +147,28 @@ class MLAttention(nn.Module):
         return c if self.kv_scale is None else c * self.kv_scale
 
     def stored_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden] -> pool rows [n, kv_lora_rank + rope_dim]: c_KV normed, k_r un-rotated."""
+        """x [n, hidden] -> pool rows [n, row_width]: c_KV normed, k_r un-rotated (and V3.2's
+        indexer key, its rotary part un-rotated)."""
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return torch.cat([self._c_kv(c), self.rotary.to_cache(k_r)], dim=-1)
+        parts = [self._c_kv(c), self.rotary.to_cache(k_r)]
+        if self.indexer is not None:
+            parts.append(self.indexer.key(x))
+        return torch.cat(parts, dim=-1)
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> rows [n, kv_lora_rank + rope_dim] as transformers caches them (k_r
         encoded at positions)."""
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return torch.cat([self._c_kv(c), self.rotary.apply(k_r, positions)], dim=-1)
+        parts = [self._c_kv(c), self.rotary.apply(k_r, positions)]
+        if self.indexer is not None:
+            parts.append(rope_half(self.indexer.key(x), *self.rotary.cos_sin(positions)))
+        return torch.cat(parts, dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         n, h = x.shape[0], cfg.num_attention_heads
-        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_resid = None if cfg.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
         if self.q_scale is not None:
             q = q * self.q_scale
         q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
@@ -164,5 +177,45 @@ class MLAttention(nn.Module):
         pool = batch.pool[self.layer]  # [n_slots, width]
         # NOTE: written before attending: a query attends to rows computed in this same pass.
         pool.index_copy_(0, batch.write_slots, self.stored_rows(x).to(pool.dtype))
-        out = self.backend.forward(self, q_nope, q_pe, pool, batch.groups)  # [n, H, v]
+        index = None if self.indexer is None else self.indexer.queries(x, q_resid, cos_sin)
+        out = self.backend.forward(self, q_nope, q_pe, pool, batch.groups, index)  # [n, H, v]
         return self.o_proj(out.reshape(n, h * cfg.v_head_dim))
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Encode the first 2 * cos.shape[-1] dims of x [n, ..., d] in the half-split layout (pairs
+    (i, i + half)) with cos/sin [n, half] broadcast over the middle dims; the rest pass through.
+    V3.2's indexer rotates this way, unlike its MLA's interleaved k_r."""
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    a, b, rest = x[..., :half].float(), x[..., half : 2 * half].float(), x[..., 2 * half :]
+    return torch.cat([(a * cos - b * sin).to(x.dtype), (b * cos + a * sin).to(x.dtype), rest], dim=-1)
+
+
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer (DSA): per query, scores every earlier key by
+    sum_h w_h * relu(q_h . k) / sqrt(d) and keeps the index_topk best for the MLA attention. Its
+    key, LayerNorm(wk x), is cached in the pool row beside [c_KV | k_r], its rotary part (the first
+    qk_rope_head_dim dims, half-split) un-rotated and encoded at read, like k_r."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
+        # kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+
+    def key(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k_norm(self.wk(x))
+
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [n, heads, d] rotated at the queries' positions and scaled by d^-1/2, weights [n, heads]
+        float32 scaled by heads^-1/2)."""
+        cfg = self.cfg
+        q = self.wq_b(q_resid).view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
+        q = rope_half(q, *cos_sin).float() * cfg.index_head_dim**-0.5
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * cfg.index_n_heads**-0.5
+        return q, w

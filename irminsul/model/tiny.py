@@ -35,6 +35,10 @@ VARIANTS = {
     # LongCat-Flash: blocks of two MLA sublayers + two MLPs + a shortcut MoE with identity experts
     "longcat": dict(model_type="longcat_flash", architectures=["LongcatFlashForCausalLM"], q_lora_rank=24,
                     routed_scaling_factor=2.0, zero_expert_num=2),
+    # DeepSeek-V3.2: V3 plus the DSA lightning indexer (its own cached key, top-k keys per query)
+    "v32": dict(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], topk_method="noaux_tc",
+                n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=24,
+                index_n_heads=2, index_head_dim=16, index_topk=16),
     # GLM-4.7-Flash (glm4_moe_lite): V3's MLA and routing, per-layer MLP kinds, query LoRA
     "glm": dict(model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"], n_group=2, topk_group=1,
                 norm_topk_prob=True, routed_scaling_factor=1.8, rope_interleave=True, q_lora_rank=24),

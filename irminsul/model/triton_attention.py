@@ -88,6 +88,9 @@ class TritonAttention(TorchAttention):
         why = available()
         if why is not None:
             raise RuntimeError(why)
+        if cfg.index_n_heads:
+            raise RuntimeError("the triton backend does not run DeepSeek-V3.2's sparse attention (its indexer) yet; "
+                               "use attention_backend='torch'")
         super().__init__(cfg, rotary)
 
     def plan(self, seqs: list[SeqAttention], offsets: list[int], device) -> TritonPlan:
@@ -116,7 +119,8 @@ class TritonAttention(TorchAttention):
         return TritonPlan(as_t(q_last), torch.from_numpy(slots).to(device),
                           as_t(pos) if pos is not None else None, max_pos, tiles)
 
-    def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan: TritonPlan):
+    def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan: TritonPlan,
+                index=None):
         cfg = self.cfg
         h, r = cfg.num_attention_heads, cfg.kv_lora_rank
         w = attn.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)

@@ -43,7 +43,7 @@ def test_pic_reproduces_full_prefill_on_one_layer(one_layer):
             assert err > 1e-2, err  # stale k_r: the paper's naive baseline measurably differs
 
 
-@pytest.mark.parametrize("variant", ["v3", "glm", "longcat"])
+@pytest.mark.parametrize("variant", ["v3", "v32", "glm", "longcat"])
 def test_pic_is_exact_for_the_other_families(tmp_path, variant):
     """DeepSeek-V3, GLM-4.7-Flash (interleaved-in, halves-out RoPE, sigmoid routing) and LongCat-Flash
     (scaled latents, shortcut MoE) on one layer, where c_KV depends only on the token. LongCat's

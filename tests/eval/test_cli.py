@@ -13,10 +13,10 @@ ISSUE_STRATEGIES = ("off", "prefix", "naive", "pic", "pic-nocarve", "pic+r0.05",
 STRATEGY_KEYS = ("kl_mean", "kl_p95", "argmax_agreement", "first_divergence", "accuracy", "reused_fraction")
 
 
-@pytest.fixture(scope="module", params=["v2", "glm", "longcat"])
+@pytest.fixture(scope="module", params=["v2", "v32", "glm", "longcat"])
 def tiny(tmp_path_factory, request):
-    """DeepSeek-V2, GLM-4.7-Flash (glm4_moe_lite) and LongCat-Flash checkpoints: every study takes
-    them (cost accounting refuses LongCat's blocks with a message, below)."""
+    """DeepSeek-V2, V3.2, GLM-4.7-Flash (glm4_moe_lite) and LongCat-Flash checkpoints: every study
+    takes them (cost accounting refuses V3.2's indexer and LongCat's blocks with a message, below)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "m", request.param, max_position_embeddings=1024)
 
 
@@ -59,7 +59,7 @@ def test_eval_roc_json(tiny, capsys, tmp_path):
 
 def test_eval_cost_json(tiny, capsys, tmp_path):
     argv = ["cost", "--model", str(tiny), "--n", "1", "--prompt-tokens", "512", "--gqa", "random-twin"]
-    if json.loads((tiny / "config.json").read_text())["model_type"] == "longcat_flash":
+    if json.loads((tiny / "config.json").read_text())["model_type"] in ("longcat_flash", "deepseek_v32"):
         assert main(["eval", *argv, "--out", str(tmp_path)]) == 2
         assert "cost accounting knows MLA" in capsys.readouterr().err
         return

@@ -25,6 +25,9 @@ CASES = [
     # LongCat-Flash: blocks of two MLA sublayers (a cache row each), shortcut MoE with identity experts
     ("longcat", False, {}),
     ("longcat", True, {"zero_expert_num": 4, "moe_topk": 3}),
+    # DeepSeek-V3.2: the DSA indexer keeps index_topk of the 96 keys per query (16, then 8)
+    ("v32", False, {}),
+    ("v32", True, {"index_topk": 8}),
 ]
 
 
@@ -47,11 +50,25 @@ def test_logprobs_match_transformers(tmp_path, variant, yarn, extra):
     assert (got - ref).abs().max().item() < 1e-4
     # The cached rows, with k_r encoded at their positions as attention reads them, are transformers'
     # latent cache: c_KV after the norm, k_r rotated, same layout.
-    r, rows = ours.config.kv_lora_rank, seq.rows(ours.rotary)
+    cfg, rows = ours.config, seq.rows(ours.rotary)
+    r, latent = cfg.kv_lora_rank, cfg.latent_width
     for layer, cache_layer in enumerate(out.past_key_values.layers):
         c_kv, k_r = cache_layer.keys[0, 0], cache_layer.values[0, 0]
         assert torch.allclose(rows[layer, :96, :r], c_kv, atol=1e-5)
-        assert torch.allclose(rows[layer, :96, r:], k_r, atol=1e-5)
+        assert torch.allclose(rows[layer, :96, r:latent], k_r, atol=1e-5)
+        if cfg.index_head_dim:  # V3.2: the indexer's keys too (rotary part encoded, half-split)
+            assert torch.allclose(rows[layer, :96, latent:], cache_layer.indexer_keys[0], atol=1e-5)
+
+
+def test_v32_sparse_selection_changes_the_output(tmp_path):
+    """The parity above is not vacuous for V3.2: keeping 16 of 96 keys per query changes the
+    log-probs, so the indexer's top-k is what both implementations agree on."""
+    ids = torch.randint(0, 300, (96,), generator=torch.Generator().manual_seed(0))
+    out = []
+    for topk in (16, 4096):
+        m = load_model(make_tiny_checkpoint(tmp_path / str(topk), "v32", seed=3, index_topk=topk))
+        out.append(m.logits(m.prefill(m.new_rows(), ids, torch.arange(96))).log_softmax(-1))
+    assert (out[0] - out[1]).abs().max().item() > 1e-2
 
 
 def test_parity_is_sensitive_to_the_yarn_softmax_scale(tmp_path, monkeypatch):
