@@ -1,7 +1,8 @@
 """Attention over the latent pool in Triton: the `triton` backend (the torch backend's interface).
 
 One kernel serves decode and prefill alike, in MLA's absorbed form (FlashMLA's scheme): a program
-takes one query row (all heads) and one split of its keys, reads the keys' rows through the
+takes a tile of query rows of one sequence (one row for decode, 64 / H rows for prefill spans), all
+heads, and one split of its keys, reads the keys' rows through the
 sequence's slot table straight from the pool, rotates each key's un-rotated `k_r` at its RoPE
 position on read (fp32, cos/sin from the model's own rotary table: YaRN and both pair layouts),
 and keeps an online softmax over blocks of keys. The splits' partial results (running max, sum and
@@ -16,8 +17,10 @@ On a machine without a GPU the kernels run under Triton's interpreter (`TRITON_I
 before triton is imported) on CPU tensors, slowly but exactly enough to test against the torch
 backend; that is how CI tests them (tests/model/test_triton_attention.py).
 
-Not yet here (issue 15): query tiling for long prefill spans (each query row reads its keys on its
-own, correct but wasteful for prefill on a GPU), the expanded form for prefill, on-device sampling.
+DeepSeek-V3.2's sparse attention enters as a per-query selection mask: the indexer's scores and
+top-k are computed in torch (`_selection`) and the kernel ANDs the mask into its causal one. Not yet
+here (issue 15): a fused indexer kernel that hands the attention kernel a key list per query
+(FlashMLA's sparse decode), the expanded form for long prefill spans, tile sizes tuned on a GPU.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class TritonPlan:
     read once per tile, not once per row)."""
 
     q_last: torch.Tensor  # [n] int32: each query's position (it attends keys 0..q_last)
+    q_seq: torch.Tensor  # [n] int64: the row of key_slots each query reads
     key_slots: torch.Tensor  # [B, T] int64, EMPTY_SLOT = no row
     key_pos: torch.Tensor | None  # [B, T] int32 RoPE position of each key; None: its own index
     max_pos: int  # the largest RoPE position any key is encoded at
@@ -88,15 +92,13 @@ class TritonAttention(TorchAttention):
         why = available()
         if why is not None:
             raise RuntimeError(why)
-        if cfg.index_n_heads:
-            raise RuntimeError("the triton backend does not run DeepSeek-V3.2's sparse attention (its indexer) yet; "
-                               "use attention_backend='torch'")
         super().__init__(cfg, rotary)
 
     def plan(self, seqs: list[SeqAttention], offsets: list[int], device) -> TritonPlan:
         n = sum(len(s.q_positions) for s in seqs)
         t = max(len(s.key_slots) for s in seqs)
         q_last = np.zeros(n, np.int32)
+        q_seq = np.zeros(n, np.int64)
         slots = np.zeros((len(seqs), t), np.int64)
         pos = None if all(s.key_rope is None for s in seqs) else np.zeros((len(seqs), t), np.int32)
         decode, prefill = [], []  # tiles: (seq, first row, rows, end)
@@ -104,6 +106,7 @@ class TritonAttention(TorchAttention):
         for i, s in enumerate(seqs):
             m = len(s.q_positions)
             q_last[offsets[i] : offsets[i] + m] = s.q_positions
+            q_seq[offsets[i] : offsets[i] + m] = i
             slots[i, : len(s.key_slots)] = s.key_slots
             if pos is not None:
                 pos[i, : len(s.key_slots)] = s.key_rope if s.key_rope is not None else np.arange(len(s.key_slots))
@@ -116,7 +119,7 @@ class TritonAttention(TorchAttention):
         as_t = lambda a: torch.from_numpy(np.asarray(a, np.int32)).to(device)  # noqa: E731
         tiles = [Tiles(*(as_t(col) for col in zip(*group)), block, max(e for *_, e in group))
                  for group, block in ((decode, 1), (prefill, block_m)) if group]
-        return TritonPlan(as_t(q_last), torch.from_numpy(slots).to(device),
+        return TritonPlan(as_t(q_last), torch.from_numpy(q_seq).to(device), torch.from_numpy(slots).to(device),
                           as_t(pos) if pos is not None else None, max_pos, tiles)
 
     def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan: TritonPlan,
@@ -127,9 +130,32 @@ class TritonAttention(TorchAttention):
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, r]: W_UK absorbed
         cos, sin = self.rotary.table(plan.max_pos + 1, pool.device)
+        selected = None if index is None else self._selection(index, pool, plan, cos, sin)
         o_lat = mla_attention(q_lat, q_pe, pool, plan, cos, sin, cfg.softmax_scale,
-                              self.rotary.config.cache_layout == "interleaved", self.BLOCK_T, self.SPLIT)
+                              self.rotary.config.cache_layout == "interleaved", self.BLOCK_T, self.SPLIT, selected)
         return torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+    def _selection(self, index, pool, plan: TritonPlan, cos, sin) -> torch.Tensor:
+        """DeepSeek-V3.2's DSA in torch: each query's index_topk best keys by its indexer scores ->
+        uint8 [n, T] (1 = attend), which the kernel ANDs into its causal mask. (A reference path: a
+        fused indexer kernel that hands the kernel a key list per query is the GPU version.)"""
+        cfg = self.cfg
+        q, w = index  # [n, heads, d] scaled, [n, heads]
+        latent, half = cfg.latent_width, cfg.qk_rope_head_dim // 2
+        b, t = plan.key_slots.shape
+        keys = pool.index_select(0, plan.key_slots.view(-1)).view(b, t, -1)[..., latent:].float()
+        pos = (plan.key_pos if plan.key_pos is not None else torch.arange(t, device=pool.device)).long()
+        c, s_ = cos[pos], sin[pos]  # [B or T, T?, half] broadcast below
+        a, bb = keys[..., :half].clone(), keys[..., half : 2 * half].clone()
+        keys[..., :half], keys[..., half : 2 * half] = a * c - bb * s_, bb * c + a * s_
+        scores = torch.einsum("nhd,ntd->nht", q, keys[plan.q_seq]).relu()
+        scores = torch.einsum("nh,nht->nt", w, scores)
+        visible = (torch.arange(t, device=pool.device)[None, :] <= plan.q_last[:, None].long()) & \
+            (plan.key_slots[plan.q_seq] != 0)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(cfg.index_topk, t), dim=-1).indices
+        return (torch.zeros_like(visible).scatter_(1, top, True) & visible).to(torch.uint8)
 
 
 def prefill_block_m(heads: int) -> int:
@@ -139,7 +165,7 @@ def prefill_block_m(heads: int) -> int:
 
 
 def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, interleaved: bool,
-                  block_t: int = 32, split: int = 256) -> torch.Tensor:
+                  block_t: int = 32, split: int = 256, selected: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA attention of n query rows over the pool -> o_lat [n, H, r] float32.
     q_lat [n, H, r], q_pe [n, H, rope] (rotated, cache layout), pool [S, r + rope] of one layer.
     One launch per tile kind (decode rows, prefill blocks), each split over the key length."""
@@ -154,6 +180,7 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
     mx = torch.full((n, splits, h), float("-inf"), dtype=torch.float32, device=pool.device)
     sm = torch.zeros(n, splits, h, dtype=torch.float32, device=pool.device)
     key_pos = plan.key_pos if plan.key_pos is not None else plan.key_slots  # (unused when absent)
+    sel = selected if selected is not None else plan.q_last  # (unused when absent)
     for tiles in plan.tiles:
         block_h = triton.next_power_of_2(h)
         if tiles.block_m * block_h < 16:
@@ -161,11 +188,11 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
         split_len = math.ceil(math.ceil(tiles.max_end / splits) / block_t) * block_t
         _partial[(len(tiles.seq), splits)](
             q_lat, q_pe, pool, plan.key_slots, key_pos, cos, sin, tiles.seq, tiles.row0, tiles.rows, tiles.end,
-            plan.q_last, acc, mx, sm,
+            plan.q_last, sel, acc, mx, sm,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), pool.stride(0),
-            plan.key_slots.stride(0), key_pos.stride(0), cos.stride(0),
+            plan.key_slots.stride(0), key_pos.stride(0), cos.stride(0), sel.stride(0),
             h, r, rope // 2, split_len, splits, scale,
-            HAS_KEY_POS=plan.key_pos is not None, INTERLEAVED=interleaved,
+            HAS_KEY_POS=plan.key_pos is not None, HAS_SEL=selected is not None, INTERLEAVED=interleaved,
             LOW=pool.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED, BLOCK_M=tiles.block_m,
             BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_T=block_t,
             num_warps=8 if tiles.block_m * block_h * block_r >= 16384 else 4)
@@ -180,11 +207,12 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
 if triton is not None:
 
     @triton.jit
-    def _partial(q_lat, q_pe, pool, slots, key_pos, cos_tab, sin_tab, t_seq, t_row0, t_rows, t_end, q_last,
+    def _partial(q_lat, q_pe, pool, slots, key_pos, cos_tab, sin_tab, t_seq, t_row0, t_rows, t_end, q_last, sel,
                  acc_out, max_out, sum_out,
-                 s_ql_n, s_ql_h, s_qp_n, s_qp_h, s_pool, s_slots, s_kpos, s_tab,
+                 s_ql_n, s_ql_h, s_qp_n, s_qp_h, s_pool, s_slots, s_kpos, s_tab, s_sel,
                  H, R, HALF, split_len, n_parts, scale,
-                 HAS_KEY_POS: tl.constexpr, INTERLEAVED: tl.constexpr, LOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_KEY_POS: tl.constexpr, HAS_SEL: tl.constexpr, INTERLEAVED: tl.constexpr, LOW: tl.constexpr,
+                 BLOCK_M: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr):
         """One tile (BLOCK_M query rows of one sequence, all heads, as BLOCK_M * BLOCK_H rows of one
         product) x one split of the keys: online softmax over key blocks -> (acc, max, sum) per row."""
@@ -242,6 +270,9 @@ if triton is not None:
             s += tl.dot(qa, tl.trans(ra), input_precision="ieee")
             s += tl.dot(qb, tl.trans(rb), input_precision="ieee")
             seen = valid[None, :] & (offs_t[None, :] <= last[:, None])  # causal, per query row
+            if HAS_SEL:  # V3.2: only the keys the indexer picked for this query
+                pick = tl.load(sel + row[:, None] * s_sel + offs_t[None, :], mask=live[:, None] & tm[None, :], other=0)
+                seen = seen & (pick != 0)
             s = tl.where(seen, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet

@@ -26,7 +26,8 @@ def _pair(path, dtype="float32"):
 
 @pytest.mark.parametrize("variant, yarn, dtype", [("v2", False, "float32"), ("v2", True, "float32"),
                                                   ("v3", True, "float32"), ("v3", False, "bfloat16"),
-                                                  ("glm", True, "float32"), ("longcat", True, "float32")])
+                                                  ("glm", True, "float32"), ("longcat", True, "float32"),
+                                                  ("v32", True, "float32")])
 def test_prefill_scores_equal_the_torch_backend(tmp_path, variant, yarn, dtype):
     path = make_tiny_checkpoint(tmp_path / "c", variant=variant, yarn=yarn)
     ref, tri = _pair(path, dtype)
@@ -50,10 +51,14 @@ def test_ragged_decode_over_several_splits_equals_the_torch_backend(tiny_dir, mo
     assert err < 1e-4, err
 
 
-def test_pic_on_one_layer_equals_full_prefill_and_naive_does_not(tmp_path):
+@pytest.mark.parametrize("variant", ["v2", "v32"])
+def test_pic_on_one_layer_equals_full_prefill_and_naive_does_not(tmp_path, variant):
     """A body cached at offset 20 and read at offset 47: the kernel encodes the shared rows' k_r at
-    the reading positions, so pic equals full prefill; naive encodes them where they were computed."""
-    path = make_tiny_checkpoint(tmp_path / "l1", num_hidden_layers=1, first_k_dense_replace=1, yarn=True, std=0.3)
+    the reading positions, so pic equals full prefill; naive encodes them where they were computed.
+    V3.2: the indexer scores the shared rows at their new positions too, and its top-16 selection
+    (of about 210 keys) is the same as full prefill's."""
+    path = make_tiny_checkpoint(tmp_path / "l1", variant, num_hidden_layers=1, first_k_dense_replace=1, yarn=True,
+                                std=0.3)
     body = _rand(160, 5)
     first = Segments([_rand(20, 6), body])  # segments: the body is chunked from its own start
     second, tail = Segments([_rand(47, 7), body, _rand(1, 8)]), _rand(3, 9)
@@ -89,7 +94,7 @@ def test_the_kernel_alone_against_a_dense_reference():
              Tiles(one(0), one(0), one(2), one(45), 4, 45)]  # ... and as one prefill tile of both
     on = lambda *xs: [x.to(DEVICE) for x in xs]  # noqa: E731
     for tile in tiles:
-        plan = TritonPlan(*on(last.int(), slots[None], pos[None].int()), 90,
+        plan = TritonPlan(*on(last.int(), torch.zeros(2, dtype=torch.long), slots[None], pos[None].int()), 90,
                           [Tiles(*on(tile.seq, tile.row0, tile.rows, tile.end), tile.block_m, tile.max_end)])
         got = mla_attention(*on(q_lat, q_pe, pool), plan, *on(cos, sin), 0.3, interleaved=False, block_t=16, split=16)
         _check(got.cpu(), q_lat, q_pe, pool, slots, pos, last, cos, sin, rotary, r, t)
