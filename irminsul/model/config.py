@@ -15,7 +15,8 @@ from irminsul.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "longcat_flash")
 # Families whose routing and RoPE layout are DeepSeek-V3's (sigmoid scores with a correction bias,
-# noaux_tc groups, rope_interleave): GLM-4.7-Flash is V3's MLA and MoE under its own config names.
+# noaux_tc groups, rope_interleave): V3.2 adds its indexer; GLM-4.7-Flash is V3's MLA and MoE under
+# its own config names.
 V3_LIKE = ("deepseek_v3", "deepseek_v32", "glm4_moe_lite")
 
 

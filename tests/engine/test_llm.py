@@ -154,6 +154,22 @@ def test_inconsistent_config_names_the_field(tmp_path, field, value, match):
         LLM(ckpt)
 
 
+@pytest.mark.parametrize("variant,field,value,match", [
+    ("v32", "q_lora_rank", None, "q_lora_rank"),  # its indexer reads the query LoRA
+    ("v32", "index_head_dim", 4, "index_head_dim"),  # narrower than the rotary part
+    ("glm", "mlp_layer_types", ["dense", "moe", "sparse"], "mlp_layer_types"),
+    ("longcat", "head_dim", 4, "head_dim"),  # transformers sizes its RoPE by head_dim
+    ("longcat", "router_bias", True, "router_bias"),
+])
+def test_the_other_families_refuse_what_they_cannot_serve(tmp_path, variant, field, value, match):
+    ckpt = make_tiny_checkpoint(tmp_path / "c", variant)
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw[field] = value
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=match):
+        LLM(ckpt)
+
+
 def test_weights_that_do_not_match_the_config(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "c")
     raw = json.loads((ckpt / "config.json").read_text())
