@@ -105,7 +105,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
             raise CheckpointError(
                 f"{path}: {key} has shape {tuple(t.shape)} but config.json implies {tuple(ref.shape)}"
             )
-        keep_fp32 = key.endswith("mlp.gate.weight") or key.endswith("e_score_correction_bias")
+        # kept in float32 whatever the model dtype, as transformers keeps them: routers, the V3.2
+        # indexer's head weights
+        keep_fp32 = key.endswith(("mlp.gate.weight", "e_score_correction_bias", "router.classifier.weight",
+                                  "indexer.weights_proj.weight"))
         state[key] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
