@@ -85,27 +85,27 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def build(raw: dict, device: str, dtype: torch.dtype, backend: str, reuse: str, kv_gib: float) -> Engine:
-    """An engine over random weights made on the device (nn.Linear's own initialisation, scaled)."""
+def build(raw: dict, device: str, dtype: torch.dtype, backend: str, reuse: str, kv_gib: float,
+          weights_of: Engine | None = None) -> Engine:
+    """An engine over random weights made on the device (nn.Linear's own initialisation), or over
+    `weights_of`'s weights (the same tensors: one copy on the device for both engines)."""
     folder = Path(tempfile.mkdtemp(prefix="irminsul-gpu-check-"))
     (folder / "config.json").write_text(json.dumps(raw))
     write_tokenizer(folder, raw["vocab_size"])
     cfg = ModelConfig.from_dict(raw)
+    rotary = Rotary(cfg.rope, device)  # outside the device context: it holds real buffers
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
-            model = DeepseekModel(cfg, Rotary(cfg.rope, device))
+        with torch.device("meta" if weights_of is not None else device):
+            model = DeepseekModel(cfg, rotary)
     finally:
         torch.set_default_dtype(default)
-    model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)  # (before assigning: the stacked experts are inference tensors)
+    if weights_of is not None:
+        model.load_state_dict(weights_of.model.state_dict(), assign=True)
     model.set_attention_backend(backend)
     return Engine(model, Tokenizer(folder), reuse=reuse, kv_cache_gib=kv_gib)
-
-
-def share_weights(src: Engine, dst: Engine) -> None:
-    """dst's model reads src's weights (one copy on the device for both engines)."""
-    dst.model.load_state_dict(src.model.state_dict(), assign=True)
 
 
 def generate(engine: Engine, prompts: list[list[int]], new: int) -> float:
@@ -222,8 +222,7 @@ def main() -> None:
     energy = Energy()
     modes = {}
     for mode in ("prefix", "pic"):
-        e = build(raw, device, dtype, "triton", mode, kv_gib / 2)
-        share_weights(engine, e)
+        e = build(raw, device, dtype, "triton", mode, kv_gib / 2, weights_of=engine)
         ttft(e, requests[0], energy)  # the first request fills the cache
         runs = [ttft(e, r, energy) for r in requests[1:]]
         modes[mode] = runs
