@@ -164,8 +164,7 @@ class TorchAttention:
         r, latent = self.cfg.kv_lora_rank, self.cfg.latent_width
         rows = pool.index_select(0, g.key_slots.view(-1)).view(b, t, -1)
         keys = rows[..., :latent].to(dtype)
-        # RoPE at read time, in place on the gathered copy
-        keys[..., r:] = self.rotary.encode_cached(keys[..., r:], g.key_cos, g.key_sin)
+        self.rotary.encode_cached_(keys[..., r:], g.key_cos, g.key_sin)  # RoPE at read, on the gathered copy
         if not self.cfg.index_head_dim:
             return keys, None
         idx = rows[..., latent:].float()

@@ -79,3 +79,20 @@ def test_v2_lite_softmax_scale():
     cfg = ModelConfig.from_dict(raw)
     assert abs(cfg.softmax_scale - 0.114721) < 1e-6  # docs/design.md: V2-Lite, not 192^-0.5 = 0.0722
     assert cfg.row_width == 576
+
+
+def test_in_place_encoding_equals_encode_cached_for_both_layouts():
+    """The fast path (a complex multiply on a strided view of the gathered rows) gives the same
+    bits as encode_cached; the halves layout and bf16 take the reference path."""
+    from irminsul.model.config import RopeConfig
+    from irminsul.model.rope import Rotary
+
+    g = torch.Generator().manual_seed(0)
+    for style, dtype in (("v2", torch.float32), ("v3_interleave", torch.float32), ("v2", torch.bfloat16)):
+        rot = Rotary(RopeConfig(dim=16, theta=10000.0, style=style))
+        rows = torch.randn(3, 40, 48 + 16, generator=g).to(dtype)  # [B, T, r + rope], r = 48
+        cos, sin = rot.table(40)
+        want = rot.encode_cached(rows[..., 48:], cos[None, :40], sin[None, :40])
+        got = rows.clone()
+        rot.encode_cached_(got[..., 48:], cos[None, :40], sin[None, :40])
+        assert torch.equal(got[..., 48:], want) and torch.equal(got[..., :48], rows[..., :48])
