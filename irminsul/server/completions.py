@@ -309,9 +309,11 @@ async def _stream(state, jobs: list[Job], channel, fmt: "_Format", first, prompt
                     reason = "tool_calls" if parser.calls and reason == "stop" else reason
                 yield fmt.sse(fmt.chunk("" if not fmt.chat else {}, reason, index=i))
                 finished[i] = event
-            else:  # Failed mid-stream: an error object, as vLLM sends it
+            else:  # Failed mid-stream: an error object, as vLLM sends it; the other choices end too
                 yield fmt.sse(APIError(event.status, event.message).body())
                 failed = True
+                for job in jobs:
+                    state.runner.abort(job)
                 break
         if fmt.include_usage and not failed:
             yield fmt.sse(fmt.usage_chunk([finished[i] for i in range(len(jobs))], prompts))
