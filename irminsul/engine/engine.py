@@ -310,10 +310,7 @@ class Engine:
             # a stop token (EOS or stop_token_ids) is not output, but its log-prob is, as vLLM's are:
             # lm-evaluation-harness drops the last entry of an echoed prompt + one generated token
             if row in logprobs and (appended or seq.finish_reason == "stop"):
-                lp = logprobs[row]
-                top = lp.topk(seq.params.logprobs) if seq.params.logprobs else None
-                seq.logprobs.append(TokenLogprob(token, float(lp[token]), tuple(
-                    zip(top.indices.tolist(), top.values.tolist())) if top is not None else (), stop=not appended))
+                seq.logprobs.append(TokenLogprob.of(logprobs[row], token, seq.params.logprobs, stop=not appended))
             new[i] = token
         return new
 

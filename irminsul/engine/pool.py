@@ -96,13 +96,8 @@ class LatentPool:
         self._top += len(freed)
 
     def write(self, slots: np.ndarray, rows: torch.Tensor, positions: np.ndarray) -> None:
-        """Store rows [n_layers, n, width] (as the pool holds them) computed at `positions` in slots."""
-        idx = torch.as_tensor(slots, device=self.rows.device)
-        self.rows.index_copy_(1, idx, rows.to(self.rows.device, self.rows.dtype))
-        self.computed_at[slots] = positions
-
-    def write_host(self, slots: np.ndarray, rows: torch.Tensor, positions: np.ndarray) -> None:
-        """`write` from host memory: on a GPU through a pinned staging copy, so the transfer is a
+        """Store rows [n_layers, n, width] (as the pool holds them) computed at `positions` in slots.
+        Rows in host memory go to a GPU pool through a pinned staging copy, so the transfer is a
         DMA the copy engine runs beside the compute stream."""
         if self.rows.is_cuda and not rows.is_cuda and not rows.is_pinned():
             rows = rows.pin_memory()

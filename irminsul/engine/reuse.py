@@ -175,7 +175,7 @@ class CacheReuse:
         if not self.make_room(n):
             return None
         slots = self.pool.alloc(n)
-        self.pool.write_host(slots, entry.payload, entry.base_pos + np.arange(n))
+        self.pool.write(slots, entry.payload, entry.base_pos + np.arange(n))
         promoted = Entry(entry.fingerprint, entry.token_ids, entry.base_pos, slots, entry.nbytes)
         stored = self.registry.memory.put(promoted)  # the memory tier takes its own reference
         self.pool.release(slots)  # ours: if the memory tier refused, the slots are free again

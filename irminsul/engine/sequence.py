@@ -42,6 +42,13 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
     stop: bool = False  # the stop token that ended the sequence: scored, but not in the output
 
+    @classmethod
+    def of(cls, logprobs, token: int, n: int, stop: bool = False) -> TokenLogprob:
+        """From one position's log-probs [vocab]: the token's, and the n most likely (n = 0: none)."""
+        top = logprobs.topk(n) if n else None
+        return cls(token, float(logprobs[token]),
+                   tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else (), stop)
+
 
 @dataclass(eq=False)
 class Sequence:

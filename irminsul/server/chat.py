@@ -241,7 +241,7 @@ class ChatRenderer:
         starts: list[int] = []
         for marked in segment_texts(request, self.template):
             pieces = marked.split(mark)  # template, client, template, client, ..., template
-            text, client, at = "", [], 0
+            text, client = "", []
             for k, piece in enumerate(pieces):
                 if k % 2:
                     client.append((len(text), len(text) + len(piece)))

@@ -149,19 +149,22 @@ async def handle(state, request: Request, chat: bool):
         watcher.cancel()  # NOTE: from here Starlette cancels the body iterator when the client leaves
         tagged = _Tagged(channel)
         return StreamingResponse(_stream(state, [job], tagged, fmt, (0, first)), media_type="text/event-stream")
-    event = await last_event(state, job, channel, watcher, first)
+    try:
+        event = await last_event(state, job, channel, watcher, first)
+    finally:
+        watcher.cancel()
     if event is None:
         return JSONResponse({}, status_code=499)
     return JSONResponse(fmt.response([event], [fmt.echo] if fmt.echo is not None else None))
 
 
-async def submit_one(state, job: Job) -> _Channel:
+async def submit_one(state, job: Job, emit=None) -> _Channel:
     """Queue one job (its disk / Redis chunks prefetched first, off the engine thread); its events
-    arrive on the returned channel."""
+    arrive on the returned channel, or go to `emit` if given."""
     if state.registry is not None and hasattr(state.registry, "lower"):
         await asyncio.to_thread(state.runner.prefetch, job)
     channel = _Channel()
-    job.emit = channel.emit
+    job.emit = emit or channel.emit
     try:
         state.runner.submit(job)
     except QueueFull as e:
@@ -182,17 +185,14 @@ async def first_event(state, job: Job, channel: _Channel, watcher: asyncio.Task)
     return first
 
 
-async def last_event(state, job: Job, channel: _Channel, watcher: asyncio.Task, event):
+async def last_event(state, job: Job, channel: _Channel, watcher: asyncio.Task, event=None):
     """Events until the job finishes -> its Finished event (a failure is raised); None if the client
-    went away first (the job is aborted)."""
-    try:
-        while not isinstance(event, (Finished, Failed)):
-            event = await _next(channel, watcher)
-            if event is None:
-                state.runner.abort(job)
-                return None
-    finally:
-        watcher.cancel()
+    went away first (the job is aborted). The caller cancels the watcher."""
+    while not isinstance(event, (Finished, Failed)):
+        event = await _next(channel, watcher)
+        if event is None:
+            state.runner.abort(job)
+            return None
     if isinstance(event, Failed):
         raise APIError(event.status, event.message)
     return event
@@ -202,21 +202,15 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
     """n > 1 or a batch of prompts: every job runs in the engine's batch; one response, one choice
     per job, in order (prompt-major); streamed, each chunk names its choice's index."""
     fmt = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat))
+    merged = _Channel() if req.stream else None  # streaming: every job's events, tagged with its index
     channels = []
-    merged = _Channel()  # streaming: every job's events, tagged with the job's index, in one queue
-    for i, job in enumerate(jobs):
-        channel = _Channel()
-        job.emit = (lambda e, i=i: merged.emit((i, e))) if req.stream else channel.emit
-        channels.append(channel)
-    submitted = []
     try:
-        for job in jobs:
-            state.runner.submit(job)
-            submitted.append(job)
-    except QueueFull as e:
-        for job in submitted:
+        for i, job in enumerate(jobs):
+            channels.append(await submit_one(state, job, (lambda e, i=i: merged.emit((i, e))) if merged else None))
+    except APIError:  # the queue is full: none of the request's jobs run
+        for job in jobs[: len(channels)]:
             state.runner.abort(job)
-        raise APIError(503, f"the server is overloaded: {e}; retry later") from None
+        raise
     if req.stream:  # (stream with echo is refused up front)
         return StreamingResponse(_stream(state, jobs, merged, fmt, None, len(jobs) // req.n),
                                  media_type="text/event-stream")
@@ -227,18 +221,16 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
     events = []
     try:
         for job, channel in zip(jobs, channels):
-            event = None
-            while not isinstance(event, (Finished, Failed)):
-                event = await _next(channel, watcher)
-                if event is None:
-                    for j in jobs:
-                        state.runner.abort(j)
-                    return JSONResponse({}, status_code=499)
-            if isinstance(event, Failed):
+            event = await last_event(state, job, channel, watcher)
+            if event is None:
                 for j in jobs:
                     state.runner.abort(j)
-                raise APIError(event.status, event.message)
+                return JSONResponse({}, status_code=499)
             events.append(event)
+    except APIError:  # one choice failed: the others end too
+        for j in jobs:
+            state.runner.abort(j)
+        raise
     finally:
         watcher.cancel()
     prompts = len(jobs) // req.n
@@ -260,12 +252,7 @@ def _prompt_logprobs(engine, job: Job) -> tuple[list[int], list]:
     if len(tokens) < 2 or n is None:
         return tokens, []
     lp, _ = engine.score(tokens[:1], tokens[1:], None, job.tenant)
-    out = []
-    for row, token in zip(lp, tokens[1:]):
-        top = row.topk(n) if n else None
-        out.append(TokenLogprob(token, float(row[token]), tuple(zip(top.indices.tolist(), top.values.tolist()))
-                                if top is not None else ()))
-    return tokens, out
+    return tokens, [TokenLogprob.of(row, token, n) for row, token in zip(lp, tokens[1:])]
 
 
 class _Tagged:

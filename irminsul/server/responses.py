@@ -259,15 +259,13 @@ class _Builder:
 
     def text(self, piece: str, logprobs: list[dict]) -> list[str]:
         out = []
-        if self.open is None or self.open["type"] != "message":
+        if self.open is None or self.open["type"] != "message":  # (events are serialized as they are made)
             out += self.close()
             self.open = self._message("", "in_progress", [])
-            text_part = self.open["content"][0]
-            self.open["content"] = []
-            out.append(self.event("response.output_item.added", output_index=len(self.output), item=self.open))
-            self.open["content"] = [text_part]
+            out.append(self.event("response.output_item.added", output_index=len(self.output),
+                                  item={**self.open, "content": []}))
             out.append(self.event("response.content_part.added", item_id=self.open["id"],
-                                  output_index=len(self.output), content_index=0, part={**text_part}))
+                                  output_index=len(self.output), content_index=0, part=self.open["content"][0]))
         part = self.open["content"][0]
         part["text"] += piece
         part["logprobs"] += logprobs
@@ -279,7 +277,7 @@ class _Builder:
         out = self.close()
         self.open = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
                      "name": name, "arguments": "", "status": "in_progress"}
-        out.append(self.event("response.output_item.added", output_index=len(self.output), item={**self.open}))
+        out.append(self.event("response.output_item.added", output_index=len(self.output), item=self.open))
         return out
 
     def arguments(self, piece: str) -> list[str]:
@@ -342,7 +340,10 @@ async def handle(state, request: Request):
     if req.stream:
         watcher.cancel()
         return StreamingResponse(_stream(state, job, channel, build, first), media_type="text/event-stream")
-    event = await last_event(state, job, channel, watcher, first)
+    try:
+        event = await last_event(state, job, channel, watcher, first)
+    finally:
+        watcher.cancel()
     if event is None:
         return JSONResponse({}, status_code=499)
     return JSONResponse(build.whole(event))
