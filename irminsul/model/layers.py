@@ -127,28 +127,26 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [n, k]
         n, k = ids.shape
-        flat = ids.reshape(-1)
-        counts = torch.bincount(flat, minlength=len(self.experts))
-        cap, experts = int(counts.max()), len(self.experts)
+        experts = len(self.experts)
         # grouped when most experts are hit (it reads every expert's weights) and padding at most
         # doubles the work (up to 256 padded rows per expert are always fine)
         # (on a GPU always grouped: two launches instead of a loop of launches over the experts hit)
-        if self.grouped and (x.is_cuda or 2 * int((counts > 0).sum()) >= experts
-                             and cap * experts <= 2 * n * k + 256 * experts):
-            out = self._grouped(x, weights, flat, counts, cap)
-        elif n == 1:  # one token (a single sequence's decode step): its k experts, no gathers
+        if n == 1 and not (self.grouped and (x.is_cuda or 2 * k >= experts)):
+            # one token (a single sequence's decode step): its k experts, no counts, gathers or host reads
             w = weights[0].to(x.dtype)
             out = None
             for slot, expert in enumerate(ids[0].tolist()):
                 y = self.experts[expert](x) * w[slot]
                 out = y if out is None else out + y
         else:
-            out = torch.zeros_like(x)
-            # Loop over the experts that were hit, not over tokens: one matmul per active expert.
-            for expert in ids.unique().tolist():
-                token, slot = torch.where(ids == expert)
-                y = self.experts[expert](x[token]) * weights[token, slot, None].to(x.dtype)
-                out[token] += y  # a token picks an expert at most once: no duplicate indices here
+            flat = ids.reshape(-1)
+            counts = torch.bincount(flat, minlength=experts)
+            cap = int(counts.max())
+            if self.grouped and (x.is_cuda or 2 * int((counts > 0).sum()) >= experts
+                                 and cap * experts <= 2 * n * k + 256 * experts):
+                out = self._grouped(x, weights, flat, counts, cap)
+            else:
+                out = expert_loop(x, weights, ids, lambda e, xs: self.experts[e](xs))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -197,10 +195,15 @@ class LongcatMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
-        out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():
-            token, slot = torch.where(ids == expert)
-            xs = x[token]
-            y = self.experts[expert](xs) if expert < len(self.experts) else xs  # identity: zero computation
-            out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
-        return out
+        routed = len(self.experts)  # experts beyond these are identities: zero computation
+        return expert_loop(x, weights, ids, lambda e, xs: self.experts[e](xs) if e < routed else xs)
+
+
+def expert_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, run) -> torch.Tensor:
+    """Routed experts by a loop over the experts hit, not over tokens: one `run(expert, rows)` per
+    expert on the rows routed to it, weighted and added back (a token picks an expert at most once)."""
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        token, slot = torch.where(ids == expert)
+        out.index_add_(0, token, run(expert, x[token]) * weights[token, slot, None].to(x.dtype))
+    return out
