@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from irminsul.model.config import ModelConfig
-from irminsul.model.rope import Rotary
+from irminsul.model.rope import Rotary, encode_half
 
 EMPTY_SLOT = 0  # pool slot 0 holds no row: padding and not-yet-filled positions point here
 PADDING_SLACK = 1.5  # a group's padded work (B x M x T) stays within this factor of its real work
@@ -167,21 +167,12 @@ class TorchAttention:
         self.rotary.encode_cached_(keys[..., r:], g.key_cos, g.key_sin)  # RoPE at read, on the gathered copy
         if not self.cfg.index_head_dim:
             return keys, None
-        idx = rows[..., latent:].float()
-        half = self.cfg.qk_rope_head_dim // 2
-        a, c = idx[..., :half].clone(), idx[..., half : 2 * half].clone()
-        idx[..., :half] = a * g.key_cos - c * g.key_sin
-        idx[..., half : 2 * half] = c * g.key_cos + a * g.key_sin
-        return keys, idx
+        return keys, encode_half(rows[..., latent:].float(), g.key_cos, g.key_sin)
 
     def _selected(self, index, idx_keys: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         """V3.2's DSA: the group's mask [B, M, T] narrowed to each query's index_topk best keys."""
         q, w = index  # [n', heads, d] (scaled), [n', heads]
-        b, m, t = g.shape
-        scores = torch.einsum("bmhd,btd->bmht", _grid(q, g), idx_keys).relu()
-        scores = torch.einsum("bmh,bmht->bmt", _grid(w, g), scores).masked_fill(~g.mask, float("-inf"))
-        top = scores.topk(min(self.cfg.index_topk, t), dim=-1).indices
-        return g.mask & torch.zeros_like(g.mask).scatter_(-1, top, True)
+        return dsa_selection(_grid(q, g), _grid(w, g), idx_keys[:, None], g.mask, self.cfg.index_topk)
 
     def _absorbed(self, q_lat, q_pe, pool, g: AttentionGroup, index=None) -> torch.Tensor:
         """Scores q_lat · c_KV + q_pe · k_r as one product against [c_KV | k_r]; -> o_lat [n, H, r]."""
@@ -235,6 +226,16 @@ def _buckets(ids: list[int], seqs: list[SeqAttention]) -> list[list[int]]:
         out.append([i])
         work = real
     return [sorted(g) for g in out]
+
+
+def dsa_selection(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int):
+    """DeepSeek-V3.2's sparse attention: the visible keys [..., T] (bool) narrowed to the `topk` that
+    score best under sum_h w_h * relu(q_h . k): q [..., heads, d] (scaled), w [..., heads], keys
+    [..., T, d] (rotary part encoded), the leading dims broadcast."""
+    scores = torch.einsum("...hd,...td->...ht", q, keys).relu()
+    scores = torch.einsum("...h,...ht->...t", w, scores).masked_fill(~visible, float("-inf"))
+    top = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
+    return visible & torch.zeros_like(visible).scatter_(-1, top, True)
 
 
 def _rows_of(index, g: AttentionGroup):

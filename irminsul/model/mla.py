@@ -27,7 +27,7 @@ from torch import nn
 from irminsul.model.attention import EMPTY_SLOT, AttentionGroup, SeqAttention, TorchAttention
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import RMSNorm
-from irminsul.model.rope import Rotary
+from irminsul.model.rope import Rotary, encode_half
 
 
 class SequenceRows:
@@ -183,14 +183,9 @@ class MLAttention(nn.Module):
 
 
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Encode the first 2 * cos.shape[-1] dims of x [n, ..., d] in the half-split layout (pairs
-    (i, i + half)) with cos/sin [n, half] broadcast over the middle dims; the rest pass through.
-    V3.2's indexer rotates this way, unlike its MLA's interleaved k_r."""
-    half = cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    a, b, rest = x[..., :half].float(), x[..., half : 2 * half].float(), x[..., 2 * half :]
-    return torch.cat([(a * cos - b * sin).to(x.dtype), (b * cos + a * sin).to(x.dtype), rest], dim=-1)
+    """`encode_half` of x [n, ..., d] at n positions (cos/sin [n, half], broadcast over the middle dims)."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    return encode_half(x, cos.reshape(shape), sin.reshape(shape))
 
 
 class Indexer(nn.Module):

@@ -136,6 +136,15 @@ class Rotary:
         return out.to(x.dtype)
 
 
+def encode_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., d] with its first 2 * half dims encoded in the half-split layout (pairs (i, i + half))
+    by cos/sin [..., half] (broadcast against x[..., :half]), in fp32; the rest passes through.
+    DeepSeek-V3.2's indexer key is rotated this way, unlike its MLA's interleaved k_r."""
+    half = cos.shape[-1]
+    a, b = x[..., :half].float(), x[..., half : 2 * half].float()
+    return torch.cat([(a * cos - b * sin).to(x.dtype), (b * cos + a * sin).to(x.dtype), x[..., 2 * half :]], dim=-1)
+
+
 def rotate_reference(k_r: np.ndarray, delta: int, rope: RopeConfig) -> np.ndarray:
     """Slow reference for `Rotary.rotate`: one pair at a time, in float64 Python math."""
     freqs = inv_freq(rope).double().numpy()

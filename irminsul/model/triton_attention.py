@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from irminsul.model.attention import SeqAttention, TorchAttention
+from irminsul.model.attention import SeqAttention, TorchAttention, dsa_selection
 from irminsul.model.config import ModelConfig
-from irminsul.model.rope import Rotary
+from irminsul.model.rope import Rotary, encode_half
 
 try:
     import triton
@@ -140,22 +140,14 @@ class TritonAttention(TorchAttention):
         """DeepSeek-V3.2's DSA in torch: each query's index_topk best keys by its indexer scores ->
         uint8 [n, T] (1 = attend), which the kernel ANDs into its causal mask. (A reference path: a
         fused indexer kernel that hands the kernel a key list per query is the GPU version.)"""
-        cfg = self.cfg
         q, w = index  # [n, heads, d] scaled, [n, heads]
-        latent, half = cfg.latent_width, cfg.qk_rope_head_dim // 2
         b, t = plan.key_slots.shape
-        keys = pool.index_select(0, plan.key_slots.view(-1)).view(b, t, -1)[..., latent:].float()
+        rows = pool.index_select(0, plan.key_slots.view(-1)).view(b, t, -1)[..., self.cfg.latent_width :]
         pos = (plan.key_pos if plan.key_pos is not None else torch.arange(t, device=pool.device)).long()
-        c, s_ = cos[pos], sin[pos]  # [B or T, T?, half] broadcast below
-        a, bb = keys[..., :half].clone(), keys[..., half : 2 * half].clone()
-        keys[..., :half], keys[..., half : 2 * half] = a * c - bb * s_, bb * c + a * s_
-        scores = torch.einsum("nhd,ntd->nht", q, keys[plan.q_seq]).relu()
-        scores = torch.einsum("nh,nht->nt", w, scores)
+        keys = encode_half(rows.float(), cos[pos], sin[pos])  # [B, T, d], rotary part at each key's position
         visible = (torch.arange(t, device=pool.device)[None, :] <= plan.q_last[:, None].long()) & \
             (plan.key_slots[plan.q_seq] != 0)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(cfg.index_topk, t), dim=-1).indices
-        return (torch.zeros_like(visible).scatter_(1, top, True) & visible).to(torch.uint8)
+        return dsa_selection(q, w, keys[plan.q_seq], visible, self.cfg.index_topk).to(torch.uint8)
 
 
 def prefill_block_m(heads: int) -> int:
