@@ -208,6 +208,11 @@ def parse_body(raw: bytes, model: type[BaseModel]):
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     _check_values(data)
+    return validated(model, data)
+
+
+def validated(model: type[BaseModel], data: dict):
+    """A request model from its fields; a failure is a 400 naming the first bad field."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

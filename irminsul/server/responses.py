@@ -24,12 +24,12 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from irminsul.server.completions import (_Channel, _disconnected, _Format, _tool_format, first_event, last_event,
                                          prepare, submit_one)
 from irminsul.server.protocol import (APIError, ChatCompletionRequest, Float, Int, _Common, parse_body, read_body,
-                                      usage)
+                                      usage, validated)
 from irminsul.server.runner import Delta, Finished
 from irminsul.server.tools import ToolCallParser
 
@@ -177,12 +177,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             raise APIError(400, "text.format.type must be text, json_object or json_schema", param="text.format")
     if req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or []):
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:  # a passed-through chat field with a bad value
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{loc}: {err['msg']}", param=loc) from None
+    return validated(ChatCompletionRequest, body)  # (a passed-through chat field may be bad: a 400)
 
 
 class _Builder:
