@@ -141,21 +141,29 @@ async def handle(state, request: Request, chat: bool):
     fmt = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat))
     if not chat and req.echo:  # the prompt's own log-probs, scored on the engine thread between steps
         fmt.echo = await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
+    stream = (lambda first: _stream(state, [job], _Tagged(channel), fmt, (0, first))) if req.stream else None
+    return await answer_one(state, request, job, channel, stream,
+                            lambda event: fmt.response([event], [fmt.echo] if fmt.echo is not None else None))
+
+
+async def answer_one(state, request: Request, job: Job, channel: _Channel, stream, whole):
+    """The answer to a one-job request once it is queued: its first event decides (a failure at
+    admission is a 4xx, not an error inside a 200 stream), then `stream(first)` (the SSE chunks) or
+    `whole(finished)` (the JSON body). A client that goes away gets a 499 and its job is aborted."""
     watcher = asyncio.ensure_future(_disconnected(request))
     first = await first_event(state, job, channel, watcher)
     if first is None:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    if req.stream:
+    if stream is not None:
         watcher.cancel()  # NOTE: from here Starlette cancels the body iterator when the client leaves
-        tagged = _Tagged(channel)
-        return StreamingResponse(_stream(state, [job], tagged, fmt, (0, first)), media_type="text/event-stream")
+        return StreamingResponse(stream(first), media_type="text/event-stream")
     try:
         event = await last_event(state, job, channel, watcher, first)
     finally:
         watcher.cancel()
     if event is None:
         return JSONResponse({}, status_code=499)
-    return JSONResponse(fmt.response([event], [fmt.echo] if fmt.echo is not None else None))
+    return JSONResponse(whole(event))
 
 
 async def submit_one(state, job: Job, emit=None) -> _Channel:

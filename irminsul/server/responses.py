@@ -23,11 +23,9 @@ import uuid
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from irminsul.server.completions import (_Channel, _disconnected, _Format, _tool_format, first_event, last_event,
-                                         prepare, submit_one)
+from irminsul.server.completions import _Channel, _Format, _tool_format, answer_one, prepare, submit_one
 from irminsul.server.protocol import (APIError, ChatCompletionRequest, Float, Int, _Common, parse_body, read_body,
                                       usage, validated)
 from irminsul.server.runner import Delta, Finished
@@ -328,20 +326,8 @@ async def handle(state, request: Request):
     channel = await submit_one(state, job)
     fmt = _Format(True, state.model_name, chat, state.tokenizer, _tool_format(state, chat, True))
     build = _Builder(req, fmt, state.model_name)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    first = await first_event(state, job, channel, watcher)
-    if first is None:
-        return JSONResponse({}, status_code=499)
-    if req.stream:
-        watcher.cancel()
-        return StreamingResponse(_stream(state, job, channel, build, first), media_type="text/event-stream")
-    try:
-        event = await last_event(state, job, channel, watcher, first)
-    finally:
-        watcher.cancel()
-    if event is None:
-        return JSONResponse({}, status_code=499)
-    return JSONResponse(build.whole(event))
+    stream = (lambda first: _stream(state, job, channel, build, first)) if req.stream else None
+    return await answer_one(state, request, job, channel, stream, build.whole)
 
 
 async def _stream(state, job, channel: _Channel, build: _Builder, first):
