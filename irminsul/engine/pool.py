@@ -37,9 +37,12 @@ class LatentPool:
         self.refs = np.zeros(n_slots, np.int32)
         self.refs[EMPTY_SLOT] = 1  # never freed
         self.computed_at = np.zeros(n_slots, np.int64)
-        # free slots as a stack, lowest index on top, so a lightly used pool touches few pages
+        # free slots as a stack kept in decreasing order, lowest on top: a lightly used pool touches
+        # few pages, and an allocation is an increasing run of slots wherever the free ones allow,
+        # which attention reads in place (AttentionGroup.run). _free[:_sorted] is in order; slots
+        # released since are pushed above it and merged in at the next allocation.
         self._free = np.arange(n_slots - 1, EMPTY_SLOT, -1, dtype=np.int64)
-        self._top = len(self._free)
+        self._top = self._sorted = len(self._free)
 
     @classmethod
     def sized(cls, cfg: ModelConfig, nbytes: int, dtype: torch.dtype, device="cpu") -> "LatentPool":
@@ -71,8 +74,10 @@ class LatentPool:
         """n fresh slots, each with one reference, or None (and nothing taken) if fewer are free."""
         if n > self._top:
             return None
+        if self._sorted < self._top:
+            self._merge_released()
         out = self._free[self._top - n : self._top][::-1].copy()
-        self._top -= n
+        self._top = self._sorted = self._top - n
         self.refs[out] = 1
         return out
 
@@ -94,6 +99,13 @@ class LatentPool:
         freed = touched[self.refs[touched] == 0]
         self._free[self._top : self._top + len(freed)] = freed
         self._top += len(freed)
+
+    def _merge_released(self) -> None:
+        """Merge the slots released since the last allocation into the ordered stack (O(free))."""
+        ordered = self._free[: self._sorted][::-1]  # increasing
+        released = np.sort(self._free[self._sorted : self._top])
+        self._free[: self._top] = np.insert(ordered, np.searchsorted(ordered, released), released)[::-1]
+        self._sorted = self._top
 
     def write(self, slots: np.ndarray, rows: torch.Tensor, positions: np.ndarray) -> None:
         """Store rows [n_layers, n, width] (as the pool holds them) computed at `positions` in slots.

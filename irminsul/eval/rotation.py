@@ -177,7 +177,8 @@ def run_rotation(model_dir: str | Path, sample, n: int = 8, seed: int = 0, conte
     """`sample(rng, k) -> k token ids` draws text; n (content, two contexts) pairs for the layer
     study, each context starting with `head` (e.g. BOS)."""
     rng = np.random.default_rng(seed)
-    models = {name: load_model(Path(model_dir), dtype=dt) for name, dt in DTYPES.items()}
+    # unpacked: KeyRecorder hooks kv_a_proj_with_mqa, which a packed layer computes fused with q
+    models = {name: load_model(Path(model_dir), dtype=dt, pack=False) for name, dt in DTYPES.items()}
     m32 = models["fp32"]
     ctx = m32.config.max_position_embeddings
     ids = torch.as_tensor(sample(rng, 2048))

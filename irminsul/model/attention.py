@@ -56,6 +56,11 @@ class AttentionGroup:
     # every sequence computes positions 0..m-1 with no row before them (a prompt prefilled from
     # scratch): the mask is plain causal, which SDPA runs about twice as fast as an explicit mask
     causal: bool = False
+    # every query sees every key (decode rows, no holes, no padding): the mask need not be applied
+    dense: bool = False
+    # one sequence whose keys are the consecutive slots run, run + 1, ... (a sequence decoding
+    # alone, its rows allocated in order): attention reads them in place, no gather
+    run: int | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -106,6 +111,8 @@ class TorchAttention:
             grid_index.append(np.arange(i * m, i * m + n))
             if rope is not None:
                 rope[i, :k] = s.key_rope if s.key_rope is not None else np.arange(k)
+        dense = bool((qpos == t - 1).all() and (slots != EMPTY_SLOT).all())
+        run = int(slots[0, 0]) if b == 1 and dense and (t == 1 or (np.diff(slots[0]) == 1).all()) else None
         key_slots = torch.from_numpy(slots).to(device)
         q = torch.from_numpy(qpos).to(device)
         mask = (key_slots != EMPTY_SLOT)[:, None, :] & (torch.arange(t, device=device)[None, None, :] <= q[:, :, None])
@@ -117,7 +124,7 @@ class TorchAttention:
             cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
         return AttentionGroup(torch.from_numpy(np.concatenate(token_index)).to(device),
                               torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin, mask,
-                              m > 1 and expand_is_cheaper(self.cfg, m, t), causal)
+                              m > 1 and expand_is_cheaper(self.cfg, m, t), causal, dense, run)
 
     # -- once per layer --------------------------------------------------------------------
 
@@ -179,13 +186,30 @@ class TorchAttention:
         cfg = self.cfg
         r, h = cfg.kv_lora_rank, cfg.num_attention_heads
         b, m, t = g.shape
+        if g.run is not None and index is None:
+            return self._absorbed_in_place(q_lat, q_pe, pool, g)
         keys, idx_keys = self._keys(pool, g, q_lat.dtype)
         mask = g.mask if index is None else self._selected(index, idx_keys, g)
         q = _grid(torch.cat([q_lat, q_pe], dim=-1), g).reshape(b, m * h, r + cfg.qk_rope_head_dim)
         scores = torch.bmm(q, keys.transpose(1, 2)).float() * cfg.softmax_scale  # [B, M * H, T]
-        scores = scores.view(b, m, h, t).masked_fill(~mask[:, :, None, :], float("-inf"))
+        if not g.dense or index is not None:
+            scores = scores.view(b, m, h, t).masked_fill(~mask[:, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(q_lat.dtype).view(b, m * h, t)
         return _rows(torch.bmm(probs, keys[..., :r]).view(b * m, h, r), g)
+
+    def _absorbed_in_place(self, q_lat, q_pe, pool, g: AttentionGroup) -> torch.Tensor:
+        """`_absorbed` for one sequence whose keys are one run of slots (`AttentionGroup.run`),
+        every key visible: c_KV is read where it lies, only k_r (rope wide) is encoded into a copy;
+        the scores are q_lat · c_KV + q_pe · k_r as two products instead of one over a gathered copy."""
+        cfg = self.cfg
+        r, t = cfg.kv_lora_rank, g.shape[2]
+        rows = pool[g.run : g.run + t]
+        c_kv = rows[:, :r]
+        k_r = self.rotary.encode_cached(rows[:, r : cfg.latent_width], g.key_cos[0], g.key_sin[0]).to(q_lat.dtype)
+        n, h = q_lat.shape[:2]
+        scores = torch.addmm(torch.mm(q_pe.reshape(n * h, -1), k_r.t()), q_lat.reshape(n * h, r), c_kv.t())
+        probs = (scores.float() * cfg.softmax_scale).softmax(dim=-1).to(q_lat.dtype)
+        return torch.mm(probs, c_kv).view(n, h, r)
 
     def _expanded(self, attn, q_nope, q_pe, pool, g: AttentionGroup, index=None) -> torch.Tensor:
         """Keys and values expanded from the latent (k_nope = c_KV·W_UK, v = c_KV·W_UV), then SDPA."""

@@ -101,6 +101,20 @@ class DeepseekModel(nn.Module):
             if isinstance(module, MLAttention):
                 module.backend = backend
 
+    def pack(self) -> "DeepseekModel":
+        """Lay the weights out for inference, once, after loading (nothing is copied twice; the
+        parameters become views, state dicts are unchanged): the products that read one input fused
+        (q|kv_a, gate|up, the stacked experts) and stored input-major, the LM head too."""
+        for module in self.modules():  # (an MoE before its experts: they are packed into its stack)
+            if module is not self and hasattr(module, "pack"):
+                module.pack()
+        with torch.no_grad():
+            head = nn.Parameter(self.lm_head.weight.t().contiguous().t(), requires_grad=False)
+        self.lm_head.weight = head
+        if self.config.tie_word_embeddings:
+            self.model.embed_tokens.weight = head
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype

@@ -25,25 +25,65 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op, not seven
+        # NOTE: not F.rms_norm: on a CPU it is no faster for one row and 10x slower for 1,500
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
+def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linears that read the same input, as one product: (weight [in, sum of outs], bias or None).
+
+    The weight is stored input-major (the transpose of nn.Linear's [out, in]) and each linear's
+    weight becomes a view of it, so nothing is held twice and state dicts are unchanged. One
+    product instead of several is fewer calls; input-major is what a CPU's one-row product (a
+    decode step) streams fastest when the weights are not in cache: 2.6x for the 8 MB LM head of
+    the bundled model (`benchmarks/profile_decode.py` shows the step).
+    """
+    with torch.no_grad():
+        w = torch.cat([lin.weight for lin in linears]).t().contiguous()
+        biases = [lin.bias for lin in linears]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else w.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
+        at = 0
+        for lin in linears:
+            lin.weight = nn.Parameter(w[:, at : at + lin.out_features].t(), requires_grad=False)
+            if lin.bias is not None:
+                lin.bias = nn.Parameter(bias[at : at + lin.out_features], requires_grad=False)
+            at += lin.out_features
+    return w, bias
+
+
+def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] times an input-major weight [in, out] (`pack_linears`), plus bias."""
+    return torch.matmul(x, w) if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(
+        *x.shape[:-1], w.shape[1])
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); after `pack`, gate and up are one product."""
 
     def __init__(self, hidden: int, inner: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_up: torch.Tensor | None = None  # [hidden, 2 * inner] after `pack`
+
+    def pack(self) -> None:
+        if not self.packed:  # (a stacked expert is packed by its MoE)
+            self.gate_up, _ = pack_linears(self.gate_proj, self.up_proj)
+
+    @property
+    def packed(self) -> bool:
+        return self.gate_up is not None and self.gate_up.data_ptr() == self.gate_proj.weight.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not self.packed:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = (x @ self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(g) * u)
 
 
 class Router(nn.Module):
@@ -66,14 +106,16 @@ class Router(nn.Module):
         if cfg.scoring_func == "sigmoid":
             scores = logits.sigmoid()
             choice = scores + self.e_score_correction_bias
-            group_scores = choice.view(n, cfg.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
-            fill = float("-inf")
         else:
             scores = logits.softmax(dim=-1)
             choice = scores
-            group_scores = choice.view(n, cfg.n_group, per_group).max(dim=-1).values
-            fill = 0.0
         if cfg.topk_method != "greedy":
+            if cfg.scoring_func == "sigmoid":
+                group_scores = choice.view(n, cfg.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+                fill = float("-inf")
+            else:
+                group_scores = choice.view(n, cfg.n_group, per_group).max(dim=-1).values
+                fill = 0.0
             groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]  # [n, topk_group]
             group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
             expert_mask = group_mask.unsqueeze(-1).expand(n, cfg.n_group, per_group).reshape(n, experts)
@@ -90,7 +132,7 @@ class MoE(nn.Module):
 
     The routed experts run grouped: each expert's tokens are gathered into one padded batch and all
     experts run in two batched matmuls (gate|up, then down) over weights stacked once
-    ([E, 2I, H] and [E, H, I]; the per-expert parameters become views of them, so nothing is held
+    ([E, H, 2I] and [E, I, H]; the per-expert parameters become views of them, so nothing is held
     twice and checkpoints load as they are). When fewer than half the experts are hit (a decode step
     of a few sequences: the grouped product would read every expert's weights), or routing is so
     uneven that padding would more than double the work, it loops over the experts hit.
@@ -110,19 +152,24 @@ class MoE(nn.Module):
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate|up [E, 2I, H], down [E, H, I]); built on first use from the loaded weights."""
+        """(gate|up [E, H, 2I], down [E, I, H]), input-major as `pack_linears` lays out one linear;
+        built on first use from the loaded weights, the experts' parameters re-pointed at them."""
         w = self._stacked
         if w is None or w[0].data_ptr() != self.experts[0].gate_proj.weight.data_ptr():
             inner = self.experts[0].gate_proj.weight.shape[0]
             with torch.no_grad():
-                gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-                down = torch.stack([e.down_proj.weight for e in self.experts])
+                gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]).t() for e in self.experts])
+                down = torch.stack([e.down_proj.weight.t() for e in self.experts])
                 for i, e in enumerate(self.experts):  # re-point the experts at the stacked storage
-                    e.gate_proj.weight = nn.Parameter(gate_up[i, :inner], requires_grad=False)
-                    e.up_proj.weight = nn.Parameter(gate_up[i, inner:], requires_grad=False)
-                    e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
+                    e.gate_proj.weight = nn.Parameter(gate_up[i, :, :inner].t(), requires_grad=False)
+                    e.up_proj.weight = nn.Parameter(gate_up[i, :, inner:].t(), requires_grad=False)
+                    e.down_proj.weight = nn.Parameter(down[i].t(), requires_grad=False)
+                    e.gate_up = gate_up[i]
             self._stacked = w = (gate_up, down)
         return w
+
+    def pack(self) -> None:
+        self.stacked()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [n, k]
@@ -160,8 +207,8 @@ class MoE(nn.Module):
         token = order // k
         batch = x.new_zeros(len(self.experts), cap, x.shape[1])  # [E, C, H]
         batch[expert, rank] = x[token]
-        g, u = torch.bmm(batch, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, I] each
-        y = torch.bmm(F.silu(g) * u, down.transpose(1, 2))[expert, rank]  # [n * k, H]
+        g, u = torch.bmm(batch, gate_up).chunk(2, dim=-1)  # [E, C, I] each
+        y = torch.bmm(F.silu(g) * u, down)[expert, rank]  # [n * k, H]
         y = y * weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 

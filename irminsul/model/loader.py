@@ -79,7 +79,9 @@ def _unfuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return tensors
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu") -> DeepseekModel:
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               pack: bool = True) -> DeepseekModel:
+    """The checkpoint as a DeepseekModel; `pack`: lay its weights out for inference (`DeepseekModel.pack`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -113,4 +115,5 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    model.eval()
+    return model.pack() if pack else model

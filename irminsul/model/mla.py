@@ -26,7 +26,7 @@ from torch import nn
 
 from irminsul.model.attention import EMPTY_SLOT, AttentionGroup, SeqAttention, TorchAttention
 from irminsul.model.config import ModelConfig
-from irminsul.model.layers import RMSNorm
+from irminsul.model.layers import RMSNorm, pack_linears, packed
 from irminsul.model.rope import Rotary, encode_half
 
 
@@ -141,15 +141,31 @@ class MLAttention(nn.Module):
         # LongCat-Flash scales q and the normed c_KV (what is cached) by sqrt(hidden / LoRA rank)
         self.q_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
         self.kv_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
+        self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after `pack`
+
+    def _q_in(self) -> nn.Linear:
+        return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+
+    def pack(self) -> None:
+        """The two products of the layer's input (q or q_a, and kv_a) as one (`pack_linears`)."""
+        self.in_proj = pack_linears(self._q_in(), self.kv_a_proj_with_mqa)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, hidden] -> (q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x))."""
+        q_in = self._q_in()
+        if self.in_proj is None or self.in_proj[0].data_ptr() != q_in.weight.data_ptr():
+            return q_in(x), self.kv_a_proj_with_mqa(x)
+        return packed(x, *self.in_proj).split([q_in.out_features, self.cfg.latent_width], dim=-1)
 
     def _c_kv(self, c: torch.Tensor) -> torch.Tensor:
         c = self.kv_a_layernorm(c)
         return c if self.kv_scale is None else c * self.kv_scale
 
-    def stored_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def stored_rows(self, x: torch.Tensor, kv: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, hidden] -> pool rows [n, row_width]: c_KV normed, k_r un-rotated (and V3.2's
-        indexer key, its rotary part un-rotated)."""
-        c, k_r = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
+        indexer key, its rotary part un-rotated). kv: kv_a_proj_with_mqa(x) when already computed."""
+        kv = self.kv_a_proj_with_mqa(x) if kv is None else kv
+        c, k_r = kv.split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
         parts = [self._c_kv(c), self.rotary.to_cache(k_r)]
         if self.indexer is not None:
             parts.append(self.indexer.key(x))
@@ -167,8 +183,9 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         n, h = x.shape[0], cfg.num_attention_heads
-        q_resid = None if cfg.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
+        q, kv = self._project(x)
+        q_resid = None if cfg.q_lora_rank is None else self.q_a_layernorm(q)
+        q = q if q_resid is None else self.q_b_proj(q_resid)
         if self.q_scale is not None:
             q = q * self.q_scale
         q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
@@ -176,7 +193,7 @@ class MLAttention(nn.Module):
         q_pe = self.rotary.apply(q_pe, batch.positions, cos_sin)  # [n, H, rope]
         pool = batch.pool[self.layer]  # [n_slots, width]
         # NOTE: written before attending: a query attends to rows computed in this same pass.
-        pool.index_copy_(0, batch.write_slots, self.stored_rows(x).to(pool.dtype))
+        pool.index_copy_(0, batch.write_slots, self.stored_rows(x, kv).to(pool.dtype))
         index = None if self.indexer is None else self.indexer.queries(x, q_resid, cos_sin)
         out = self.backend.forward(self, q_nope, q_pe, pool, batch.groups, index)  # [n, H, v]
         return self.o_proj(out.reshape(n, h * cfg.v_head_dim))

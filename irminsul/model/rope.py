@@ -87,6 +87,9 @@ class Rotary:
         """Encode x [n, ..., dim] (fresh projection, checkpoint layout) at positions [n]; pass
         `cos_sin(positions)` when encoding several tensors at the same positions."""
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
+        if self.in_layout == self.out_layout == "interleaved" and _complex_view_ok(x):
+            shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+            return _complex_rotate(x, cos.reshape(shape), sin.reshape(shape))
         return self._rotate(x, cos, sin, self.in_layout)
 
     def table(self, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +110,8 @@ class Rotary:
         """Encode un-rotated k_r [..., dim] (cache layout) with cos/sin [..., dim/2] broadcast
         against its leading dims (from `table` or `cos_sin`); computed in fp32, returned in k_r's
         dtype. This is RoPE at read time: the same numbers `apply` gives at those positions."""
+        if self.out_layout == "interleaved" and _complex_view_ok(k_r):
+            return _complex_rotate(k_r, cos, sin)
         a, b = _split(k_r.float(), self.out_layout)
         return _join(a * cos - b * sin, b * cos + a * sin, self.out_layout).to(k_r.dtype)
 
@@ -114,8 +119,7 @@ class Rotary:
         """`encode_cached` in place on k_r (a view into a gathered copy of the pool). For float32
         interleaved pairs, one complex multiply by cos + i·sin: the same products and sums,
         bit-identical to `encode_cached`, about 5x faster on a CPU (no temporaries per pair half)."""
-        even = all(st % 2 == 0 for st in k_r.stride()[:-1]) and k_r.storage_offset() % 2 == 0
-        if self.out_layout == "interleaved" and k_r.dtype == torch.float32 and k_r.stride(-1) == 1 and even:
+        if self.out_layout == "interleaved" and _complex_view_ok(k_r):
             torch.view_as_complex(k_r.unflatten(-1, (-1, 2))).mul_(torch.complex(cos, sin))
         else:
             k_r.copy_(self.encode_cached(k_r, cos, sin))
@@ -134,6 +138,19 @@ class Rotary:
         a, b = _split(x.float(), layout)
         out = _join(a * cos - b * sin, b * cos + a * sin, self.out_layout)
         return out.to(x.dtype)
+
+
+def _complex_view_ok(x: torch.Tensor) -> bool:
+    """Whether interleaved pairs of x can be read as complex numbers in place (float32, pairs
+    adjacent, every other stride and the offset even)."""
+    return (x.dtype == torch.float32 and x.stride(-1) == 1 and x.storage_offset() % 2 == 0
+            and all(st % 2 == 0 for st in x.stride()[:-1]))
+
+
+def _complex_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs of x (float32) times cos + i·sin, as a new tensor: the same products and
+    sums as the pairwise formula (bit-identical), in three operations instead of ten."""
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * torch.complex(cos, sin)).flatten(-2)
 
 
 def encode_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

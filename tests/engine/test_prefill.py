@@ -101,3 +101,40 @@ def test_bf16_runs_and_stays_close(tiny_dir):
     b = _full_logits(bf16, ids).softmax(-1)
     assert bf16.new_rows().raw.dtype == torch.bfloat16
     assert (a - b).abs().max().item() < 0.05
+
+
+def test_a_lone_decoding_sequence_reads_its_rows_in_place(tiny_dir):
+    """A sequence whose rows sit in consecutive slots decodes without gathering them
+    (AttentionGroup.run); the result is the gathered path's, which is the full forward's."""
+    import dataclasses
+
+    model = load_model(tiny_dir)
+    ids = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(7))
+    full = _full_logits(model, ids)
+    seq = model.new_rows()
+    model.prefill(seq, ids[:59], torch.arange(59))
+    batch = seq.batch(model.attention, ids[59:], torch.tensor([59]))
+    (group,) = batch.groups
+    assert group.run == 1 and group.dense  # SequenceRows: position p in slot p + 1
+    in_place = model.logits(model(batch))[0]
+    batch.groups[0] = dataclasses.replace(group, run=None)
+    gathered = model.logits(model(batch))[0]
+    assert (in_place - gathered).abs().max().item() < 1e-5
+    assert (in_place - full[59]).abs().max().item() < 1e-4
+    # a hole among the keys, or keys out of slot order, is not a run
+    seq.filled[10] = False
+    assert seq.batch(model.attention, ids[59:], torch.tensor([59])).groups[0].run is None
+
+
+def test_packed_weights_are_views_that_change_nothing(tiny_dir):
+    """`pack` lays weights out for inference (fused, input-major) as views: the state dict and the
+    logits are the unpacked model's."""
+    packed, plain = load_model(tiny_dir), load_model(tiny_dir, pack=False)
+    a, b = packed.state_dict(), plain.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    attn, mlp = packed.model.layers[0].self_attn, packed.model.layers[0].mlp
+    assert attn.in_proj[0].data_ptr() == attn._q_in().weight.data_ptr()
+    assert mlp.packed and not plain.model.layers[0].mlp.packed
+    assert not packed.lm_head.weight.is_contiguous()  # stored input-major
+    ids = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(8))
+    assert (_full_logits(packed, ids) - _full_logits(plain, ids)).abs().max().item() < 1e-5

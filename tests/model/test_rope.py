@@ -81,18 +81,30 @@ def test_v2_lite_softmax_scale():
     assert cfg.row_width == 576
 
 
-def test_in_place_encoding_equals_encode_cached_for_both_layouts():
-    """The fast path (a complex multiply on a strided view of the gathered rows) gives the same
-    bits as encode_cached; the halves layout and bf16 take the reference path."""
+def test_fast_encodings_equal_the_pairwise_formula_for_both_layouts():
+    """The fast paths (a complex multiply on interleaved float32 pairs, in place on a strided view
+    of gathered rows or into a new tensor, and `apply` on fresh queries) give the same bits as the
+    pairwise formula a·cos − b·sin, b·cos + a·sin; the halves layout and bf16 take that formula."""
     from irminsul.model.config import RopeConfig
-    from irminsul.model.rope import Rotary
+    from irminsul.model.rope import Rotary, _join, _split
+
+    def pairwise(x, cos, sin, layout, out_layout):
+        a, b = _split(x.float(), layout)
+        return _join(a * cos - b * sin, b * cos + a * sin, out_layout).to(x.dtype)
 
     g = torch.Generator().manual_seed(0)
-    for style, dtype in (("v2", torch.float32), ("v3_interleave", torch.float32), ("v2", torch.bfloat16)):
+    for style, dtype in (("v2", torch.float32), ("v3_interleave", torch.float32), ("v3_half", torch.float32),
+                         ("v2", torch.bfloat16)):
         rot = Rotary(RopeConfig(dim=16, theta=10000.0, style=style))
         rows = torch.randn(3, 40, 48 + 16, generator=g).to(dtype)  # [B, T, r + rope], r = 48
         cos, sin = rot.table(40)
-        want = rot.encode_cached(rows[..., 48:], cos[None, :40], sin[None, :40])
+        want = pairwise(rows[..., 48:], cos[None, :40], sin[None, :40], rot.out_layout, rot.out_layout)
+        assert torch.equal(rot.encode_cached(rows[..., 48:], cos[None, :40], sin[None, :40]), want), style
         got = rows.clone()
         rot.encode_cached_(got[..., 48:], cos[None, :40], sin[None, :40])
-        assert torch.equal(got[..., 48:], want) and torch.equal(got[..., :48], rows[..., :48])
+        assert torch.equal(got[..., 48:], want) and torch.equal(got[..., :48], rows[..., :48]), style
+        q = torch.randn(40, 4, 32 + 16, generator=g).to(dtype)[..., 32:]  # [n, heads, rope], strided
+        pos = torch.arange(40) * 7
+        c, s_ = rot.cos_sin(pos)
+        want = pairwise(q, c[:, None], s_[:, None], rot.in_layout, rot.out_layout)
+        assert torch.equal(rot.apply(q, pos), want), style
