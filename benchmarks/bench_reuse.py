@@ -27,6 +27,7 @@ from irminsul.cli import run_for_people
 from irminsul.data import data_file
 from irminsul.engine.sampling import SamplingParams
 from irminsul.machine import best_of, describe
+from irminsul.model.rope import encode_pairwise
 
 
 
@@ -69,16 +70,17 @@ def run_workload(llm: LLM, requests: list[list[int]]) -> tuple[list[float], list
 
 def rope_at_read(llm: LLM, n_tokens: int = 8192) -> tuple[float, float, float]:
     """Throughput of encoding k_r when attention reads it (the work that replaced copying and
-    rotating rows at admission): the reference `encode_cached` and the in-place path attention
-    takes (`encode_cached_` on the gathered rows); and of the gather that reads rows from the
-    pool; all GB/s."""
+    rotating rows at admission): the reference pairwise formula (`encode_pairwise`) and the
+    in-place path attention takes (`encode_cached_` on the gathered rows, one complex multiply);
+    and of the gather that reads rows from the pool; all GB/s."""
     cfg = llm.model.config
     r, rot = cfg.kv_lora_rank, llm.model.rotary
     pool = torch.randn(n_tokens + 1, cfg.row_width, dtype=llm.model.dtype)
     slots = torch.randperm(n_tokens) + 1
     keys = pool.index_select(0, slots)[None]
     cos, sin = rot.table(n_tokens)
-    t_rope = best_of(lambda: rot.encode_cached(keys[..., r:], cos[None, :n_tokens], sin[None, :n_tokens]), 5)
+    t_rope = best_of(lambda: encode_pairwise(keys[..., r:], cos[None, :n_tokens], sin[None, :n_tokens],
+                                             rot.out_layout), 5)
     t_in_place = best_of(lambda: rot.encode_cached_(keys[..., r:], cos[None, :n_tokens], sin[None, :n_tokens]), 5)
     t_gather = best_of(lambda: pool.index_select(0, slots), 5)
     size = 2 * keys[..., r:].numel() * keys.element_size()
@@ -128,7 +130,7 @@ def main() -> None:
 
     rope, in_place, gather = rope_at_read(llms["pic"])
     print("\n3. what a hit moves: nothing at admission (its rows are shared by slot); at every attention read")
-    print(f"   RoPE of k_r at its position: {rope:.2f} GB/s (read+write) by encode_cached, {in_place:.2f} GB/s in place "
+    print(f"   RoPE of k_r at its position: {rope:.2f} GB/s (read+write) by the pairwise formula, {in_place:.2f} GB/s in place "
           f"as attention does it ({in_place / rope:.1f}x); gathering rows from the pool: {gather:.2f} GB/s")
 
 

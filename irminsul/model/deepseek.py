@@ -86,20 +86,26 @@ class DeepseekModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def set_attention_backend(self, name: str) -> None:
-        """"torch" (the reference, any device) or "triton" (model/triton_attention.py: a GPU, or
-        Triton's interpreter on CPU tensors)."""
+        """"torch" (the reference, any device) or "triton" (a GPU, or Triton's interpreter on CPU
+        tensors): attention in model/triton_attention.py, and the MoE layers' routed experts in
+        model/triton_moe.py (one grouped launch per product, no host sync)."""
+        kernel = None
         if name == "torch":
             backend = TorchAttention(self.config, self.rotary)
         elif name == "triton":
+            from irminsul.model import triton_moe
             from irminsul.model.triton_attention import TritonAttention
 
             backend = TritonAttention(self.config, self.rotary)
+            kernel = triton_moe.fused_experts
         else:
             raise ValueError(f"attention_backend={name!r}: choose torch or triton")
         self.attention = backend
         for module in self.modules():
             if isinstance(module, MLAttention):
                 module.backend = backend
+            elif isinstance(module, MoE):
+                module.kernel = kernel
 
     def pack(self) -> "DeepseekModel":
         """Lay the weights out for inference, once, after loading (nothing is copied twice; the

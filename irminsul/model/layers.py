@@ -38,8 +38,8 @@ def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     The weight is stored input-major (the transpose of nn.Linear's [out, in]) and each linear's
     weight becomes a view of it, so nothing is held twice and state dicts are unchanged. One
     product instead of several is fewer calls; input-major is what a CPU's one-row product (a
-    decode step) streams fastest when the weights are not in cache: 2.6x for the 8 MB LM head of
-    the bundled model (`benchmarks/profile_decode.py` shows the step).
+    decode step) streams fastest when the weights are not in cache: 2.3x for the 8 MB LM head of
+    the bundled model (`python benchmarks/bench_gemv_layout.py`).
     """
     with torch.no_grad():
         w = torch.cat([lin.weight for lin in linears]).t().contiguous()
@@ -150,6 +150,8 @@ class MoE(nn.Module):
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the triton backend's grouped kernel (triton_moe.fused_experts), set by set_attention_backend
+        self.kernel = None
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate|up [E, H, 2I], down [E, I, H]), input-major as `pack_linears` lays out one linear;
@@ -175,6 +177,9 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)  # [n, k]
         n, k = ids.shape
         experts = len(self.experts)
+        if self.kernel is not None:
+            out = self.kernel(x, weights, ids, *self.stacked())
+            return out if self.shared_experts is None else out + self.shared_experts(x)
         # grouped when most experts are hit (it reads every expert's weights) and padding at most
         # doubles the work (up to 256 padded rows per expert are always fine)
         # (on a GPU always grouped: two launches instead of a loop of launches over the experts hit)

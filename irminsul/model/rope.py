@@ -112,8 +112,7 @@ class Rotary:
         dtype. This is RoPE at read time: the same numbers `apply` gives at those positions."""
         if self.out_layout == "interleaved" and _complex_view_ok(k_r):
             return _complex_rotate(k_r, cos, sin)
-        a, b = _split(k_r.float(), self.out_layout)
-        return _join(a * cos - b * sin, b * cos + a * sin, self.out_layout).to(k_r.dtype)
+        return encode_pairwise(k_r, cos, sin, self.out_layout)
 
     def encode_cached_(self, k_r: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`encode_cached` in place on k_r (a view into a gathered copy of the pool). For float32
@@ -138,6 +137,15 @@ class Rotary:
         a, b = _split(x.float(), layout)
         out = _join(a * cos - b * sin, b * cos + a * sin, self.out_layout)
         return out.to(x.dtype)
+
+
+def encode_pairwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str,
+                    out_layout: str | None = None) -> torch.Tensor:
+    """The reference encoding: pairs (a, b) of x in `layout` -> (a·cos − b·sin, b·cos + a·sin) in
+    `out_layout` (default the same), in fp32, returned in x's dtype; cos/sin broadcast against
+    the pairs. The fast paths are bit-identical to it (tests/model/test_rope.py)."""
+    a, b = _split(x.float(), layout)
+    return _join(a * cos - b * sin, b * cos + a * sin, out_layout or layout).to(x.dtype)
 
 
 def _complex_view_ok(x: torch.Tensor) -> bool:

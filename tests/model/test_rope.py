@@ -86,11 +86,8 @@ def test_fast_encodings_equal_the_pairwise_formula_for_both_layouts():
     of gathered rows or into a new tensor, and `apply` on fresh queries) give the same bits as the
     pairwise formula a·cos − b·sin, b·cos + a·sin; the halves layout and bf16 take that formula."""
     from irminsul.model.config import RopeConfig
-    from irminsul.model.rope import Rotary, _join, _split
-
-    def pairwise(x, cos, sin, layout, out_layout):
-        a, b = _split(x.float(), layout)
-        return _join(a * cos - b * sin, b * cos + a * sin, out_layout).to(x.dtype)
+    from irminsul.model.rope import Rotary
+    from irminsul.model.rope import encode_pairwise as pairwise
 
     g = torch.Generator().manual_seed(0)
     for style, dtype in (("v2", torch.float32), ("v3_interleave", torch.float32), ("v3_half", torch.float32),
