@@ -10,6 +10,8 @@ from irminsul.model.tiny import tiny_config
 pytest.importorskip("triton")
 pytest.importorskip("numpy")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (benchmarks/gpu_check.sh runs these on a GPU)
+
 
 def _moe(seed: int, **overrides) -> MoE:
     cfg = ModelConfig.from_dict(tiny_config("v2", **overrides))
@@ -18,7 +20,7 @@ def _moe(seed: int, **overrides) -> MoE:
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0.0, 0.2)
-    return moe.eval()
+    return moe.eval().to(DEVICE)
 
 
 @pytest.mark.parametrize("n", [1, 5, 37])
@@ -28,7 +30,7 @@ def test_fused_experts_equal_the_torch_experts(n):
     from irminsul.model.triton_moe import fused_experts
 
     moe = _moe(n)
-    x = torch.randn(n, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(n))
+    x = torch.randn(n, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(n)).to(DEVICE)
     with torch.no_grad():
         weights, ids = moe.gate(x)
         want = expert_loop(x, weights, ids, lambda e, xs: moe.experts[e](xs))
@@ -40,7 +42,7 @@ def test_fused_experts_equal_the_torch_experts(n):
 def test_align_puts_each_block_under_one_expert():
     from irminsul.model.triton_moe import align
 
-    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]])
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]], device=DEVICE)
     rows, block_expert = align(ids, experts=5, block_m=4)
     a = ids.numel()
     assert rows.numel() == block_expert.numel() * 4
@@ -64,9 +66,9 @@ def test_the_triton_backend_runs_the_moe_through_the_kernel(tiny_dir, monkeypatc
     real = triton_moe.fused_experts
     monkeypatch.setattr(triton_moe, "fused_experts", lambda *a: calls.append(1) or real(*a))
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2))
-    ref = load_model(tiny_dir)
+    ref = load_model(tiny_dir, device=DEVICE)
     want = ref.logits(ref.prefill(ref.new_rows(), ids, torch.arange(40))).log_softmax(-1)
-    model = load_model(tiny_dir)
+    model = load_model(tiny_dir, device=DEVICE)
     model.set_attention_backend("triton")
     got = model.logits(model.prefill(model.new_rows(), ids, torch.arange(40))).log_softmax(-1)
     assert calls and (got - want).abs().max().item() < 1e-4
