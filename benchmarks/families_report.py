@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from irminsul import LLM, Segments  # noqa: E402
+from irminsul import LLM  # noqa: E402
 from irminsul.cli import run_for_people  # noqa: E402
 from irminsul.machine import describe  # noqa: E402
 from irminsul.model.loader import load_model  # noqa: E402

@@ -25,7 +25,7 @@ from irminsul.train import retrieval, tasks
 from irminsul.train.attention import HeadProbe
 from irminsul.train.arch import ReferenceShape, build_model, hf_config
 from irminsul.train.checkpoint import max_reload_error, save_checkpoint
-from irminsul.train.data import SOURCES, Corpus
+from irminsul.train.data import Corpus
 from irminsul.train.tokenizer import BOS, train_tokenizer
 
 

@@ -62,7 +62,7 @@ def test_covered():
 
 def _reference(trace, w, sink):
     """Brute force: LCP against every earlier request, windows against every earlier request."""
-    seen_rows, out = [], []
+    out = []
     for i, (session, t) in enumerate(trace):
         prefix = 0
         for _, u in trace[:i]:

@@ -47,7 +47,6 @@ def test_replay_equals_engine_stats(tiny, mode, strategy):
     replay = []
     for i in range(1, len(rendered) + 1):  # cumulative replays give per-request numbers
         r = replay_planner(rendered[:i], strategy, config)
-        prev = replay[-1] if replay else (0, 0, 0, 0, 0)
         cur = (r.prompt_tokens, r.prefix_tokens, r.recovered_tokens, r.s1_tokens, r.carve_out_tokens)
         replay.append(cur)
         engine_cum = tuple(sum(e[k] for e in engine[:i]) for k in range(5))

@@ -33,7 +33,7 @@ def test_malformed_line_names_line_and_problem(tmp_path, line, problem):
     path.write_text(f"{good}\n\n{line}\n{good}\n")
     with pytest.raises(TraceError) as e:
         read_trace(path)
-    assert f"bad.jsonl:3: " in str(e.value) and problem in str(e.value)
+    assert "bad.jsonl:3: " in str(e.value) and problem in str(e.value)
 
 
 def test_missing_and_empty(tmp_path):
