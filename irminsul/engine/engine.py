@@ -64,6 +64,8 @@ class Engine:
             pool = LatentPool.sized(cfg, int(gib * 2**30), model.dtype, model.device)
         self.pool = pool
         self.cache = make_reuse(reuse, self.pool, cfg.num_hidden_layers, **cache_options)
+        if self.cache.recompute_ratio and not hasattr(model, "fresh_rows"):
+            raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
         eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
         self.eos_ids = frozenset(eos - {None})
         self._grammars: Grammars | None = None

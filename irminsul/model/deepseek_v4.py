@@ -87,6 +87,7 @@ class V4Config:
     compress_rope: RopeConfig
     compress_attention_factor: float  # multiplies the compress rotary's cos/sin; 1.0 in V4's released configs
     tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1048576
 
     def __post_init__(self):
         n = self.num_hidden_layers
@@ -151,6 +152,7 @@ class V4Config:
             routed_scaling_factor=raw.get("routed_scaling_factor", 1.5), swiglu_limit=raw.get("swiglu_limit", 10.0),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6), main_rope=main_rope, compress_rope=compress_rope,
             compress_attention_factor=compress_factor, tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            max_position_embeddings=max_positions,
         )
 
 
@@ -703,16 +705,27 @@ class DeepseekV4ForCausalLM(nn.Module):
         rope slice un-rotated and its compressors' pooling inputs, so reused rows are read at their new
         positions and compressed entries are pooled at the new prompt's window alignment. key_pos [T]: the
         position each key is rotated at (default its own; the `naive` baseline passes where it was computed)."""
+        compute = compute.to(token_ids.device)
+        return self.logits(self.prefill_hidden(token_ids[compute], compute, rows, key_pos))
+
+    @torch.inference_mode()
+    def prefill_hidden(self, token_ids: torch.Tensor, compute: torch.Tensor, rows: list[torch.Tensor],
+                       key_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """`prefill` given the computed positions' own token ids [n]; -> the final hidden states [n, hidden]
+        (after the hyper head and the norm, before lm_head)."""
         device = self.lm_head.weight.device
         token_ids, compute = token_ids.to(device), compute.to(device)
         key_pos = None if key_pos is None else key_pos.to(device)
-        span = token_ids.shape[0] if key_pos is None else max(token_ids.shape[0], int(key_pos.max()) + 1)
+        span = rows[0].shape[0] if key_pos is None else max(rows[0].shape[0], int(key_pos.max()) + 1)
         rotations = self.rotations(span, device)
-        chosen = token_ids[compute][None]
+        chosen = token_ids[None]
         streams = self.model.embed_tokens(chosen).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer, layer_rows in zip(self.model.layers, rows):
             streams = layer(streams, chosen, rotations, layer_rows[None], compute, key_pos)
-        return self.lm_head(self.model.norm(self.model.hc_head(streams))).float()[0]
+        return self.model.norm(self.model.hc_head(streams))[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -894,6 +907,8 @@ def make_tiny_v4_checkpoint(path: str | Path, seed: int = 0, **overrides) -> Pat
     from transformers import DeepseekV4Config
     from transformers import DeepseekV4ForCausalLM as TransformersV4
 
+    from irminsul.model.tiny import write_tokenizer
+
     path = Path(path)
     config = DeepseekV4Config(**{**TINY_V4, **overrides})
     model = TransformersV4(config)
@@ -901,4 +916,5 @@ def make_tiny_v4_checkpoint(path: str | Path, seed: int = 0, **overrides) -> Pat
     state = {name: _random_value(name, t, config, gen).to(t.dtype) for name, t in model.state_dict().items()}
     model.load_state_dict(state)
     model.save_pretrained(path)
+    write_tokenizer(path, config.vocab_size)  # byte-level, so LLM and the server can run it
     return path

@@ -81,10 +81,15 @@ def _unfuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                pack: bool = True) -> DeepseekModel:
-    """The checkpoint as a DeepseekModel; `pack`: lay its weights out for inference (`DeepseekModel.pack`)."""
+    """The checkpoint as a DeepseekModel; `pack`: lay its weights out for inference (`DeepseekModel.pack`).
+    A DeepSeek-V4 checkpoint comes back as `v4_serving.V4Serving`, the same interface to the engine."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
+    from irminsul.model.v4_serving import is_v4, load_v4_serving
+
+    if is_v4(path):
+        return load_v4_serving(path, dtype=dtype, device=device)
     cfg = ModelConfig.from_file(path / "config.json")
     dtype = resolve_dtype(dtype)
     tensors = read_tensors(weight_files(path), cfg.num_blocks)
