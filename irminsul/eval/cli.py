@@ -64,9 +64,16 @@ def _setup(args) -> tuple[float, Path]:
 
     from irminsul.bundled import bundled_model
 
+    from irminsul.errors import ConfigError
+    from irminsul.model.v4_serving import is_v4
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    return time.time(), Path(args.model) if args.model else bundled_model("mla")
+    model = Path(args.model) if args.model else bundled_model("mla")
+    if is_v4(model):  # (its rows are not MLA's [c_KV | k_r], which these evaluations read)
+        raise ConfigError("irminsul eval measures MLA checkpoints; for DeepSeek-V4 run benchmarks/v4_reuse.py "
+                          "(docs/deepseek-v4.md)")
+    return time.time(), model
 
 
 def _gqa(path: str | None, mla: Path, seed: int, fallback: bool) -> tuple[Path | None, str]:

@@ -82,3 +82,10 @@ def test_the_server_serves_v4_with_reuse(v4_dir):
         assert chat.choices[0].finish_reason in ("stop", "length")
     finally:
         server.stop()
+
+
+def test_the_mla_evaluations_refuse_v4_with_a_pointer(v4_dir, capsys):
+    from irminsul.cli import main
+
+    assert main(["eval", "rotation", "--model", str(v4_dir), "--n", "1"]) != 0
+    assert "benchmarks/v4_reuse.py" in capsys.readouterr().err
