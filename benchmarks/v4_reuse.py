@@ -17,6 +17,7 @@ model that has not learnt to tolerate them, not how a trained V4 behaves.
 """
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -171,6 +172,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None,
+                    help="a DeepSeek-V4 checkpoint for the workloads (default: a random six-layer one); e.g. the "
+                         "one `irminsul train-reference --arch v4 --attn-weight 0` trains")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {describe()}")
@@ -183,9 +187,11 @@ def main() -> int:
                      f"naive {shifted_error(model, a, b, True, args.seed):.1e}" for a, b in ((3, 35), (3, 8), (40, 8))]
             print(f"  {kind:30s} " + "; ".join(cells))
         print()
-        path = make_tiny_v4_checkpoint(Path(tmp) / "v4", seed=args.seed, **BENCH_V4)
-        print(f"model: random DeepSeek-V4, layers {BENCH_V4['layer_types']}, window {BENCH_V4['sliding_window']}, "
-              f"CSA rate 4, HCA rate 32, fp32\n")
+        path = Path(args.model) if args.model else make_tiny_v4_checkpoint(Path(tmp) / "v4", seed=args.seed,
+                                                                             **BENCH_V4)
+        cfg = deepseek_v4.V4Config.from_dict(json.loads((path / "config.json").read_text()))
+        print(f"model: {args.model or 'random DeepSeek-V4'}, layers {list(cfg.layer_types)}, window "
+              f"{cfg.sliding_window}, CSA rate {cfg.csa_rate}, HCA rate {cfg.hca_rate}, fp32\n")
         for name, build in (("agent_meta", agent_meta), ("rerank", rerank)):
             res = workload(path, build, args.requests, args.seed)
             print(f"{name}: reused {res['pic']['reused']:.1%} of prompt tokens; KL from full prefill over the last "
@@ -194,10 +200,9 @@ def main() -> int:
                   f"{res['pic']['pooling']:.1%} of pic's prefill time")
         llm = LLM(path)
         widths = llm.model.widths
-    d = BENCH_V4["head_dim"]
-    mine = rows_per_token(BENCH_V4["layer_types"], d, BENCH_V4["index_head_dim"])
+    mine = rows_per_token(cfg.layer_types, cfg.head_dim, cfg.index_head_dim)
     assert mine == sum(widths), (mine, widths)  # the formula is the pool's own row
-    native = native_bytes_per_token(BENCH_V4["layer_types"], d, BENCH_V4["index_head_dim"], 4, 32)
+    native = native_bytes_per_token(cfg.layer_types, cfg.head_dim, cfg.index_head_dim, cfg.csa_rate, cfg.hca_rate)
     print(f"\ncache per token (elements, all layers): the pool's rows {mine}, V4's own cache {native:.1f} "
           f"({mine / native:.0f}x)")
     f = FLASH

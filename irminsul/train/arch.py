@@ -1,4 +1,5 @@
-"""HF configs of the two reference models: DeepSeek-V2 (MLA + MoE) and its Llama (GQA) twin.
+"""HF configs of the two reference models: DeepSeek-V2 (MLA + MoE) and its Llama (GQA) twin; and of a
+DeepSeek-V4 of the same width and depth (issue 17).
 
 Same width, depth, vocabulary and context for both, so architecture comparisons (ROC invariance,
 correction cost, quality) differ only in attention and FFN. MLA numbers follow DeepSeek-V2
@@ -86,7 +87,32 @@ def hf_config(arch: str, tok, shape: ReferenceShape = ReferenceShape()):
             intermediate_size=shape.dense_intermediate,
             architectures=["LlamaForCausalLM"],
         )
-    raise ValueError(f"unknown arch {arch!r}; use 'mla' or 'gqa'")
+    if arch == "v4":
+        return _v4_config(tok, shape)
+    raise ValueError(f"unknown arch {arch!r}; use 'mla', 'gqa' or 'v4'")
+
+
+def _v4_config(tok, shape: ReferenceShape):
+    """A DeepSeek-V4 of the reference width and depth (issue 17: reuse under compressed attention): a
+    64-token window, so that what lies further back is read through compressed entries (CSA every 4
+    tokens, HCA every 32), one layer of each kind and a last CSA layer, hash routing in the first."""
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(
+        vocab_size=tok.get_vocab_size(), hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, head_dim=64, partial_rotary_factor=0.25, q_lora_rank=128,
+        o_groups=2, o_lora_rank=64, sliding_window=64,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+        layer_types=(["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                      "compressed_sparse_attention"] * shape.layers)[: shape.layers],
+        mlp_layer_types=["hash_moe"] + ["moe"] * (shape.layers - 1),
+        index_n_heads=4, index_head_dim=32, index_topk=16, hc_mult=2,
+        n_routed_experts=shape.routed_experts, num_experts_per_tok=shape.experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate, max_position_embeddings=shape.max_positions,
+        rms_norm_eps=1e-6, initializer_range=0.02,
+        bos_token_id=tok.token_to_id(BOS), eos_token_id=tok.token_to_id(END),
+        pad_token_id=tok.token_to_id("<|pad|>"), architectures=["DeepseekV4ForCausalLM"],
+    )
 
 
 def build_model(config):

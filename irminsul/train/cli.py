@@ -7,7 +7,7 @@ from irminsul.train.arch import ReferenceShape
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train-reference", help="train the small MLA reference model or its GQA twin")
-    p.add_argument("--arch", choices=("mla", "gqa"), default="mla")
+    p.add_argument("--arch", choices=("mla", "gqa", "v4"), default="mla")
     p.add_argument("--out", default=None, help="output folder (default runs/<arch>)")
     p.add_argument("--minutes", type=float, default=75.0, help="wall-clock budget (fits --steps to it if unset)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (fixes the schedule: reproducible)")

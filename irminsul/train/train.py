@@ -64,7 +64,11 @@ class TrainConfig:
     shape: ReferenceShape = field(default_factory=ReferenceShape)
 
     def __post_init__(self):
-        assert self.arch in ("mla", "gqa"), self.arch
+        assert self.arch in ("mla", "gqa", "v4"), self.arch
+        if self.arch == "v4" and self.attn_weight:
+            from irminsul.errors import UserFacingError
+
+            raise UserFacingError("--arch v4 trains without attention supervision: pass --attn-weight 0")
         assert abs(sum(p[2] for p in self.phases) - 1) < 1e-6
         assert max(p[0] for p in self.phases) <= self.shape.max_positions
 

@@ -99,3 +99,24 @@ def test_a_start_step_past_the_schedule_is_a_clear_error(tmp_path):
                       warmup=1, minutes=10, attn_heads=2)
     with pytest.raises(UserFacingError, match="nothing is left to train"):
         train(cfg)
+
+
+def test_a_v4_reference_model_trains_and_serves(tmp_path):
+    """--arch v4: a DeepSeek-V4 of the reference shape (scaled down here) trains through transformers'
+    own modelling code, and its checkpoint loads in the engine and scores as our V4 forward does."""
+    import dataclasses
+
+    from irminsul import LLM
+    from irminsul.model.deepseek_v4 import load_deepseek_v4
+    from irminsul.train.arch import ReferenceShape
+    from irminsul.train.train import train
+
+    shape = dataclasses.replace(ReferenceShape(), hidden=32, layers=2, heads=2, kv_lora_rank=16, qk_rope_head_dim=2,
+                                moe_intermediate=16, routed_experts=4)
+    out = train(TrainConfig(arch="v4", out=str(tmp_path / "v4"), steps=2, threads=1, phases=((64, 2, 1.0),),
+                            eval_every=1000, shape=shape, warmup=1, minutes=10, attn_weight=0.0))
+    ids = list(range(5, 45))
+    want = load_deepseek_v4(out).forward(torch.tensor(ids))[29:39].log_softmax(-1)
+    assert (LLM(out).score(ids[:30], ids[30:]) - want).abs().max().item() < 1e-4
+    with pytest.raises(Exception, match="attn-weight 0"):
+        TrainConfig(arch="v4", out=str(tmp_path / "x"))
