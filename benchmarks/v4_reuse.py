@@ -30,6 +30,7 @@ import torch
 from irminsul import LLM
 from irminsul.cli import run_for_people
 from irminsul.data import data_file
+from irminsul.eval.v4_reuse import shifted_reuse_error
 from irminsul.machine import describe
 from irminsul.model import deepseek_v4
 from irminsul.model.deepseek_v4 import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, make_tiny_v4_checkpoint
@@ -122,27 +123,6 @@ def workload(path: Path, build, n: int, seed: int) -> dict:
     return out
 
 
-def shifted_error(model, a: int, b: int, naive: bool, seed: int) -> float:
-    """Content computed behind a prefix of a tokens and reused behind one of b, before 6 new tokens: max
-    |Δ log-prob| of the computed positions against full prefill of the new prompt."""
-    g = torch.Generator().manual_seed(seed)
-    content = torch.randint(0, 256, (96,), generator=g)
-    first = torch.cat([torch.randint(0, 256, (a,), generator=g), content])
-    second = torch.cat([torch.randint(0, 256, (b,), generator=g), content, torch.randint(0, 256, (6,), generator=g)])
-    donor = model.new_rows(len(first))
-    model.prefill(first, torch.arange(len(first)), donor)
-    rows = model.new_rows(len(second))
-    for mine, theirs in zip(rows, donor):
-        mine[b : b + 96] = theirs[a : a + 96]
-    compute = torch.cat([torch.arange(b), torch.arange(b + 96, len(second))])
-    key_pos = None
-    if naive:
-        key_pos = torch.arange(len(second))
-        key_pos[b : b + 96] -= b - a
-    got = model.prefill(second, compute, rows, key_pos).log_softmax(-1)
-    return (got - model.forward(second)[compute].log_softmax(-1)).abs().max().item()
-
-
 def native_bytes_per_token(layer_types, head_dim: int, index_dim: int, csa: int, hca: int) -> float:
     """V4's own cache per token of a long prompt (the window's keys amortise to nothing): one entry of
     head_dim per `rate` tokens on compressed layers, plus the indexer's keys on CSA layers."""
@@ -183,8 +163,9 @@ def main() -> int:
         for kind in (HCA, CSA, SLIDING):
             one = dict(BENCH_V4, num_hidden_layers=1, layer_types=[kind], mlp_layer_types=[TOPK_MOE])
             model = deepseek_v4.load_deepseek_v4(make_tiny_v4_checkpoint(Path(tmp) / kind, seed=args.seed, **one))
-            cells = [f"shift {b - a:+d}: pic {shifted_error(model, a, b, False, args.seed):.1e}, "
-                     f"naive {shifted_error(model, a, b, True, args.seed):.1e}" for a, b in ((3, 35), (3, 8), (40, 8))]
+            cells = [f"shift {b - a:+d}: pic {shifted_reuse_error(model, a, b, 96, seed=args.seed):.1e}, "
+                     f"naive {shifted_reuse_error(model, a, b, 96, naive=True, seed=args.seed):.1e}"
+                     for a, b in ((3, 35), (3, 8), (40, 8))]
             print(f"  {kind:30s} " + "; ".join(cells))
         print()
         path = Path(args.model) if args.model else make_tiny_v4_checkpoint(Path(tmp) / "v4", seed=args.seed,

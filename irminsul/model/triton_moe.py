@@ -85,6 +85,13 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
 if triton is not None:
 
     @triton.jit
+    def _block_rows(rows, blk, n_assign, BLOCK_M: tl.constexpr):
+        """A block's rows: their indices, the assignment each holds, and which are real (not padding)."""
+        offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        a = tl.load(rows + offs_m)
+        return offs_m, a, a < n_assign
+
+    @triton.jit
     def _gate_up(x, w, rows, block_expert, act, n_assign, top_k, n_experts, H, I,
                  s_x, s_we, s_wh, s_act,
                  LOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -92,9 +99,7 @@ if triton is not None:
         blk = tl.program_id(0)
         e = tl.load(block_expert + blk)
         if e < n_experts:
-            offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            a = tl.load(rows + offs_m)
-            live = a < n_assign
+            offs_m, a, live = _block_rows(rows, blk, n_assign, BLOCK_M)
             token = tl.where(live, a // top_k, 0)
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             nm = offs_n < I
@@ -125,9 +130,7 @@ if triton is not None:
         blk = tl.program_id(0)
         e = tl.load(block_expert + blk)
         if e < n_experts:
-            offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            a = tl.load(rows + offs_m)
-            live = a < n_assign
+            offs_m, a, live = _block_rows(rows, blk, n_assign, BLOCK_M)
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             nm = offs_n < H
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from irminsul.errors import CheckpointError
+from irminsul.eval.v4_reuse import shifted_reuse_error
 from irminsul.model.config import RopeConfig
 from irminsul.model.deepseek_v4 import (CSA, HASH_MOE, HCA, SLIDING, TINY_V4, TINY_V4_YARN, TOPK_MOE, V4Config,
                                         load_deepseek_v4, make_tiny_v4_checkpoint)
@@ -221,27 +222,6 @@ def test_prefill_from_rows_is_the_full_forward(tiny_v4):
     assert all(r.abs().sum(-1).gt(0).all() for r in rows)
 
 
-def _shifted(model, a: int, b: int, naive: bool = False) -> float:
-    """Content computed after a prefix of a tokens, reused after one of b (shift b - a) in front of 6 new
-    tokens: max |Δ log-prob| of the computed positions against full prefill of the new prompt."""
-    g = torch.Generator().manual_seed(a * 100 + b)
-    content = torch.randint(0, 256, (40,), generator=g)
-    first = torch.cat([torch.randint(0, 256, (a,), generator=g), content])
-    second = torch.cat([torch.randint(0, 256, (b,), generator=g), content, torch.randint(0, 256, (6,), generator=g)])
-    donor = model.new_rows(len(first))
-    model.prefill(first, torch.arange(len(first)), donor)
-    rows = model.new_rows(len(second))
-    for mine, theirs in zip(rows, donor):
-        mine[b : b + 40] = theirs[a : a + 40]
-    compute = torch.cat([torch.arange(b), torch.arange(b + 40, len(second))])
-    key_pos = None
-    if naive:  # the reused keys rotated where they were computed (stale), as the paper's naive baseline
-        key_pos = torch.arange(len(second))
-        key_pos[b : b + 40] -= b - a
-    got = model.prefill(second, compute, rows, key_pos).log_softmax(-1)
-    return (got - model.forward(second)[compute].log_softmax(-1)).abs().max().item()
-
-
 @pytest.mark.parametrize("kind", [HCA, CSA, SLIDING])
 def test_reuse_at_another_position_is_exact_on_one_layer(tmp_path, kind):
     """On one layer a token's rows depend on the token alone, so reusing them at another position, with the
@@ -251,5 +231,5 @@ def test_reuse_at_another_position_is_exact_on_one_layer(tmp_path, kind):
                                    mlp_layer_types=[TOPK_MOE])
     model = load_deepseek_v4(path)
     for a, b in ((3, 19), (3, 8), (20, 4)):
-        assert _shifted(model, a, b) < 1e-4, (kind, a, b)
-        assert _shifted(model, a, b, naive=True) > 1e-2, (kind, a, b)
+        assert shifted_reuse_error(model, a, b, seed=a * 100 + b) < 1e-4, (kind, a, b)
+        assert shifted_reuse_error(model, a, b, naive=True, seed=a * 100 + b) > 1e-2, (kind, a, b)
