@@ -176,7 +176,7 @@ def main() -> int:
         for name, build in (("agent_meta", agent_meta), ("rerank", rerank)):
             res = workload(path, build, args.requests, args.seed)
             print(f"{name}: reused {res['pic']['reused']:.1%} of prompt tokens; KL from full prefill over the last "
-                  f"8 prompt positions: pic {res['pic']['kl']:.4f}, naive {res['naive']['kl']:.4f} "
+                  f"8 prompt positions: pic {res['pic']['kl']:.2e}, naive {res['naive']['kl']:.2e} "
                   f"(pic {1 - res['pic']['kl'] / res['naive']['kl']:.1%} lower); pooling entries from rows: "
                   f"{res['pic']['pooling']:.1%} of pic's prefill time")
         llm = LLM(path)
