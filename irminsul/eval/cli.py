@@ -63,7 +63,6 @@ def _setup(args) -> tuple[float, Path]:
     import torch
 
     from irminsul.bundled import bundled_model
-
     from irminsul.errors import ConfigError
     from irminsul.model.v4_serving import is_v4
 

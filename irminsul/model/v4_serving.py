@@ -17,6 +17,7 @@ the rows that deviate most, from MLA's c_KV) is not available for V4, nor is the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,8 +109,6 @@ class V4Serving(nn.Module):
 def is_v4(path: Path) -> bool:
     """Whether the checkpoint directory holds a DeepSeek-V4 config (read leniently: a broken config.json
     is reported by the MLA loader's own checks)."""
-    import json
-
     try:
         return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "deepseek_v4"
     except (OSError, ValueError, AttributeError):
@@ -117,8 +116,6 @@ def is_v4(path: Path) -> bool:
 
 
 def load_v4_serving(path: str | Path, dtype="float32", device: str = "cpu") -> V4Serving:
-    import json
-
     raw = json.loads((Path(path) / "config.json").read_text())
     eos = raw.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
