@@ -51,9 +51,10 @@ class PoolFull(RequestError):
 class Engine:
     def __init__(self, model: DeepseekModel, tokenizer: Tokenizer, reuse: str = "off",
                  max_prefill_tokens: int = 2048, kv_cache_gib: float | None = None, pool: LatentPool | None = None,
-                 **cache_options):
+                 compile_decode: bool = False, **cache_options):
         """`pool`: share another engine's pool (engines over the same weights, each with its own
-        cache, as the evaluations compare strategies); otherwise one of `kv_cache_gib` GiB."""
+        cache, as the evaluations compare strategies); otherwise one of `kv_cache_gib` GiB.
+        `compile_decode`: a sequence decoding alone takes one compiled step (model/compiled.py)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = model.config
         self.max_prefill_tokens = max_prefill_tokens
@@ -66,6 +67,14 @@ class Engine:
         self.cache = make_reuse(reuse, self.pool, cfg.num_hidden_layers, **cache_options)
         if self.cache.recompute_ratio and not hasattr(model, "fresh_rows"):
             raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
+        self._compiled = None
+        if compile_decode:
+            from irminsul.model.compiled import CompiledDecode, supported
+
+            why = supported(model)
+            if why is not None:
+                raise RequestError(f"compile_decode: the compiled step needs {why}")
+            self._compiled = CompiledDecode(model)
         eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
         self.eos_ids = frozenset(eos - {None})
         self._grammars: Grammars | None = None
@@ -243,6 +252,8 @@ class Engine:
         """One forward pass; the next-token logits [vocab] of each sequence whose prompt is done
         (None for one still in prefill, or one that got no prefill tokens this step). At most
         `prefill_budget` (default max_prefill_tokens) prompt positions are computed in all."""
+        if len(seqs) == 1 and not seqs[0].in_prefill and (logits := self._compiled_decode(seqs[0])) is not None:
+            return [logits]
         takes, ran = [], []
         budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
         for seq in seqs:
@@ -266,6 +277,22 @@ class Engine:
                 logits = self.model.logits(hidden[[offsets[i + 1] - 1 for i in wanted]])
                 out = {ran[i].id: logits[row] for row, i in enumerate(wanted)}
         return [out.get(seq.id) for seq in seqs]
+
+    def _compiled_decode(self, seq: Sequence) -> torch.Tensor | None:
+        """The next-token logits of a sequence decoding alone through the compiled step, when its rows
+        sit in consecutive slots and its keys are read at their own positions; else None."""
+        if self._compiled is None or self.cache.mode == "naive":
+            return None
+        n = len(seq.tokens)
+        slots = seq.slots[:n]
+        base = int(slots[0])
+        if int(slots[-1]) - base != n - 1 or not (np.diff(slots) == 1).all():
+            return None
+        dev = self.model.device
+        hidden = self._compiled(torch.tensor([seq.tokens[-1]], device=dev), torch.tensor([n - 1], device=dev),
+                                self.pool.rows, base, n)
+        self.cache.computed(seq)
+        return self.model.logits(hidden)[0]
 
     def step(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[int | None]:
         """Forward + sample; appends the new token to each sequence that produced one. Decoding

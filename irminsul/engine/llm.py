@@ -70,14 +70,15 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",
                  device: str = "cpu", kv_cache_gib: float | None = None, max_running_requests: int = 256,
-                 attention_backend: str = "torch", **cache_options):
+                 attention_backend: str = "torch", compile_decode: bool = False, **cache_options):
         self.path = Path(model) if model is not None else bundled_model("mla")
         self.model = load_model(self.path, dtype=dtype, device=device)
         if attention_backend != "torch":
             self.model.set_attention_backend(attention_backend)
         self.tokenizer = Tokenizer(self.path)
         cache_options.setdefault("model_id", checkpoint_id(self.path, dtype))
-        self.engine = Engine(self.model, self.tokenizer, reuse=reuse, kv_cache_gib=kv_cache_gib, **cache_options)
+        self.engine = Engine(self.model, self.tokenizer, reuse=reuse, kv_cache_gib=kv_cache_gib,
+                             compile_decode=compile_decode, **cache_options)
         # Offline batches are for throughput: prompts are prefilled at the full per-step budget
         # (the server keeps decode_slowdown=2: its streams' inter-token latency comes first).
         self.scheduler = Scheduler(self.engine, max_running_requests, decode_slowdown=None)

@@ -1,0 +1,121 @@
+"""One sequence's decode step as one compiled function (torch.compile, inductor), for a CPU.
+
+A decode step of a small model is hundreds of tiny tensor operations; in eager torch each costs
+microseconds of dispatch, which is what separates the engine from llama.cpp on one request
+(`benchmarks/lean_decode.py`). Here the step of the common case (one sequence decoding alone, its
+rows in consecutive slots, keys at their own positions) is written as one plain function of the
+model's packed weights and compiled once, with dynamic shapes (the key count grows each step).
+
+It computes what the engine's step computes (the same absorbed attention over `[c_KV | k_r]`, RoPE
+at read from the model's own cos/sin tables, the model's router), so it is tested against that
+path (tests/engine/test_compiled.py); anything it does not cover takes the engine's path:
+`supported` says why. Opt in with `LLM(compile_decode=True)` / `irminsul serve --compile-decode`:
+the first step compiles (tens of seconds, needs a C++ compiler), and torch.compile's own caches make
+later processes faster.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from irminsul.model.deepseek import DecoderLayer, DeepseekModel
+from irminsul.model.layers import MoE
+
+
+def supported(model) -> str | None:
+    """None if `CompiledDecode` covers this model, else why not."""
+    cfg = getattr(model, "config", None)
+    if not isinstance(model, DeepseekModel):
+        return "only the MLA models (DeepseekModel)"
+    if cfg.model_type == "longcat_flash" or cfg.index_n_heads or cfg.mla_lora_scale:
+        return f"{cfg.model_type} is not covered (LongCat blocks, V3.2's indexer)"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "a float32 model on a CPU"
+    if not all(isinstance(layer, DecoderLayer) for layer in model.model.layers):
+        return "plain decoder layers"
+    if any(getattr(layer.self_attn, "in_proj", None) is None for layer in model.model.layers):
+        return "a packed model (DeepseekModel.pack)"
+    return None
+
+
+class CompiledDecode:
+    def __init__(self, model: DeepseekModel):
+        why = supported(model)
+        if why is not None:
+            raise ValueError(f"compiled decode needs {why}")
+        self.model = model
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.stacked()  # built now: the compiled step reads `_stacked` as it is
+        self._fn = torch.compile(self._step, dynamic=True)
+
+    def __call__(self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int,
+                 n_keys: int) -> torch.Tensor:
+        """token [1] at position pos [1]; the sequence's rows are pool[:, base : base + n_keys] (the new
+        token's included, at base + pos) -> final hidden [1, hidden]; the token's rows are written."""
+        cos, sin = self.model.rotary.table(n_keys, pool.device)
+        # NOTE: the compiled function gets the sequence's own rows (a view), not the pool: a graph that
+        # writes into an input may copy it whole, and the pool is the engine's whole cache
+        with torch.inference_mode():
+            return self._fn(token, pos, pool[:, base : base + n_keys], cos[:n_keys], sin[:n_keys])
+
+    def _step(self, token, pos, seq_rows, cos_tab, sin_tab):
+        m = self.model
+        cfg = m.config
+        h, r, nope, rope = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)
+        layout = m.rotary.out_layout
+        x = m.model.embed_tokens.weight[token]  # [1, hidden]
+        q_cos, q_sin = cos_tab[pos], sin_tab[pos]  # [1, rope/2]
+        k_cos, k_sin = cos_tab, sin_tab
+        for i, layer in enumerate(m.model.layers):
+            attn = layer.self_attn
+            y = _rms(x, layer.input_layernorm)
+            w_in, b_in = attn.in_proj
+            y = y @ w_in if b_in is None else torch.addmm(b_in, y, w_in)
+            q_in, kv = y.split([y.shape[-1] - cfg.latent_width, cfg.latent_width], dim=-1)
+            q = q_in if cfg.q_lora_rank is None else attn.q_b_proj(_rms(q_in, attn.q_a_layernorm))
+            q = q.view(h, nope + rope)
+            q_pe = _rotate(m.rotary.to_cache(q[:, nope:]), q_cos, q_sin, layout)  # [H, rope]
+            row = torch.cat([_rms(kv[:, :r], attn.kv_a_layernorm), m.rotary.to_cache(kv[:, r:])], dim=-1)
+            seq_rows[i, pos] = row
+            rows = seq_rows[i]
+            w = attn.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
+            q_lat = torch.bmm(q[:, None, :nope], w[:, :nope])[:, 0]  # [H, r]: W_UK absorbed
+            k_r = _rotate(rows[:, r:], k_cos, k_sin, layout)
+            scores = (q_lat @ rows[:, :r].t() + q_pe @ k_r.t()) * cfg.softmax_scale
+            o_lat = scores.softmax(dim=-1) @ rows[:, :r]  # [H, r]
+            o = torch.bmm(o_lat[:, None], w[:, nope:].transpose(1, 2))[:, 0]  # W_UV absorbed
+            x = x + attn.o_proj(o.reshape(1, -1))
+            z = _rms(x, layer.post_attention_layernorm)
+            x = x + (_moe(layer.mlp, z) if isinstance(layer.mlp, MoE) else _mlp(layer.mlp, z))
+        return _rms(x, m.model.norm)
+
+
+def _rms(x, norm):
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+
+
+def _rotate(x, cos, sin, layout: str):
+    """Pairs of x [n, rope] (cache layout) rotated by cos/sin [n or 1, rope/2]: the pairwise formula."""
+    if layout == "interleaved":
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+def _mlp(mlp, x):
+    g, u = (x @ mlp.gate_up).chunk(2, dim=-1)
+    return mlp.down_proj(F.silu(g) * u)
+
+
+def _moe(moe: MoE, x):
+    """One token's k experts as two batched products over their stacked weights, plus the shared one."""
+    weights, ids = moe.gate(x)  # [1, k]
+    gate_up, down = moe._stacked
+    k = ids.shape[1]
+    g, u = torch.bmm(x.expand(k, 1, -1), gate_up[ids[0]]).chunk(2, dim=-1)
+    out = (torch.bmm(F.silu(g) * u, down[ids[0]])[:, 0] * weights[0, :, None].to(x.dtype)).sum(0, keepdim=True)
+    return out if moe.shared_experts is None else out + _mlp(moe.shared_experts, x)
