@@ -25,7 +25,7 @@ from irminsul.engine.reuse import make_reuse
 from irminsul.engine.sampling import SamplingParams, adjust_logits, request_seed, sample_batch
 from irminsul.engine.sequence import Sequence, TokenLogprob
 from irminsul.errors import RequestError
-from irminsul.model.attention import EMPTY_SLOT, SeqAttention
+from irminsul.model.attention import EMPTY_SLOT, SeqAttention, consecutive
 from irminsul.model.deepseek import DeepseekModel
 from irminsul.model.mla import ForwardBatch
 from irminsul.model.tokenizer import Tokenizer
@@ -285,9 +285,9 @@ class Engine:
             return None
         n = len(seq.tokens)
         slots = seq.slots[:n]
-        base = int(slots[0])
-        if int(slots[-1]) - base != n - 1 or not (np.diff(slots) == 1).all():
+        if not consecutive(slots):
             return None
+        base = int(slots[0])
         dev = self.model.device
         hidden = self._compiled(torch.tensor([seq.tokens[-1]], device=dev), torch.tensor([n - 1], device=dev),
                                 self.pool.rows, base, n)

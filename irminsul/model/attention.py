@@ -112,7 +112,7 @@ class TorchAttention:
             if rope is not None:
                 rope[i, :k] = s.key_rope if s.key_rope is not None else np.arange(k)
         dense = bool((qpos == t - 1).all() and (slots != EMPTY_SLOT).all())
-        run = int(slots[0, 0]) if b == 1 and dense and (t == 1 or (np.diff(slots[0]) == 1).all()) else None
+        run = int(slots[0, 0]) if b == 1 and dense and consecutive(slots[0]) else None
         key_slots = torch.from_numpy(slots).to(device)
         q = torch.from_numpy(qpos).to(device)
         mask = (key_slots != EMPTY_SLOT)[:, None, :] & (torch.arange(t, device=device)[None, None, :] <= q[:, :, None])
@@ -228,6 +228,11 @@ class TorchAttention:
                                            attn_mask=None if g.causal else g.mask[:, None],
                                            is_causal=g.causal, scale=cfg.softmax_scale)
         return _rows(o.transpose(1, 2).reshape(b * m, h, cfg.v_head_dim), g)
+
+
+def consecutive(slots: np.ndarray) -> bool:
+    """Whether the slots are one increasing run s, s + 1, ... (rows that can be read in place)."""
+    return len(slots) < 2 or bool((np.diff(slots) == 1).all())
 
 
 def _buckets(ids: list[int], seqs: list[SeqAttention]) -> list[list[int]]:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MoE
+from irminsul.model.rope import encode_pairwise
 
 
 def supported(model) -> str | None:
@@ -70,45 +71,26 @@ class CompiledDecode:
         k_cos, k_sin = cos_tab, sin_tab
         for i, layer in enumerate(m.model.layers):
             attn = layer.self_attn
-            y = _rms(x, layer.input_layernorm)
+            y = layer.input_layernorm(x)
             w_in, b_in = attn.in_proj
             y = y @ w_in if b_in is None else torch.addmm(b_in, y, w_in)
             q_in, kv = y.split([y.shape[-1] - cfg.latent_width, cfg.latent_width], dim=-1)
-            q = q_in if cfg.q_lora_rank is None else attn.q_b_proj(_rms(q_in, attn.q_a_layernorm))
+            q = q_in if cfg.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(q_in))
             q = q.view(h, nope + rope)
-            q_pe = _rotate(m.rotary.to_cache(q[:, nope:]), q_cos, q_sin, layout)  # [H, rope]
-            row = torch.cat([_rms(kv[:, :r], attn.kv_a_layernorm), m.rotary.to_cache(kv[:, r:])], dim=-1)
+            q_pe = encode_pairwise(m.rotary.to_cache(q[:, nope:]), q_cos, q_sin, layout)  # [H, rope]
+            row = torch.cat([attn.kv_a_layernorm(kv[:, :r]), m.rotary.to_cache(kv[:, r:])], dim=-1)
             seq_rows[i, pos] = row
             rows = seq_rows[i]
             w = attn.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
             q_lat = torch.bmm(q[:, None, :nope], w[:, :nope])[:, 0]  # [H, r]: W_UK absorbed
-            k_r = _rotate(rows[:, r:], k_cos, k_sin, layout)
+            k_r = encode_pairwise(rows[:, r:], k_cos, k_sin, layout)
             scores = (q_lat @ rows[:, :r].t() + q_pe @ k_r.t()) * cfg.softmax_scale
             o_lat = scores.softmax(dim=-1) @ rows[:, :r]  # [H, r]
             o = torch.bmm(o_lat[:, None], w[:, nope:].transpose(1, 2))[:, 0]  # W_UV absorbed
             x = x + attn.o_proj(o.reshape(1, -1))
-            z = _rms(x, layer.post_attention_layernorm)
-            x = x + (_moe(layer.mlp, z) if isinstance(layer.mlp, MoE) else _mlp(layer.mlp, z))
-        return _rms(x, m.model.norm)
-
-
-def _rms(x, norm):
-    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
-
-
-def _rotate(x, cos, sin, layout: str):
-    """Pairs of x [n, rope] (cache layout) rotated by cos/sin [n or 1, rope/2]: the pairwise formula."""
-    if layout == "interleaved":
-        a, b = x[..., 0::2], x[..., 1::2]
-        return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-
-
-def _mlp(mlp, x):
-    g, u = (x @ mlp.gate_up).chunk(2, dim=-1)
-    return mlp.down_proj(F.silu(g) * u)
+            z = layer.post_attention_layernorm(x)
+            x = x + (_moe(layer.mlp, z) if isinstance(layer.mlp, MoE) else layer.mlp(z))
+        return m.model.norm(x)
 
 
 def _moe(moe: MoE, x):
@@ -118,4 +100,4 @@ def _moe(moe: MoE, x):
     k = ids.shape[1]
     g, u = torch.bmm(x.expand(k, 1, -1), gate_up[ids[0]]).chunk(2, dim=-1)
     out = (torch.bmm(F.silu(g) * u, down[ids[0]])[:, 0] * weights[0, :, None].to(x.dtype)).sum(0, keepdim=True)
-    return out if moe.shared_experts is None else out + _mlp(moe.shared_experts, x)
+    return out if moe.shared_experts is None else out + moe.shared_experts(x)
