@@ -35,7 +35,9 @@ def supported(model) -> str | None:
         return "a float32 model on a CPU"
     if not all(isinstance(layer, DecoderLayer) for layer in model.model.layers):
         return "plain decoder layers"
-    if any(getattr(layer.self_attn, "in_proj", None) is None for layer in model.model.layers):
+    mlps = [layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp for layer in model.model.layers]
+    if (any(getattr(layer.self_attn, "in_proj", None) is None for layer in model.model.layers)
+            or not all(mlp is None or mlp.packed for mlp in mlps)):
         return "a packed model (DeepseekModel.pack)"
     return None
 
@@ -53,22 +55,26 @@ class CompiledDecode:
 
     def __call__(self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int,
                  n_keys: int) -> torch.Tensor:
-        """token [1] at position pos [1]; the sequence's rows are pool[:, base : base + n_keys] (the new
-        token's included, at base + pos) -> final hidden [1, hidden]; the token's rows are written."""
+        """token [1] at position pos [1] (= n_keys - 1); the sequence's rows are pool[:, base : base + n_keys],
+        the new token's at base + pos -> final hidden [1, hidden]; the token's rows are written."""
         cos, sin = self.model.rotary.table(n_keys, pool.device)
-        # NOTE: the compiled function gets the sequence's own rows (a view), not the pool: a graph that
-        # writes into an input may copy it whole, and the pool is the engine's whole cache
+        # NOTE: the compiled function only reads the earlier rows and returns the new ones: a graph that
+        # writes into an input (even one row of it) copies that input whole at every step
         with torch.inference_mode():
-            return self._fn(token, pos, pool[:, base : base + n_keys], cos[:n_keys], sin[:n_keys])
+            hidden, rows = self._fn(token, pos, pool[:, base : base + n_keys - 1], cos[:n_keys], sin[:n_keys])
+            pool[:, base + n_keys - 1] = rows
+        return hidden
 
-    def _step(self, token, pos, seq_rows, cos_tab, sin_tab):
+    def _step(self, token, pos, old_rows, cos_tab, sin_tab):
+        """-> (final hidden [1, hidden], the token's rows [layers, width]); old_rows: the rows before it."""
         m = self.model
         cfg = m.config
         h, r, nope, rope = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)
         layout = m.rotary.out_layout
         x = m.model.embed_tokens.weight[token]  # [1, hidden]
         q_cos, q_sin = cos_tab[pos], sin_tab[pos]  # [1, rope/2]
-        k_cos, k_sin = cos_tab, sin_tab
+        k_cos, k_sin = cos_tab[:-1], sin_tab[:-1]
+        new_rows = []
         for i, layer in enumerate(m.model.layers):
             attn = layer.self_attn
             y = layer.input_layernorm(x)
@@ -78,19 +84,22 @@ class CompiledDecode:
             q = q_in if cfg.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(q_in))
             q = q.view(h, nope + rope)
             q_pe = encode_pairwise(m.rotary.to_cache(q[:, nope:]), q_cos, q_sin, layout)  # [H, rope]
-            row = torch.cat([attn.kv_a_layernorm(kv[:, :r]), m.rotary.to_cache(kv[:, r:])], dim=-1)
-            seq_rows[i, pos] = row
-            rows = seq_rows[i]
+            c_kv, k_new = attn.kv_a_layernorm(kv[:, :r]), m.rotary.to_cache(kv[:, r:])  # [1, r], [1, rope]
+            new_rows.append(torch.cat([c_kv, k_new], dim=-1)[0])
+            rows = old_rows[i]
             w = attn.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
             q_lat = torch.bmm(q[:, None, :nope], w[:, :nope])[:, 0]  # [H, r]: W_UK absorbed
             k_r = encode_pairwise(rows[:, r:], k_cos, k_sin, layout)
-            scores = (q_lat @ rows[:, :r].t() + q_pe @ k_r.t()) * cfg.softmax_scale
-            o_lat = scores.softmax(dim=-1) @ rows[:, :r]  # [H, r]
+            k_self = encode_pairwise(k_new, q_cos, q_sin, layout)  # the token's own key, at its position
+            scores = torch.cat([q_lat @ rows[:, :r].t() + q_pe @ k_r.t(), q_lat @ c_kv.t() + q_pe @ k_self.t()],
+                               dim=-1) * cfg.softmax_scale
+            p = scores.softmax(dim=-1)
+            o_lat = p[:, :-1] @ rows[:, :r] + p[:, -1:] * c_kv  # [H, r]
             o = torch.bmm(o_lat[:, None], w[:, nope:].transpose(1, 2))[:, 0]  # W_UV absorbed
             x = x + attn.o_proj(o.reshape(1, -1))
             z = layer.post_attention_layernorm(x)
-            x = x + (_moe(layer.mlp, z) if isinstance(layer.mlp, MoE) else layer.mlp(z))
-        return m.model.norm(x)
+            x = x + (_moe(layer.mlp, z) if isinstance(layer.mlp, MoE) else layer.mlp.packed_forward(z))
+        return m.model.norm(x), torch.stack(new_rows)
 
 
 def _moe(moe: MoE, x):
@@ -100,4 +109,4 @@ def _moe(moe: MoE, x):
     k = ids.shape[1]
     g, u = torch.bmm(x.expand(k, 1, -1), gate_up[ids[0]]).chunk(2, dim=-1)
     out = (torch.bmm(F.silu(g) * u, down[ids[0]])[:, 0] * weights[0, :, None].to(x.dtype)).sum(0, keepdim=True)
-    return out if moe.shared_experts is None else out + moe.shared_experts(x)
+    return out if moe.shared_experts is None else out + moe.shared_experts.packed_forward(x)

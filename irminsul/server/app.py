@@ -59,7 +59,8 @@ class ServerState:
         self.registry = (open_registry(config.store, layout, memory_bytes=int(pool_gib * 2**30))
                          if config.reuse != "off" else None)
         self.engine = Engine(model, self.tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
-                             kv_cache_gib=pool_gib, model_id=model_id, registry=self.registry)
+                             kv_cache_gib=pool_gib, compile_decode=config.compile_decode, model_id=model_id,
+                             registry=self.registry)
         self.metrics = ServerMetrics(self.model_name)
         self.runner = EngineRunner(self.engine, config.max_running_requests, config.max_queued_requests, self.metrics)
         self.metrics.watch(self.runner, self.engine.cache)

@@ -14,6 +14,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
                    help="triton: Triton kernels over the pool (a GPU, or TRITON_INTERPRET=1 for its CPU interpreter)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="a request decoding alone takes one compiled step (torch.compile; fp32 MLA on a CPU, needs "
+                        "a C++ compiler; the first such step compiles for tens of seconds)")
     p.add_argument("--store", action="append", default=None, metavar="SPEC",
                    help="chunk store tier: memory (always), disk:PATH, redis://host:port/db; repeat to tier them")
     p.add_argument("--kv-cache-gib", type=float, default=None,
@@ -50,7 +53,8 @@ def config_from_args(args):
         raise ServerConfigError(str(e)) from None
     return ServerConfig(
         model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
-        reuse=args.reuse, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend, store=store,
+        reuse=args.reuse, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        compile_decode=args.compile_decode, store=store,
         kv_cache_gib=args.kv_cache_gib, max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.max_prefill_tokens,
         default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key,

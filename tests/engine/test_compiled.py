@@ -35,3 +35,16 @@ def test_what_the_compiled_step_does_not_cover_is_refused_clearly(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "v32", "v32")
     with pytest.raises(RequestError, match="compile_decode"):
         LLM(path, compile_decode=True)
+
+
+def test_serve_flag_reaches_the_engine():
+    """`irminsul serve --compile-decode` gives the server's engine the compiled step (off by default)."""
+    from irminsul.cli import build_parser
+    from irminsul.server.app import ServerState
+    from irminsul.server.cli import config_from_args
+
+    on = config_from_args(build_parser().parse_args(["serve", "--compile-decode", "--reuse", "off"]))
+    off = config_from_args(build_parser().parse_args(["serve", "--reuse", "off"]))
+    assert on.compile_decode and not off.compile_decode
+    assert ServerState(on).engine._compiled is not None
+    assert ServerState(off).engine._compiled is None
