@@ -87,8 +87,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled MLA model)")
     ap.add_argument("--depth", type=int, default=1500)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--compile-decode", action="store_true",
-                    help="LLM(compile_decode=True): a sequence decoding alone takes one compiled step")
+    ap.add_argument("--eager", action="store_true",
+                    help="LLM(compile_decode=False): no compiled one-sequence decode step (on by default)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not Path(args.gguf).exists():
@@ -96,7 +96,7 @@ def main() -> None:
     model = Path(args.model) if args.model else bundled_model("mla")
     print(f"machine: {describe()}\nmodel: {model} (f32), llama.cpp {args.llama_cpp} with {args.gguf}, 1 thread\n")
     theirs = llamacpp(Path(args.llama_cpp), Path(args.gguf), args.depth, args.new)
-    ours = irminsul(LLM(model, compile_decode=args.compile_decode), args.depth, args.new)
+    ours = irminsul(LLM(model, compile_decode=False if args.eager else None), args.depth, args.new)
     shapes = {"one": "1 x (100 + 64)", "batch32": "32 x (100 + 64)", "prefill": f"{args.depth} tokens",
               "decode": f"{args.new} at depth {args.depth}"}
     print(f"{'case':8} {'shape':20} {'irminsul tok/s':>15} {'llama.cpp tok/s':>16} {'ratio':>7}")

@@ -8,6 +8,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The eager decode path unless a test asks for the compiled step (tests/engine/test_compiled.py
+# checks the two agree); compiling it for every model a test builds would take minutes.
+os.environ.setdefault("IRMINSUL_COMPILE_DECODE", "0")
+
 # One thread: on a shared 2-core box, two-thread ops stall on the busy core (~8 ms per op).
 torch.set_num_threads(1)
 

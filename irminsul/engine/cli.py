@@ -55,7 +55,7 @@ def run(args) -> int:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, reuse="off")
+    llm = LLM(args.model, dtype=args.dtype, reuse="off", compile_decode=False)  # six-token answers: not worth compiling
     tok, cfg = llm.tokenizer, llm.model.config
     marks = [tok.token_to_id(t) for t in ("<|bos|>", "<|user|>", "<|end|>", "<|assistant|>")]
     if None in marks:
@@ -90,7 +90,8 @@ def run(args) -> int:
         times: list[list[float]] = [[], []]
         for _ in range(args.repeats):
             # a fresh, empty cache on the loaded model's pool
-            engine = Engine(llm.model, tok, reuse=mode, model_id=f"demo-{mode}", pool=llm.engine.pool)
+            engine = Engine(llm.model, tok, reuse=mode, model_id=f"demo-{mode}", pool=llm.engine.pool,
+                            compile_decode=False)
             ask(engine, warm)  # warm-up: kernels and allocator, nothing reusable
             for i, segments in enumerate(requests):
                 t = time.perf_counter()

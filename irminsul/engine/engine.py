@@ -51,10 +51,11 @@ class PoolFull(RequestError):
 class Engine:
     def __init__(self, model: DeepseekModel, tokenizer: Tokenizer, reuse: str = "off",
                  max_prefill_tokens: int = 2048, kv_cache_gib: float | None = None, pool: LatentPool | None = None,
-                 compile_decode: bool = False, **cache_options):
+                 compile_decode: bool | None = None, **cache_options):
         """`pool`: share another engine's pool (engines over the same weights, each with its own
         cache, as the evaluations compare strategies); otherwise one of `kv_cache_gib` GiB.
-        `compile_decode`: a sequence decoding alone takes one compiled step (model/compiled.py)."""
+        `compile_decode`: a sequence decoding alone takes one compiled step (model/compiled.py);
+        None: where it is available (compiled here, once per model), True: required, False: never."""
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = model.config
         self.max_prefill_tokens = max_prefill_tokens
@@ -67,14 +68,12 @@ class Engine:
         self.cache = make_reuse(reuse, self.pool, cfg.num_hidden_layers, **cache_options)
         if self.cache.recompute_ratio and not hasattr(model, "fresh_rows"):
             raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
-        self._compiled = None
-        if compile_decode:
-            from irminsul.model.compiled import CompiledDecode, supported
+        from irminsul.model.compiled import resolve
 
-            why = supported(model)
-            if why is not None:
-                raise RequestError(f"compile_decode: the compiled step needs {why}")
-            self._compiled = CompiledDecode(model)
+        try:
+            self._compiled = resolve(model, compile_decode)
+        except ValueError as e:
+            raise RequestError(f"compile_decode: {e}") from None
         eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
         self.eos_ids = frozenset(eos - {None})
         self._grammars: Grammars | None = None
@@ -280,7 +279,9 @@ class Engine:
 
     def _compiled_decode(self, seq: Sequence) -> torch.Tensor | None:
         """The next-token logits of a sequence decoding alone through the compiled step, when its rows
-        sit in consecutive slots and its keys are read at their own positions; else None."""
+        sit in consecutive slots and its keys are read at their own positions; else None. (Batches take
+        the engine's path: a compiled batch step, each layer's attention block one graph and the experts
+        eager, was no faster at 2 to 32 sequences on a CPU, where a batch is bound by its products.)"""
         if self._compiled is None or self.cache.mode == "naive":
             return None
         n = len(seq.tokens)

@@ -66,11 +66,13 @@ def normalize_prompt(prompt, tokenizer: Tokenizer) -> tuple[list[int], list[int]
 
 class LLM:
     """An MLA model with Irminsul's cache. `reuse` is one of off | prefix | naive | pic;
-    `kv_cache_gib` sizes the latent pool that running requests and cached content share."""
+    `kv_cache_gib` sizes the latent pool that running requests and cached content share;
+    `compile_decode` (default: where available) compiles the one-sequence decode step at
+    construction (model/compiled.py; False decodes eagerly and starts at once)."""
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",
                  device: str = "cpu", kv_cache_gib: float | None = None, max_running_requests: int = 256,
-                 attention_backend: str = "torch", compile_decode: bool = False, **cache_options):
+                 attention_backend: str = "torch", compile_decode: bool | None = None, **cache_options):
         self.path = Path(model) if model is not None else bundled_model("mla")
         self.model = load_model(self.path, dtype=dtype, device=device)
         if attention_backend != "torch":

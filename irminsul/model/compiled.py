@@ -9,12 +9,17 @@ model's packed weights and compiled once, with dynamic shapes (the key count gro
 It computes what the engine's step computes (the same absorbed attention over `[c_KV | k_r]`, RoPE
 at read from the model's own cos/sin tables, the model's router), so it is tested against that
 path (tests/engine/test_compiled.py); anything it does not cover takes the engine's path:
-`supported` says why. Opt in with `LLM(compile_decode=True)` / `irminsul serve --compile-decode`:
-the first step compiles (tens of seconds, needs a C++ compiler), and torch.compile's own caches make
-later processes faster.
+`unavailable` says why. It is on by default where it is available (as vLLM compiles unless told
+`enforce_eager`): `LLM(compile_decode=False)` / `irminsul serve --no-compile-decode`, or the
+environment variable IRMINSUL_COMPILE_DECODE=0 (the test suite sets it), turn it off. The engine
+compiles it when it is built (seconds with torch.compile's on-disk caches warm, 10-20 s cold), so
+no request waits for it; one compiled step is kept per model and shared by its engines.
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,8 @@ import torch.nn.functional as F
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MoE
 from irminsul.model.rope import encode_pairwise
+
+log = logging.getLogger("irminsul.model")
 
 
 def supported(model) -> str | None:
@@ -42,6 +49,45 @@ def supported(model) -> str | None:
     return None
 
 
+def unavailable(model) -> str | None:
+    """None if the compiled step can run here for this model, else why not."""
+    why = supported(model)
+    if why is not None:
+        return why
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception:  # inductor's InvalidCxxCompiler, or anything else that says "no compiler"
+        return "a C++ compiler (g++, or one named by CXX), which torch.compile's CPU backend builds with"
+    return None
+
+
+def resolve(model, compile_decode: bool | None) -> "CompiledDecode | None":
+    """The model's compiled step, built and warmed, or None. compile_decode: True (required: a clear
+    error when unavailable), False, or None (auto: on where available, unless IRMINSUL_COMPILE_DECODE=0)."""
+    if compile_decode is False or (compile_decode is None and os.environ.get("IRMINSUL_COMPILE_DECODE") == "0"):
+        return None
+    why = unavailable(model)
+    if why is not None:
+        if compile_decode:
+            raise ValueError(f"the compiled decode step needs {why}")
+        return None
+    step = getattr(model, "_compiled_decode", None)
+    if step is None:
+        log.info("compiling the one-sequence decode step (once per model; compile_decode=False skips it)")
+        step = CompiledDecode(model)
+        try:
+            step.warm_up()
+        except Exception as e:  # a compiler that fails: the eager path serves, and says so
+            if compile_decode:
+                raise ValueError(f"the compiled decode step failed to compile: {e}") from e
+            log.warning("the compiled decode step failed to compile; decoding eagerly: %s", e)
+            return None
+        model._compiled_decode = step
+    return step
+
+
 class CompiledDecode:
     def __init__(self, model: DeepseekModel):
         why = supported(model)
@@ -52,6 +98,14 @@ class CompiledDecode:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stacked()  # built now: the compiled step reads `_stacked` as it is
         self._fn = torch.compile(self._step, dynamic=True)
+
+    def warm_up(self) -> None:
+        """Compile now, on scratch rows laid out as the pool's (three keys: sizes 0 and 1 would be
+        specialised, 2 and up share the dynamic graph)."""
+        cfg = self.model.config
+        dev = self.model.device
+        pool = torch.zeros(cfg.num_hidden_layers, 8, cfg.row_width, dtype=self.model.dtype, device=dev)
+        self(torch.tensor([0], device=dev), torch.tensor([2], device=dev), pool, 1, 3)
 
     def __call__(self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int,
                  n_keys: int) -> torch.Tensor:

@@ -38,13 +38,30 @@ def test_what_the_compiled_step_does_not_cover_is_refused_clearly(tmp_path):
 
 
 def test_serve_flag_reaches_the_engine():
-    """`irminsul serve --compile-decode` gives the server's engine the compiled step (off by default)."""
+    """`irminsul serve --no-compile-decode` / `--compile-decode` reach the server's engine; by default
+    it is on where available (here the suite's IRMINSUL_COMPILE_DECODE=0 turns the default off)."""
     from irminsul.cli import build_parser
     from irminsul.server.app import ServerState
     from irminsul.server.cli import config_from_args
 
-    on = config_from_args(build_parser().parse_args(["serve", "--compile-decode", "--reuse", "off"]))
-    off = config_from_args(build_parser().parse_args(["serve", "--reuse", "off"]))
-    assert on.compile_decode and not off.compile_decode
-    assert ServerState(on).engine._compiled is not None
-    assert ServerState(off).engine._compiled is None
+    def config(*flags):
+        return config_from_args(build_parser().parse_args(["serve", "--reuse", "off", *flags]))
+
+    assert config().compile_decode is None
+    assert config("--compile-decode").compile_decode is True
+    assert config("--no-compile-decode").compile_decode is False
+    assert ServerState(config("--compile-decode")).engine._compiled is not None
+    assert ServerState(config()).engine._compiled is None
+
+
+def test_compiled_by_default_where_available_once_per_model(tmp_path, monkeypatch):
+    monkeypatch.delenv("IRMINSUL_COMPILE_DECODE")
+    path = make_tiny_checkpoint(tmp_path / "v2", "v2")
+    llm = LLM(path)
+    assert llm.engine._compiled is not None  # built (and compiled) with the engine
+    from irminsul.engine.engine import Engine
+
+    other = Engine(llm.model, llm.tokenizer, reuse="pic", pool=llm.engine.pool)
+    assert other._compiled is llm.engine._compiled  # one per model, shared by its engines
+    assert Engine(llm.model, llm.tokenizer, compile_decode=False)._compiled is None
+    assert LLM(make_tiny_checkpoint(tmp_path / "v32", "v32")).engine._compiled is None  # not covered: eager
