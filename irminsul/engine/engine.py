@@ -25,7 +25,7 @@ from irminsul.engine.reuse import make_reuse
 from irminsul.engine.sampling import SamplingParams, adjust_logits, request_seed, sample_batch
 from irminsul.engine.sequence import Sequence, TokenLogprob
 from irminsul.errors import RequestError
-from irminsul.model.attention import EMPTY_SLOT, SeqAttention, consecutive
+from irminsul.model.attention import EMPTY_SLOT, PADDING_SLACK, SeqAttention, consecutive
 from irminsul.model.deepseek import DeepseekModel
 from irminsul.model.mla import ForwardBatch
 from irminsul.model.tokenizer import Tokenizer
@@ -251,8 +251,9 @@ class Engine:
         """One forward pass; the next-token logits [vocab] of each sequence whose prompt is done
         (None for one still in prefill, or one that got no prefill tokens this step). At most
         `prefill_budget` (default max_prefill_tokens) prompt positions are computed in all."""
-        if len(seqs) == 1 and not seqs[0].in_prefill and (logits := self._compiled_decode(seqs[0])) is not None:
-            return [logits]
+        if (self._compiled is not None and not any(s.in_prefill for s in seqs)
+                and (logits := self._compiled_decode(seqs)) is not None):
+            return list(logits)
         takes, ran = [], []
         budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
         for seq in seqs:
@@ -277,23 +278,33 @@ class Engine:
                 out = {ran[i].id: logits[row] for row, i in enumerate(wanted)}
         return [out.get(seq.id) for seq in seqs]
 
-    def _compiled_decode(self, seq: Sequence) -> torch.Tensor | None:
-        """The next-token logits of a sequence decoding alone through the compiled step, when its rows
-        sit in consecutive slots and its keys are read at their own positions; else None. (Batches take
-        the engine's path: a compiled batch step, each layer's attention block one graph and the experts
-        eager, was no faster at 2 to 32 sequences on a CPU, where a batch is bound by its products.)"""
-        if self._compiled is None or self.cache.mode == "naive":
+    def _compiled_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The next-token logits [B, vocab] of decoding sequences through the compiled step when their
+        keys are read at their own positions (not `naive`); else None (the engine's path). A sequence
+        alone whose rows sit in consecutive slots is read in place; otherwise (where the compiled
+        step covers batches) their rows are gathered through their slot tables, when padding them to
+        one length costs at most PADDING_SLACK times the real work."""
+        if self.cache.mode == "naive":
             return None
-        n = len(seq.tokens)
-        slots = seq.slots[:n]
-        if not consecutive(slots):
-            return None
-        base = int(slots[0])
         dev = self.model.device
-        hidden = self._compiled(torch.tensor([seq.tokens[-1]], device=dev), torch.tensor([n - 1], device=dev),
-                                self.pool.rows, base, n)
-        self.cache.computed(seq)
-        return self.model.logits(hidden)[0]
+        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
+        if len(seqs) == 1 and consecutive(slots := seqs[0].slots[: lens[0]]):
+            hidden = self._compiled(torch.tensor([seqs[0].tokens[-1]], device=dev), torch.tensor(lens - 1, device=dev),
+                                    self.pool.rows, int(slots[0]), int(lens[0]))
+        else:
+            t = int(lens.max()) - 1
+            if len(seqs) > 1 and (not self._compiled.batched or len(seqs) * t > PADDING_SLACK * (lens.sum() - len(seqs))):
+                return None
+            key_slots = np.full((len(seqs), t), EMPTY_SLOT, np.int64)
+            for i, s in enumerate(seqs):
+                key_slots[i, : lens[i] - 1] = s.slots[: lens[i] - 1]
+            write = np.fromiter((s.slots[n - 1] for s, n in zip(seqs, lens)), np.int64, len(seqs))
+            hidden = self._compiled.batch(torch.tensor([s.tokens[-1] for s in seqs], device=dev),
+                                          torch.from_numpy(lens - 1).to(dev), torch.from_numpy(key_slots).to(dev),
+                                          self.pool.rows, torch.from_numpy(write).to(dev))
+        for seq in seqs:
+            self.cache.computed(seq)
+        return self.model.logits(hidden)
 
     def step(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[int | None]:
         """Forward + sample; appends the new token to each sequence that produced one. Decoding

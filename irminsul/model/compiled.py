@@ -29,6 +29,7 @@ from irminsul.model.layers import MoE
 from irminsul.model.rope import encode_pairwise
 
 log = logging.getLogger("irminsul.model")
+DENSE_EXPERTS = 4  # the batched step runs every expert when that is at most this many times the routed work
 
 
 def supported(model) -> str | None:
@@ -98,14 +99,26 @@ class CompiledDecode:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stacked()  # built now: the compiled step reads `_stacked` as it is
         self._fn = torch.compile(self._step, dynamic=True)
+        self._batch_fn = torch.compile(self._step_batch, dynamic=True)
+        cfg = model.config
+        # several sequences take the compiled step where running every expert costs at most
+        # DENSE_EXPERTS times the routed work (small expert counts, as the bundled models')
+        self.batched = not cfg.n_routed_experts or cfg.n_routed_experts <= DENSE_EXPERTS * cfg.num_experts_per_tok
 
     def warm_up(self) -> None:
-        """Compile now, on scratch rows laid out as the pool's (three keys: sizes 0 and 1 would be
-        specialised, 2 and up share the dynamic graph)."""
+        """Compile now, on scratch rows laid out as the pool's (sizes 0 and 1 would be specialised:
+        2 and up share the dynamic graphs)."""
         cfg = self.model.config
         dev = self.model.device
         pool = torch.zeros(cfg.num_hidden_layers, 8, cfg.row_width, dtype=self.model.dtype, device=dev)
         self(torch.tensor([0], device=dev), torch.tensor([2], device=dev), pool, 1, 3)
+        # the gathered step: one sequence (its own graph: a size of 1 is specialised), and 2 x 3 keys
+        # (distinct sizes, or the graph would assume B == T)
+        self.batch(torch.tensor([0], device=dev), torch.tensor([3], device=dev),
+                   torch.tensor([[1, 2, 3]], device=dev), pool, torch.tensor([6], device=dev))
+        if self.batched:
+            self.batch(torch.tensor([0, 1], device=dev), torch.tensor([3, 2], device=dev),
+                       torch.tensor([[1, 2, 3], [4, 5, 0]], device=dev), pool, torch.tensor([6, 7], device=dev))
 
     def __call__(self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int,
                  n_keys: int) -> torch.Tensor:
@@ -116,18 +129,45 @@ class CompiledDecode:
         # writes into an input (even one row of it) copies that input whole at every step
         with torch.inference_mode():
             hidden, rows = self._fn(token, pos, pool[:, base : base + n_keys - 1], cos[:n_keys], sin[:n_keys])
-            pool[:, base + n_keys - 1] = rows
+            pool[:, base + n_keys - 1] = rows[:, 0]
+        return hidden
+
+    def batch(self, tokens: torch.Tensor, pos: torch.Tensor, key_slots: torch.Tensor, pool: torch.Tensor,
+              write: torch.Tensor) -> torch.Tensor:
+        """B sequences decoding together (B > 1 for `batched` models only): tokens [B] at positions pos [B]; key_slots
+        [B, T] the slots of each one's earlier rows (positions 0..pos-1; padding masked), write [B] the
+        slots their new rows go to -> final hidden [B, hidden]; the rows are written."""
+        cos, sin = self.model.rotary.table(max(key_slots.shape[1], int(pos.max())) + 1, pool.device)
+        with torch.inference_mode():
+            hidden, rows = self._batch_fn(tokens, pos, key_slots, pool, cos, sin)
+            pool[:, write] = rows
         return hidden
 
     def _step(self, token, pos, old_rows, cos_tab, sin_tab):
-        """-> (final hidden [1, hidden], the token's rows [layers, width]); old_rows: the rows before it."""
+        """One sequence; old_rows [layers, T, width]: its rows before the token, read where they lie."""
+        return self._layers(token, pos, lambda i: old_rows[i][None], old_rows.shape[1], cos_tab, sin_tab, None, _moe)
+
+    def _step_batch(self, tokens, pos, key_slots, pool, cos_tab, sin_tab):
+        """B sequences; their earlier rows gathered from the pool through key_slots [B, T]. One sequence
+        (rows not in one run of slots, as a content hit leaves them) takes its k experts alone."""
+        t = key_slots.shape[1]
+        visible = torch.arange(t, device=pos.device)[None, :] < pos[:, None]  # [B, T]
+        moe = _moe if tokens.shape[0] == 1 else _moe_dense
+        return self._layers(tokens, pos, lambda i: pool[i][key_slots], t, cos_tab, sin_tab, visible, moe)
+
+    def _layers(self, token, pos, rows_of, t, cos_tab, sin_tab, visible, moe):
+        """The decoder over B new tokens [B] at positions pos [B] -> (final hidden [B, hidden], their
+        rows [layers, B, width]). rows_of(layer): their earlier rows [B, T, width], key j at position
+        j; `visible` [B, T]: which are real (None: all). The absorbed attention of the engine's step,
+        with each token's own key added beside the earlier ones (it is not in the pool yet)."""
         m = self.model
         cfg = m.config
         h, r, nope, rope = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)
         layout = m.rotary.out_layout
-        x = m.model.embed_tokens.weight[token]  # [1, hidden]
-        q_cos, q_sin = cos_tab[pos], sin_tab[pos]  # [1, rope/2]
-        k_cos, k_sin = cos_tab[:-1], sin_tab[:-1]
+        b = token.shape[0]
+        x = m.model.embed_tokens.weight[token]  # [B, hidden]
+        q_cos, q_sin = cos_tab[pos][:, None], sin_tab[pos][:, None]  # [B, 1, rope/2]: over the heads
+        k_cos, k_sin = cos_tab[:t], sin_tab[:t]  # [T, rope/2]
         new_rows = []
         for i, layer in enumerate(m.model.layers):
             attn = layer.self_attn
@@ -136,23 +176,25 @@ class CompiledDecode:
             y = y @ w_in if b_in is None else torch.addmm(b_in, y, w_in)
             q_in, kv = y.split([y.shape[-1] - cfg.latent_width, cfg.latent_width], dim=-1)
             q = q_in if cfg.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(q_in))
-            q = q.view(h, nope + rope)
-            q_pe = encode_pairwise(m.rotary.to_cache(q[:, nope:]), q_cos, q_sin, layout)  # [H, rope]
-            c_kv, k_new = attn.kv_a_layernorm(kv[:, :r]), m.rotary.to_cache(kv[:, r:])  # [1, r], [1, rope]
-            new_rows.append(torch.cat([c_kv, k_new], dim=-1)[0])
-            rows = old_rows[i]
+            q = q.view(b, h, nope + rope)
+            q_pe = encode_pairwise(m.rotary.to_cache(q[..., nope:]), q_cos, q_sin, layout)  # [B, H, rope]
+            c_kv, k_new = attn.kv_a_layernorm(kv[:, :r]), m.rotary.to_cache(kv[:, r:])  # [B, r], [B, rope]
+            new_rows.append(torch.cat([c_kv, k_new], dim=-1))
+            rows = rows_of(i)  # [B, T, width]
             w = attn.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
-            q_lat = torch.bmm(q[:, None, :nope], w[:, :nope])[:, 0]  # [H, r]: W_UK absorbed
-            k_r = encode_pairwise(rows[:, r:], k_cos, k_sin, layout)
-            k_self = encode_pairwise(k_new, q_cos, q_sin, layout)  # the token's own key, at its position
-            scores = torch.cat([q_lat @ rows[:, :r].t() + q_pe @ k_r.t(), q_lat @ c_kv.t() + q_pe @ k_self.t()],
-                               dim=-1) * cfg.softmax_scale
-            p = scores.softmax(dim=-1)
-            o_lat = p[:, :-1] @ rows[:, :r] + p[:, -1:] * c_kv  # [H, r]
-            o = torch.bmm(o_lat[:, None], w[:, nope:].transpose(1, 2))[:, 0]  # W_UV absorbed
-            x = x + attn.o_proj(o.reshape(1, -1))
+            q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, r]: W_UK absorbed
+            k_r = encode_pairwise(rows[..., r : r + rope], k_cos, k_sin, layout)  # [B, T, rope]
+            k_self = encode_pairwise(k_new, q_cos[:, 0], q_sin[:, 0], layout)  # each token's own key
+            scores = torch.bmm(q_lat, rows[..., :r].transpose(1, 2)) + torch.bmm(q_pe, k_r.transpose(1, 2))
+            if visible is not None:
+                scores = scores.masked_fill(~visible[:, None], float("-inf"))
+            own = (q_lat * c_kv[:, None]).sum(-1, keepdim=True) + (q_pe * k_self[:, None]).sum(-1, keepdim=True)
+            p = (torch.cat([scores, own], dim=-1) * cfg.softmax_scale).softmax(dim=-1)  # [B, H, T + 1]
+            o_lat = torch.bmm(p[..., :-1], rows[..., :r]) + p[..., -1:] * c_kv[:, None]  # [B, H, r]
+            o = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # W_UV absorbed
+            x = x + attn.o_proj(o.reshape(b, -1))
             z = layer.post_attention_layernorm(x)
-            x = x + (_moe(layer.mlp, z) if isinstance(layer.mlp, MoE) else layer.mlp.packed_forward(z))
+            x = x + (moe(layer.mlp, z) if isinstance(layer.mlp, MoE) else layer.mlp.packed_forward(z))
         return m.model.norm(x), torch.stack(new_rows)
 
 
@@ -163,4 +205,16 @@ def _moe(moe: MoE, x):
     k = ids.shape[1]
     g, u = torch.bmm(x.expand(k, 1, -1), gate_up[ids[0]]).chunk(2, dim=-1)
     out = (torch.bmm(F.silu(g) * u, down[ids[0]])[:, 0] * weights[0, :, None].to(x.dtype)).sum(0, keepdim=True)
+    return out if moe.shared_experts is None else out + moe.shared_experts.packed_forward(x)
+
+
+def _moe_dense(moe: MoE, x):
+    """B tokens through every expert, each weighted by its routing weight (0 where not chosen): static
+    shapes, one graph, E / k times the routed products (`batched` bounds that)."""
+    weights, ids = moe.gate(x)  # [B, k]
+    gate_up, down = moe._stacked  # [E, H, 2I], [E, I, H]
+    mix = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
+    mix = mix.scatter(1, ids, weights.to(x.dtype))  # [B, E] (a token picks an expert at most once)
+    g, u = torch.matmul(x[None], gate_up).chunk(2, dim=-1)  # [E, B, I] each
+    out = torch.bmm(F.silu(g) * u * mix.t()[..., None], down).sum(0)
     return out if moe.shared_experts is None else out + moe.shared_experts.packed_forward(x)

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from irminsul import LLM, RequestError
+from irminsul.engine.sampling import SamplingParams
+from irminsul.model.attention import consecutive
 from irminsul.model.tiny import make_tiny_checkpoint
 
 
@@ -16,19 +18,51 @@ def test_compiled_decode_gives_the_engines_tokens_and_logprobs(tmp_path, variant
     """V2 (interleaved RoPE, softmax routing) and V3 with query LoRA, YaRN and the halves layout."""
     path = make_tiny_checkpoint(tmp_path / variant, variant, yarn=variant == "v3", **extra)
     eager, compiled = LLM(path), LLM(path, compile_decode=True)
-    calls = []
-    real = compiled.engine._compiled
-    compiled.engine._compiled = lambda *a: calls.append(1) or real(*a)
+    step = compiled.engine._compiled
+    calls = {"one": 0, "batch": 0}
+
+    def counted(name, fn):
+        def call(*a):
+            calls[name] += 1
+            return fn(*a)
+        return call
+
+    step._fn, step._batch_fn = counted("one", step._fn), counted("batch", step._batch_fn)
     ids = _rand(60, 0)
     a = eager.generate(ids, max_tokens=12, ignore_eos=True, logprobs=2)
     b = compiled.generate(ids, max_tokens=12, ignore_eos=True, logprobs=2)
-    assert len(calls) == 11  # every decode step after the prefill's first token
+    assert calls == {"one": 11, "batch": 0}  # every decode step after the prefill's first token
     assert a.token_ids == b.token_ids
     assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
-    # two sequences decode together on the engine's path, and still agree
-    many = compiled.generate([ids, _rand(30, 1)], max_tokens=4, ignore_eos=True)
-    assert [r.token_ids for r in many] == [r.token_ids for r in eager.generate([ids, _rand(30, 1)], max_tokens=4,
-                                                                                ignore_eos=True)]
+    # three sequences of different lengths decode together through the batched step (padded, masked)
+    prompts = [ids, _rand(45, 1), _rand(50, 2)]
+    many = compiled.generate(prompts, max_tokens=6, ignore_eos=True, logprobs=2)
+    assert calls["batch"] == 5
+    ref = eager.generate(prompts, max_tokens=6, ignore_eos=True, logprobs=2)
+    assert [r.token_ids for r in many] == [r.token_ids for r in ref]
+    assert max(abs(x.logprob - y.logprob) for r, q in zip(many, ref) for x, y in zip(r.logprobs, q.logprobs)) < 1e-4
+
+
+def test_a_content_hit_decodes_through_the_gathered_step(tiny_dir):
+    """pic: a body cached behind one header and reused behind another leaves the sequence's rows in
+    several runs of slots; alone, it decodes through the gathered step (B = 1), as the engine would."""
+    body, first, second = _rand(600, 5), _rand(20, 6), _rand(57, 7)
+    runs = {}
+    for name, compile_decode in (("eager", False), ("compiled", True)):
+        llm = LLM(tiny_dir, reuse="pic", compile_decode=compile_decode)
+        llm.generate(first + body, max_tokens=1)
+        if compile_decode:
+            seq = llm.engine.new_sequence(second + body, SamplingParams())
+            assert llm.engine.admit(seq) and not consecutive(seq.slots)  # the hit's rows: another run of slots
+            llm.engine.finish(seq)
+            step, calls = llm.engine._compiled, []
+            real = step._batch_fn
+            step._batch_fn = lambda *a: calls.append(1) or real(*a)
+        runs[name] = llm.generate(second + body, max_tokens=8, ignore_eos=True, logprobs=1)
+        assert runs[name].stats.reused_tokens >= 400, runs[name].stats
+    assert len(calls) == 7  # every decode step after the prefill's token
+    assert runs["eager"].token_ids == runs["compiled"].token_ids
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(runs["eager"].logprobs, runs["compiled"].logprobs)) < 1e-4
 
 
 def test_what_the_compiled_step_does_not_cover_is_refused_clearly(tmp_path):
