@@ -17,7 +17,7 @@ from torch import nn
 
 from irminsul.model.attention import TorchAttention
 from irminsul.model.config import ModelConfig
-from irminsul.model.layers import MLP, LongcatMoE, MoE, RMSNorm
+from irminsul.model.layers import MLP, Linear, LongcatMoE, MoE, RMSNorm
 from irminsul.model.mla import ForwardBatch, MLAttention, SequenceRows
 from irminsul.model.rope import Rotary
 
@@ -81,7 +81,7 @@ class DeepseekModel(nn.Module):
         self.rotary = rotary or Rotary(cfg.rope)
         self.attention = TorchAttention(cfg, self.rotary)  # the attention backend every layer calls
         self.model = Backbone(cfg, self.rotary, self.attention)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -108,9 +108,10 @@ class DeepseekModel(nn.Module):
                 module.kernel = kernel
 
     def pack(self) -> "DeepseekModel":
-        """Lay the weights out for inference, once, after loading (nothing is copied twice; the
-        parameters become views, state dicts are unchanged): the products that read one input fused
-        (q|kv_a, gate|up, the stacked experts) and stored input-major, the LM head too."""
+        """Lay the weights out for inference, once, after loading (the parameters become views, state
+        dicts are unchanged): the products that read one input fused (q|kv_a, gate|up, the stacked
+        experts) and stored input-major, the LM head too; on a CPU in float32 each product also gets
+        oneDNN's blocked copy of its weight for several rows at once (`layers.dnn_weight`)."""
         for module in self.modules():  # (an MoE before its experts: they are packed into its stack)
             if module is not self and hasattr(module, "pack"):
                 module.pack()
@@ -119,6 +120,7 @@ class DeepseekModel(nn.Module):
         self.lm_head.weight = head
         if self.config.tie_word_embeddings:
             self.model.embed_tokens.weight = head
+        self.lm_head.pack_dnn()
         return self
 
     @property

@@ -26,7 +26,7 @@ from torch import nn
 
 from irminsul.model.attention import EMPTY_SLOT, AttentionGroup, SeqAttention, TorchAttention
 from irminsul.model.config import ModelConfig
-from irminsul.model.layers import RMSNorm, pack_linears, packed
+from irminsul.model.layers import Linear, RMSNorm, dnn_weight, pack_linears, packed
 from irminsul.model.rope import Rotary, encode_half
 
 
@@ -127,21 +127,22 @@ class MLAttention(nn.Module):
         self.cfg, self.layer, self.rotary, self.backend = cfg, layer, rotary, backend
         h, bias = cfg.num_attention_heads, cfg.attention_bias
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False)
+            self.q_proj = Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_width, bias=bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_width, bias=bias)
         self.indexer = Indexer(cfg) if cfg.index_n_heads else None
         # HF builds kv_a_layernorm with its default eps (1e-6), not rms_norm_eps.
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias)
         # LongCat-Flash scales q and the normed c_KV (what is cached) by sqrt(hidden / LoRA rank)
         self.q_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
         self.kv_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
         self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after `pack`
+        self.in_proj_dnn: torch.Tensor | None = None  # its `dnn_weight`
 
     def _q_in(self) -> nn.Linear:
         return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
@@ -149,13 +150,16 @@ class MLAttention(nn.Module):
     def pack(self) -> None:
         """The two products of the layer's input (q or q_a, and kv_a) as one (`pack_linears`)."""
         self.in_proj = pack_linears(self._q_in(), self.kv_a_proj_with_mqa)
+        self.in_proj_dnn = dnn_weight(self.in_proj[0].t())
+        for lin in (self.kv_b_proj, self.o_proj) + ((self.q_b_proj,) if self.cfg.q_lora_rank is not None else ()):
+            lin.pack_dnn()
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x))."""
         q_in = self._q_in()
         if self.in_proj is None or self.in_proj[0].data_ptr() != q_in.weight.data_ptr():
             return q_in(x), self.kv_a_proj_with_mqa(x)
-        return packed(x, *self.in_proj).split([q_in.out_features, self.cfg.latent_width], dim=-1)
+        return packed(x, *self.in_proj, self.in_proj_dnn).split([q_in.out_features, self.cfg.latent_width], dim=-1)
 
     def _c_kv(self, c: torch.Tensor) -> torch.Tensor:
         c = self.kv_a_layernorm(c)
