@@ -1,12 +1,16 @@
-"""One-row products (a decode step's) against the bundled model's weight shapes, hot and cold,
-with nn.Linear's [out, in] layout and the input-major [in, out] one that `DeepseekModel.pack`
-stores; and how many weight bytes one decode token reads.
+"""The products a packed model runs, against the bundled model's weight shapes:
+
+1. one row (a decode step's), hot and cold, with nn.Linear's [out, in] layout and the input-major
+   [in, out] one that `DeepseekModel.pack` stores; and how many weight bytes one decode token reads;
+2. several rows (a batch of decode steps, a prefill), torch's own product (MKL's GEMM) against
+   oneDNN's over the weight blocked once (`layers.dnn_weight`), in GFLOP/s.
 
     python benchmarks/bench_gemv_layout.py
 
 "Cold" is after streaming 64 MB through the caches, as a decode step does between two uses of
 one matrix (it reads every layer's weights in between). Why the engine packs its weights: the
-cold product is what decoding one sequence pays (issue 11; README, Engine).
+cold product is what decoding one sequence pays, and MKL runs its AVX2 code on AMD processors
+(issue 11; README, Engine).
 """
 
 import sys
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from irminsul import bundled_model
 from irminsul.cli import run_for_people
 from irminsul.machine import describe
+from irminsul.model.layers import dnn_linear, dnn_weight
 from irminsul.model.loader import load_model
 
 FLUSH = torch.empty(64 * 2**20 // 4)
@@ -74,6 +79,21 @@ def main() -> int:
                timed(lambda: F.linear(x, w), True), timed(lambda: F.linear(x, w_in), True)]
         print(f"{name:18s} {str([out_f, in_f]):>12s} {row[0]:11.1f}us {row[1]:11.1f}us {row[2]:12.1f}us "
               f"{row[3]:12.1f}us {row[2] / row[3]:9.2f}x")
+    print(f"\nseveral rows, hot: GFLOP/s of torch's product (F.linear) and of oneDNN's over the blocked weight")
+    print(f"{'product':18s} {'rows':>6s} {'F.linear':>9s} {'oneDNN':>9s} {'ratio':>7s}")
+    for name, (out_f, in_f) in shapes.items():
+        w = torch.randn(out_f, in_f, generator=g)
+        dnn = dnn_weight(w)
+        if dnn is None:
+            print("oneDNN is not available in this torch build")
+            break
+        for rows in (4, 32, 3200):
+            x = torch.randn(rows, in_f, generator=g)
+            n = max(3, 30_000_000 // (rows * in_f * out_f))
+            flop = 2e-3 * rows * in_f * out_f  # per microsecond -> GFLOP/s
+            a = flop / timed(lambda: F.linear(x, w), False, n)
+            b = flop / timed(lambda: dnn_linear(x, dnn, None, out_f), False, n)
+            print(f"{name:18s} {rows:6d} {a:9.0f} {b:9.0f} {b / a:6.2f}x")
     return 0
 
 

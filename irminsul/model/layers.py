@@ -48,6 +48,22 @@ def dnn_weight(w: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
 
 
+# oneDNN's call costs ~10 us more than MKL's: below about this many multiply-adds MKL is faster
+# (`python benchmarks/bench_gemv_layout.py`: an expert's down product, 1.0 M at 32 rows, 0.75x;
+# the dense gate|up, 1.6 M at 4 rows, 1.26x)
+DNN_MIN_MACS = 1_500_000
+
+
+def dnn_pays(x: torch.Tensor, out: int) -> bool:
+    """Whether x [..., in] times an [in, out] weight should run through oneDNN: several rows, enough
+    work. In a compiled graph (batched decode) several rows suffice: a choice by size would guard,
+    and recompile, on the batch size."""
+    rows = x.numel() // x.shape[-1]
+    if torch.compiler.is_compiling():
+        return rows > 1
+    return rows > 1 and x.numel() * out >= DNN_MIN_MACS
+
+
 def dnn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
     """x [..., in] times a `dnn_weight` (of an [out, in] weight), plus bias -> [..., out]."""
     return _dnn_rows(x.reshape(-1, x.shape[-1]), w, bias, out).view(*x.shape[:-1], out)
@@ -72,7 +88,7 @@ def _(x_shape, w_shape, bias_shape, out, **kwargs) -> int:
 
 class Linear(nn.Linear):
     """nn.Linear (the same parameters and state-dict names) that, once packed, computes products of
-    several rows through oneDNN (`dnn_weight`); one row, or an unpacked module, is F.linear."""
+    several rows through oneDNN (`dnn_weight`, `dnn_pays`); else, or unpacked, it is F.linear."""
 
     dnn: torch.Tensor | None = None
 
@@ -81,7 +97,7 @@ class Linear(nn.Linear):
         self.dnn = dnn_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dnn is not None and x.numel() > x.shape[-1]:
+        if self.dnn is not None and dnn_pays(x, self.out_features):
             return dnn_linear(x, self.dnn, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
@@ -111,8 +127,8 @@ def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 
 def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dnn: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] times an input-major weight [in, out] (`pack_linears`), plus bias; several rows
-    through `dnn`, the same weight's `dnn_weight`, when there is one."""
-    if dnn is not None and x.numel() > x.shape[-1]:
+    through `dnn`, the same weight's `dnn_weight`, when there is one and it pays (`dnn_pays`)."""
+    if dnn is not None and dnn_pays(x, w.shape[1]):
         return dnn_linear(x, dnn, bias, w.shape[1])
     return torch.matmul(x, w) if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(
         *x.shape[:-1], w.shape[1])
