@@ -79,7 +79,7 @@ def main() -> int:
                timed(lambda: F.linear(x, w), True), timed(lambda: F.linear(x, w_in), True)]
         print(f"{name:18s} {str([out_f, in_f]):>12s} {row[0]:11.1f}us {row[1]:11.1f}us {row[2]:12.1f}us "
               f"{row[3]:12.1f}us {row[2] / row[3]:9.2f}x")
-    print(f"\nseveral rows, hot: GFLOP/s of torch's product (F.linear) and of oneDNN's over the blocked weight")
+    print("\nseveral rows, hot: GFLOP/s of torch's product (F.linear) and of oneDNN's over the blocked weight")
     print(f"{'product':18s} {'rows':>6s} {'F.linear':>9s} {'oneDNN':>9s} {'ratio':>7s}")
     for name, (out_f, in_f) in shapes.items():
         w = torch.randn(out_f, in_f, generator=g)
