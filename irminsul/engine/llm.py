@@ -67,7 +67,7 @@ def normalize_prompt(prompt, tokenizer: Tokenizer) -> tuple[list[int], list[int]
 class LLM:
     """An MLA model with Irminsul's cache. `reuse` is one of off | prefix | naive | pic;
     `kv_cache_gib` sizes the latent pool that running requests and cached content share;
-    `compile_decode` (default: where available) compiles the one-sequence decode step at
+    `compile_decode` (default: where available) compiles the decode steps at
     construction (model/compiled.py; False decodes eagerly and starts at once)."""
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",

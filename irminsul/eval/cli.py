@@ -168,7 +168,7 @@ def cost(args) -> int:
     raw = read_config(model)
     archs["mla"] = Arch.from_config(raw, "mla")
     lengths["mla"] = min(args.prompt_tokens, raw["max_position_embeddings"] * 3 // 4)
-    llm = LLM(model)
+    llm = LLM(model, compile_decode=False)  # prefill timings: nothing decodes
     req = _request(rng, raw, lengths["mla"], args.shared_fraction, llm.tokenizer.bos_token_id)
     timings["mla"] = time_mla(llm, req, args.n)
     bar.update()

@@ -293,6 +293,6 @@ def result(runner: QualityRunner) -> QualityResult:
 def run_quality(model: str | Path, cases: dict[str, list[ShiftedCase]], strategies=STRATEGIES,
                 greedy_tokens: int = 16, progress: bool = True, dtype: str = "float32",
                 segments: bool = True) -> QualityResult:
-    runner = QualityRunner(LLM(model, dtype=dtype), strategies, greedy_tokens, segments)
+    runner = QualityRunner(LLM(model, dtype=dtype, compile_decode=False), strategies, greedy_tokens, segments)
     runner.run(cases, progress)
     return result(runner)

@@ -1,19 +1,28 @@
-"""One sequence's decode step as one compiled function (torch.compile, inductor), for a CPU.
+"""Decode steps as compiled functions (torch.compile, inductor), for a CPU.
 
 A decode step of a small model is hundreds of tiny tensor operations; in eager torch each costs
-microseconds of dispatch, which is what separates the engine from llama.cpp on one request
-(`benchmarks/lean_decode.py`). Here the step of the common case (one sequence decoding alone, its
-rows in consecutive slots, keys at their own positions) is written as one plain function of the
-model's packed weights and compiled once, with dynamic shapes (the key count grows each step).
+microseconds of dispatch, which is what separated the engine from llama.cpp on one request
+(`benchmarks/lean_decode.py`). Here the decode step is written as one plain function of the model's
+packed weights and compiled once, with dynamic shapes (the key count grows each step, the batch
+varies), in three graphs:
+
+- one sequence decoding alone whose rows sit in consecutive slots: its rows are read in place
+  (`__call__`), its k experts through their stacked weights;
+- one sequence whose rows do not (a content hit shares another run of slots): its rows are gathered
+  through its slot table (`batch`, B = 1);
+- B >= 2 sequences (`batch`): gathered and masked to each one's length; every expert runs on every
+  token, weighted by its routing weight (0 where not chosen), so that no shape depends on routing:
+  E / k times the routed products, used where that is at most DENSE_EXPERTS (`batched`).
 
 It computes what the engine's step computes (the same absorbed attention over `[c_KV | k_r]`, RoPE
 at read from the model's own cos/sin tables, the model's router), so it is tested against that
-path (tests/engine/test_compiled.py); anything it does not cover takes the engine's path:
-`unavailable` says why. It is on by default where it is available (as vLLM compiles unless told
-`enforce_eager`): `LLM(compile_decode=False)` / `irminsul serve --no-compile-decode`, or the
-environment variable IRMINSUL_COMPILE_DECODE=0 (the test suite sets it), turn it off. The engine
-compiles it when it is built (seconds with torch.compile's on-disk caches warm, 10-20 s cold), so
-no request waits for it; one compiled step is kept per model and shared by its engines.
+path (tests/engine/test_compiled.py); the engine takes its own path for anything else (prefill,
+`naive`, batches whose padding would exceed PADDING_SLACK), and `unavailable` says when none of it
+applies. It is on by default where it is available (as vLLM compiles unless told `enforce_eager`):
+`LLM(compile_decode=False)` / `irminsul serve --no-compile-decode`, or the environment variable
+IRMINSUL_COMPILE_DECODE=0 (the test suite sets it), turn it off. The engine compiles it when it is
+built (seconds with torch.compile's on-disk caches warm, 10-40 s cold), so no request waits for it;
+one compiled step is kept per model and shared by its engines.
 """
 
 from __future__ import annotations
@@ -76,7 +85,7 @@ def resolve(model, compile_decode: bool | None) -> "CompiledDecode | None":
         return None
     step = getattr(model, "_compiled_decode", None)
     if step is None:
-        log.info("compiling the one-sequence decode step (once per model; compile_decode=False skips it)")
+        log.info("compiling the decode steps (once per model; compile_decode=False skips it)")
         step = CompiledDecode(model)
         try:
             step.warm_up()
@@ -134,9 +143,9 @@ class CompiledDecode:
 
     def batch(self, tokens: torch.Tensor, pos: torch.Tensor, key_slots: torch.Tensor, pool: torch.Tensor,
               write: torch.Tensor) -> torch.Tensor:
-        """B sequences decoding together (B > 1 for `batched` models only): tokens [B] at positions pos [B]; key_slots
-        [B, T] the slots of each one's earlier rows (positions 0..pos-1; padding masked), write [B] the
-        slots their new rows go to -> final hidden [B, hidden]; the rows are written."""
+        """B sequences decoding together (B > 1 for `batched` models only): tokens [B] at positions
+        pos [B]; key_slots [B, T] the slots of each one's earlier rows (positions 0..pos-1; padding
+        masked), write [B] the slots their new rows go to -> final hidden [B, hidden]; rows written."""
         cos, sin = self.model.rotary.table(max(key_slots.shape[1], int(pos.max())) + 1, pool.device)
         with torch.inference_mode():
             hidden, rows = self._batch_fn(tokens, pos, key_slots, pool, cos, sin)
