@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1500)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--eager", action="store_true",
-                    help="LLM(compile_decode=False): no compiled one-sequence decode step (on by default)")
+                    help="LLM(compile_decode=False): no compiled decode steps (on by default)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not Path(args.gguf).exists():

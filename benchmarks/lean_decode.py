@@ -1,6 +1,8 @@
-"""How fast one sequence can decode in eager torch on this CPU: the engine's decode step against the same
-model written as one plain function (no engine, no modules, no planning), and that function under
-torch.compile (inductor). The bundled MLA model (V2 layout, greedy MoE), fp32, one thread.
+"""How fast one sequence can decode in eager torch on this CPU: the engine's eager decode step
+(`compile_decode=False`) against the same model written as one plain function (no engine, no
+modules, no planning), and that function under torch.compile (inductor). The bundled MLA model (V2
+layout, greedy MoE), fp32, one thread. (The engine's own compiled step is `model/compiled.py`;
+`benchmarks/bench_compiled.py` measures it.)
 
     python benchmarks/lean_decode.py [--depth 100] [--compile]
 
@@ -94,7 +96,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {describe()}")
-    llm = LLM(bundled_model("mla"))
+    llm = LLM(bundled_model("mla"), compile_decode=False)  # the engine's eager step
     m, cfg = llm.model, llm.model.config
     ids = [300 + (i * 7) % 5000 for i in range(args.depth)]
     llm.generate(ids, max_tokens=4, ignore_eos=True)

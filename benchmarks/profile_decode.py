@@ -1,5 +1,5 @@
-"""Where a decode step's time goes: torch's profiler over the difference between two generations (40
-and 8 new tokens), per decode step: aten calls and self time by operator.
+"""Where an eager decode step's time goes (`compile_decode=False`): torch's profiler over the difference
+between two generations (40 and 8 new tokens), per decode step: aten calls and self time by operator.
 
     python benchmarks/profile_decode.py [--depth 100] [--batch 1] [--top 12]
 
@@ -28,7 +28,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {describe()}")
-    llm = LLM(args.model or bundled_model("mla"), reuse="off")
+    llm = LLM(args.model or bundled_model("mla"), reuse="off", compile_decode=False)  # the eager step's operations
     prompts = [[300 + (i * 7 + j * 13) % 5000 for i in range(args.depth)] for j in range(args.batch)]
     ids = prompts if args.batch > 1 else prompts[0]
     llm.generate(ids, max_tokens=4, ignore_eos=True)

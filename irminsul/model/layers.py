@@ -33,72 +33,105 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def dnn_weight(w: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a weight [out, in], for products of several rows (`dnn_linear`); None
-    where it does not apply (not a CPU, not float32, no oneDNN in this torch).
-
-    torch's CPU GEMM is MKL's, and MKL runs its AVX2 code on AMD processors: on this project's EPYC
-    it reaches ~115 GFLOP/s where oneDNN's product over a pre-blocked weight reaches ~260, from 32
-    rows to 3,200 (`python benchmarks/bench_gemv_layout.py`). One row (a decode step) keeps the
-    input-major layout, which streams a cold weight fastest; so a packed model holds both copies.
-    """
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
-
-
-# oneDNN's call costs ~10 us more than MKL's: below about this many multiply-adds MKL is faster
-# (`python benchmarks/bench_gemv_layout.py`: an expert's down product, 1.0 M at 32 rows, 0.75x;
-# the dense gate|up, 1.6 M at 4 rows, 1.26x)
+# oneDNN is called on blocks of these many rows: it builds (and keeps) a kernel and a copy of the
+# weight for every row count it sees, so a server's varying batch sizes would grow its memory
+# without end (~0.75 MB more per row count for a 1.5 MB weight); blocked for 32 and 8 rows, and
+# called on multiples of 256 for the bulk, it sees at most a few row counts per weight
+DNN_BLOCKS = (256, 32, 8)
+# a block of `rows` is used for a weight where rows x its size reaches this many multiply-adds: below,
+# oneDNN's ~10 us more per call loses to MKL (an expert's down product of the bundled model, 1.0 M
+# at 32 rows, runs 0.75x as fast; `python benchmarks/bench_gemv_layout.py`)
 DNN_MIN_MACS = 1_500_000
 
 
-def dnn_pays(x: torch.Tensor, out: int) -> bool:
-    """Whether x [..., in] times an [in, out] weight should run through oneDNN: several rows, enough
-    work. In a compiled graph (batched decode) several rows suffice: a choice by size would guard,
-    and recompile, on the batch size."""
-    rows = x.numel() // x.shape[-1]
-    if torch.compiler.is_compiling():
-        return rows > 1
-    return rows > 1 and x.numel() * out >= DNN_MIN_MACS
+def dnn_weight(w: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
+    """oneDNN's blocked copies of a weight [out, in] for blocks of 256, 32 and 8 rows (None for a block
+    that does not pay; `dnn_linear`), or None where none pays or applies (not a CPU, not float32, no
+    oneDNN in this torch).
+
+    torch's CPU GEMM is MKL's, and MKL runs its AVX2 code on AMD processors: on this project's EPYC
+    it reaches ~115 GFLOP/s where oneDNN's product over a pre-blocked weight reaches ~220 at 32 rows
+    and ~260 at 256, and streams the LM head twice as fast at 4 to 8 rows (`python
+    benchmarks/bench_gemv_layout.py`). One row (a decode step) keeps the input-major layout, which
+    streams a cold weight fastest; so a packed model holds these copies beside it.
+    """
+    if (w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
+            or DNN_BLOCKS[0] * w.numel() < DNN_MIN_MACS):
+        return None
+    with torch.no_grad():
+        w = w.detach().contiguous()
+        return tuple(torch.ops.mkldnn._reorder_linear_weight(w, rows) if rows * w.numel() >= DNN_MIN_MACS else None
+                     for rows in DNN_BLOCKS)
 
 
-def dnn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
-    """x [..., in] times a `dnn_weight` (of an [out, in] weight), plus bias -> [..., out]."""
-    return _dnn_rows(x.reshape(-1, x.shape[-1]), w, bias, out).view(*x.shape[:-1], out)
+def dnn_linear(x: torch.Tensor, dnn: tuple[torch.Tensor | None, ...], weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] times weight [out, in] (any strides) plus bias, through its `dnn_weight` copies."""
+    out = weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    # in a compiled graph, an op of our own: inductor lowers oneDNN's linear only for weights it
+    # blocked itself, and the op chooses by the row count at run time, where a graph would guard,
+    # and recompile, on it; eagerly, the same function without the op's dispatch (tens of us)
+    rows = _dnn_op(x2, *dnn, weight, bias) if torch.compiler.is_compiling() else _dnn_rows(x2, *dnn, weight, bias)
+    return rows.view(*x.shape[:-1], out)
 
 
-@torch.library.custom_op("irminsul::dnn_rows", mutates_args=())
-def _dnn_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
-    # an op of our own, so that a compiled graph calls it as it is (inductor lowers oneDNN's linear
-    # only for weights it blocked itself)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
+def _dnn_rows(x: torch.Tensor, b256: torch.Tensor, b32: torch.Tensor | None, b8: torch.Tensor | None,
+              weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A multiple of 256 rows in one call, then blocks of 32; a rest of 20 or more padded to 32; else
+    blocks of 8 (the last padded from 4 rows); each where the weight has them; the rest through MKL."""
+    n = x.shape[0]
+    y = x.new_empty(n, weight.shape[0])
+    at = 0
+
+    def run(blocked, rows: int, take: int) -> None:
+        nonlocal at
+        part = x[at : at + take]
+        if take < rows:  # (take > rows: the bulk, a multiple of the block)
+            part = torch.cat([part, part.new_zeros(rows - take, x.shape[1])])
+        y[at : at + take] = torch.ops.mkldnn._linear_pointwise(part.contiguous(), blocked, bias, "none", [], "")[:take]
+        at += take
+
+    if n >= 256:  # one call for the bulk: a multiple of 256 rows (at most a step's prefill / 256 kinds)
+        run(b256, 256, n // 256 * 256)
+    while b32 is not None and n - at >= 32:
+        run(b32, 32, 32)
+    if b32 is not None and n - at >= 20:
+        run(b32, 32, n - at)
+    elif b8 is not None:
+        while n - at >= 4:
+            run(b8, 8, min(8, n - at))
+    if n > at:
+        y[at:] = F.linear(x[at:], weight, bias)
+    return y
 
 
-@_dnn_rows.register_fake
-def _(x, w, bias, out):
-    return x.new_empty(x.shape[0], out)
+_dnn_op = torch.library.custom_op("irminsul::dnn_rows", _dnn_rows, mutates_args=())
+
+
+@_dnn_op.register_fake
+def _(x, b256, b32, b8, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @register_flop_formula(torch.ops.irminsul.dnn_rows)
-def _(x_shape, w_shape, bias_shape, out, **kwargs) -> int:
-    return 2 * x_shape[0] * x_shape[1] * out  # what torch's FLOP counter counts for the same mm
+def _(x_shape, b256_shape, b32_shape, b8_shape, weight_shape, bias_shape, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * weight_shape[0]  # what torch's FLOP counter counts for the same mm
 
 
 class Linear(nn.Linear):
     """nn.Linear (the same parameters and state-dict names) that, once packed, computes products of
-    several rows through oneDNN (`dnn_weight`, `dnn_pays`); else, or unpacked, it is F.linear."""
+    several rows through oneDNN (`dnn_weight`); one row, or unpacked, it is F.linear."""
 
-    dnn: torch.Tensor | None = None
+    dnn: tuple[torch.Tensor | None, ...] | None = None
 
     def pack_dnn(self) -> None:
         """(Named apart from `pack`: a linear fused into another product needs no copy of its own.)"""
         self.dnn = dnn_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dnn is not None and dnn_pays(x, self.out_features):
-            return dnn_linear(x, self.dnn, self.bias, self.out_features)
+        if self.dnn is not None and x.numel() > x.shape[-1]:
+            return dnn_linear(x, self.dnn, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -125,11 +158,12 @@ def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     return w, bias
 
 
-def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dnn: torch.Tensor | None = None) -> torch.Tensor:
+def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+           dnn: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
     """x [..., in] times an input-major weight [in, out] (`pack_linears`), plus bias; several rows
-    through `dnn`, the same weight's `dnn_weight`, when there is one and it pays (`dnn_pays`)."""
-    if dnn is not None and dnn_pays(x, w.shape[1]):
-        return dnn_linear(x, dnn, bias, w.shape[1])
+    through `dnn`, the same weight's `dnn_weight`, when there is one."""
+    if dnn is not None and x.numel() > x.shape[-1]:
+        return dnn_linear(x, dnn, w.t(), bias)
     return torch.matmul(x, w) if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(
         *x.shape[:-1], w.shape[1])
 
@@ -143,7 +177,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden, inner, bias=False)
         self.down_proj = Linear(inner, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # [hidden, 2 * inner] after `pack`
-        self.gate_up_dnn: torch.Tensor | None = None  # its `dnn_weight`
+        self.gate_up_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
 
     def pack(self) -> None:
         if not self.packed:  # (a stacked expert's gate|up is a view of its MoE's stack)

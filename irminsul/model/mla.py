@@ -142,7 +142,7 @@ class MLAttention(nn.Module):
         self.q_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
         self.kv_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
         self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after `pack`
-        self.in_proj_dnn: torch.Tensor | None = None  # its `dnn_weight`
+        self.in_proj_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
 
     def _q_in(self) -> nn.Linear:
         return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
