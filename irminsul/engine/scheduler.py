@@ -16,8 +16,8 @@ Every `step()`:
    most `decode_slowdown` times a decode-only step, so arriving prompts never stall the streams.
    The size is found by feedback, not a cost model (a prompt's late tokens attend to more rows, and
    a step that carries prefill has a fixed cost of its own): it shrinks by 30% after a step over
-   80% of the limit and grows by 10% after one under it; the decode-only step time is a moving
-   average, refreshed by one decode-only step in 16 while prompts are waiting;
+   80% of the limit and grows by 10% after one under it (never below MIN_CHUNK); the decode-only
+   step time is a moving average, refreshed by one decode-only step in 16 while prompts are waiting;
 4. report each sequence's new text and finish those that are done.
 
 Nothing here is thread-safe: one thread drives a scheduler (the server runs it on a worker thread).
@@ -35,6 +35,11 @@ from irminsul.engine.engine import Engine
 from irminsul.engine.sequence import Sequence
 
 log = logging.getLogger("irminsul.engine")
+# a step beside decoding carries at least this many prompt positions: such a step runs the engine's
+# eager pass while decode-only steps may run the compiled one, so its fixed cost alone can reach the
+# limit, and a smaller chunk would buy the streams almost nothing while the prompts starve
+# (`python benchmarks/bench_admission.py`: at least 1 position, a burst's TTFT p50 13 s; 32, 5.6 s)
+MIN_CHUNK = 32.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,7 @@ class Scheduler:
         elif decoding and self._decode_s is not None and self.decode_slowdown is not None:
             # aim 20% under the limit: the step times scatter around the aim, and the limit is for most
             over = seconds > 0.8 * self.decode_slowdown * self._decode_s
-            self._chunk = min(self.engine.max_prefill_tokens, max(1.0, self._chunk * (0.7 if over else 1.1)))
+            self._chunk = min(self.engine.max_prefill_tokens, max(MIN_CHUNK, self._chunk * (0.7 if over else 1.1)))
 
     def _admit(self) -> list[StepOutput]:
         failed: list[StepOutput] = []

@@ -116,10 +116,15 @@ class CompiledDecode:
 
     def warm_up(self) -> None:
         """Compile now, on scratch rows laid out as the pool's (sizes 0 and 1 would be specialised:
-        2 and up share the dynamic graphs)."""
+        2 and up share the dynamic graphs). Without duck sizing: sizes that happen to be equal here
+        (scratch slots and a layer count, say) must not become one size, or a real step recompiles."""
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         cfg = self.model.config
         dev = self.model.device
-        pool = torch.zeros(cfg.num_hidden_layers, 8, cfg.row_width, dtype=self.model.dtype, device=dev)
+        pool = torch.zeros(cfg.num_hidden_layers, 11, cfg.row_width, dtype=self.model.dtype, device=dev)
         self(torch.tensor([0], device=dev), torch.tensor([2], device=dev), pool, 1, 3)
         # the gathered step: one sequence (its own graph: a size of 1 is specialised), and 2 x 3 keys
         # (distinct sizes, or the graph would assume B == T)
@@ -146,9 +151,13 @@ class CompiledDecode:
         """B sequences decoding together (B > 1 for `batched` models only): tokens [B] at positions
         pos [B]; key_slots [B, T] the slots of each one's earlier rows (positions 0..pos-1; padding
         masked), write [B] the slots their new rows go to -> final hidden [B, hidden]; rows written."""
-        cos, sin = self.model.rotary.table(max(key_slots.shape[1], int(pos.max())) + 1, pool.device)
+        n = max(key_slots.shape[1], int(pos.max())) + 1
+        cos, sin = self.model.rotary.table(n, pool.device)
+        # NOTE: the pool's slot count is marked dynamic: compiled at warm-up on scratch rows, the graph
+        # would otherwise take it for a constant (and recompile, for seconds, on the first real step)
+        torch._dynamo.mark_dynamic(pool, 1)
         with torch.inference_mode():
-            hidden, rows = self._batch_fn(tokens, pos, key_slots, pool, cos, sin)
+            hidden, rows = self._batch_fn(tokens, pos, key_slots, pool, cos[:n], sin[:n])
             pool[:, write] = rows
         return hidden
 

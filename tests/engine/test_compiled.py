@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from torch._dynamo.utils import counters
 
 from irminsul import LLM, RequestError
 from irminsul.engine.sampling import SamplingParams
@@ -18,6 +19,7 @@ def test_compiled_decode_gives_the_engines_tokens_and_logprobs(tmp_path, variant
     """V2 (interleaved RoPE, softmax routing) and V3 with query LoRA, YaRN and the halves layout."""
     path = make_tiny_checkpoint(tmp_path / variant, variant, yarn=variant == "v3", **extra)
     eager, compiled = LLM(path), LLM(path, compile_decode=True)
+    graphs = counters["stats"]["unique_graphs"]  # compiled at warm-up, on scratch rows
     step = compiled.engine._compiled
     calls = {"one": 0, "batch": 0}
 
@@ -41,6 +43,9 @@ def test_compiled_decode_gives_the_engines_tokens_and_logprobs(tmp_path, variant
     ref = eager.generate(prompts, max_tokens=6, ignore_eos=True, logprobs=2)
     assert [r.token_ids for r in many] == [r.token_ids for r in ref]
     assert max(abs(x.logprob - y.logprob) for r, q in zip(many, ref) for x, y in zip(r.logprobs, q.logprobs)) < 1e-4
+    # the real pool, other lengths and batch sizes, a grown RoPE table: nothing is compiled again
+    compiled.generate([_rand(300, 3)] + prompts, max_tokens=3, ignore_eos=True)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_a_content_hit_decodes_through_the_gathered_step(tiny_dir):
