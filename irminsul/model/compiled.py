@@ -12,7 +12,8 @@ varies), in three graphs:
   through its slot table (`batch`, B = 1);
 - B >= 2 sequences (`batch`): gathered and masked to each one's length; every expert runs on every
   token, weighted by its routing weight (0 where not chosen), so that no shape depends on routing:
-  E / k times the routed products, used where that is at most DENSE_EXPERTS (`batched`).
+  E / k times the routed products, used where that is at most DENSE_EXPERTS (`batched`) and for
+  at most MAX_BATCH sequences (beyond, those products cost more than the graph saves).
 
 It computes what the engine's step computes (the same absorbed attention over `[c_KV | k_r]`, RoPE
 at read from the model's own cos/sin tables, the model's router), so it is tested against that
@@ -39,6 +40,9 @@ from irminsul.model.rope import encode_pairwise
 
 log = logging.getLogger("irminsul.model")
 DENSE_EXPERTS = 4  # the batched step runs every expert when that is at most this many times the routed work
+# ... for at most this many sequences: `python benchmarks/bench_compiled.py` on the bundled model,
+# compiled against eager ms/step: 1.10-1.23x at 2-8 sequences, 0.97-1.04x at 16, 0.91-1.05x at 32
+MAX_BATCH = 8
 
 
 def supported(model) -> str | None:
