@@ -22,7 +22,7 @@ path (tests/engine/test_compiled.py); the engine takes its own path for anything
 applies. It is on by default where it is available (as vLLM compiles unless told `enforce_eager`):
 `LLM(compile_decode=False)` / `irminsul serve --no-compile-decode`, or the environment variable
 IRMINSUL_COMPILE_DECODE=0 (the test suite sets it), turn it off. The engine compiles it when it is
-built (seconds with torch.compile's on-disk caches warm, 10-40 s cold), so no request waits for it;
+built (here 55 s cold, 10 s with torch.compile's on-disk caches warm), so no request waits for it;
 one compiled step is kept per model and shared by its engines.
 """
 
