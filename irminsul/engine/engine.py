@@ -26,7 +26,7 @@ from irminsul.engine.sampling import SamplingParams, adjust_logits, request_seed
 from irminsul.engine.sequence import Sequence, TokenLogprob
 from irminsul.errors import RequestError
 from irminsul.model.attention import EMPTY_SLOT, PADDING_SLACK, SeqAttention, consecutive
-from irminsul.model.compiled import MAX_BATCH
+from irminsul.model.compiled import MAX_BATCH, resolve
 from irminsul.model.deepseek import DeepseekModel
 from irminsul.model.mla import ForwardBatch
 from irminsul.model.tokenizer import Tokenizer
@@ -55,7 +55,7 @@ class Engine:
                  compile_decode: bool | None = None, **cache_options):
         """`pool`: share another engine's pool (engines over the same weights, each with its own
         cache, as the evaluations compare strategies); otherwise one of `kv_cache_gib` GiB.
-        `compile_decode`: a sequence decoding alone takes one compiled step (model/compiled.py);
+        `compile_decode`: decode steps (one sequence, small batches) run compiled (model/compiled.py);
         None: where it is available (compiled here, once per model), True: required, False: never."""
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = model.config
@@ -69,8 +69,6 @@ class Engine:
         self.cache = make_reuse(reuse, self.pool, cfg.num_hidden_layers, **cache_options)
         if self.cache.recompute_ratio and not hasattr(model, "fresh_rows"):
             raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
-        from irminsul.model.compiled import resolve
-
         try:
             self._compiled = resolve(model, compile_decode)
         except ValueError as e:
