@@ -33,6 +33,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MoE
@@ -129,14 +130,17 @@ class CompiledDecode:
         cfg = self.model.config
         dev = self.model.device
         pool = torch.zeros(cfg.num_hidden_layers, 11, cfg.row_width, dtype=self.model.dtype, device=dev)
-        self(torch.tensor([0], device=dev), torch.tensor([2], device=dev), pool, 1, 3)
-        # the gathered step: one sequence (its own graph: a size of 1 is specialised), and 2 x 3 keys
-        # (distinct sizes, or the graph would assume B == T)
-        self.batch(torch.tensor([0], device=dev), torch.tensor([3], device=dev),
-                   torch.tensor([[1, 2, 3]], device=dev), pool, torch.tensor([6], device=dev))
-        if self.batched:
-            self.batch(torch.tensor([0, 1], device=dev), torch.tensor([3, 2], device=dev),
-                       torch.tensor([[1, 2, 3], [4, 5, 0]], device=dev), pool, torch.tensor([6, 7], device=dev))
+        steps = [lambda: self(torch.tensor([0], device=dev), torch.tensor([2], device=dev), pool, 1, 3),
+                 # the gathered step: one sequence (its own graph: a size of 1 is specialised)
+                 lambda: self.batch(torch.tensor([0], device=dev), torch.tensor([3], device=dev),
+                                    torch.tensor([[1, 2, 3]], device=dev), pool, torch.tensor([6], device=dev))]
+        if self.batched:  # and 2 x 3 keys (distinct sizes, or the graph would assume B == T)
+            steps.append(lambda: self.batch(torch.tensor([0, 1], device=dev), torch.tensor([3, 2], device=dev),
+                                            torch.tensor([[1, 2, 3], [4, 5, 0]], device=dev), pool,
+                                            torch.tensor([6, 7], device=dev)))
+        # (a minute the first time on a small CPU: people see it move)
+        for step in tqdm(steps, desc="compiling decode steps", unit="graph", leave=False):
+            step()
 
     def __call__(self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int,
                  n_keys: int) -> torch.Tensor:
