@@ -41,8 +41,8 @@ from irminsul.model.rope import encode_pairwise
 
 log = logging.getLogger("irminsul.model")
 DENSE_EXPERTS = 4  # the batched step runs every expert when that is at most this many times the routed work
-# ... for at most this many sequences (`python benchmarks/bench_compiled.py`, the bundled model, this
-# stop's runs: compiled 1.1-1.2x eager's speed at 2-8 sequences, 0.95-0.98x at 16, 0.91-1.0x at 32)
+# ... for at most this many sequences (`python benchmarks/bench_compiled.py`, the bundled model, when
+# this was set: compiled 1.1-1.2x eager's speed at 2-8 sequences, 0.95-0.98x at 16, 0.91-1.0x at 32)
 MAX_BATCH = 8
 
 
