@@ -22,17 +22,12 @@ import torch
 from irminsul import LLM, bundled_model
 from irminsul.cli import run_for_people
 from irminsul.errors import UserFacingError
-from irminsul.machine import describe
+from irminsul.machine import best_of, describe
 
 
 def step_ms(llm: LLM, prompts: list[list[int]], new: int, repeats: int) -> float:
     def best(n: int) -> float:
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            llm.generate(prompts, max_tokens=n, ignore_eos=True)
-            times.append(time.perf_counter() - t)
-        return min(times)
+        return best_of(lambda: llm.generate(prompts, max_tokens=n, ignore_eos=True), repeats)
 
     llm.generate(prompts, max_tokens=4, ignore_eos=True)  # warm-up
     return (best(new) - best(1)) / (new - 1) * 1e3

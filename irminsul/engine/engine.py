@@ -26,7 +26,7 @@ from irminsul.engine.sampling import SamplingParams, adjust_logits, request_seed
 from irminsul.engine.sequence import Sequence, TokenLogprob
 from irminsul.errors import RequestError
 from irminsul.model.attention import EMPTY_SLOT, PADDING_SLACK, SeqAttention, consecutive
-from irminsul.model.compiled import MAX_BATCH, resolve
+from irminsul.model.compiled import resolve
 from irminsul.model.deepseek import DeepseekModel
 from irminsul.model.mla import ForwardBatch
 from irminsul.model.tokenizer import Tokenizer
@@ -281,7 +281,7 @@ class Engine:
         """The next-token logits [B, vocab] of decoding sequences through the compiled step when their
         keys are read at their own positions (not `naive`); else None (the engine's path). A sequence
         alone whose rows sit in consecutive slots is read in place; otherwise (where the compiled
-        step covers batches, up to MAX_BATCH sequences) their rows are gathered through their slot
+        step covers batches, up to its `max_batch` sequences) their rows are gathered through their slot
         tables, when padding them to one length costs at most PADDING_SLACK times the real work."""
         if self.cache.mode == "naive":
             return None
@@ -292,8 +292,7 @@ class Engine:
                                     self.pool.rows, int(slots[0]), int(lens[0]))
         else:
             t = int(lens.max()) - 1
-            if len(seqs) > 1 and (not self._compiled.batched or len(seqs) > MAX_BATCH
-                                  or len(seqs) * t > PADDING_SLACK * (lens.sum() - len(seqs))):
+            if len(seqs) > self._compiled.max_batch or len(seqs) * t > PADDING_SLACK * (lens.sum() - len(seqs)):
                 return None
             key_slots = np.full((len(seqs), t), EMPTY_SLOT, np.int64)
             for i, s in enumerate(seqs):

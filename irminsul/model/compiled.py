@@ -12,8 +12,8 @@ varies), in three graphs:
   through its slot table (`batch`, B = 1);
 - B >= 2 sequences (`batch`): gathered and masked to each one's length; every expert runs on every
   token, weighted by its routing weight (0 where not chosen), so that no shape depends on routing:
-  E / k times the routed products, used where that is at most DENSE_EXPERTS (`batched`) and for
-  at most MAX_BATCH sequences (beyond, those products cost more than the graph saves).
+  E / k times the routed products, used where that is at most DENSE_EXPERTS and for at most
+  MAX_BATCH sequences (`max_batch`) (beyond, those products cost more than the graph saves).
 
 It computes what the engine's step computes (the same absorbed attention over `[c_KV | k_r]`, RoPE
 at read from the model's own cos/sin tables, the model's router), so it is tested against that
@@ -115,9 +115,10 @@ class CompiledDecode:
         self._fn = torch.compile(self._step, dynamic=True)
         self._batch_fn = torch.compile(self._step_batch, dynamic=True)
         cfg = model.config
-        # several sequences take the compiled step where running every expert costs at most
-        # DENSE_EXPERTS times the routed work (small expert counts, as the bundled models')
-        self.batched = not cfg.n_routed_experts or cfg.n_routed_experts <= DENSE_EXPERTS * cfg.num_experts_per_tok
+        # the most sequences one compiled step takes: MAX_BATCH where running every expert costs at
+        # most DENSE_EXPERTS times the routed work (small expert counts, as the bundled models'), else 1
+        dense_ok = not cfg.n_routed_experts or cfg.n_routed_experts <= DENSE_EXPERTS * cfg.num_experts_per_tok
+        self.max_batch = MAX_BATCH if dense_ok else 1
 
     def warm_up(self) -> None:
         """Compile now, on scratch rows laid out as the pool's (sizes 0 and 1 would be specialised:
@@ -134,7 +135,7 @@ class CompiledDecode:
                  # the gathered step: one sequence (its own graph: a size of 1 is specialised)
                  lambda: self.batch(torch.tensor([0], device=dev), torch.tensor([3], device=dev),
                                     torch.tensor([[1, 2, 3]], device=dev), pool, torch.tensor([6], device=dev))]
-        if self.batched:  # and 2 x 3 keys (distinct sizes, or the graph would assume B == T)
+        if self.max_batch > 1:  # and 2 x 3 keys (distinct sizes, or the graph would assume B == T)
             steps.append(lambda: self.batch(torch.tensor([0, 1], device=dev), torch.tensor([3, 2], device=dev),
                                             torch.tensor([[1, 2, 3], [4, 5, 0]], device=dev), pool,
                                             torch.tensor([6, 7], device=dev)))
@@ -156,7 +157,7 @@ class CompiledDecode:
 
     def batch(self, tokens: torch.Tensor, pos: torch.Tensor, key_slots: torch.Tensor, pool: torch.Tensor,
               write: torch.Tensor) -> torch.Tensor:
-        """B sequences decoding together (B > 1 for `batched` models only): tokens [B] at positions
+        """B <= `max_batch` sequences decoding together: tokens [B] at positions
         pos [B]; key_slots [B, T] the slots of each one's earlier rows (positions 0..pos-1; padding
         masked), write [B] the slots their new rows go to -> final hidden [B, hidden]; rows written."""
         n = max(key_slots.shape[1], int(pos.max())) + 1
@@ -236,7 +237,7 @@ def _moe(moe: MoE, x):
 
 def _moe_dense(moe: MoE, x):
     """B tokens through every expert, each weighted by its routing weight (0 where not chosen): static
-    shapes, one graph, E / k times the routed products (`batched` bounds that)."""
+    shapes, one graph, E / k times the routed products (`max_batch` bounds that)."""
     weights, ids = moe.gate(x)  # [B, k]
     gate_up, down = moe._stacked  # [E, H, 2I], [E, I, H]
     mix = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
