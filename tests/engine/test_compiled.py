@@ -43,6 +43,10 @@ def test_compiled_decode_gives_the_engines_tokens_and_logprobs(tmp_path, variant
     ref = eager.generate(prompts, max_tokens=6, ignore_eos=True, logprobs=2)
     assert [r.token_ids for r in many] == [r.token_ids for r in ref]
     assert max(abs(x.logprob - y.logprob) for r, q in zip(many, ref) for x, y in zip(r.logprobs, q.logprobs)) < 1e-4
+    # more sequences than one compiled step takes decode eagerly
+    before = dict(calls)
+    compiled.generate([_rand(40, 10 + i) for i in range(step.max_batch + 1)], max_tokens=3, ignore_eos=True)
+    assert calls == before
     # the real pool, other lengths and batch sizes, a grown RoPE table: nothing is compiled again
     compiled.generate([_rand(300, 3)] + prompts, max_tokens=3, ignore_eos=True)
     assert counters["stats"]["unique_graphs"] == graphs
