@@ -2,9 +2,9 @@
 
 A decode step of a small model is hundreds of tiny tensor operations; in eager torch each costs
 microseconds of dispatch, which is what separated the engine from llama.cpp on one request
-(`benchmarks/lean_decode.py`). Here the decode step is written as one plain function of the model's
-packed weights and compiled once, with dynamic shapes (the key count grows each step, the batch
-varies), in three graphs:
+(`benchmarks/profile_decode.py` counts them; `benchmarks/bench_compiled.py` measures the gain).
+Here the decode step is written as one plain function of the model's packed weights and compiled
+once, with dynamic shapes (the key count grows each step, the batch varies), in three graphs:
 
 - one sequence decoding alone whose rows sit in consecutive slots: its rows are read in place
   (`__call__`), its k experts through their stacked weights;
