@@ -6,7 +6,8 @@ shapes, every figure a ratio against a peer measured in the same run.
 
 1. decode throughput at 1 / 32 / 128 concurrent requests (100-token prompts, 64 new tokens, greedy):
    `LLM.generate(list)` with the triton backend against transformers' `generate` on the same weights
-   and token ids (left-padded batch);
+   and token ids (left-padded batch), and the engine's decode steps captured as CUDA graphs
+   (model/graphs.py) against the same engine's eager steps;
 2. TTFT of agent_meta-style requests (a varying header in front of one shared document, tau-bench's
    airline policy, then a question): `pic` against `prefix`, next to the ideal ratio computed /
    prompt tokens; and prefill energy per request from NVML's energy counter (the paper's headline:
@@ -86,9 +87,11 @@ def sync() -> None:
 
 
 def build(raw: dict, device: str, dtype: torch.dtype, backend: str, reuse: str, kv_gib: float,
-          weights_of: Engine | None = None) -> Engine:
+          weights_of: Engine | None = None, compile_decode: bool | None = None) -> Engine:
     """An engine over random weights made on the device (nn.Linear's own initialisation), or over
-    `weights_of`'s weights (the same tensors: one copy on the device for both engines)."""
+    `weights_of`'s weights and pool (the same tensors: one copy on the device for both engines).
+    compile_decode: decode steps as CUDA graphs (None: on a GPU; True in tiny mode: the uncaptured
+    static step, so the same code runs)."""
     folder = Path(tempfile.mkdtemp(prefix="irminsul-gpu-check-"))
     (folder / "config.json").write_text(json.dumps(raw))
     write_tokenizer(folder, raw["vocab_size"])
@@ -105,7 +108,8 @@ def build(raw: dict, device: str, dtype: torch.dtype, backend: str, reuse: str, 
     if weights_of is not None:
         model.load_state_dict(weights_of.model.state_dict(), assign=True)
     model.set_attention_backend(backend)
-    return Engine(model, Tokenizer(folder), reuse=reuse, kv_cache_gib=kv_gib)
+    return Engine(model, Tokenizer(folder), reuse=reuse, kv_cache_gib=kv_gib, compile_decode=compile_decode,
+                  pool=weights_of.pool if weights_of is not None else None)
 
 
 def generate(engine: Engine, prompts: list[list[int]], new: int) -> float:
@@ -189,30 +193,34 @@ def main() -> None:
     res: dict = {"machine": describe(), "gpu": gpu_name(), "tiny": tiny}
 
     t0 = time.perf_counter()
-    engine = build(raw, device, dtype, "triton", "off", kv_gib)
+    engine = build(raw, device, dtype, "triton", "off", kv_gib, compile_decode=True)
     params = sum(p.numel() for p in engine.model.parameters())
-    print(f"built {params / 1e9:.2f} B parameters in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"built {params / 1e9:.2f} B parameters and captured {len(engine._graphs.graphs)} decode graphs in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    eager = build(raw, device, dtype, "triton", "off", kv_gib, weights_of=engine, compile_decode=False)
     res["parameters"] = params
     vocab = raw["vocab_size"]
     rng = np.random.default_rng(0)
 
-    # 1. decode throughput against transformers
+    # 1. decode throughput against transformers, and the captured steps against eager ones
     hf = None if args.no_transformers else transformers_twin(engine, raw, dtype)
     res["decode"] = []
     for c in concurrency:
         prompts = [rng.integers(300, vocab, prompt_len).tolist() for _ in range(c)]
         generate(engine, prompts[:1], 2)  # warm-up: compiles the kernels
         ours = c * new / generate(engine, prompts, new)
-        row = {"concurrency": c, "irminsul_tok_s": ours}
+        generate(eager, prompts[:1], 2)
+        uncaptured = c * new / generate(eager, prompts, new)
+        row = {"concurrency": c, "irminsul_tok_s": ours, "eager_tok_s": uncaptured, "graphs_vs_eager": ours / uncaptured}
         if hf is not None:
             hf_generate(hf, prompts[:1], 2)
             theirs = c * new / hf_generate(hf, prompts, new)
             row.update(transformers_tok_s=theirs, ratio=ours / theirs)
         res["decode"].append(row)
-        print(f"decode, {c:>3} concurrent: irminsul {ours:,.0f} tok/s"
+        print(f"decode, {c:>3} concurrent: irminsul {ours:,.0f} tok/s ({ours / uncaptured:.2f}x its eager steps)"
               + (f", transformers {row['transformers_tok_s']:,.0f} tok/s: {row['ratio']:.2f}x" if hf else ""),
               flush=True)
-    del hf
+    del hf, eager
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -222,7 +230,7 @@ def main() -> None:
     energy = Energy()
     modes = {}
     for mode in ("prefix", "pic"):
-        e = build(raw, device, dtype, "triton", mode, kv_gib / 2, weights_of=engine)
+        e = build(raw, device, dtype, "triton", mode, kv_gib, weights_of=engine, compile_decode=False)
         ttft(e, requests[0], energy)  # the first request fills the cache
         runs = [ttft(e, r, energy) for r in requests[1:]]
         modes[mode] = runs

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check (issue 15), for a machine with an NVIDIA GPU, in under 10 minutes:
-#   1. the triton backend's (attention, MoE) and the sampler's tests, on CUDA (compiled kernels, bf16 tensor-core path);
+#   1. the triton backend's (attention, MoE, CUDA graphs of decode) and the sampler's tests, on CUDA (compiled
+#      kernels, the bf16 tensor-core path, graphs captured and replayed);
 #   2. benchmarks/gpu_check.py: random weights in DeepSeek-V2-Lite's shapes (15.7 B parameters, bf16),
-#      decode tokens/s at 1 / 32 / 128 concurrent against transformers on the same weights, agent_meta
+#      decode tokens/s at 1 / 32 / 128 concurrent against transformers on the same weights (and the captured
+#      decode steps against eager ones), agent_meta
 #      TTFT and prefill energy (NVML) for pic against prefix, RoPE-at-read throughput.
 # Needs python3 with torch (CUDA), triton, transformers, tokenizers, safetensors, xxhash, numpy, tqdm and
 # nvidia-ml-py (the device tool's nvidia-h200 image has them all). Run from anywhere:
@@ -15,6 +17,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/model/test_triton_attention.py tests/model/test_triton_moe.py \
-    tests/engine/test_sampling.py \
+    tests/model/test_graphs.py tests/engine/test_sampling.py \
     2>&1 | tee "$out/kernel-tests.log"
 python3 benchmarks/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu-check.log"

@@ -55,8 +55,10 @@ class Engine:
                  compile_decode: bool | None = None, **cache_options):
         """`pool`: share another engine's pool (engines over the same weights, each with its own
         cache, as the evaluations compare strategies); otherwise one of `kv_cache_gib` GiB.
-        `compile_decode`: decode steps (one sequence, small batches) run compiled (model/compiled.py);
-        None: where it is available (compiled here, once per model), True: required, False: never."""
+        `compile_decode`: decode steps run compiled: with the torch backend on a CPU, one sequence and
+        small batches through torch.compile (model/compiled.py, once per model); with the triton
+        backend on a GPU, batches up to 128 as CUDA graphs (model/graphs.py, once per engine: they
+        hold its pool). None: where available, True: required, False: never (vLLM's enforce_eager)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = model.config
         self.max_prefill_tokens = max_prefill_tokens
@@ -70,7 +72,12 @@ class Engine:
         if self.cache.recompute_ratio and not hasattr(model, "fresh_rows"):
             raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
         try:
-            self._compiled = resolve(model, compile_decode)
+            if getattr(model.attention, "name", None) == "triton":  # CUDA graphs (model/graphs.py)
+                from irminsul.model import graphs
+
+                self._compiled, self._graphs = None, graphs.resolve(model, self.pool.rows, compile_decode)
+            else:  # the torch backend: compiled on a CPU (model/compiled.py)
+                self._compiled, self._graphs = resolve(model, compile_decode), None
         except ValueError as e:
             raise RequestError(f"compile_decode: {e}") from None
         eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
@@ -250,9 +257,10 @@ class Engine:
         """One forward pass; the next-token logits [vocab] of each sequence whose prompt is done
         (None for one still in prefill, or one that got no prefill tokens this step). At most
         `prefill_budget` (default max_prefill_tokens) prompt positions are computed in all."""
-        if (self._compiled is not None and not any(s.in_prefill for s in seqs)
-                and (logits := self._compiled_decode(seqs)) is not None):
-            return list(logits)
+        if (self._compiled is not None or self._graphs is not None) and not any(s.in_prefill for s in seqs):
+            logits = self._compiled_decode(seqs) if self._compiled is not None else self._graph_decode(seqs)
+            if logits is not None:
+                return list(logits)
         takes, ran = [], []
         budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
         for seq in seqs:
@@ -304,6 +312,18 @@ class Engine:
         for seq in seqs:
             self.cache.computed(seq)
         return self.model.logits(hidden)
+
+    def _graph_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The next-token logits [B, vocab] of decoding sequences through a captured step when it
+        covers them (`DecodeGraphs.fits`) and keys are read at their own positions; else None."""
+        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
+        if self.cache.mode == "naive" or not self._graphs.fits(len(seqs), int(lens.max())):
+            return None
+        logits = self._graphs(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens,
+                              [s.slots[:n] for s, n in zip(seqs, lens)])
+        for seq in seqs:
+            self.cache.computed(seq)
+        return logits
 
     def step(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[int | None]:
         """Forward + sample; appends the new token to each sequence that produced one. Decoding

@@ -68,7 +68,8 @@ class LLM:
     """An MLA model with Irminsul's cache. `reuse` is one of off | prefix | naive | pic;
     `kv_cache_gib` sizes the latent pool that running requests and cached content share;
     `compile_decode` (default: where available) compiles the decode steps at
-    construction (model/compiled.py; False decodes eagerly and starts at once)."""
+    construction (model/compiled.py on a CPU; CUDA graphs of the triton backend on a GPU,
+    model/graphs.py; False decodes eagerly and starts at once)."""
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",
                  device: str = "cpu", kv_cache_gib: float | None = None, max_running_requests: int = 256,

@@ -30,7 +30,8 @@ class LatentPool:
         if n_slots < 2:
             raise ValueError(f"the pool needs at least 2 slots (slot 0 is reserved), got {n_slots}")
         # NOTE: torch.empty: pages are committed as slots are first written, so an engine's pool costs
-        # only what it uses until it fills. Slot 0 is zeroed: padding reads it.
+        # only what it uses until it fills. Slot 0 is zeroed: padding reads it (masked). A captured decode
+        # step's padding rows write theirs there (model/graphs.py): finite, and never attended to.
         self.rows = torch.empty(cfg.num_hidden_layers, n_slots, cfg.row_width, dtype=dtype, device=device)
         self.rows[:, EMPTY_SLOT] = 0
         self.bytes_per_slot = cfg.num_hidden_layers * cfg.row_width * self.rows.element_size()

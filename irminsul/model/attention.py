@@ -80,6 +80,8 @@ def expand_is_cheaper(cfg: ModelConfig, m: int, length: int) -> bool:
 class TorchAttention:
     """The reference backend: plain torch ops, any device torch runs on."""
 
+    name = "torch"
+
     def __init__(self, cfg: ModelConfig, rotary: Rotary):
         self.cfg, self.rotary = cfg, rotary
 

@@ -82,9 +82,13 @@ class TritonPlan:
     key_pos: torch.Tensor | None  # [B, T] int32 RoPE position of each key; None: its own index
     max_pos: int  # the largest RoPE position any key is encoded at
     tiles: list[Tiles]
+    # splits of the key length per tile: None, from the longest tile (SPLIT keys each); a fixed count
+    # for a captured decode step (engine/graphs.py), whose launch grid cannot follow the lengths
+    splits: int | None = None
 
 
 class TritonAttention(TorchAttention):
+    name = "triton"
     BLOCK_T = 32  # keys per inner step
     SPLIT = 256  # keys per split (FlashMLA's split over the key length)
 
@@ -166,7 +170,7 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
     block_p = max(16, triton.next_power_of_2(rope // 2))
     block_r = max(16, triton.next_power_of_2(r))
-    splits = max(1, math.ceil(max(t.max_end for t in plan.tiles) / split))
+    splits = plan.splits or max(1, math.ceil(max(t.max_end for t in plan.tiles) / split))
     # every row's partial results, one slot per split (a row in no tile of a split keeps -inf / 0)
     acc = torch.zeros(n, splits, h, r, dtype=torch.float32, device=pool.device)
     mx = torch.full((n, splits, h), float("-inf"), dtype=torch.float32, device=pool.device)
@@ -177,19 +181,18 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
         block_h = triton.next_power_of_2(h)
         if tiles.block_m * block_h < 16:
             block_h = 16 // tiles.block_m  # tl.dot needs 16 rows
-        split_len = math.ceil(math.ceil(tiles.max_end / splits) / block_t) * block_t
         _partial[(len(tiles.seq), splits)](
             q_lat, q_pe, pool, plan.key_slots, key_pos, cos, sin, tiles.seq, tiles.row0, tiles.rows, tiles.end,
             plan.q_last, sel, acc, mx, sm,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), pool.stride(0),
             plan.key_slots.stride(0), key_pos.stride(0), cos.stride(0), sel.stride(0),
-            h, r, rope // 2, split_len, splits, scale,
+            h, r, rope // 2, splits, scale,
             HAS_KEY_POS=plan.key_pos is not None, HAS_SEL=selected is not None, INTERLEAVED=interleaved,
             LOW=pool.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED, BLOCK_M=tiles.block_m,
             BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_T=block_t,
             num_warps=8 if tiles.block_m * block_h * block_r >= 16384 else 4)
-    if splits == 1:
-        return acc[:, 0] / sm[:, 0, :, None]
+    if splits == 1:  # (a row that saw no key, a captured step's padding, gets 0, not 0 / 0)
+        return acc[:, 0] / torch.where(sm[:, 0] > 0, sm[:, 0], 1.0)[..., None]
     out = torch.empty(n, h, r, dtype=torch.float32, device=pool.device)
     block_h = triton.next_power_of_2(h)
     _combine[(n,)](acc, mx, sm, out, splits, h, r, BLOCK_H=block_h, BLOCK_R=block_r)
@@ -202,7 +205,7 @@ if triton is not None:
     def _partial(q_lat, q_pe, pool, slots, key_pos, cos_tab, sin_tab, t_seq, t_row0, t_rows, t_end, q_last, sel,
                  acc_out, max_out, sum_out,
                  s_ql_n, s_ql_h, s_qp_n, s_qp_h, s_pool, s_slots, s_kpos, s_tab, s_sel,
-                 H, R, HALF, split_len, n_parts, scale,
+                 H, R, HALF, n_parts, scale,
                  HAS_KEY_POS: tl.constexpr, HAS_SEL: tl.constexpr, INTERLEAVED: tl.constexpr, LOW: tl.constexpr,
                  BLOCK_M: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -236,8 +239,12 @@ if triton is not None:
         m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_R], tl.float32)
+        t_end_tile = tl.load(t_end + tile)
+        # the tile's keys in n_parts runs of whole key blocks (computed here, so a launch grid fixed
+        # at capture serves any lengths; splits past a short tile's keys find none and store -inf / 0)
+        split_len = tl.cdiv(tl.cdiv(t_end_tile, n_parts), BLOCK_T) * BLOCK_T
         start = part * split_len
-        end = tl.minimum(start + split_len, tl.load(t_end + tile))
+        end = tl.minimum(start + split_len, t_end_tile)
         for t0 in range(start, end, BLOCK_T):
             offs_t = t0 + tl.arange(0, BLOCK_T)
             tm = offs_t < end
@@ -293,7 +300,7 @@ if triton is not None:
         for k in range(0, n_parts):
             m = tl.maximum(m, tl.load(max_in + (row * n_parts + k) * H + offs_h, mask=hm, other=float("-inf")))
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.where(hm, 0.0, 1.0)  # (padding heads: 0 / 1, not 0 / 0)
+        total = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         for k in range(0, n_parts):
             at = (row * n_parts + k) * H + offs_h
@@ -301,5 +308,6 @@ if triton is not None:
             total += w * tl.load(sum_in + at, mask=hm, other=0.0)
             acc += w[:, None] * tl.load(acc_in + at[:, None] * R + offs_r[None, :], mask=hm[:, None] & rm[None, :],
                                         other=0.0)
+        total = tl.where(total > 0, total, 1.0)  # (padding heads, and rows that saw no key: 0, not 0 / 0)
         tl.store(out + (row * H + offs_h)[:, None] * R + offs_r[None, :], acc / total[:, None],
                  mask=hm[:, None] & rm[None, :])

@@ -40,14 +40,15 @@ def align(ids: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torc
     flat = ids.reshape(-1)
     a = flat.numel()
     blocks = (a + experts * (block_m - 1) + block_m - 1) // block_m  # bound known without a sync
-    counts = torch.bincount(flat, minlength=experts)
+    # NOTE: not torch.bincount: on CUDA it reads the largest id back to size its output (a host sync)
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     rank = torch.arange(a, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
     rows = torch.full((blocks * block_m,), a, dtype=torch.int64, device=ids.device)
-    rows[(ends - padded)[expert] + rank] = order
+    rows.scatter_(0, (ends - padded)[expert] + rank, order)
     starts = torch.arange(blocks, device=ids.device) * block_m
     block_expert = torch.searchsorted(ends, starts, right=True)  # == experts past the last used block
     return rows, block_expert

@@ -58,7 +58,7 @@ class ServerConfig:
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "torch"  # torch | triton (a GPU, or TRITON_INTERPRET=1)
-    compile_decode: bool | None = None  # compiled decode steps (model/compiled.py); None: where available
+    compile_decode: bool | None = None  # compiled decode steps (model/compiled.py, model/graphs.py); None: where available
     store: StoreConfig = field(default_factory=StoreConfig)
     kv_cache_gib: float | None = None  # the latent pool, one budget; None: the device's default (engine.py)
     max_running_requests: int = 64

@@ -1,0 +1,191 @@
+"""Decode steps as CUDA graphs, for the triton backend on a GPU.
+
+A decode step of B sequences is a few hundred kernel launches (per layer: norms, projections, the
+attention kernel and its combine, the MoE's routing and grouped kernels); on a GPU their launch cost,
+not their work, bounds a small batch. As vLLM and SGLang do, the step is captured once per batch
+size into a CUDA graph and replayed: one launch per step. A graph replays fixed kernels on fixed
+addresses, so the step is written over static buffers:
+
+- every input lives in a buffer made here: tokens, positions, the slots the new rows go to, each
+  sequence's slot table (`max_len` keys wide) and its attention tile (`TritonPlan` with one
+  decode tile per sequence, `splits` fixed: the attention kernel cuts each tile's keys into that
+  many runs itself, so the launch grid does not follow the lengths);
+- the batch is padded up to the next captured size (1, 2, 4, 8, then multiples of 8, up to
+  `max_batch`); a padding row computes token 0 at position 0 with no keys (its tile has no rows,
+  its attention output is 0), writes its rows into slot 0 (which every reader masks) and is
+  dropped from the logits;
+- nothing in the step reads a device value on the host (no `.item()`, no `nonzero`, no bincount):
+  a capture would fail on it. tests/model/test_graphs.py checks that on a CPU too.
+
+The graph itself needs CUDA: on a CPU (Triton's interpreter, tests and `gpu_check.py --tiny`) the
+same static step runs uncaptured, so everything but the capture is tested here. Sequences longer
+than `max_len`, more than `max_batch` of them and `naive` reuse (keys at the positions they were
+computed at) take the engine's eager path; so do DeepSeek-V3.2 (its indexer's top-k in torch) and
+LongCat-Flash (its zero-computation experts loop on the host) for now.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from irminsul.model.attention import EMPTY_SLOT
+from irminsul.model.layers import LongcatMoE
+from irminsul.model.mla import ForwardBatch
+from irminsul.model.triton_attention import Tiles, TritonAttention, TritonPlan
+
+log = logging.getLogger("irminsul.model")
+MAX_BATCH = 128  # the largest captured batch (vLLM's default capture sizes reach 512)
+MAX_LEN = 16384  # keys per sequence a captured step covers (longer sequences decode eagerly)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to max_batch (vLLM's pattern): a batch pads to the next one."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch + 1, 8))
+    return sizes if sizes and sizes[-1] == max_batch else sizes + [max_batch]
+
+
+def supported(model) -> str | None:
+    """None if `DecodeGraphs` covers this model, else why not."""
+    if not isinstance(getattr(model, "attention", None), TritonAttention):
+        return "the triton attention backend (attention_backend='triton')"
+    if model.config.index_n_heads:
+        return "a model without DeepSeek-V3.2's indexer"
+    if any(isinstance(m, LongcatMoE) for m in model.modules()):
+        return "MoE layers with the grouped kernel (LongCat-Flash's zero-computation experts loop on the host)"
+    return None
+
+
+def resolve(model, pool: torch.Tensor, compile_decode: bool | None) -> "DecodeGraphs | None":
+    """The engine's captured decode steps over `pool`, or None. compile_decode: True (required:
+    on a CPU the uncaptured static step, a test mode), False, or None (auto: captured on a GPU
+    unless IRMINSUL_COMPILE_DECODE=0)."""
+    if compile_decode is False or (compile_decode is None and os.environ.get("IRMINSUL_COMPILE_DECODE") == "0"):
+        return None
+    why = supported(model)
+    if why is not None:
+        if compile_decode:
+            raise ValueError(f"CUDA graphs need {why}")
+        return None
+    if compile_decode is None and pool.device.type != "cuda":
+        return None  # the interpreter gains nothing from the static step
+    graphs = DecodeGraphs(model, pool)
+    try:
+        graphs.capture_all()
+    except Exception as e:  # a capture that fails: the eager path serves, and says so
+        if compile_decode:
+            raise ValueError(f"capturing the decode steps failed: {e}") from e
+        log.warning("capturing the decode steps as CUDA graphs failed; decoding eagerly: %s", e)
+        return None
+    return graphs
+
+
+class DecodeGraphs:
+    def __init__(self, model, pool: torch.Tensor, max_batch: int = MAX_BATCH, max_len: int = MAX_LEN,
+                 capture: bool | None = None):
+        """pool: the engine's rows [layers, slots, width] (its address is captured: one set of graphs
+        per pool). capture: None = where CUDA is (else the static step runs as it is)."""
+        why = supported(model)
+        if why is not None:
+            raise ValueError(f"CUDA graphs need {why}")
+        self.model, self.pool = model, pool
+        dev = pool.device
+        self.capture = dev.type == "cuda" if capture is None else capture
+        self.sizes = capture_sizes(max_batch)
+        self.max_len = min(max_len, model.config.max_position_embeddings)
+        b = self.sizes[-1]
+        long = dict(dtype=torch.int64, device=dev)
+        self.tokens = torch.zeros(b, **long)
+        self.positions = torch.zeros(b, **long)
+        self.write = torch.zeros(b, **long)  # EMPTY_SLOT for padding rows
+        self.key_slots = torch.zeros(b, self.max_len, **long)  # [B, T]; only each row's first `end` are read
+        self.end = torch.zeros(b, dtype=torch.int32, device=dev)  # keys per row (its length; 0: padding)
+        self.live = torch.zeros(b, dtype=torch.int32, device=dev)  # query rows per tile (1; 0: padding)
+        self.index = torch.arange(b, dtype=torch.int32, device=dev)  # tile i = query row i = slot table row i
+        # the RoPE table the step reads, kept alive here: a graph holds its address, not the tensor
+        self.table = model.rotary.table(self.max_len, dev)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
+        # key splits per size: about two programs per SM over the batch (FlashMLA's aim), at most
+        # one per SPLIT keys of the longest sequence covered
+        cap = max(1, -(-self.max_len // TritonAttention.SPLIT))
+        self.splits = {s: min(cap, max(1, -(-2 * sms // s))) for s in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each size's output buffer [size, vocab]
+
+    def fits(self, n: int, longest: int) -> bool:
+        """Whether n sequences, the longest `longest` keys with the new token's, take a captured step."""
+        return n <= self.sizes[-1] and longest <= self.max_len
+
+    def size(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def step(self, size: int) -> torch.Tensor:
+        """The static step over the first `size` rows of the buffers -> logits [size, vocab] float32
+        (what a graph captures and replays)."""
+        i = self.index[:size]
+        tiles = Tiles(i, i, self.live[:size], self.end[:size], 1, self.max_len)
+        plan = TritonPlan(self.positions[:size].int(), i.long(), self.key_slots[:size], None, self.max_len - 1,
+                          [tiles], self.splits[size])
+        batch = ForwardBatch(self.tokens[:size], self.positions[:size], self.pool, self.write[:size], plan)
+        return self.model.logits(self.model(batch))
+
+    def capture_all(self) -> None:
+        """Capture one graph per size (largest first, so smaller ones reuse its memory pool, as vLLM
+        does); each size is run once first, outside the capture (Triton compiles its kernels on
+        first launch). Without CUDA: run each size once (the static step checks itself)."""
+        self._load(np.zeros(0, np.int64), np.zeros(0, np.int64), [])  # every row padding
+        if not self.capture:
+            return
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.pool.device)
+        for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs", unit="graph", leave=False):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.step(size)  # warm-up: kernels compiled, allocator primed
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self.logits[size] = self.step(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.pool.device)
+
+    def __call__(self, tokens: np.ndarray, lengths: np.ndarray, slots: list[np.ndarray]) -> torch.Tensor:
+        """Decode one token of each of n sequences (`fits`): tokens [n] at positions lengths - 1;
+        slots[i]: sequence i's slot table for positions 0..lengths[i]-1 (the last, its new row's)
+        -> logits [n, vocab] float32, a view of the size's output buffer (valid until the next call)."""
+        n = len(tokens)
+        size = self.size(n)
+        self._load(tokens, lengths, slots)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            out = self.logits[size]
+        else:
+            out = self.step(size)
+        return out[:n]
+
+    def _load(self, tokens: np.ndarray, lengths: np.ndarray, slots: list[np.ndarray]) -> None:
+        """Write a step's inputs into the buffers; rows past n become padding."""
+        n, b = len(tokens), self.sizes[-1]
+        small = np.zeros((5, b), np.int64)  # tokens, positions, write slots, ends, live
+        small[0, :n] = tokens
+        small[1, :n] = lengths - 1
+        small[2, :n] = [s[-1] for s in slots]
+        small[2, n:] = EMPTY_SLOT
+        small[3, :n] = lengths
+        small[4, :n] = 1
+        small = torch.from_numpy(small).to(self.pool.device)
+        self.tokens.copy_(small[0])
+        self.positions.copy_(small[1])
+        self.write.copy_(small[2])
+        self.end.copy_(small[3])
+        self.live.copy_(small[4])
+        if n:
+            t = int(lengths.max())
+            table = np.zeros((n, t), np.int64)
+            for i, s in enumerate(slots):
+                table[i, : len(s)] = s
+            self.key_slots[:n, :t].copy_(torch.from_numpy(table))
