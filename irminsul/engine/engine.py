@@ -256,7 +256,8 @@ class Engine:
     def forward(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[torch.Tensor | None]:
         """One forward pass; the next-token logits [vocab] of each sequence whose prompt is done
         (None for one still in prefill, or one that got no prefill tokens this step). At most
-        `prefill_budget` (default max_prefill_tokens) prompt positions are computed in all."""
+        `prefill_budget` (default max_prefill_tokens) prompt positions are computed in all. The
+        logits may be views of a captured step's output buffer: valid until the next step."""
         if (self._compiled is not None or self._graphs is not None) and not any(s.in_prefill for s in seqs):
             logits = self._compiled_decode(seqs) if self._compiled is not None else self._graph_decode(seqs)
             if logits is not None:

@@ -103,18 +103,24 @@ class DecodeGraphs:
         self.positions = torch.zeros(b, **long)
         self.write = torch.zeros(b, **long)  # EMPTY_SLOT for padding rows
         self.key_slots = torch.zeros(b, self.max_len, **long)  # [B, T]; only each row's first `end` are read
-        self.end = torch.zeros(b, dtype=torch.int32, device=dev)  # keys per row (its length; 0: padding)
-        self.live = torch.zeros(b, dtype=torch.int32, device=dev)  # query rows per tile (1; 0: padding)
+        self.end = torch.zeros(b, **long)  # keys per row (its length; 0: padding)
+        self.live = torch.zeros(b, **long)  # query rows per tile (1; 0: padding)
         self.index = torch.arange(b, dtype=torch.int32, device=dev)  # tile i = query row i = slot table row i
-        # the RoPE table the step reads, kept alive here: a graph holds its address, not the tensor
-        self.table = model.rotary.table(self.max_len, dev)
+        # where a replay leaves its logits (one buffer for every size, outside the graphs' memory pool,
+        # which a larger graph uses as scratch)
+        self.out = torch.zeros(b, model.config.vocab_size, dtype=torch.float32, device=dev)
+        # the inputs staged on the host (pinned on a GPU: copied without blocking)
+        pinned = dev.type == "cuda"
+        self._host_small = torch.zeros(5, b, dtype=torch.int64, pin_memory=pinned)
+        self._host_slots = torch.zeros(b * self.max_len, dtype=torch.int64, pin_memory=pinned)
+        self._copied = None  # a CUDA event after the last step's copies: the staging is reused after it
+        self.table = None  # the RoPE table the graphs read (capture_all)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
         # key splits per size: about two programs per SM over the batch (FlashMLA's aim), at most
         # one per SPLIT keys of the longest sequence covered
         cap = max(1, -(-self.max_len // TritonAttention.SPLIT))
         self.splits = {s: min(cap, max(1, -(-2 * sms // s))) for s in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # each size's output buffer [size, vocab]
 
     def fits(self, n: int, longest: int) -> bool:
         """Whether n sequences, the longest `longest` keys with the new token's, take a captured step."""
@@ -127,7 +133,7 @@ class DecodeGraphs:
         """The static step over the first `size` rows of the buffers -> logits [size, vocab] float32
         (what a graph captures and replays)."""
         i = self.index[:size]
-        tiles = Tiles(i, i, self.live[:size], self.end[:size], 1, self.max_len)
+        tiles = Tiles(i, i, self.live[:size].int(), self.end[:size].int(), 1, self.max_len)
         plan = TritonPlan(self.positions[:size].int(), i.long(), self.key_slots[:size], None, self.max_len - 1,
                           [tiles], self.splits[size])
         batch = ForwardBatch(self.tokens[:size], self.positions[:size], self.pool, self.write[:size], plan)
@@ -136,56 +142,65 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture one graph per size (largest first, so smaller ones reuse its memory pool, as vLLM
         does); each size is run once first, outside the capture (Triton compiles its kernels on
-        first launch). Without CUDA: run each size once (the static step checks itself)."""
+        first launch). Without CUDA: nothing to capture."""
+        dev = self.pool.device
+        # NOTE: the table the attention reads, fetched now and held: a graph keeps its address, not the
+        # tensor, and the rotary class drops its table when it grows one
+        self.table = self.model.rotary.table(self.max_len, dev)
         self._load(np.zeros(0, np.int64), np.zeros(0, np.int64), [])  # every row padding
         if not self.capture:
             return
-        mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.pool.device)
-        for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs", unit="graph", leave=False):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.step(size)  # warm-up: kernels compiled, allocator primed
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
-                self.logits[size] = self.step(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.pool.device)
+        with torch.cuda.device(dev):
+            mempool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(dev)
+            for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs", unit="graph",
+                             leave=False):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self.step(size)  # warm-up: kernels compiled, allocator primed
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool):
+                    self.out[:size].copy_(self.step(size))
+                self.graphs[size] = graph
+            torch.cuda.synchronize(dev)
+            assert self.model.rotary.table(self.max_len, dev)[0] is self.table[0]
 
     def __call__(self, tokens: np.ndarray, lengths: np.ndarray, slots: list[np.ndarray]) -> torch.Tensor:
         """Decode one token of each of n sequences (`fits`): tokens [n] at positions lengths - 1;
         slots[i]: sequence i's slot table for positions 0..lengths[i]-1 (the last, its new row's)
-        -> logits [n, vocab] float32, a view of the size's output buffer (valid until the next call)."""
+        -> logits [n, vocab] float32; replayed, a view of the output buffer (valid until the next call)."""
         n = len(tokens)
         size = self.size(n)
         self._load(tokens, lengths, slots)
-        if size in self.graphs:
+        if size not in self.graphs:
+            return self.step(size)[:n]
+        with torch.cuda.device(self.pool.device):
             self.graphs[size].replay()
-            out = self.logits[size]
-        else:
-            out = self.step(size)
-        return out[:n]
+        return self.out[:n]
 
     def _load(self, tokens: np.ndarray, lengths: np.ndarray, slots: list[np.ndarray]) -> None:
-        """Write a step's inputs into the buffers; rows past n become padding."""
-        n, b = len(tokens), self.sizes[-1]
-        small = np.zeros((5, b), np.int64)  # tokens, positions, write slots, ends, live
+        """Write a step's inputs into the buffers through the host staging; rows past n become padding."""
+        n = len(tokens)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have left the staging
+        small = self._host_small.numpy()  # tokens, positions, write slots, ends, live
+        small[:] = 0  # padding: token 0 at position 0, no keys, no query row ...
         small[0, :n] = tokens
         small[1, :n] = lengths - 1
         small[2, :n] = [s[-1] for s in slots]
-        small[2, n:] = EMPTY_SLOT
+        small[2, n:] = EMPTY_SLOT  # ... its rows written where every reader masks them
         small[3, :n] = lengths
         small[4, :n] = 1
-        small = torch.from_numpy(small).to(self.pool.device)
-        self.tokens.copy_(small[0])
-        self.positions.copy_(small[1])
-        self.write.copy_(small[2])
-        self.end.copy_(small[3])
-        self.live.copy_(small[4])
-        if n:
+        for buf, row in zip((self.tokens, self.positions, self.write, self.end, self.live), self._host_small):
+            buf.copy_(row, non_blocking=True)
+        if n:  # each row's slots 0..len-1 (the kernel reads no further)
             t = int(lengths.max())
-            table = np.zeros((n, t), np.int64)
+            staged = self._host_slots[: n * t].view(n, t)
+            table = staged.numpy()
             for i, s in enumerate(slots):
                 table[i, : len(s)] = s
-            self.key_slots[:n, :t].copy_(torch.from_numpy(table))
+            self.key_slots[:n, :t].copy_(staged, non_blocking=True)
+        if self.pool.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()

@@ -83,7 +83,7 @@ class TritonPlan:
     max_pos: int  # the largest RoPE position any key is encoded at
     tiles: list[Tiles]
     # splits of the key length per tile: None, from the longest tile (SPLIT keys each); a fixed count
-    # for a captured decode step (engine/graphs.py), whose launch grid cannot follow the lengths
+    # for a captured decode step (model/graphs.py), whose launch grid cannot follow the lengths
     splits: int | None = None
 
 
