@@ -124,7 +124,8 @@ class CompiledDecode:
         """Compile now, on scratch rows laid out as the pool's (sizes 0 and 1 would be specialised:
         2 and up share the dynamic graphs). Without duck sizing: sizes that happen to be equal here
         (scratch slots and a layer count, say) must not become one size, or a real step recompiles."""
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(capture_scalar_outputs=True):  # (`_moe`'s expert ids)
             self._warm_up()
 
     def _warm_up(self) -> None:
@@ -226,12 +227,20 @@ class CompiledDecode:
 
 
 def _moe(moe: MoE, x):
-    """One token's k experts as two batched products over their stacked weights, plus the shared one."""
+    """One token's k experts, each as two products over its own weights in the stack, plus the shared one.
+    NOTE: each expert id is read as a number (an unbacked size in the graph, `capture_scalar_outputs`),
+    so its weights are views of the stack: indexing the stack by the id tensor would copy the k experts'
+    weights at every step (on the bundled model that copy was ~7% of a one-sequence decode)."""
     weights, ids = moe.gate(x)  # [1, k]
     gate_up, down = moe._stacked
-    k = ids.shape[1]
-    g, u = torch.bmm(x.expand(k, 1, -1), gate_up[ids[0]]).chunk(2, dim=-1)
-    out = (torch.bmm(F.silu(g) * u, down[ids[0]])[:, 0] * weights[0, :, None].to(x.dtype)).sum(0, keepdim=True)
+    out = None
+    for j in range(ids.shape[1]):
+        e = ids[0, j].item()
+        torch._check(e >= 0)
+        torch._check(e < gate_up.shape[0])
+        g, u = torch.mm(x, gate_up[e]).chunk(2, dim=-1)
+        y = torch.mm(F.silu(g) * u, down[e]) * weights[0, j].to(x.dtype)
+        out = y if out is None else out + y
     return out if moe.shared_experts is None else out + moe.shared_experts.packed_forward(x)
 
 
