@@ -161,10 +161,13 @@ def prefill_block_m(heads: int) -> int:
 
 
 def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, interleaved: bool,
-                  block_t: int = 32, split: int = 256, selected: torch.Tensor | None = None) -> torch.Tensor:
+                  block_t: int = 32, split: int = 256, selected: torch.Tensor | None = None,
+                  num_warps: int | None = None) -> torch.Tensor:
     """Absorbed MLA attention of n query rows over the pool -> o_lat [n, H, r] float32.
     q_lat [n, H, r], q_pe [n, H, rope] (rotated, cache layout), pool [S, r + rope] of one layer.
-    One launch per tile kind (decode rows, prefill blocks), each split over the key length."""
+    One launch per tile kind (decode rows, prefill blocks), each split over the key length.
+    block_t keys per inner step; num_warps None: 8 for large tiles, else 4 (neither tuned on a GPU
+    yet: `python benchmarks/gpu_tiles.py`)."""
     n, h, r = q_lat.shape
     rope = q_pe.shape[-1]
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
@@ -190,7 +193,7 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
             HAS_KEY_POS=plan.key_pos is not None, HAS_SEL=selected is not None, INTERLEAVED=interleaved,
             LOW=pool.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED, BLOCK_M=tiles.block_m,
             BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_T=block_t,
-            num_warps=8 if tiles.block_m * block_h * block_r >= 16384 else 4)
+            num_warps=num_warps or (8 if tiles.block_m * block_h * block_r >= 16384 else 4))
     if splits == 1:  # (a row that saw no key, a captured step's padding, gets 0, not 0 / 0)
         return acc[:, 0] / torch.where(sm[:, 0] > 0, sm[:, 0], 1.0)[..., None]
     out = torch.empty(n, h, r, dtype=torch.float32, device=pool.device)

@@ -20,6 +20,8 @@ the bf16 tensor-core path (LOW) runs on a GPU only, as in triton_attention.py.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from irminsul.model.triton_attention import INTERPRETED, available
@@ -30,7 +32,21 @@ try:
 except ImportError:  # the torch MoE needs none of this
     triton = None
 
-BLOCK_M = 16  # assignment rows per block (tl.dot needs 16)
+class MoeTiles(NamedTuple):
+    """The kernels' tile sizes: assignment rows per block (one expert each; tl.dot needs 16), output
+    columns and inner dimension per step, and Triton's warps and pipeline stages per program."""
+
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# NOTE: not tuned on a GPU yet: `python benchmarks/gpu_tiles.py` (run by gpu_check.sh) times the
+# alternatives on one and prints the best per shape
+TILES = MoeTiles()
+BLOCK_M = TILES.block_m
 
 
 def align(ids: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +71,7 @@ def align(ids: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torc
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
+                  down: torch.Tensor, tiles: MoeTiles = TILES) -> torch.Tensor:
     """sum_j weights[t, j] · expert_{ids[t, j]}(x[t]) for every token t: x [n, H], weights [n, k]
     (float32), ids [n, k]; gate_up [E, H, 2I] and down [E, I, H] (`MoE.stacked`) -> [n, H]."""
     why = available()
@@ -65,21 +81,20 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     experts, hidden, inner2 = gate_up.shape
     inner = inner2 // 2
     x = x.contiguous()
-    rows, block_expert = align(ids, experts)
+    rows, block_expert = align(ids, experts, tiles.block_m)
     blocks = block_expert.shape[0]
-    act = torch.empty(blocks * BLOCK_M, inner, dtype=torch.float32, device=x.device)
+    act = torch.empty(blocks * tiles.block_m, inner, dtype=torch.float32, device=x.device)
     y = torch.zeros(n * k, hidden, dtype=torch.float32, device=x.device)
     flat_w = weights.reshape(-1).float().contiguous()
     low = x.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
-    block_n, block_k = 32, 32
-    _gate_up[(blocks, triton.cdiv(inner, block_n))](
+    meta = dict(LOW=low, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    _gate_up[(blocks, triton.cdiv(inner, tiles.block_n))](
         x, gate_up, rows, block_expert, act, n * k, k, experts, hidden, inner,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        LOW=low, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
-    _down[(blocks, triton.cdiv(hidden, block_n))](
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), **meta)
+    _down[(blocks, triton.cdiv(hidden, tiles.block_n))](
         act, down, rows, block_expert, flat_w, y, n * k, experts, inner, hidden,
-        act.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        LOW=low, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        act.stride(0), down.stride(0), down.stride(1), y.stride(0), **meta)
     return y.view(n, k, hidden).sum(1).to(x.dtype)
 
 

@@ -93,10 +93,12 @@ def test_the_kernel_alone_against_a_dense_reference():
     tiles = [Tiles(one(0, 0), one(0, 1), one(1, 1), one(45, 21), 1, 45),  # as two decode rows ...
              Tiles(one(0), one(0), one(2), one(45), 4, 45)]  # ... and as one prefill tile of both
     on = lambda *xs: [x.to(DEVICE) for x in xs]  # noqa: E731
-    for tile in tiles:
+    for tile, (block_t, warps) in ((t, c) for t in tiles for c in ((16, None), (64, 8))):  # (other tile sizes
+        # alike: benchmarks/gpu_tiles.py picks among such on a GPU)
         plan = TritonPlan(*on(last.int(), torch.zeros(2, dtype=torch.long), slots[None], pos[None].int()), 90,
                           [Tiles(*on(tile.seq, tile.row0, tile.rows, tile.end), tile.block_m, tile.max_end)])
-        got = mla_attention(*on(q_lat, q_pe, pool), plan, *on(cos, sin), 0.3, interleaved=False, block_t=16, split=16)
+        got = mla_attention(*on(q_lat, q_pe, pool), plan, *on(cos, sin), 0.3, interleaved=False, block_t=block_t,
+                            split=16, num_warps=warps)
         _check(got.cpu(), q_lat, q_pe, pool, slots, pos, last, cos, sin, rotary, r, t)
 
 

@@ -23,18 +23,19 @@ def _moe(seed: int, **overrides) -> MoE:
     return moe.eval().to(DEVICE)
 
 
-@pytest.mark.parametrize("n", [1, 5, 37])
-def test_fused_experts_equal_the_torch_experts(n):
+@pytest.mark.parametrize("n, tiles", [(1, None), (5, None), (37, None), (37, (32, 64, 16, 4, 3)), (5, (64, 16, 64, 8, 2))])
+def test_fused_experts_equal_the_torch_experts(n, tiles):
     """Every token's k experts, weighted, for batches where experts get 0, 1 or many rows (padding
-    inside a block, blocks past the last used): equal to the loop over experts within 1e-5."""
-    from irminsul.model.triton_moe import fused_experts
+    inside a block, blocks past the last used): equal to the loop over experts within 1e-5; with the
+    default tiles and with others (benchmarks/gpu_tiles.py picks among such on a GPU)."""
+    from irminsul.model.triton_moe import TILES, MoeTiles, fused_experts
 
     moe = _moe(n)
     x = torch.randn(n, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(n)).to(DEVICE)
     with torch.no_grad():
         weights, ids = moe.gate(x)
         want = expert_loop(x, weights, ids, lambda e, xs: moe.experts[e](xs))
-        got = fused_experts(x, weights, ids, *moe.stacked())
+        got = fused_experts(x, weights, ids, *moe.stacked(), MoeTiles(*tiles) if tiles else TILES)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-5
 
