@@ -110,3 +110,16 @@ def _check(got, q_lat, q_pe, pool, slots, pos, last, cos, sin, rotary, r, t):
         s = (torch.cat([q_lat[i], q_pe[i]], -1) @ keys.T) * 0.3
         p = s.masked_fill(~ok, float("-inf")).softmax(-1)
         assert torch.allclose(got[i], p @ keys[:, :r], atol=1e-5)
+
+
+def test_a_prefill_pass_reads_nothing_back_on_the_host(tiny_dir):
+    """The triton backend's forward pass (its plan built before, as the engine builds it) reads no
+    device value on the host: no sync inside a step (tests/host_syncs.py says what counts)."""
+    from tests.host_syncs import HostReads
+
+    model = LLM(tiny_dir, device=DEVICE, attention_backend="triton", compile_decode=False).engine.model
+    rows = model.new_rows(64)
+    batch = rows.batch(model.attention, torch.tensor(_rand(40, 1), device=DEVICE), torch.arange(40, device=DEVICE))
+    with HostReads() as reads:
+        model(batch)
+    assert reads.found == []
