@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from irminsul.engine.grammar import Grammars
+from irminsul.engine.grammar import Grammars, reason
 from irminsul.engine.pool import LatentPool
 from irminsul.engine.reuse import make_reuse
 from irminsul.engine.sampling import SamplingParams, adjust_logits, request_seed, sample_batch
@@ -126,6 +126,8 @@ class Engine:
         vocab = self.config.vocab_size
         if bad := [t for t, _ in params.logit_bias if not 0 <= t < vocab]:
             raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:  # (it could never stop the output)
+            raise RequestError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if params.constraint is not None and matcher is None:
             matcher = self.grammars.matcher(params.constraint)
         if leader is not None and (leader.tokens[: leader.prompt_len] != tokens or leader.tenant != tenant):
@@ -360,7 +362,7 @@ class Engine:
         for row, i in enumerate(rows):
             seq, token = seqs[i], tokens[row]
             if seq.matcher is not None and seq.matcher.is_error():
-                seq.finish_reason, seq.error = "abort", f"the output constraint failed: {seq.matcher.get_error()}"
+                self._constraint_failed(seq)
                 continue
             if failed is not None and not seq.params.greedy:
                 seq.finish_reason, seq.error = "abort", failed
@@ -385,13 +387,23 @@ class Engine:
         before = len(seq.text)
         seq.text += seq.detok(token)
         if seq.matcher is not None:
-            seq.matcher.consume_token(token)  # the mask allowed it; the matcher only moves on
+            seq.matcher.consume_token(token)  # the mask allowed it; the matcher only moves on ...
+            if seq.matcher.is_error():  # ... unless nothing can follow (it says "stopped" then too)
+                self._constraint_failed(seq)
+                return
         if p.stop and len(seq.output_ids) >= p.min_tokens and self._cut_at_stop(seq, before):
             seq.finish_reason = "stop"
         elif seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.config.max_position_embeddings:
             seq.finish_reason = "length"
+
+    @staticmethod
+    def _constraint_failed(seq: Sequence) -> None:
+        """The grammar reached a dead end (a schema that allows no finite output, say): the request's
+        fault (400), not the server's."""
+        seq.finish_reason, seq.error = "abort", f"the output constraint failed: {reason(seq.matcher)}"
+        seq.error_status = 400
 
     @staticmethod
     def _cut_at_stop(seq: Sequence, before: int) -> bool:

@@ -85,6 +85,11 @@ class Constraint:
             raise RequestError(f"the {self.kind.replace('_', ' ')} could not be compiled: {e}") from None
 
 
+def reason(matcher) -> str:
+    """A failed matcher's error for people: its first line (llguidance adds its parser state)."""
+    return matcher.get_error().split("\n", 1)[0].strip()
+
+
 def closed(schema):
     """The schema with every object that lists its properties, and says nothing of others, closed
     to them (additionalProperties: false), as OpenAI's strict mode requires. What it generates
@@ -121,9 +126,14 @@ class Grammars:
         (Compiling may take up to a second for a huge grammar: call it off the engine thread.)"""
         import llguidance
 
+        what = constraint.kind.replace("_", " ")
         matcher = llguidance.LLMatcher(self._tokenizer, constraint.grammar(), log_level=0)
         if matcher.is_error():
-            raise RequestError(f"the {constraint.kind.replace('_', ' ')} could not be compiled: {matcher.get_error()}")
+            raise RequestError(f"the {what} could not be compiled: {reason(matcher)}")
+        matcher.compute_bitmask()  # the first step's mask: a grammar no output can match fails here
+        if matcher.is_error():
+            raise RequestError(f"the {what} matches no output at all (it cannot be satisfied: a reference "
+                               f"to itself with no way to end, a character class of nothing, ...): {reason(matcher)}")
         return matcher
 
     def allowed(self, matchers: list) -> torch.Tensor:

@@ -218,6 +218,11 @@ class CacheReuse:
             elif span.kind == "reuse":
                 slots[span.start : span.end] = span.entry.payload[span.src_offset : span.src_offset + len(span)]
         self.pool.retain(slots)
+        # NOTE: the plan's pins and prefix lock kept its entries from eviction until now; the sequence
+        # holds its own reference on every row it reuses from here, so they go now. Held until the
+        # sequence finished, an entry whose rows it only partly uses (a carved-out sink) kept the
+        # rest from eviction and could starve the sequence's own decoding of rows.
+        self.namespace(seq.tenant).release(plan)
         seq.slots = slots
         seq.pending = np.asarray(plan.compute_positions(), dtype=np.int64)
         seq.registered = 0

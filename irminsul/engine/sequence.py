@@ -67,6 +67,7 @@ class Sequence:
     seed: int = 0  # sampling randomness is a function of (seed, output position): engine/sampling.py
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None  # why the engine could not serve it (with finish_reason "abort")
+    error_status: int = 500  # whose fault, as an HTTP status: 500 the server's, 400 the request's
     text: str = ""  # output text so far, stop strings cut
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked for
     detok: object | None = None  # incremental detokenizer state

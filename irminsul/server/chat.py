@@ -195,9 +195,18 @@ class ChatRenderer:
             pieces = [Piece(p.start, min(p.end, len(text)), p.unit) for p in pieces if p.start < len(text)]
         tokens, starts = [], []
         cuts = boundaries(text, pieces, self._added_re) + [len(text)]
+        # each segment's client pieces, in one sweep over pieces in order (not a scan of every piece per
+        # segment: a request of many text parts would take time quadratic in their number)
+        client_pieces = sorted((p for p in pieces if p.unit is not None), key=lambda p: p.start)
+        first = 0
         for a, b in zip(cuts, cuts[1:]):
-            client = [(max(p.start, a) - a, min(p.end, b) - a) for p in pieces
-                      if p.unit is not None and p.start < b and p.end > a]
+            while first < len(client_pieces) and client_pieces[first].end <= a:
+                first += 1
+            client, j = [], first
+            while j < len(client_pieces) and (p := client_pieces[j]).start < b:
+                if p.end > a:
+                    client.append((max(p.start, a) - a, min(p.end, b) - a))
+                j += 1
             ids = self._encode(text[a:b], client)
             if ids:
                 starts.append(len(tokens))

@@ -97,6 +97,9 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
         prompts, starts, requested = _prompts(state, req), None, req.max_tokens
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices", param="n")
+    if len(prompts) * req.n > state.runner.max_queued_requests:  # (a 503 would never turn into a 200)
+        raise APIError(400, f"{len(prompts)} prompts x n={req.n} choices are more than this server queues at once "
+                            f"(--max-queued-requests {state.runner.max_queued_requests})", param="n")
     jobs = []
     for tokens in prompts:
         try:

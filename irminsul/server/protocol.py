@@ -14,9 +14,10 @@ from typing import Any
 from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from starlette.requests import ClientDisconnect
 
 from irminsul.engine.grammar import Constraint
-from irminsul.engine.sampling import SamplingParams
+from irminsul.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from irminsul.engine.sequence import RequestStats
 from irminsul.errors import RequestError
 
@@ -116,7 +117,7 @@ MAX_DEPTH = 64  # nesting of JSON arrays and objects a request may use
 # Each is far beyond what a client needs and bounds the work one request can make for everyone
 # (a million stop strings once slowed every request 25x: they are checked at every token).
 MAX_STOP, MAX_STOP_CHARS = 16, 1024
-MAX_MESSAGES, MAX_TOOLS = 4096, 512
+MAX_MESSAGES, MAX_TOOLS, MAX_PARTS = 4096, 512, 16384  # MAX_PARTS: content parts in all a request's messages
 MAX_CHOICES = 64  # n x prompts of one request
 
 
@@ -128,11 +129,14 @@ async def read_body(request, limit: int) -> bytes:
         raise APIError(413, f"the request body is {int(declared)} bytes; this server takes at most {limit} "
                             f"(--max-request-bytes)")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body is over {limit} bytes (--max-request-bytes)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is over {limit} bytes (--max-request-bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody to answer: counted as a 499 (nginx's "client closed"), not an error log
+        raise APIError(499, "the client went away before it sent the whole request body") from None
     return b"".join(chunks)
 
 
@@ -232,8 +236,10 @@ def check_supported(req: _Common) -> None:
          "stream_options can only be set when stream=true"),
     ]
     if isinstance(req, ChatCompletionRequest):
-        refuse += [("top_logprobs", req.top_logprobs is not None and not req.logprobs,
-                    "top_logprobs needs logprobs=true")]
+        top = req.top_logprobs
+        refuse += [("top_logprobs", top is not None and not req.logprobs, "top_logprobs needs logprobs=true"),
+                   ("top_logprobs", top is not None and not (isinstance(top, int) and 0 <= top <= MAX_TOP_LOGPROBS),
+                    f"top_logprobs={top!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]")]
     else:
         refuse += [("suffix", bool(req.suffix), "suffix is not supported"),
                    ("top_logprobs", req.top_logprobs is not None, "top_logprobs is a chat field; completions take "
@@ -250,6 +256,10 @@ def check_supported(req: _Common) -> None:
     if isinstance(req, ChatCompletionRequest):
         if len(req.messages) > MAX_MESSAGES:
             raise APIError(400, f"at most {MAX_MESSAGES} messages per request", param="messages")
+        if sum(len(m["content"]) for m in req.messages
+               if isinstance(m, dict) and isinstance(m.get("content"), list)) > MAX_PARTS:
+            raise APIError(400, f"at most {MAX_PARTS} content parts per request (in all its messages)",
+                           param="messages")
         if len(req.tools or []) > MAX_TOOLS:
             raise APIError(400, f"at most {MAX_TOOLS} tools per request", param="tools")
     if req.cache_salt is not None and not (0 < len(req.cache_salt) <= 256):

@@ -222,8 +222,9 @@ class EngineRunner:
             if out.token is not None:
                 job.last_token_at = now
             if out.seq.error is not None:
-                if out.seq.id in self._admitted_ids:  # failed while running: a bug, this request only
-                    self._end(self._jobs.pop(out.seq.id), Failed(500, out.seq.error))
+                if out.seq.id in self._admitted_ids:  # failed while running: a bug (500), this request only,
+                    # or its own doing (a constraint that reached a dead end: 400)
+                    self._end(self._jobs.pop(out.seq.id), Failed(out.seq.error_status, out.seq.error))
                 else:  # refused at admission: it can never fit
                     self._dequeued()
                     self._end(self._jobs.pop(out.seq.id), Failed(400, out.seq.error))

@@ -161,6 +161,18 @@ def test_one_pool_budget_evicts_cached_rows_to_admit_new_ones(tiny_dir):
     assert pool.free + pool.used == pool.n_slots - 1  # no slot lost or double-freed
 
 
+def test_a_request_that_fits_decodes_to_the_end_beside_cached_rows():
+    """Found by probing the server: a request that reuses part of a cached entry once held the whole
+    entry pinned until it finished, so the entry's other rows could not be evicted, and with the pool
+    nearly full it stopped early ("length") although prompt + output fit the pool."""
+    probe = LLM(reuse="pic")  # (the bundled model: token ids up to 1,100)
+    llm = LLM(reuse="pic", kv_cache_gib=931 * probe.engine.pool.bytes_per_slot / 2**30)
+    llm.generate([list(range(10, 500)), list(range(600, 1100))], max_tokens=32, ignore_eos=True)
+    r = llm.generate(list(range(10, 900)), max_tokens=32, ignore_eos=True)  # 922 rows of the 931
+    assert r.stats.reused_tokens > 0 and r.stats.preempted == 0
+    assert len(r.token_ids) == 32 and r.finish_reason == "length"
+
+
 def test_a_request_larger_than_the_pool_is_refused_clearly(tiny_dir):
     probe = LLM(tiny_dir, reuse="pic")
     llm = LLM(tiny_dir, reuse="pic", kv_cache_gib=300 * probe.engine.pool.bytes_per_slot / 2**30)

@@ -18,7 +18,8 @@ CASES = [
     ("chat", {"messages": HI, "max_tokens": "many"}, 400, "max_tokens"),
     ("chat", {"messages": HI, "n": 0}, 400, "n=0 must be"),
     ("chat", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
-    ("chat", {"messages": HI, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
+    ("chat", {"messages": HI, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs=50"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [10**12]}, 400, "stop_token_ids: token id"),
     ("completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
     ("chat", {"messages": HI, "tool_choice": "required"}, 400, "needs tools"),
     ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
@@ -69,6 +70,19 @@ CASES = [
     ("completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "surrogate"),
     ("chat", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate"),
     ("completions", ('{"prompt": "hi", "x": ' + "[" * 5000 + "]" * 5000 + "}").encode(), 400, "nests deeper"),
+    # found by probing the server: once 100 s of rendering (quadratic in the parts) that stalled everyone
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 16385}]}, 400,
+     "content parts"),
+    # ... and once 500s carrying llguidance's parser state: constraints that nothing can satisfy
+    ("chat", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "a",
+                                                                                       "schema": {"$ref": "#"}}}},
+     400, "matches no output"),
+    ("completions", {"prompt": "hi", "guided_regex": "[^\\x00-\\x{10FFFF}]"}, 400, "matches no output"),
+    # ... or a 200 that was no tool call: a forced call whose arguments must nest themselves forever
+    ("chat", {"messages": HI, "max_tokens": 16, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}]}, 400,
+     "the output constraint failed"),
 ]
 ADMIN_CASES = [
     ({"text": ""}, 400, "non-empty"),
@@ -192,3 +206,34 @@ def test_chat_template_controls_change_the_prompt(server):
     assert text.endswith("The answer is") and cont[: len(closed)] == closed
     out = chat(server.url, partial, max_tokens=2, add_generation_prompt=False, continue_final_message=True)
     assert out["usage"]["prompt_tokens"] == len(cont)
+
+
+def test_more_choices_than_the_queue_holds_is_a_400_not_a_503(tiny_dir):
+    """Found by probing: n above --max-queued-requests got "overloaded, retry later" from an idle
+    server, which no retry could ever turn into a 200."""
+    from tests.server.server_helpers import start
+
+    s = start(tiny_dir, max_queued_requests=3)
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "n": 4, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and "--max-queued-requests 3" in r.json()["error"]["message"], r.text
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+    finally:
+        s.stop()
+
+
+def test_a_client_that_goes_away_mid_body_is_no_server_error(server, caplog):
+    """Found by probing: a body cut short by the client logged two "unhandled error" tracebacks."""
+    import logging
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+    time.sleep(1.0)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
