@@ -75,21 +75,27 @@ class ServerState:
         auth = request.headers.get("authorization", "")
         return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
 
+    def key_tenant(self, request: Request) -> str | None:
+        """The API key's namespace ("key:<tenant>"), None when the server has no keys; a 401 when it
+        has and the request brings none of them. Called before the body is read, so nobody without a
+        key can make the server parse one."""
+        tenants = self.config.tenants
+        if not tenants:
+            return None
+        key = self._bearer(request)
+        match = next((t for k, t in tenants.items() if hmac.compare_digest(k, key)), None)
+        if match is None:
+            raise APIError(401, "missing or unknown API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        return f"key:{match}"
+
     def tenant_of(self, request: Request, cache_salt: str | None) -> str | None:
         """The request's cache namespace: the API key's tenant, subdivided by cache_salt.
 
         Names are prefixed ("key:", "salt:"), so no request can name another kind of namespace,
         and never the operator's shared one (reuse.SHARED).
         """
-        tenant = None
-        tenants = self.config.tenants
-        if tenants:
-            key = self._bearer(request)
-            match = next((t for k, t in tenants.items() if hmac.compare_digest(k, key)), None)
-            if match is None:
-                raise APIError(401, "missing or unknown API key; send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-            tenant = f"key:{match}"
+        tenant = self.key_tenant(request)
         if cache_salt is not None:
             tenant = f"{tenant or ''}|salt:{cache_salt}"
         return tenant

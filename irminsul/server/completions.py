@@ -133,6 +133,7 @@ def _matcher(state, constraint, asked_by: str | None):
 
 
 async def handle(state, request: Request, chat: bool):
+    state.key_tenant(request)  # (a 401 before the body is read)
     body = await read_body(request, state.config.max_request_bytes)
     # JSON parsing, chat rendering and tokenization run on a worker thread, never on the event loop.
     req = await asyncio.to_thread(parse_body, body, ChatCompletionRequest if chat else CompletionRequest)

@@ -138,6 +138,9 @@ def to_messages(req: ResponsesRequest) -> list[dict]:
         else:
             raise APIError(400, f"{where} is a {kind!r} item; this server takes message, function_call and "
                                 f"function_call_output items", param=where)
+    if not messages:
+        raise APIError(400, "input holds nothing to answer: no message, function call or function call output "
+                            "(reasoning items are skipped)", param="input")
     return messages
 
 
@@ -149,9 +152,12 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.tools:
         tools = []
         for i, t in enumerate(req.tools):
-            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
-                kind = t.get("type") if isinstance(t, dict) else None
+            kind = t.get("type") if isinstance(t, dict) else None
+            if kind != "function":
                 raise APIError(400, f"tools[{i}] is a {kind!r} tool; this server runs function tools only",
+                               param=f"tools[{i}]")
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise APIError(400, f"tools[{i}]: a function tool needs a name (a non-empty string)",
                                param=f"tools[{i}]")
             tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                            if k in t}})
@@ -316,6 +322,7 @@ def _renamed(e: APIError) -> APIError:
 
 
 async def handle(state, request: Request):
+    state.key_tenant(request)  # (a 401 before the body is read)
     body = await read_body(request, state.config.max_request_bytes)
     req = await asyncio.to_thread(parse_body, body, ResponsesRequest)
     try:

@@ -96,6 +96,8 @@ def test_logprobs_on_request(client):
 @pytest.mark.parametrize("kw, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),  # (no name: once "runs function tools only")
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # nothing left to answer
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"tool_choice": "required"}, "tool_choice"),

@@ -66,6 +66,9 @@ def test_api_keys_name_tenants_and_guard_publishing(tiny_dir):
         alice, bob = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):  # the key before the body
+            r = httpx.post(s.url + path, content=b"{not json")
+            assert r.status_code == 401, (path, r.text)
         chat(s.url, agent_turn("a", doc, "q"), headers=alice)
         assert chat(s.url, agent_turn("bbbbbb", doc, "q"), headers=bob)["usage"]["irminsul"]["reused_tokens"] == 0
         assert chat(s.url, agent_turn("aaaaaa", doc, "q"), headers=alice)["usage"]["irminsul"]["reused_tokens"] > 0
