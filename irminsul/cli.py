@@ -40,6 +40,21 @@ def main(argv: list[str] | None = None) -> int:
     return run_for_people(lambda: args.func(args))
 
 
+def at_least(low: int):
+    """An argparse type: an integer >= low (a clear usage error otherwise, never a crash later)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"  # (argparse names the type in its message)
+    return parse
+
+
 def run_for_people(fn, prog: str = "irminsul") -> int:
     """Run a command (the CLI's, or a benchmark script's main): an error meant for people is one
     line on stderr and exit status 2, never a traceback; Ctrl-C is 130."""

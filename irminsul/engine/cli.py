@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from irminsul.cli import at_least
+
 HEADERS = ("request 1 agent=planner\n",
            "request 22 agent=support-bot tier=gold region=eu-west user=alice session=8812 locale=en-GB\n")
 QUESTION, ANSWER_PREFIX = "\n\nWhat is the passkey?", "The passkey is"
@@ -24,8 +26,8 @@ def register(sub) -> None:
     # NOTE: the bundled model finds the passkey for 7 of seeds 0-9 (at both header lengths; its
     # recall is in its model card); the default is one it gets right, so the demo shows reuse.
     p.add_argument("--seed", type=int, default=3, help="picks the passkey and where it sits in the document")
-    p.add_argument("--doc-chars", type=int, default=3000, help="length of the document (characters of policy)")
-    p.add_argument("--repeats", type=int, default=3, help="fresh caches per mode; times are their median")
+    p.add_argument("--doc-chars", type=at_least(1), default=3000, help="length of the document (characters of policy)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="fresh caches per mode; times are their median")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.set_defaults(func=run)
 

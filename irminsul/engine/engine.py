@@ -15,6 +15,7 @@ scheduler preempts a running sequence (`preempt`), which is recomputed later.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -45,6 +46,17 @@ def default_kv_cache_gib(device) -> float:
     return GPU_MEMORY_SHARE * free / 2**30
 
 
+def memory_bytes(device) -> float:
+    """The memory a pool on this device could at most take: the GPU's, or the machine's RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # (no sysconf: not checked)
+        return math.inf
+
+
 class PoolFull(RequestError):
     """The request cannot get rows now, even after evicting every cached row nobody is using."""
 
@@ -64,8 +76,11 @@ class Engine:
         self.max_prefill_tokens = max_prefill_tokens
         if pool is None:
             gib = default_kv_cache_gib(model.device) if kv_cache_gib is None else kv_cache_gib
-            if not gib > 0:
-                raise RequestError(f"kv_cache_gib={kv_cache_gib} must be > 0")
+            if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf:
+                raise RequestError(f"kv_cache_gib={kv_cache_gib!r} must be a number > 0")
+            if gib * 2**30 > (total := memory_bytes(model.device)):
+                raise RequestError(f"kv_cache_gib={kv_cache_gib!r} is more than the {total / 2**30:.0f} GiB of memory "
+                                   f"{'this GPU' if torch.device(model.device).type == 'cuda' else 'this machine'} has")
             pool = LatentPool.sized(cfg, int(gib * 2**30), model.dtype, model.device)
         self.pool = pool
         self.cache = make_reuse(reuse, self.pool, cfg.num_hidden_layers, **cache_options)
@@ -97,7 +112,9 @@ class Engine:
 
     # -- admission -------------------------------------------------------------------------
 
-    def validate_prompt(self, tokens: list[int]) -> None:
+    def validate_prompt(self, tokens: list[int], room: int = 1) -> None:
+        """Token ids in the vocabulary, and `room` positions left after them in the context (a prompt
+        needs one for its first output token; scoring's inputs need none)."""
         if not tokens:
             raise RequestError("the prompt is empty; send at least one token")
         vocab = self.config.vocab_size
@@ -109,10 +126,10 @@ class Engine:
             i = int(bad[0])
             raise RequestError(f"token id {tokens[i]} at index {i} is outside the vocabulary [0, {vocab})")
         limit = self.config.max_position_embeddings
-        if len(tokens) >= limit:
+        if len(tokens) + room > limit:
             raise RequestError(
                 f"the prompt has {len(tokens)} tokens but the model's context is {limit}; "
-                f"shorten it to at most {limit - 1} tokens"
+                f"shorten it to at most {limit - room} tokens"
             )
 
     def new_sequence(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
@@ -185,7 +202,7 @@ class Engine:
             return seq
         if self.cache.waits_for(seq.tokens, seq.segment_starts, seq.tenant):
             raise PoolFull("a running request is computing this prompt's content; admit it through the scheduler")
-        raise PoolFull(f"the KV pool ({self.pool.capacity_bytes / 2**20:.0f} MiB) cannot hold this request even "
+        raise PoolFull(f"the KV pool ({self.pool.describe()}) cannot hold this request even "
                        f"after evicting every cached row; raise kv_cache_gib or shorten the prompt")
 
     def _alloc(self, seq: Sequence, positions: np.ndarray) -> bool:
@@ -443,7 +460,7 @@ class Engine:
         while not seq.finished:
             if not self.reserve([seq]):
                 self.finish(seq)
-                raise PoolFull(f"the KV pool ({self.pool.capacity_bytes / 2**20:.0f} MiB) is full; "
+                raise PoolFull(f"the KV pool ({self.pool.describe()}) is full; "
                                f"raise kv_cache_gib")
             self.step([seq])
         self.finish(seq)
@@ -456,8 +473,11 @@ class Engine:
         if not continuation:
             raise RequestError("the continuation is empty; score needs at least one token")
         tokens = [int(t) for t in prompt] + [int(t) for t in continuation]
-        self.validate_prompt(tokens[:-1])
-        self.validate_prompt(list(continuation))
+        try:  # (the positions read: every token but the continuation's last)
+            self.validate_prompt(tokens[:-1], room=0)
+        except RequestError as e:
+            raise RequestError(f"scoring reads prompt + continuation but its last token: {e}") from None
+        self.validate_prompt(list(continuation), room=0)
         seq = self.add(list(prompt), SamplingParams(max_tokens=1), segment_starts, tenant)
         n = len(prompt)
         # The plan covers the prompt; the continuation (all but its last token) is computed too.

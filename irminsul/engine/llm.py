@@ -8,9 +8,10 @@ prompt in two segments is `Segments([[1, 2], [3, 4]])`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from irminsul.bundled import bundled_model
@@ -22,6 +23,10 @@ from irminsul.errors import RequestError
 from irminsul.model.identity import checkpoint_id
 from irminsul.model.loader import load_model
 from irminsul.model.tokenizer import Tokenizer
+
+# generate()'s keyword controls: SamplingParams' fields that are not its named arguments
+CONTROLS = frozenset(f.name for f in fields(SamplingParams)) - {
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs"}
 
 
 class Segments(tuple):
@@ -46,7 +51,11 @@ def _token_ids(x) -> bool:
 
 
 def normalize_prompt(prompt, tokenizer: Tokenizer) -> tuple[list[int], list[int] | None]:
-    """str | list[int] | Segments -> (token ids, segment starts or None)."""
+    """str | list[int] (or a 1-D integer array / tensor) | Segments -> (token ids, segment starts or None)."""
+    if isinstance(prompt, (np.ndarray, torch.Tensor)) and prompt.ndim == 1 and \
+            (prompt.dtype.kind in "iu" if isinstance(prompt, np.ndarray) else not prompt.is_floating_point()
+             and prompt.dtype != torch.bool):
+        prompt = prompt.tolist()
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("the prompt is empty; send at least one character")
@@ -74,6 +83,9 @@ class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",
                  device: str = "cpu", kv_cache_gib: float | None = None, max_running_requests: int = 256,
                  attention_backend: str = "torch", compile_decode: bool | None = None, **cache_options):
+        if isinstance(max_running_requests, bool) or not isinstance(max_running_requests, int) \
+                or max_running_requests < 1:
+            raise RequestError(f"max_running_requests={max_running_requests!r} must be an integer >= 1")
         self.path = Path(model) if model is not None else bundled_model("mla")
         self.model = load_model(self.path, dtype=dtype, device=device)
         if attention_backend != "torch":
@@ -99,11 +111,13 @@ class LLM:
         `controls` are SamplingParams' logit controls (presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias as ((id, bias), ...), min_p, min_tokens,
         include_stop_str_in_output)."""
+        if unknown := sorted(set(controls) - CONTROLS):
+            raise RequestError(f"generate() has no option {', '.join(unknown)}; its logit controls are "
+                               f"{', '.join(sorted(CONTROLS))}")
         batch = isinstance(prompts, (list, tuple)) and not isinstance(prompts, Segments) and not _token_ids(prompts)
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                                logprobs=logprobs, **controls)
+                                seed=seed, stop=() if stop is None else stop, stop_token_ids=stop_token_ids,
+                                ignore_eos=ignore_eos, logprobs=logprobs, **controls)
         items = list(prompts) if batch else [prompts]  # NOTE: [] is an empty prompt, refused as such
         seqs = []
         for p in items:

@@ -50,6 +50,10 @@ class LatentPool:
         per_slot = cfg.num_hidden_layers * cfg.row_width * torch.finfo(dtype).bits // 8
         return cls(cfg, max(2, nbytes // per_slot), dtype, device)
 
+    def describe(self) -> str:
+        """Its size for people: rows (tokens) and MiB."""
+        return f"{self.n_slots - 1:,} rows, {self.capacity_bytes / 2**20:.1f} MiB"
+
     @property
     def n_slots(self) -> int:
         return len(self.refs)

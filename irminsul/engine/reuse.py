@@ -16,6 +16,7 @@ computing right now waits for them instead of computing them again.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 
 import numpy as np
@@ -37,6 +38,9 @@ SHARED = "\x00shared"  # the operator's published namespace; no request can name
 def make_reuse(mode: str, pool: LatentPool, num_layers: int, **options):
     if mode not in MODES:
         raise RequestError(f"reuse={mode!r} is not a reuse mode; choose one of {', '.join(MODES)}")
+    known = set(inspect.signature(CacheReuse.__init__).parameters) - {"self", "mode", "pool", "num_layers"}
+    if unknown := sorted(set(options) - known):
+        raise RequestError(f"unknown cache option {', '.join(unknown)}; the options are {', '.join(sorted(known))}")
     if mode == "off":
         return NoReuse(pool)  # cache options are accepted and ignored: nothing is cached
     return CacheReuse(mode, pool, num_layers, **options)

@@ -66,12 +66,24 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
                 not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens]")
-        if any(not (isinstance(b, (int, float)) and -100.0 <= b <= 100.0) for _, b in self.logit_bias):
+        bias = self.logit_bias
+        if isinstance(bias, dict):  # OpenAI's {token id: bias}
+            bias = tuple(bias.items())
+        if not isinstance(bias, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in bias):
+            raise RequestError("logit_bias must be (token id, bias) pairs or a {token id: bias} dict")
+        if any(not _is_int(t) for t, _ in bias):
+            raise RequestError("logit_bias token ids must be integers")
+        if any(not (isinstance(b, (int, float)) and not isinstance(b, bool) and -100.0 <= b <= 100.0) for _, b in bias):
             raise RequestError("logit_bias values must be in [-100, 100]")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = (self.stop_token_ids,) if _is_int(self.stop_token_ids) else self.stop_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(_is_int(t) for t in ids):
+            raise RequestError("stop_token_ids must be a token id or a list of token ids (integers)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
     @property
     def greedy(self) -> bool:
@@ -172,3 +184,10 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int | None = None, step: int = 0) -> int:
     """logits [vocab] -> one token id (`sample_batch` for one row)."""
     return int(sample_batch(logits[None], [params], [request_seed(seed)], [step])[0])
+
+
+def _is_int(x) -> bool:
+    """An integer that is not a bool (numpy integers count)."""
+    import numbers
+
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

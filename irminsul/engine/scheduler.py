@@ -151,7 +151,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.finish_reason = "abort"
             seq.error = (f"the request needs more rows than the KV pool holds "
-                         f"({self.engine.pool.capacity_bytes / 2**20:.0f} MiB); raise kv_cache_gib")
+                         f"({self.engine.pool.describe()}); raise kv_cache_gib")
             failed.append(StepOutput(seq, None, "", True))
         return failed
 

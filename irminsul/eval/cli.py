@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from irminsul.cli import at_least
+
 
 def _common(p, n: int) -> None:
-    p.add_argument("--n", type=int, default=n, help=f"number of samples (default {n})")
+    p.add_argument("--n", type=at_least(1), default=n, help=f"number of samples (default {n})")
     p.add_argument("--model", default=None, help="MLA checkpoint directory (default: the bundled MLA model)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", default="runs/eval", help="folder for <name>.json/.md/.png (default runs/eval)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from irminsul.errors import RequestError
 from irminsul.model.attention import TorchAttention
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import MLP, Linear, LongcatMoE, MoE, RMSNorm
@@ -99,7 +100,7 @@ class DeepseekModel(nn.Module):
             backend = TritonAttention(self.config, self.rotary)
             kernel = triton_moe.fused_experts
         else:
-            raise ValueError(f"attention_backend={name!r}: choose torch or triton")
+            raise RequestError(f"attention_backend={name!r}: choose torch or triton")
         self.attention = backend
         for module in self.modules():
             if isinstance(module, MLAttention):

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from irminsul.errors import CheckpointError
+from irminsul.errors import CheckpointError, RequestError
 from irminsul.model.config import ModelConfig
 from irminsul.model.deepseek import DeepseekModel
 from irminsul.model.rope import Rotary
@@ -79,6 +79,20 @@ def _unfuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return tensors
 
 
+def check_device(device) -> None:
+    """A device this torch can run on, else a RequestError that says why."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise RequestError(f"device={device!r} is not a device torch knows; use cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RequestError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA GPU")
+    if dev.type not in ("cpu", "cuda"):
+        raise RequestError(f"device={device!r}: Irminsul runs on cpu or cuda")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise RequestError(f"device={device!r}, but there are {torch.cuda.device_count()} CUDA devices")
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                pack: bool = True) -> DeepseekModel:
     """The checkpoint as a DeepseekModel; `pack`: lay its weights out for inference (`DeepseekModel.pack`).
@@ -86,6 +100,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
+    check_device(device)
     from irminsul.model.v4_serving import is_v4, load_v4_serving
 
     if is_v4(path):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from irminsul.errors import RequestError
 from irminsul.model.attention import SeqAttention, TorchAttention, dsa_selection
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import Rotary, encode_half
@@ -95,7 +96,7 @@ class TritonAttention(TorchAttention):
     def __init__(self, cfg: ModelConfig, rotary: Rotary):
         why = available()
         if why is not None:
-            raise RuntimeError(why)
+            raise RequestError(why)
         super().__init__(cfg, rotary)
 
     def plan(self, seqs: list[SeqAttention], offsets: list[int], device) -> TritonPlan:

@@ -49,9 +49,11 @@ def config_from_args(args):
     from irminsul.cache.store import StoreConfig
     from irminsul.server.config import ServerConfig, ServerConfigError, parse_api_keys, parse_bytes
 
+    disk_bytes = parse_bytes(args.disk_budget, "--disk-budget")
+    if disk_bytes < 1 and any(s.startswith("disk:") for s in args.store or ()):
+        raise ServerConfigError(f"--disk-budget {args.disk_budget} holds nothing; give it a size, or drop the disk tier")
     try:
-        store = StoreConfig(tuple(args.store or ("memory",)), disk_bytes=parse_bytes(args.disk_budget, "--disk-budget"),
-                            redis_ttl_s=args.redis_ttl)
+        store = StoreConfig(tuple(args.store or ("memory",)), disk_bytes=disk_bytes, redis_ttl_s=args.redis_ttl)
     except ValueError as e:
         raise ServerConfigError(str(e)) from None
     return ServerConfig(

@@ -36,7 +36,11 @@ def parse_api_keys(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str],
     lines: list[str] = []
     for item in items:
         if item.startswith("@"):
-            lines += [s.strip() for s in Path(item[1:]).read_text().splitlines() if s.strip() and s[0] != "#"]
+            try:
+                text = Path(item[1:]).read_text()
+            except OSError as e:
+                raise ServerConfigError(f"--api-key {item}: cannot read {item[1:]} ({e.strerror})") from None
+            lines += [s.strip() for s in text.splitlines() if s.strip() and s[0] != "#"]
         else:
             lines.append(item)
     pairs = []

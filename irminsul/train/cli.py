@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from irminsul.errors import UserFacingError
 from irminsul.train.arch import ReferenceShape
 
 
@@ -60,13 +61,46 @@ def run(args) -> int:
                       ckpt_minutes=args.ckpt_minutes, data=args.data, shape=shape, init=args.init,
                       stop_after=args.stop_after, start_step=args.start_step, warmup=args.warmup, copy_steps=args.copy_steps,
                       attn_weight=args.attn_weight, attn_heads=args.attn_heads,
-                      **({"phases": tuple((int(lb.split("x")[0]), int(lb.split("x")[1]), float(sh))
-                                          for lb, sh in (p.split(":") for p in args.phases.split(",")))}
-                         if args.phases else {}),
-                      **({"mix": tuple((k, float(v)) for k, v in (kv.split("=") for kv in args.mix.split(",")))}
-                         if args.mix else {}))
+                      **({"phases": parse_phases(args.phases)} if args.phases else {}),
+                      **({"mix": parse_mix(args.mix)} if args.mix else {}))
     train(cfg)
     return 0
+
+
+def parse_phases(text: str) -> tuple[tuple[int, int, float], ...]:
+    """'256x8:0.4,512x4:0.6' -> ((256, 8, 0.4), (512, 4, 0.6)), or a UserFacingError."""
+    import re
+
+    out = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)x(\d+):(\S+)\s*", part)
+        try:
+            share = float(m.group(3)) if m else -1.0
+        except ValueError:
+            share = -1.0
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1 or not 0 < share < float("inf"):
+            raise UserFacingError(f"--phases: {part!r} is not LENGTHxBATCH:SHARE (e.g. 256x8:0.4)")
+        out.append((int(m.group(1)), int(m.group(2)), share))
+    return tuple(out)
+
+
+def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
+    """'passkey=0.4,kv=0.6' -> (("passkey", 0.4), ("kv", 0.6)), or a UserFacingError naming the tasks."""
+    from irminsul.train.tasks import KINDS
+
+    out = []
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if not sep or name not in KINDS or not share >= 0:
+            raise UserFacingError(f"--mix: {part!r} is not TASK=SHARE with a task among {', '.join(KINDS)}")
+        out.append((name, share))
+    if not sum(s for _, s in out) > 0:
+        raise UserFacingError("--mix: the shares add up to 0")
+    return tuple(out)
 
 
 def run_eval(args) -> int:

@@ -99,6 +99,13 @@ def test_bad_prompts_raise_clear_errors(llm, prompt, match):
     (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"),
     (dict(top_k=-2), "top_k"),
+    # found by probing: these once failed deep inside a step, or with a TypeError
+    (dict(logit_bias=((5.5, 1.0),)), "logit_bias token ids"),
+    (dict(logit_bias=5), "logit_bias must be"),
+    (dict(stop=5), "stop must be"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids must be"),
+    (dict(stop_token_ids=[10**9]), "outside the vocabulary"),
+    (dict(n=2), "no option n"),
 ])
 def test_bad_sampling_params(llm, kw, match):
     with pytest.raises(RequestError, match=match):
@@ -108,6 +115,38 @@ def test_bad_sampling_params(llm, kw, match):
 def test_unknown_reuse_mode(tiny_dir):
     with pytest.raises(RequestError, match="reuse"):
         LLM(tiny_dir, reuse="bogus")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_running_requests=0), "max_running_requests"),  # once: generate() waited forever
+    (dict(device="tpu"), "not a device"),
+    (dict(kv_cache_gib=float("inf")), "kv_cache_gib"),
+    (dict(kv_cache_gib=1e7), "more than the"),  # once: torch tried to allocate 10 PB
+    (dict(kv_cache_gib="1"), "kv_cache_gib"),
+    (dict(attention_backend="foo"), "attention_backend"),
+    (dict(bogus_option=3), "unknown cache option bogus_option"),  # once: silently ignored
+])
+def test_bad_constructor_arguments_are_clear_errors(tiny_dir, kw, match):
+    with pytest.raises(RequestError, match=match):
+        LLM(tiny_dir, **kw)
+
+
+def test_the_logit_controls_take_their_documented_forms(llm):
+    """logit_bias as pairs or OpenAI's dict, one stop token id or several, ids as arrays / tensors."""
+    import numpy as np
+
+    a = llm.generate([3, 4, 5], max_tokens=3, logit_bias=((7, 100.0),), stop_token_ids=[9])
+    b = llm.generate(np.array([3, 4, 5]), max_tokens=3, logit_bias={7: 100.0}, stop_token_ids=9)
+    c = llm.generate(torch.tensor([3, 4, 5]), max_tokens=3, logit_bias={7: 100.0}, stop_token_ids=(9,))
+    assert a.token_ids == b.token_ids == c.token_ids == [7, 7, 7]
+
+
+def test_score_reads_the_whole_context(llm):
+    """Scoring reads every token but the continuation's last: a full context of them is fine."""
+    n = llm.engine.config.max_position_embeddings
+    assert llm.score([5] * (n - 8), [6] * 9).shape[0] == 9
+    with pytest.raises(RequestError, match="context"):
+        llm.score([5] * (n - 8), [6] * 10)
 
 
 def test_missing_and_corrupt_checkpoints(tmp_path):

@@ -57,6 +57,10 @@ def test_disk_survives_restart_and_drops_corrupt_entries(tmp_path, layout):
     s = again.tier_stats
     assert s.corrupt == 1 and s.entries == 1 and not path.exists()
     assert again.put(entry(102, seed=2)) and again.get(102, np.arange(2, 10)) is not None
+    again._path(100).unlink()  # removed behind the store's back: a miss and dropped, not corruption
+    assert again.get(100, np.arange(0, 8)) is None
+    s = again.tier_stats
+    assert s.corrupt == 1 and 100 not in again
 
 
 def test_disk_budget_evicts_least_recently_used(tmp_path, layout):

@@ -19,6 +19,7 @@ import numpy as np
 from irminsul.cache.registry import Entry, PinCounts, Registry, RegistryStats
 from irminsul.cache.store.codec import CorruptEntry, ForeignEntry, RowLayout, decode, encode
 from irminsul.cache.store.stats import CorruptionLog, TierStats
+from irminsul.errors import UserFacingError
 
 SUFFIX = ".safetensors"
 
@@ -30,7 +31,13 @@ class DiskRegistry(Registry):
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.layout, self.budget_bytes = layout, budget_bytes
         self.dir = Path(root) / layout.model_id
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / ".irminsul-write-check"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise UserFacingError(f"--store disk:{root}: cannot use {self.dir} as a store ({e.strerror})") from None
         self._lock = threading.Lock()  # NOTE: the scheduler reads while a tiered writer may put
         self._index: OrderedDict[int, int] = OrderedDict()  # fingerprint -> file bytes, LRU first
         self._pins = PinCounts()
@@ -66,6 +73,9 @@ class DiskRegistry(Registry):
             return decode(blob, self.layout, fingerprint)
         except ForeignEntry:
             return None  # another namespace's (another store secret): not ours to serve or drop
+        except FileNotFoundError:  # removed behind our back (an operator, a cleaner): a miss, not corruption
+            self._drop(fingerprint)
+            return None
         except (OSError, CorruptEntry) as e:
             self._corrupt += 1
             self._report(fingerprint, str(e))
