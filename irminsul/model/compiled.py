@@ -78,27 +78,39 @@ def unavailable(model) -> str | None:
     return None
 
 
-def resolve(model, compile_decode: bool | None) -> "CompiledDecode | None":
-    """The model's compiled step, built and warmed, or None. compile_decode: True (required: a clear
-    error when unavailable), False, or None (auto: on where available, unless IRMINSUL_COMPILE_DECODE=0)."""
+def wanted(compile_decode: bool | None, why_not: str | None, what: str) -> bool:
+    """Whether to build compiled decode steps (here, or model/graphs.py's). compile_decode: True
+    (required: a clear error when `why_not` says they cannot be), False, or None (auto: where they
+    can be, unless IRMINSUL_COMPILE_DECODE=0)."""
     if compile_decode is False or (compile_decode is None and os.environ.get("IRMINSUL_COMPILE_DECODE") == "0"):
-        return None
-    why = unavailable(model)
-    if why is not None:
+        return False
+    if why_not is not None:
         if compile_decode:
-            raise ValueError(f"the compiled decode step needs {why}")
+            raise ValueError(f"{what} needs {why_not}")
+        return False
+    return True
+
+
+def built(compile_decode: bool | None, build, failed: str):
+    """build()'s result; when it raises (a compiler or a capture that fails), an error if the steps
+    were required, else None with a warning: the eager path serves."""
+    try:
+        return build()
+    except Exception as e:
+        if compile_decode:
+            raise ValueError(f"{failed}: {e}") from e
+        log.warning("%s; decoding eagerly: %s", failed, e)
+        return None
+
+
+def resolve(model, compile_decode: bool | None) -> "CompiledDecode | None":
+    """The model's compiled step, built and warmed, or None (`wanted` says when)."""
+    if not wanted(compile_decode, unavailable(model), "the compiled decode step"):
         return None
     step = getattr(model, "_compiled_decode", None)
     if step is None:
         log.info("compiling the decode steps (once per model; compile_decode=False skips it)")
-        step = CompiledDecode(model)
-        try:
-            step.warm_up()
-        except Exception as e:  # a compiler that fails: the eager path serves, and says so
-            if compile_decode:
-                raise ValueError(f"the compiled decode step failed to compile: {e}") from e
-            log.warning("the compiled decode step failed to compile; decoding eagerly: %s", e)
-            return None
+        step = built(compile_decode, lambda: CompiledDecode(model).warmed(), "the compiled decode step failed to compile")
         model._compiled_decode = step
     return step
 
@@ -127,6 +139,10 @@ class CompiledDecode:
         with torch.fx.experimental._config.patch(use_duck_shape=False), \
                 torch._dynamo.config.patch(capture_scalar_outputs=True):  # (`_moe`'s expert ids)
             self._warm_up()
+
+    def warmed(self) -> "CompiledDecode":
+        self.warm_up()
+        return self
 
     def _warm_up(self) -> None:
         cfg = self.model.config

@@ -26,19 +26,16 @@ LongCat-Flash (its zero-computation experts loop on the host) for now.
 
 from __future__ import annotations
 
-import logging
-import os
-
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from irminsul.model.attention import EMPTY_SLOT
+from irminsul.model.compiled import built, wanted
 from irminsul.model.layers import LongcatMoE
 from irminsul.model.mla import ForwardBatch
 from irminsul.model.triton_attention import Tiles, TritonAttention, TritonPlan
 
-log = logging.getLogger("irminsul.model")
 MAX_BATCH = 128  # the largest captured batch (vLLM's default capture sizes reach 512)
 MAX_LEN = 16384  # keys per sequence a captured step covers (longer sequences decode eagerly)
 
@@ -61,27 +58,14 @@ def supported(model) -> str | None:
 
 
 def resolve(model, pool: torch.Tensor, compile_decode: bool | None) -> "DecodeGraphs | None":
-    """The engine's captured decode steps over `pool`, or None. compile_decode: True (required:
-    on a CPU the uncaptured static step, a test mode), False, or None (auto: captured on a GPU
-    unless IRMINSUL_COMPILE_DECODE=0)."""
-    if compile_decode is False or (compile_decode is None and os.environ.get("IRMINSUL_COMPILE_DECODE") == "0"):
-        return None
-    why = supported(model)
-    if why is not None:
-        if compile_decode:
-            raise ValueError(f"CUDA graphs need {why}")
+    """The engine's captured decode steps over `pool`, or None (`compiled.wanted` says when; auto
+    captures on a GPU only, and True on a CPU runs the uncaptured static step, a test mode)."""
+    if not wanted(compile_decode, supported(model), "capturing decode steps as CUDA graphs"):
         return None
     if compile_decode is None and pool.device.type != "cuda":
         return None  # the interpreter gains nothing from the static step
-    graphs = DecodeGraphs(model, pool)
-    try:
-        graphs.capture_all()
-    except Exception as e:  # a capture that fails: the eager path serves, and says so
-        if compile_decode:
-            raise ValueError(f"capturing the decode steps failed: {e}") from e
-        log.warning("capturing the decode steps as CUDA graphs failed; decoding eagerly: %s", e)
-        return None
-    return graphs
+    return built(compile_decode, lambda: DecodeGraphs(model, pool).captured(),
+                 "capturing the decode steps as CUDA graphs failed")
 
 
 class DecodeGraphs:
@@ -165,6 +149,10 @@ class DecodeGraphs:
                 self.graphs[size] = graph
             torch.cuda.synchronize(dev)
             assert self.model.rotary.table(self.max_len, dev)[0] is self.table[0]
+
+    def captured(self) -> "DecodeGraphs":
+        self.capture_all()
+        return self
 
     def __call__(self, tokens: np.ndarray, lengths: np.ndarray, slots: list[np.ndarray]) -> torch.Tensor:
         """Decode one token of each of n sequences (`fits`): tokens [n] at positions lengths - 1;
