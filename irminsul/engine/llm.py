@@ -109,8 +109,8 @@ class LLM:
         """One prompt -> one result; a list of prompts -> a list of results, in order, generated
         together (continuous batching). Greedy by default; the sampling options apply to every prompt;
         `controls` are SamplingParams' logit controls (presence_penalty, frequency_penalty,
-        repetition_penalty, logit_bias as ((id, bias), ...), min_p, min_tokens,
-        include_stop_str_in_output)."""
+        repetition_penalty, logit_bias as ((id, bias), ...) or {id: bias}, min_p, min_tokens,
+        include_stop_str_in_output, skip_special_tokens, constraint)."""
         if unknown := sorted(set(controls) - CONTROLS):
             raise RequestError(f"generate() has no option {', '.join(unknown)}; its logit controls are "
                                f"{', '.join(sorted(CONTROLS))}")
