@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from irminsul.cli import run_for_people
+from irminsul.errors import UserFacingError
 from irminsul.machine import describe
 from irminsul.server.bench import replay, summarise
 from irminsul.server.testing import ServerProcess
@@ -66,10 +67,12 @@ def main(argv=None) -> int:
         server = ServerProcess("--model", str(model), "--reuse", mode, 
                                "--log-level", "warning", timeout=300)
         try:
-            samples, duration, card = asyncio.run(replay(server.url, requests, args.concurrency, args.max_tokens,
-                                                         progress=False))
+            samples, duration, card, failures = asyncio.run(replay(server.url, requests, args.concurrency,
+                                                                   args.max_tokens, progress=False))
         finally:
             server.stop()
+        if failures:  # the two modes must serve the same requests for their figures to compare
+            raise UserFacingError(f"{mode}: {len(failures)} requests failed; the first: {failures[0]}")
         results[mode] = summarise(server.url, samples, duration, card, args.concurrency)
         print(f"{mode}: done ({duration:.0f} s)", file=sys.stderr)
     first = next(iter(results.values()))

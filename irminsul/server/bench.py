@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
+from irminsul.errors import UserFacingError
 from irminsul.machine import describe
 
 KINDS = ("prefix_tokens", "reused_tokens", "carve_out_tokens", "computed_tokens")
@@ -48,6 +49,7 @@ class BenchResult:
     output_tokens_per_s: float
     prompt_tokens: int
     fraction: dict  # kind -> share of prompt tokens
+    failed: int = 0  # requests the server refused or failed (not in the figures above)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -94,7 +96,9 @@ async def _one(client, url: str, request, model: str, max_tokens: int) -> Sample
 
 
 async def replay(url: str, requests, concurrency: int, max_tokens: int, api_key: str | None = None,
-                 progress: bool = True) -> tuple[list[Sample], float, dict]:
+                 progress: bool = True) -> tuple[list[Sample], float, dict, list[str]]:
+    """-> (samples, seconds, the model card, why each failed request failed). A request the server
+    refuses (a prompt longer than its context, say) is counted and the replay goes on."""
     import httpx
 
     sessions: dict[str, list] = defaultdict(list)
@@ -103,25 +107,30 @@ async def replay(url: str, requests, concurrency: int, max_tokens: int, api_key:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gate = asyncio.Semaphore(concurrency)
     samples: list[Sample] = []
+    failures: list[str] = []
     async with httpx.AsyncClient(timeout=None, headers=headers) as client:
         card = (await client.get(url + "/v1/models")).json()["data"][0]
 
         async def session(turns):
             async with gate:
                 for r in turns:
-                    samples.append(await _one(client, url, r, card["id"], max_tokens))
+                    try:
+                        samples.append(await _one(client, url, r, card["id"], max_tokens))
+                    except RuntimeError as e:
+                        failures.append(str(e))
                     if progress:
-                        print(f"\r{len(samples)}/{len(requests)} requests", end="", flush=True)
+                        print(f"\r{len(samples) + len(failures)}/{len(requests)} requests", end="", flush=True)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(session(t) for t in sessions.values()))
         duration = time.perf_counter() - t0
     if progress:
         print()
-    return samples, duration, card
+    return samples, duration, card, failures
 
 
-def summarise(url: str, samples: list[Sample], duration: float, card: dict, concurrency: int) -> BenchResult:
+def summarise(url: str, samples: list[Sample], duration: float, card: dict, concurrency: int,
+              failed: int = 0) -> BenchResult:
     ttft = [s.ttft_s for s in samples]
     prompt = sum(s.prompt_tokens for s in samples)
     fraction = {k.removesuffix("_tokens"): sum(s.split.get(k, 0) for s in samples) / max(1, prompt) for k in KINDS}
@@ -132,16 +141,19 @@ def summarise(url: str, samples: list[Sample], duration: float, card: dict, conc
         ttft_mean_s=sum(ttft) / max(1, len(ttft)), requests_per_s=len(samples) / duration,
         prompt_tokens_per_s=prompt / duration,
         output_tokens_per_s=sum(s.completion_tokens for s in samples) / duration, prompt_tokens=prompt,
-        fraction=fraction)
+        fraction=fraction, failed=failed)
 
 
 def run_bench(args) -> int:
     from irminsul.workloads.trace import read_trace
 
     requests = read_trace(args.trace)[: args.limit]
-    samples, duration, card = asyncio.run(replay(args.url, requests, args.concurrency, args.max_tokens,
-                                                 args.api_key, progress=not args.json))
-    result = summarise(args.url, samples, duration, card, args.concurrency)
+    samples, duration, card, failures = asyncio.run(replay(args.url, requests, args.concurrency, args.max_tokens,
+                                                           args.api_key, progress=not args.json))
+    if not samples:
+        raise UserFacingError(f"all {len(failures)} requests failed; the first: {failures[0]}" if failures
+                              else "the trace has no requests")
+    result = summarise(args.url, samples, duration, card, args.concurrency, len(failures))
     if args.json:
         print(json.dumps({"trace": str(args.trace), **asdict(result)}))
         return 0
@@ -156,4 +168,6 @@ def run_bench(args) -> int:
           f"{result.output_tokens_per_s:.1f} output tok/s   ({result.duration_s:.1f} s)")
     print(f"prompt   {result.prompt_tokens} tokens: prefix {f['prefix']:.1%}  reused {f['reused']:.1%}  "
           f"computed {f['computed']:.1%} (of which carve-out {f['carve_out']:.1%})")
+    if failures:
+        print(f"failed   {len(failures)} requests, not counted above; the first: {failures[0]}")
     return 0
