@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from irminsul.cli import at_least
 from irminsul.errors import UserFacingError
 
 
@@ -16,12 +17,28 @@ def _build(args) -> int:
     from irminsul.workloads.trace import write_trace
 
     requests = apply_pattern(args.pattern, build_source(args.source, args.data, args.n), seed=args.seed)
+    dropped = ""
+    if args.max_prompt_tokens is not None:
+        # each session up to its first turn over the limit (its later turns build on that one)
+        from irminsul.workloads.render import render_trace
+
+        over: set[str] = set()
+        kept = []
+        for request, (session, rendered) in zip(requests, render_trace(requests, args.tokenizer, desc="measure")):
+            if session not in over and len(rendered.token_ids) > args.max_prompt_tokens:
+                over.add(session)
+            if session not in over:
+                kept.append(request)
+        dropped = (f"; dropped {len(requests) - len(kept)} requests: {len(over)} sessions cut at their first prompt "
+                   f"over {args.max_prompt_tokens} tokens ({args.tokenizer} tokenizer)")
+        requests = kept
     if not requests:
         raise UserFacingError(f"{args.pattern} from {args.source} built no requests"
-                              f"{f' from the first {args.n} sessions' if args.n is not None else ''}; nothing written")
+                              f"{f' from the first {args.n} sessions' if args.n is not None else ''}{dropped}; "
+                              f"nothing written")
     n = write_trace(args.out, requests)
     print(f"wrote {n} requests in {len(Counter(r.session for r in requests))} sessions "
-          f"({args.pattern} from {args.source}, seed {args.seed}) to {args.out}")
+          f"({args.pattern} from {args.source}, seed {args.seed}) to {args.out}{dropped}")
     return 0
 
 
@@ -118,9 +135,14 @@ def register(subparsers) -> None:
     b.add_argument("pattern", choices=sorted(PATTERNS))
     b.add_argument("--source", required=True, choices=sorted(SOURCES))
     b.add_argument("--out", required=True, help="the JSONL trace to write")
-    b.add_argument("--n", type=int, default=None, help="keep the first N sessions of the source")
+    b.add_argument("--n", type=at_least(1), default=None, help="keep the first N sessions of the source")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
+    b.add_argument("--max-prompt-tokens", type=at_least(1), default=None, metavar="N",
+                   help="cut each session before its first prompt longer than N tokens, as `census` renders it "
+                        "with --tokenizer (a server's own chat template may count fewer): a trace a model with a "
+                        "context of N + its output serves whole (the bundled model: 2048)")
+    b.add_argument("--tokenizer", default="deepseek", help="deepseek (default), qwen2 or a tokenizer directory")
     b.set_defaults(func=_build)
 
     c = subparsers.add_parser("census", help="class a trace's tokens as prefix / shifted / novel")

@@ -58,7 +58,10 @@ def test_no_data_is_an_error_not_an_empty_trace(tmp_path, capsys):
     assert "missing data file" in capsys.readouterr().err and not out.exists()
     assert main([*argv, "--data", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err and not out.exists()
-    assert main([*argv, "--n", "0"]) == 2
+    with pytest.raises(SystemExit) as e:  # (argparse's usage error: --n counts sessions)
+        main([*argv, "--n", "0"])
+    assert e.value.code == 2 and "--n: 0 must be >= 1" in capsys.readouterr().err and not out.exists()
+    assert main([*argv, "--max-prompt-tokens", "10"]) == 2  # every session cut before its first turn
     assert "built no requests" in capsys.readouterr().err and not out.exists()
 
 
@@ -73,3 +76,24 @@ def test_unknown_strategy_is_refused_before_rendering(trace, capsys, monkeypatch
 def test_plots_say_where_they_went(trace, capsys, tmp_path):
     assert main(["census", str(trace), "--plot", str(tmp_path / "c.png")]) == 0
     assert f"wrote {tmp_path / 'c.png'}" in capsys.readouterr().err
+
+
+def test_build_can_cut_sessions_to_a_context(tmp_path, capsys):
+    """--max-prompt-tokens keeps each session up to its first prompt over the limit: a trace a small
+    model serves whole (found by probing: every tau-bench/MuSiQue/BFCL trace overflowed the bundled model)."""
+    from irminsul.workloads.render import render_trace
+    from irminsul.workloads.trace import read_trace
+
+    full, cut = tmp_path / "full.jsonl", tmp_path / "cut.jsonl"
+    assert main(["workloads", "build", "raw", "--source", "toolbench", "--n", "10", "--out", str(full)]) == 0
+    assert main(["workloads", "build", "raw", "--source", "toolbench", "--n", "10", "--out", str(cut),
+                 "--max-prompt-tokens", "1800"]) == 0
+    assert "sessions cut at their first prompt over 1800 tokens" in capsys.readouterr().out
+    whole, kept = read_trace(full), read_trace(cut)
+    lengths = {id(r): len(x.token_ids) for r, (_, x) in zip(whole, render_trace(whole, "deepseek"))}
+    assert 0 < len(kept) < len(whole)
+    assert all(len(x.token_ids) <= 1800 for _, x in render_trace(kept, "deepseek"))
+    for session in {r.session for r in whole}:  # each session: a prefix of its turns, cut before the first long one
+        turns, left = [r for r in whole if r.session == session], [r for r in kept if r.session == session]
+        first_long = next((i for i, r in enumerate(turns) if lengths[id(r)] > 1800), len(turns))
+        assert [r.to_json() for r in left] == [r.to_json() for r in turns[:first_long]]
