@@ -61,6 +61,10 @@ class PoolFull(RequestError):
     """The request cannot get rows now, even after evicting every cached row nobody is using."""
 
 
+class PoolBusy(PoolFull):
+    """... but it could once running requests give theirs back: a retry may succeed (a 503)."""
+
+
 class Engine:
     def __init__(self, model: DeepseekModel, tokenizer: Tokenizer, reuse: str = "off",
                  max_prefill_tokens: int = 2048, kv_cache_gib: float | None = None, pool: LatentPool | None = None,
@@ -505,11 +509,15 @@ class Engine:
         position 0) and register its chunks in the shared namespace, which every tenant searches
         after its own. Shared rows never depend on a stranger's prefix (HijackKV, docs/design.md §6)."""
         ids = [int(t) for t in tokens]
-        self.validate_prompt(ids)
+        self.validate_prompt(ids, room=0)  # (nothing is generated after it)
+        if len(ids) > self.pool.n_slots - 1:
+            raise RequestError(f"the document has {len(ids)} tokens but the KV pool holds {self.pool.describe()}; "
+                               f"raise kv_cache_gib or publish it in parts")
         seq = Sequence(tokens=ids, prompt_len=len(ids), params=SamplingParams(max_tokens=1))
         seq.slots = np.zeros(len(ids), np.int64)
         if not self._alloc(seq, np.arange(len(ids))):
-            raise PoolFull("the KV pool cannot hold this document; raise kv_cache_gib")
+            raise PoolBusy(f"the KV pool ({self.pool.describe()}) has no room for this document's {len(ids)} rows "
+                           f"while the running requests hold theirs; retry later")
         try:
             for start in range(0, len(ids), self.max_prefill_tokens):
                 take = np.arange(start, min(len(ids), start + self.max_prefill_tokens))

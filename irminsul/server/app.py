@@ -250,7 +250,9 @@ async def _publish(state: ServerState, request: Request) -> dict:
     """{"text": str} or {"token_ids": [int]}: precompute in a trusted context and share with all tenants."""
     import json
 
-    from irminsul.server.protocol import read_body
+    from irminsul.engine.engine import PoolBusy
+    from irminsul.errors import RequestError
+    from irminsul.server.protocol import check_values, read_body
 
     state.check_admin(request)
     try:
@@ -259,6 +261,7 @@ async def _publish(state: ServerState, request: Request) -> dict:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict) or ("text" in body) == ("token_ids" in body):
         raise APIError(400, "send exactly one of 'text' (a string) or 'token_ids' (a list of ints)")
+    check_values(body)  # lone surrogates, deep nesting: as every other endpoint
     state.check_model(body.get("model"))
     if state.engine.reuse not in ("pic", "naive"):
         raise APIError(400, f"publishing needs content reuse (--reuse pic or naive); this server runs "
@@ -272,9 +275,14 @@ async def _publish(state: ServerState, request: Request) -> dict:
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise APIError(400, "'token_ids' must be a list of integers", param="token_ids")
     try:
-        state.engine.validate_prompt(tokens)
+        state.engine.validate_prompt(tokens, room=0)
     except ValueError as e:
         raise APIError(400, str(e), param="text" if "text" in body else "token_ids") from None
-    done = await asyncio.wrap_future(state.runner.call(state.engine.publish, tokens))
+    try:
+        done = await asyncio.wrap_future(state.runner.call(state.engine.publish, tokens))
+    except PoolBusy as e:
+        raise APIError(503, str(e)) from None
+    except RequestError as e:
+        raise APIError(400, str(e), param="text" if "text" in body else "token_ids") from None
     return {"object": "cache.chunks", "tokens": len(tokens), "entries": done.entries,
             "stored_tokens": done.tokens, "skipped": done.skipped, "rejected": done.rejected}

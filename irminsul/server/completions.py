@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import time
 import uuid
@@ -143,17 +144,29 @@ async def handle(state, request: Request, chat: bool):
     job = jobs[0]
     channel = await submit_one(state, job)
     fmt = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat))
-    if not chat and req.echo:  # the prompt's own log-probs, scored on the engine thread between steps
-        fmt.echo = await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
     stream = (lambda first: _stream(state, [job], _Tagged(channel), fmt, (0, first))) if req.stream else None
-    return await answer_one(state, request, job, channel, stream,
-                            lambda event: fmt.response([event], [fmt.echo] if fmt.echo is not None else None))
+
+    async def whole(event):
+        echo = None
+        if not chat and req.echo:
+            echo = await _echo(state, job)
+        return fmt.response([event], [echo] if echo is not None else None)
+
+    return await answer_one(state, request, job, channel, stream, whole)
+
+
+async def _echo(state, job: Job):
+    """The prompt's own log-probs, scored on the engine thread between steps. NOTE: after the job has
+    run: scored first, the prompt's rows would be cached before the job is admitted, and its usage
+    would count the prompt as a prefix hit (cached_tokens) although nothing had sent it before."""
+    return await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
 
 
 async def answer_one(state, request: Request, job: Job, channel: _Channel, stream, whole):
     """The answer to a one-job request once it is queued: its first event decides (a failure at
     admission is a 4xx, not an error inside a 200 stream), then `stream(first)` (the SSE chunks) or
-    `whole(finished)` (the JSON body). A client that goes away gets a 499 and its job is aborted."""
+    `whole(finished)` (the JSON body; it may be a coroutine). A client that goes away gets a 499 and its
+    job is aborted."""
     watcher = asyncio.ensure_future(_disconnected(request))
     first = await first_event(state, job, channel, watcher)
     if first is None:
@@ -167,7 +180,8 @@ async def answer_one(state, request: Request, job: Job, channel: _Channel, strea
         watcher.cancel()
     if event is None:
         return JSONResponse({}, status_code=499)
-    return JSONResponse(whole(event))
+    body = whole(event)
+    return JSONResponse(await body if inspect.isawaitable(body) else body)
 
 
 async def submit_one(state, job: Job, emit=None) -> _Channel:
@@ -226,9 +240,6 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
     if req.stream:  # (stream with echo is refused up front)
         return StreamingResponse(_stream(state, jobs, merged, fmt, None, len(jobs) // req.n),
                                  media_type="text/event-stream")
-    echoes = None
-    if not chat and req.echo:
-        echoes = [await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job)) for job in jobs]
     watcher = asyncio.ensure_future(_disconnected(request))
     events = []
     try:
@@ -245,6 +256,7 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
         raise
     finally:
         watcher.cancel()
+    echoes = [await _echo(state, job) for job in jobs] if not chat and req.echo else None
     prompts = len(jobs) // req.n
     return JSONResponse(fmt.response(events, echoes, prompts))
 
@@ -331,7 +343,6 @@ class _Format:
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.tool_format, self.tool_names = tool_format or (None, None)
         self.max_calls = 1 if chat and req.parallel_tool_calls is False else None
-        self.echo: tuple[list[int], list] | None = None  # completions with echo: prompt tokens and log-probs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -140,7 +140,7 @@ async def read_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _check_values(value, path: str = "", depth: int = 0) -> None:
+def check_values(value, path: str = "", depth: int = 0) -> None:
     """Refuse what JSON can carry but the engine cannot take: lone surrogates (\\ud800 escapes
     make strings no tokenizer encodes) and deep nesting."""
     if depth > MAX_DEPTH:
@@ -153,11 +153,11 @@ def _check_values(value, path: str = "", depth: int = 0) -> None:
                            param=path or None) from None
     elif isinstance(value, dict):
         for k, v in value.items():
-            _check_values(k, path, depth + 1)
-            _check_values(v, f"{path}.{k}" if path else str(k), depth + 1)
+            check_values(k, path, depth + 1)
+            check_values(v, f"{path}.{k}" if path else str(k), depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_values(v, f"{path}[{i}]", depth + 1)
+            check_values(v, f"{path}[{i}]", depth + 1)
 
 
 class PublishRequest(BaseModel):
@@ -211,7 +211,7 @@ def parse_body(raw: bytes, model: type[BaseModel]):
         raise APIError(400, f"the request nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
-    _check_values(data)
+    check_values(data)
     return validated(model, data)
 
 

@@ -214,6 +214,24 @@ def test_published_documents_are_shared_across_tenants(tiny_dir):
     engine.finish(seq)
 
 
+def test_publishing_without_room_says_whether_a_retry_can_help(tiny_dir):
+    """Found by probing: both once reached the client as a 500 "internal error". A document larger
+    than the pool is the request's fault (400); one that fits only once running requests give their
+    rows back is PoolBusy (the server answers 503: retry)."""
+    from irminsul.engine.engine import PoolBusy
+
+    probe = LLM(tiny_dir, reuse="pic")
+    engine = LLM(tiny_dir, reuse="pic", kv_cache_gib=700 * probe.engine.pool.bytes_per_slot / 2**30).engine
+    with pytest.raises(RequestError, match="the document has 800 tokens but the KV pool holds") as e:
+        engine.publish(_rand(800, 85))
+    assert not isinstance(e.value, PoolBusy)
+    running = engine.add(_rand(500, 86), _params())  # holds 500 of the 700 rows
+    with pytest.raises(PoolBusy, match="retry later"):
+        engine.publish(_rand(400, 87))
+    engine.finish(running)
+    assert engine.publish(_rand(400, 87)).entries > 0  # its rows given back (cached rows are evicted)
+
+
 def test_pic_plus_r_recomputes_the_most_deviating_rows(tiny_dir):
     first, second = _shifted_case(9)
     ref = LLM(tiny_dir, reuse="off").score(second[:-3], second[-3:])

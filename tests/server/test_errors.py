@@ -88,6 +88,7 @@ ADMIN_CASES = [
     ({"text": ""}, 400, "non-empty"),
     ({"text": "a", "token_ids": [1]}, 400, "exactly one"),
     ({"token_ids": [1, True]}, 400, "list of integers"),
+    (b'{"text": "a\\ud800b"}', 400, "surrogate"),  # once a 500 from the tokenizer
 ]
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "chunks": "/v1/cache/chunks"}
 
@@ -112,7 +113,9 @@ def admin_server(tiny_dir):
 
 @pytest.mark.parametrize("body, status, message", ADMIN_CASES, ids=[c[2] for c in ADMIN_CASES])
 def test_bad_publish_gets_a_clear_4xx(admin_server, body, status, message):
-    r = httpx.post(admin_server.url + PATHS["chunks"], json=body, headers={"Authorization": "Bearer root"})
+    data = body if isinstance(body, bytes) else None
+    r = httpx.post(admin_server.url + PATHS["chunks"], content=data, json=None if data else body,
+                   headers={"Authorization": "Bearer root", "Content-Type": "application/json"})
     assert r.status_code == status and message in r.json()["error"]["message"], r.text
 
 

@@ -103,6 +103,30 @@ def test_echo_returns_the_prompts_logprobs_as_lm_eval_reads_them(client, tiny_di
     assert lp.text_offset[: len(ids)] == sorted(lp.text_offset[: len(ids)])
 
 
+def test_echo_does_not_count_its_own_scoring_as_a_cache_hit(tiny_dir):
+    """Found by probing: the prompt's log-probs were scored while the job still queued, so a prompt
+    nobody had sent before came back as almost all cached (cached_tokens = prompt - 1). Here the job
+    queues behind a long request (one runs at a time)."""
+    import threading
+
+    from tests.server.server_helpers import start
+
+    s = start(tiny_dir, max_running_requests=1)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        busy = threading.Thread(target=lambda: c.completions.create(
+            model="tiny", prompt=[7] * 20, max_tokens=300, temperature=0, extra_body={"ignore_eos": True}))
+        busy.start()
+        ids = list(range(40, 140))
+        out = c.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+        busy.join()
+        u = out.usage.model_extra["irminsul"]
+        assert out.usage.prompt_tokens_details.cached_tokens == 0 and u["computed_tokens"] == len(ids), out.usage
+        assert len(out.choices[0].logprobs.token_logprobs) == len(ids) + 1
+    finally:
+        s.stop()
+
+
 def test_a_stop_token_is_scored_though_not_output(client, tiny_dir):
     """When the one generated token is EOS, its entry is still there (as vLLM's is): lm-eval reads
     token_logprobs[ctxlen:-1], so a missing entry would cut the continuation's last token."""
