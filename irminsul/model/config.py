@@ -168,6 +168,8 @@ class ModelConfig:
             raise ConfigError(f"{path} is missing: a checkpoint directory needs config.json") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a JSON object (a model config), not a {type(raw).__name__}")
         return _parse(raw)
 
 

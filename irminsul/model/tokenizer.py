@@ -62,7 +62,12 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises a bare Exception on a corrupt file
             raise CheckpointError(f"{file} could not be read ({e})") from None
         config_file = path / "tokenizer_config.json"
-        self.config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        try:
+            self.config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{config_file} is not valid JSON ({e})") from None
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{config_file} must hold a JSON object, not a {type(self.config).__name__}")
         self.chat_template: str | None = self.config.get("chat_template")
         self.bos_token_id = self._id(self.config.get("bos_token"))
         self.eos_token_id = self._id(self.config.get("eos_token"))

@@ -109,6 +109,11 @@ class ServerState:
             raise APIError(403, "publishing shared chunks needs the admin key (--admin-key)")
 
     def close(self) -> None:
+        """Stop the engine thread and the store's threads (idempotent: the app's shutdown and the CLI
+        both call it)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self.runner.stop()
         if hasattr(self.registry, "close"):
             self.registry.close()

@@ -77,8 +77,13 @@ def serve(args) -> int:
     config = config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     state = ServerState(config)  # loads the model; errors reach the CLI's one-line handler
-    uvicorn.run(create_app(config, state), host=config.host, port=config.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(create_app(config, state), host=config.host, port=config.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        # NOTE: a forced exit (a second Ctrl-C) skips the app's shutdown; the engine thread must still be
+        # stopped before the interpreter exits, or it dies inside a torch call and the process aborts
+        state.close()
     return 0
 
 

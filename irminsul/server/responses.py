@@ -131,6 +131,10 @@ def to_messages(req: ResponsesRequest) -> list[dict]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
                 raise APIError(400, f"{where}: a function_call_output needs call_id and output", param=where)
+            calls = {c["id"] for m in messages for c in m.get("tool_calls") or ()}
+            if item["call_id"] not in calls:  # (stateless: the call must be in this input, before its output)
+                raise APIError(400, f"{where}: no function_call with call_id {item['call_id']!r} comes before this "
+                                    f"output in input", param=where)
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": output if isinstance(output, str) else _text(output, where)})
         elif kind == "reasoning":
@@ -228,6 +232,8 @@ class _Builder:
             self.output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
                                 "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                                 "status": "completed"})
+        if self.output:  # the item being written when max_output_tokens cut it off (OpenAI marks it so)
+            self.output[-1]["status"] = self.status(finished)
         return self.response(self.status(finished), finished)
 
     def _logprobs(self, entries) -> list[dict]:
@@ -284,12 +290,13 @@ class _Builder:
         return [self.event("response.function_call_arguments.delta", item_id=self.open["id"],
                            output_index=len(self.output), delta=piece)]
 
-    def close(self) -> list[str]:
+    def close(self, status: str = "completed") -> list[str]:
+        """Finish the open item; `status`: "incomplete" for the one max_output_tokens cut off."""
         item, self.open = self.open, None
         if item is None:
             return []
         index, out = len(self.output), []
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
@@ -304,8 +311,8 @@ class _Builder:
         return out
 
     def end(self, finished: Finished) -> list[str]:
-        out = self.close()
         status = self.status(finished)
+        out = self.close(status)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return out + [self.event(kind, response=self.response(status, finished))]
 
@@ -341,24 +348,30 @@ async def _stream(state, job, channel: _Channel, build: _Builder, first):
     fmt = build.fmt
     parser = ToolCallParser(fmt.tool_format, fmt.tool_names, fmt.max_calls) if fmt.tool_format is not None else None
     done = False
+    # log-probs of text not yet sent: they go with the text, not with calls, and the tool-call parser
+    # may hold text back until it knows which it is (once dropped there: found by probing)
+    pending: list[dict] = []
+
+    def pieces_out(pieces):
+        nonlocal pending
+        for piece in pieces:
+            lines = build.piece(piece, pending if piece[0] == "content" else [])
+            if lines:
+                pending = []  # sent with the text, or the text was a call's
+            yield from lines
+
     try:
         for line in build.start():
             yield line
         event = first
         while True:
             if isinstance(event, Delta):
-                logprobs = build._logprobs(event.logprobs)  # (they go with the text, not with calls)
-                pieces = parser.feed(event.text) if parser is not None else [("content", event.text)]
-                for piece in pieces:
-                    lines = build.piece(piece, logprobs)
-                    if lines and piece[0] == "content":
-                        logprobs = []
-                    for line in lines:
-                        yield line
+                pending = pending + build._logprobs(event.logprobs)
+                for line in pieces_out(parser.feed(event.text) if parser is not None else [("content", event.text)]):
+                    yield line
             elif isinstance(event, Finished):
-                for piece in parser.finish() if parser is not None else []:
-                    for line in build.piece(piece, []):
-                        yield line
+                for line in pieces_out(parser.finish() if parser is not None else []):
+                    yield line
                 for line in build.end(event):
                     yield line
                 break

@@ -160,6 +160,14 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     (ckpt2 / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         LLM(ckpt2)
+    # found by probing: these once raised a JSONDecodeError / AttributeError from deep inside
+    for name, text, match in (("tokenizer_config.json", "{not json", "not valid JSON"),
+                              ("tokenizer_config.json", "[1]", "must hold a JSON object"),
+                              ("config.json", "[1, 2]", "must hold a JSON object")):
+        ckpt3 = make_tiny_checkpoint(tmp_path / f"e{len(text)}{name[0]}")
+        (ckpt3 / name).write_text(text)
+        with pytest.raises(CheckpointError, match=match):
+            LLM(ckpt3)
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path, tiny_dir):
