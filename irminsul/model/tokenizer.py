@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from irminsul.errors import CheckpointError
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE token writes for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _token_text(value) -> str | None:
@@ -121,6 +138,38 @@ class Tokenizer:
         decoding the whole output again at every token is quadratic."""
         stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         return lambda token: stream.step(self._tok, token) or ""
+
+    def token_bytes(self, token: int, skip_special_tokens: bool = True) -> bytes:
+        """The bytes a token stands for (a piece of a multi-byte character is a byte or two, where its
+        decoding alone is U+FFFD): byte-level BPE (GPT-2's byte alphabet), byte fallback `<0xNN>`
+        pieces, or the token's text. An added (special) token: its text, or nothing when skipped."""
+        cache = self.__dict__.setdefault("_bytes", {})
+        key = (token, skip_special_tokens)
+        if key not in cache:
+            added = self._tok.get_added_tokens_decoder().get(token)
+            piece = self._tok.id_to_token(token)
+            if added is not None:
+                out = b"" if skip_special_tokens and added.special else added.content.encode("utf-8")
+            elif piece is None:
+                out = b""
+            elif (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:
+                out = bytes([int(m.group(1), 16)])
+            elif self._byte_level:
+                table = _unicode_to_byte()
+                out = bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode("utf-8")
+            else:  # (SentencePiece's word marker)
+                out = piece.replace("\u2581", " ").encode("utf-8")
+            cache[key] = out
+        return cache[key]
+
+    @property
+    def _byte_level(self) -> bool:
+        flag = self.__dict__.get("_byte_level_flag")
+        if flag is None:
+            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+            kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
+            flag = self.__dict__["_byte_level_flag"] = "ByteLevel" in kinds
+        return flag
 
     def added_token_id(self, text: str) -> int | None:
         """The id of the added token (special or not) whose text this is; None for ordinary text."""

@@ -346,29 +346,51 @@ class _Format:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.skip_special = req.skip_special_tokens  # the log-probs' token texts follow the output text
+        # completions' echo: a prompt sent as a string comes back as that string, not as its decoding
+        prompt = None if chat else req.prompt
+        self.n = req.n
+        self.prompt_strings = [prompt] if isinstance(prompt, str) else \
+            list(prompt) if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt) else None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def logprobs(self, entries, text_start: int = 0) -> dict | None:
         """OpenAI's logprobs object for generated tokens (chat: `content`; completions: the legacy
-        parallel lists). A token's text is its own decoding (a piece of a multi-byte character is
-        U+FFFD, as in OpenAI's API, whose `bytes` then carry the real bytes)."""
+        parallel lists). Special tokens show as the output text shows them (skip_special_tokens).
+        Chat: a token's text is its own decoding (U+FFFD for a piece of a multi-byte character, as
+        OpenAI's API shows it) and `bytes` carry its real bytes. Completions: a token's text is what
+        it completes of the output text (a piece of a multi-byte character: "", then the character
+        with its last piece), so the tokens join to the text and `text_offset` indexes it, as
+        lm-evaluation-harness reads them; an alternative that is such a piece shows as `bytes:\\xNN`."""
         if not entries:
             return None
-        # completions' text_offset indexes the text, which shows no special tokens; chat's tokens show them
-        text = lambda t: self.tokenizer.decode([t], skip_special_tokens=not self.chat)  # noqa: E731
+        tok, skip = self.tokenizer, self.skip_special
         if self.chat:
             def one(t, lp):
-                s = text(t)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+                return {"token": tok.decode([t], skip_special_tokens=skip), "logprob": lp,
+                        "bytes": list(tok.token_bytes(t, skip))}
 
             return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
                                 for e in entries]}
-        tokens = [("" if e.stop else text(e.token)) for e in entries]  # the text holds no stop token
-        offsets = [text_start + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+
+        def shown(t: int) -> str:
+            b = tok.token_bytes(t, skip)
+            try:
+                return b.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+        tokens, offsets, chars = [], [], 0
+        completes = tok.decode_stream(skip)  # (the engine's own detokenizer: the same text, piece by piece)
+        for e in entries:
+            offsets.append(text_start + chars)
+            piece = "" if e.stop else completes(e.token)  # the text holds no stop token
+            tokens.append(piece)
+            chars += len(piece)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{text(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+                "top_logprobs": [{shown(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
 
     def chunk(self, delta, finish_reason: str | None = None, logprobs=(), index: int = 0) -> dict:
         if self.chat:
@@ -425,18 +447,15 @@ class _Format:
         text, logprobs = event.text, self.logprobs(event.logprobs)
         if echo is not None:  # the prompt first: its text, and its tokens' log-probs (the first has none)
             tokens, entries = echo
-            prompt = self.tokenizer.decode(tokens)
+            sent = self.prompt_strings[index // self.n] if self.prompt_strings else None
+            prompt = sent if sent is not None else self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special)
             text = prompt + text
             if logprobs is not None or entries:
                 empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                before = self.logprobs(entries) or empty
-                first = self.tokenizer.decode(tokens[:1])
+                before = self.logprobs([TokenLogprob(tokens[0], None), *entries])
+                before["top_logprobs"][0] = None
                 after = self.logprobs(event.logprobs, text_start=len(prompt)) or empty
-                logprobs = {"tokens": [first, *before["tokens"], *after["tokens"]],
-                            "token_logprobs": [None, *before["token_logprobs"], *after["token_logprobs"]],
-                            "top_logprobs": [None, *before["top_logprobs"], *after["top_logprobs"]],
-                            "text_offset": [0, *(o + len(first) for o in before["text_offset"]),
-                                            *after["text_offset"]]}
+                logprobs = {k: before[k] + after[k] for k in empty}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}
 
     def response(self, events: list[Finished], echoes: list | None = None, prompts: int = 1) -> dict:
