@@ -281,9 +281,13 @@ class Engine:
         (None for one still in prefill, or one that got no prefill tokens this step). At most
         `prefill_budget` (default max_prefill_tokens) prompt positions are computed in all. The
         logits may be views of a captured step's output buffer: valid until the next step."""
-        if (self._compiled is not None or self._graphs is not None) and not any(s.in_prefill for s in seqs):
+        # compiled decode steps read each key at its own position: not `naive` (stale k_r)
+        if ((self._compiled is not None or self._graphs is not None) and self.cache.mode != "naive"
+                and not any(s.in_prefill for s in seqs)):
             logits = self._compiled_decode(seqs) if self._compiled is not None else self._graph_decode(seqs)
             if logits is not None:
+                for seq in seqs:
+                    self.cache.computed(seq)
                 return list(logits)
         takes, ran = [], []
         budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
@@ -310,13 +314,11 @@ class Engine:
         return [out.get(seq.id) for seq in seqs]
 
     def _compiled_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """The next-token logits [B, vocab] of decoding sequences through the compiled step when their
-        keys are read at their own positions (not `naive`); else None (the engine's path). A sequence
-        alone whose rows sit in consecutive slots is read in place; otherwise (where the compiled
-        step covers batches, up to its `max_batch` sequences) their rows are gathered through their slot
-        tables, when padding them to one length costs at most PADDING_SLACK times the real work."""
-        if self.cache.mode == "naive":
-            return None
+        """The next-token logits [B, vocab] of decoding sequences through the compiled step, or None (the
+        engine's path). A sequence alone whose rows sit in consecutive slots is read in place; otherwise
+        (where the compiled step covers batches, up to its `max_batch` sequences) their rows are gathered
+        through their slot tables, when padding them to one length costs at most PADDING_SLACK times the
+        real work."""
         dev = self.model.device
         lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
         if len(seqs) == 1 and consecutive(slots := seqs[0].slots[: lens[0]]):
@@ -333,21 +335,16 @@ class Engine:
             hidden = self._compiled.batch(torch.tensor([s.tokens[-1] for s in seqs], device=dev),
                                           torch.from_numpy(lens - 1).to(dev), torch.from_numpy(key_slots).to(dev),
                                           self.pool.rows, torch.from_numpy(write).to(dev))
-        for seq in seqs:
-            self.cache.computed(seq)
         return self.model.logits(hidden)
 
     def _graph_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The next-token logits [B, vocab] of decoding sequences through a captured step when it
-        covers them (`DecodeGraphs.fits`) and keys are read at their own positions; else None."""
+        covers them (`DecodeGraphs.fits`); else None."""
         lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
-        if self.cache.mode == "naive" or not self._graphs.fits(len(seqs), int(lens.max())):
+        if not self._graphs.fits(len(seqs), int(lens.max())):
             return None
-        logits = self._graphs(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens,
-                              [s.slots[:n] for s, n in zip(seqs, lens)])
-        for seq in seqs:
-            self.cache.computed(seq)
-        return logits
+        return self._graphs(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens,
+                            [s.slots[:n] for s, n in zip(seqs, lens)])
 
     def step(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[int | None]:
         """Forward + sample; appends the new token to each sequence that produced one. Decoding
