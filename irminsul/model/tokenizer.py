@@ -89,6 +89,8 @@ class Tokenizer:
         self.bos_token_id = self._id(self.config.get("bos_token"))
         self.eos_token_id = self._id(self.config.get("eos_token"))
         self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None
+        self._bytes: dict[tuple[int, bool], bytes] = {}  # token_bytes, memoised
+        self._byte_level: bool | None = None  # whether the decoder is byte-level BPE (found on first use)
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
@@ -143,7 +145,7 @@ class Tokenizer:
         """The bytes a token stands for (a piece of a multi-byte character is a byte or two, where its
         decoding alone is U+FFFD): byte-level BPE (GPT-2's byte alphabet), byte fallback `<0xNN>`
         pieces, or the token's text. An added (special) token: its text, or nothing when skipped."""
-        cache = self.__dict__.setdefault("_bytes", {})
+        cache = self._bytes
         key = (token, skip_special_tokens)
         if key not in cache:
             added = self._tok.get_added_tokens_decoder().get(token)
@@ -154,7 +156,7 @@ class Tokenizer:
                 out = b""
             elif (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:
                 out = bytes([int(m.group(1), 16)])
-            elif self._byte_level:
+            elif self._is_byte_level():
                 table = _unicode_to_byte()
                 out = bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode("utf-8")
             else:  # (SentencePiece's word marker)
@@ -162,14 +164,12 @@ class Tokenizer:
             cache[key] = out
         return cache[key]
 
-    @property
-    def _byte_level(self) -> bool:
-        flag = self.__dict__.get("_byte_level_flag")
-        if flag is None:
+    def _is_byte_level(self) -> bool:
+        if self._byte_level is None:
             decoder = json.loads(self._tok.to_str()).get("decoder") or {}
             kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
-            flag = self.__dict__["_byte_level_flag"] = "ByteLevel" in kinds
-        return flag
+            self._byte_level = "ByteLevel" in kinds
+        return self._byte_level
 
     def added_token_id(self, text: str) -> int | None:
         """The id of the added token (special or not) whose text this is; None for ordinary text."""
