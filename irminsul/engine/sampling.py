@@ -9,6 +9,7 @@ instead of failing the step that every other running request shares.
 from __future__ import annotations
 
 import math
+import numbers
 import secrets
 from dataclasses import dataclass, field
 
@@ -188,6 +189,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int | None = None
 
 def _is_int(x) -> bool:
     """An integer that is not a bool (numpy integers count)."""
-    import numbers
-
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
