@@ -1,19 +1,32 @@
 """Content-addressed registry: chunk fingerprint -> (token ids, rows, base_pos).
 
-Design doc section 3 step 5 and section 6: every hit is verified by comparing token ids, so a
-fingerprint collision is a miss and never serves another chunk's rows. Entries in use by a running
+Design doc section 3 step 5 and section 6: every hit is verified by comparing token ids and the
+namespace that wrote the entry, so a fingerprint collision is a miss and never serves another
+chunk's rows, nor another tenant's rows of the same chunk (isolation does not rest on the
+fingerprint alone, which a 64-bit hash bounds but does not guarantee). Entries in use by a running
 request are pinned and never evicted. ``Registry`` is the interface the planner sees; the disk and
-Redis tiers of the server issue implement it too. ``MemoryRegistry`` is the in-process LRU tier.
+Redis tiers implement it too. ``MemoryRegistry`` is the in-process LRU tier; ``ScopedRegistry`` is
+one namespace's view of a registry shared by several.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import struct
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+
+def namespace_id(model_id: str, tenant: str) -> str:
+    """The namespace an entry records and every hit compares: a BLAKE2b digest of the model identity
+    and the tenant (length-prefixed, so unambiguous), independent of the fingerprint's xxHash64."""
+    data = b"".join(struct.pack("<Q", len(p)) + p for p in (model_id.encode(), tenant.encode()))
+    return hashlib.blake2b(data, digest_size=16, person=b"irminsul-ns").hexdigest()
 
 
 @dataclass(frozen=True, eq=False)
@@ -23,9 +36,14 @@ class Entry:
     base_pos: int  # absolute position of token_ids[0] when its rows were computed
     payload: object  # opaque rows; the engine stores [n_layers, len, row_width], replay stores None
     nbytes: int  # bytes charged against the budget
+    namespace: str = ""  # namespace_id of the tenant that wrote it, compared on every hit
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def matches(self, token_ids: np.ndarray, namespace: str) -> bool:
+        """A hit: the same chunk, written in the same namespace."""
+        return self.namespace == namespace and np.array_equal(self.token_ids, token_ids)
 
 
 @dataclass(frozen=True)
@@ -53,8 +71,9 @@ class Registry(ABC):
         self.on_evict: list[Callable[[Entry], None]] = []
 
     @abstractmethod
-    def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
-        """The entry if its token ids equal ``token_ids``; counts hit/miss/collision, touches LRU."""
+    def get(self, fingerprint: int, token_ids: np.ndarray, namespace: str = "") -> Entry | None:
+        """The entry if its token ids equal ``token_ids`` and it was written in ``namespace``; counts
+        hit/miss/collision, touches LRU."""
 
     @abstractmethod
     def peek(self, fingerprint: int) -> Entry | None:
@@ -133,9 +152,9 @@ class MemoryRegistry(Registry):
         self._hits = self._misses = self._collisions = 0
         self._evictions = self._insertions = self._rejected = 0
 
-    def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
+    def get(self, fingerprint: int, token_ids: np.ndarray, namespace: str = "") -> Entry | None:
         entry = self._entries.get(fingerprint)
-        if entry is None or not np.array_equal(entry.token_ids, token_ids):
+        if entry is None or not entry.matches(token_ids, namespace):
             self._misses += 1
             self._collisions += entry is not None
             return None
@@ -205,3 +224,41 @@ class MemoryRegistry(Registry):
         entry = self._entries.pop(fingerprint)
         self._bytes -= entry.nbytes
         self._notify(entry)
+
+
+class ScopedRegistry(Registry):
+    """One namespace's view of a shared registry: its lookups see only entries written in that
+    namespace, its writes are stamped with it. Pins, stats and callbacks are the shared registry's."""
+
+    def __init__(self, registry: Registry, namespace: str):
+        super().__init__()
+        self.registry, self.namespace = registry, namespace
+        self.on_store, self.on_evict = registry.on_store, registry.on_evict  # NOTE: shared lists
+
+    def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:  # (always this view's namespace)
+        return self.registry.get(fingerprint, token_ids, self.namespace)
+
+    def peek(self, fingerprint: int) -> Entry | None:
+        entry = self.registry.peek(fingerprint)
+        return entry if entry is not None and entry.namespace == self.namespace else None
+
+    def put(self, entry: Entry) -> bool:
+        return self.registry.put(dataclasses.replace(entry, namespace=self.namespace))
+
+    def pin(self, fingerprint: int) -> None:
+        self.registry.pin(fingerprint)
+
+    def unpin(self, fingerprint: int) -> None:
+        self.registry.unpin(fingerprint)
+
+    def __contains__(self, fingerprint: int) -> bool:
+        # NOTE: the key, whoever holds it: a chunk whose fingerprint another namespace holds is not
+        # registered over it (a miss for this namespace, never a replacement of the other's rows).
+        return fingerprint in self.registry
+
+    def __len__(self) -> int:
+        return len(self.registry)
+
+    @property
+    def stats(self) -> RegistryStats:
+        return self.registry.stats

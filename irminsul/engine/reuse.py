@@ -24,7 +24,7 @@ import numpy as np
 from irminsul.cache.chunker import ChunkerConfig, chunk, namespace_seed
 from irminsul.cache.planner import Planner, PlannerConfig
 from irminsul.cache.radix import PrefixMatch, PrefixPiece, RadixCache
-from irminsul.cache.registry import Entry, MemoryRegistry
+from irminsul.cache.registry import Entry, MemoryRegistry, ScopedRegistry, namespace_id
 from irminsul.cache.windows import WindowIndex
 from irminsul.engine.pool import LatentPool
 from irminsul.engine.sequence import Sequence
@@ -150,7 +150,9 @@ class CacheReuse:
             seed = namespace_seed(self.model_id, tenant)
             salt = -1 - (seed >> 2)  # a negative id: never a real token
             fallbacks = [] if tenant == SHARED else [self.namespace(SHARED)]
-            self.namespaces[tenant] = Planner(self.planner_config, self.registry, SaltedRadix(self.radix, salt),
+            # NOTE: a scoped view: every hit compares the namespace that wrote the entry, not only its fingerprint
+            registry = ScopedRegistry(self.registry, namespace_id(self.model_id, tenant))
+            self.namespaces[tenant] = Planner(self.planner_config, registry, SaltedRadix(self.radix, salt),
                                               WindowIndex(self.planner_config.window), seed=seed,
                                               fallbacks=fallbacks)
             self._drop_idle_namespaces()
@@ -171,7 +173,7 @@ class CacheReuse:
     def _to_lower(self, entry: Entry) -> Entry:
         """A memory entry (slots) as the disk and Redis tiers store it: its rows, read from the pool."""
         return Entry(entry.fingerprint, entry.token_ids, entry.base_pos, self.pool.read_host(entry.payload),
-                     entry.nbytes)
+                     entry.nbytes, entry.namespace)
 
     def _promote(self, entry: Entry) -> Entry | None:
         """A lower tier's hit (rows) into the pool and the memory tier; None if there is no room."""
@@ -180,7 +182,7 @@ class CacheReuse:
             return None
         slots = self.pool.alloc(n)
         self.pool.write(slots, entry.payload, entry.base_pos + np.arange(n))
-        promoted = Entry(entry.fingerprint, entry.token_ids, entry.base_pos, slots, entry.nbytes)
+        promoted = Entry(entry.fingerprint, entry.token_ids, entry.base_pos, slots, entry.nbytes, entry.namespace)
         stored = self.registry.memory.put(promoted)  # the memory tier takes its own reference
         self.pool.release(slots)  # ours: if the memory tier refused, the slots are free again
         return promoted if stored else None
@@ -194,8 +196,8 @@ class CacheReuse:
         tenant = self.default_tenant if tenant is None else tenant
         wanted = []
         for name in dict.fromkeys([tenant, SHARED]):
-            seed = namespace_seed(self.model_id, name)
-            wanted += [(c.fingerprint, ids[c.start : c.end])
+            seed, namespace = namespace_seed(self.model_id, name), namespace_id(self.model_id, name)
+            wanted += [(c.fingerprint, ids[c.start : c.end], namespace)
                        for c in chunk(ids, self.planner_config.chunker, seed, segment_starts)]
         return self.registry.prefetch(wanted)
 

@@ -34,14 +34,15 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
 
 
 class RedisProcess:
-    """A redis-server with no persistence on 127.0.0.1:port; ``stop``/``start`` simulate an outage."""
+    """A redis-server with no persistence on 127.0.0.1:port; ``stop``/``start`` simulate an outage.
+    ``options`` are more redis-server arguments, e.g. ``("--maxmemory", "2mb")``."""
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, options: tuple[str, ...] = ()):
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; the store and server tests need it "
                                "(apt-get install -y redis-server, as .ci/run does)")
-        self.binary, self.port = binary, port or free_port()
+        self.binary, self.port, self.options = binary, port or free_port(), tuple(options)
         self.dir = tempfile.mkdtemp(prefix="irminsul-redis-")
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -53,7 +54,7 @@ class RedisProcess:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+             "--dir", self.dir, *self.options], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         wait_for(self._ping, 10, f"redis-server on port {self.port}")
 
     def _ping(self) -> bool:

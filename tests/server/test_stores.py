@@ -1,5 +1,8 @@
 """Stores under a real server: replicas share Redis, Redis outages are survived, corrupt disk entries recomputed."""
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 
 from irminsul.cache.store import StoreConfig
@@ -62,7 +65,7 @@ def test_corrupt_disk_entry_is_detected_and_recomputed(tiny_dir, tmp_path):
         piece = bytes(ids).decode() if max(ids) < 256 else ""
         return piece and piece in doc and not doc.endswith(piece)
 
-    files = sorted(f for f in tmp_path.glob("*/*.safetensors") if inside_doc(f))
+    files = sorted(f for f in tmp_path.glob("*/*/*.safetensors") if inside_doc(f))
     assert len(files) >= 3
     victim = files[1]
     data = bytearray(victim.read_bytes())
@@ -133,3 +136,46 @@ def test_a_store_shared_under_another_secret_is_neither_served_nor_deleted(tiny_
     monkeypatch.setenv("IRMINSUL_STORE_SECRET", "from-env")
     assert config_from_args(build_parser().parse_args(["serve"])).store_secret == "from-env"
     assert config_from_args(build_parser().parse_args(["serve", "--store-secret", "x"])).store_secret == "x"
+
+
+def stream_chat(url: str, messages) -> tuple[str, str, dict]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    pieces, reason, usage = [], None, {}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                pieces.append(chunk["choices"][0]["delta"].get("content") or "")
+                reason = chunk["choices"][0]["finish_reason"] or reason
+            usage = chunk.get("usage") or usage
+    return "".join(pieces), reason, usage
+
+
+def test_a_disk_that_turns_read_only_mid_run_costs_no_request(tiny_dir, tmp_path, monkeypatch):
+    """The disk tier's directory becomes read-only while the server runs: streams keep completing,
+    reads still hit, every refused touch and write is counted and the log stays short."""
+    from tests.store.test_faults import DiskFaults
+
+    s = start(tiny_dir, store=StoreConfig(("memory", f"disk:{tmp_path}")))
+    try:
+        docs = [text(120, 300 + i) for i in range(3)]
+        before = [stream_chat(s.url, turn(f"before {i}", doc)) for i, doc in enumerate(docs)]
+        state = s.app.state.irminsul
+        assert state.registry.flush()
+        state.runner.call(state.engine.cache.clear).result(10)  # memory forgets: the disk must answer
+        DiskFaults(monkeypatch, tmp_path).mode = "read-only"
+        prompts = [turn(f"before {i}", doc) for i, doc in enumerate(docs)] + \
+                  [turn(f"new {i}", text(100, 400 + i)) for i in range(3)]
+        with ThreadPoolExecutor(4) as pool:
+            after = list(pool.map(lambda m: stream_chat(s.url, m), prompts * 2))
+        assert all(reason in ("stop", "length") for _, reason, _ in after)
+        assert [a[0] for a in after[:3]] == [b[0] for b in before]
+        assert metric(s.url, "irminsul_store_hits_total", tier="disk") > 0  # a read-only disk still serves
+        assert metric(s.url, "irminsul_store_failures_total", tier="disk") > 0
+        assert httpx.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()

@@ -66,7 +66,8 @@ def test_tiered_falls_through_promotes_and_pins(tmp_path, redis_proc, layout):
     # A second replica with an empty memory tier and its own disk sees Redis only.
     other = open_registry(StoreConfig(("memory", f"disk:{tmp_path / 'b'}", redis_proc.url)), layout)
     got = other.get(3, np.arange(3, 11))
-    assert got is not None and 3 in other.memory and 3 in other.lower[0]  # promoted to memory and disk
+    assert got is not None and 3 in other.memory  # promoted to memory now, and to disk by the writer
+    assert other.flush() and 3 in other.lower[0]
     other.pin(3)
     other.unpin(3)
     other.pin(99), other.unpin(99)  # not in memory: a counted no-op
@@ -87,7 +88,7 @@ def test_prefetch_stages_lower_tier_entries_so_the_lookup_does_no_io(tmp_path, l
     disk = DiskRegistry(tmp_path, layout, 10**7)
     disk.put(entry(11, seed=1))
     tiered = TieredRegistry(MemoryRegistry(10**6), [disk])
-    assert tiered.prefetch([(11, np.arange(1, 9)), (12, np.arange(0, 8))]) == 1  # 12 is nowhere
+    assert tiered.prefetch([(11, np.arange(1, 9), ""), (12, np.arange(0, 8), "")]) == 1  # 12 is nowhere
 
     def no_io(*args):
         raise AssertionError("the disk was read at lookup time")

@@ -2,16 +2,19 @@
 
 Layout: tensors ``rows`` [n_layers, n_tokens, row_width] (the model's dtype; c_KV and un-rotated
 k_r, as the engine's pool holds them) and ``token_ids`` [n_tokens] int64; metadata ``format``,
-``model_id`` (the namespace: the checkpoint's identity), ``fingerprint`` (hex, itself seeded by
-the tenant's namespace), ``base_pos``, ``dtype``, ``shape``, ``key_id`` and ``mac``: BLAKE2b keyed
-with the store secret over the other metadata fields, the token ids and the row bytes.
+``model_id`` (the checkpoint's identity), ``namespace`` (the tenant's namespace id, compared on
+every hit), ``fingerprint`` (hex, itself seeded by the tenant's namespace), ``base_pos``, ``dtype``,
+``shape``, ``key_id`` and ``mac``: BLAKE2b keyed with the store secret over the other metadata
+fields, the token ids and the row bytes.
 
 Anyone who can write to Redis or the disk directory can write bytes there, but without the secret
 they cannot make an entry that verifies: substituted rows are reported as corrupt and never reach
-the engine (docs/design.md section 6). ``decode`` tells the two kinds of failure apart: an entry of
-another namespace (another model, another secret's ``key_id``) is ``ForeignEntry``, left where it is
-for its owner; anything else that fails (truncated, bit-flipped, forged) is ``CorruptEntry`` and is
-dropped. Without a secret the MAC is keyed with the empty key: integrity, not authenticity.
+the engine (docs/design.md section 6). ``decode`` tells the two kinds of failure apart: an entry
+naming another model or another secret's ``key_id`` is ``ForeignEntry``; anything else that fails
+(truncated, bit-flipped, forged) is ``CorruptEntry``. Both tiers key their entries by model id and
+key id, so an entry of either kind found at one of our keys was not written there by a holder of our
+secret: the tiers drop it and let a legitimate write replace it. Without a secret the MAC is keyed
+with the empty key: integrity, not authenticity.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from safetensors.torch import save as st_save
 
 from irminsul.cache.registry import Entry
 
-# v3: a keyed MAC (v2: k_r un-rotated, an unkeyed checksum; v1: k_r rotated)
-FORMAT = "irminsul-chunk-v3"
+# v4: the writer's namespace (v3: a keyed MAC; v2: k_r un-rotated, an unkeyed checksum; v1: k_r rotated)
+FORMAT = "irminsul-chunk-v4"
 
 
 class CorruptEntry(Exception):
@@ -38,7 +41,8 @@ class CorruptEntry(Exception):
 
 
 class ForeignEntry(CorruptEntry):
-    """A valid-looking blob of another namespace (model or store secret): not ours to serve or drop."""
+    """A blob naming another model or store secret: never served (the tiers key entries by both, so
+    one found at our key was put there by someone without our secret)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,8 @@ def _mac(secret: bytes, meta: dict, tokens: torch.Tensor, rows: torch.Tensor) ->
 def encode(entry: Entry, layout: RowLayout) -> bytes:
     rows = entry.payload.detach().contiguous().cpu()
     tokens = torch.as_tensor(np.asarray(entry.token_ids, dtype=np.int64))
-    meta = {"format": FORMAT, "model_id": layout.model_id, "fingerprint": f"{entry.fingerprint:016x}",
+    meta = {"format": FORMAT, "model_id": layout.model_id, "namespace": entry.namespace,
+            "fingerprint": f"{entry.fingerprint:016x}",
             "base_pos": str(entry.base_pos), "dtype": str(rows.dtype).removeprefix("torch."),
             "shape": ",".join(map(str, rows.shape)), "key_id": layout.key_id}
     meta["mac"] = _mac(layout.secret, meta, tokens, rows)
@@ -123,11 +128,16 @@ def decode(blob: bytes, layout: RowLayout, fingerprint: int | None = None) -> En
         raise ForeignEntry(f"entry written under another store secret (key id {meta.get('key_id')})")
     if not hmac.compare_digest(str(meta.get("mac", "")), _mac(layout.secret, meta, tokens, rows)):
         raise CorruptEntry("checksum mismatch: the MAC does not verify (damaged, or written without the secret)")
-    fp = int(meta["fingerprint"], 16)
+    # NOTE: without a secret anyone can make a MAC that verifies, so nothing below trusts the fields
+    try:
+        fp, base_pos, namespace = int(meta["fingerprint"], 16), int(meta["base_pos"]), str(meta["namespace"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise CorruptEntry(f"unreadable metadata ({type(e).__name__}: {e})") from None
     if fingerprint is not None and fp != fingerprint:
         raise CorruptEntry(f"stored under {fingerprint:016x} but holds {fp:016x}")
     want = (layout.n_layers, len(tokens), layout.row_width)
-    if tuple(rows.shape) != want or rows.dtype != layout.dtype:
-        raise CorruptEntry(f"rows {tuple(rows.shape)} {rows.dtype}, expected {want} {layout.dtype}")
+    if tokens.dim() != 1 or tokens.dtype != torch.int64 or tuple(rows.shape) != want or rows.dtype != layout.dtype:
+        raise CorruptEntry(f"rows {tuple(rows.shape)} {rows.dtype}, token ids {tuple(tokens.shape)} {tokens.dtype}; "
+                           f"expected {want} {layout.dtype}")
     rows = rows.to(layout.device)
-    return Entry(fp, tokens.numpy(), int(meta["base_pos"]), rows, rows.numel() * rows.element_size())
+    return Entry(fp, tokens.numpy(), base_pos, rows, rows.numel() * rows.element_size(), namespace)

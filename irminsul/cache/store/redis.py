@@ -1,17 +1,26 @@
 """The Redis tier: one registry shared by every replica that points at the same Redis.
 
-Keys are ``irminsul:<model id>:<fingerprint hex>``; values are codec blobs, verified on every read
-(a corrupt or mismatching one is deleted and counted). Redis's own ``maxmemory`` policy bounds its size.
+Keys are ``irminsul:<model id>:<key id>:<fingerprint hex>``; values are codec blobs, verified on
+every read: a corrupt or mismatching one is deleted, counted and a miss. Redis's own ``maxmemory``
+policy bounds its size.
 
 Redis may be down at start or die mid-run. Requests never wait on it: socket timeouts are short,
-there are no client retries, and after a failure a circuit breaker skips Redis entirely (reads
-miss, writes are dropped and counted) until a background thread's PING succeeds again, probing with
-exponential backoff. Writes always go through that background thread (``SET NX``), so a slow Redis
-never sits on a request's path.
+there are no client retries, and after a connection failure a circuit breaker skips Redis entirely
+(reads miss, writes are dropped and counted) until a background thread's PING succeeds again,
+probing with exponential backoff. A command Redis answers with an error (a write refused at
+``maxmemory`` under ``noeviction``, a read-only replica) is a failure of that command only: it is
+counted and the write dropped, but Redis is up and reads go on. Writes always go through that
+background thread, so a slow Redis never sits on a request's path.
+
+First writer wins (``SET NX``) among entries that verify. A key held by a value that does not (a
+planted or damaged entry) is replaced by the next legitimate write, and a read that finds one
+deletes it, both only if the key still holds that same value (a compare-and-set script), so a
+racing legitimate writer is never clobbered.
 """
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -19,8 +28,22 @@ import time
 import numpy as np
 
 from irminsul.cache.registry import Entry, Registry, RegistryStats
-from irminsul.cache.store.codec import CorruptEntry, ForeignEntry, RowLayout, decode, encode
-from irminsul.cache.store.stats import CorruptionLog, TierStats
+from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store.stats import TierLog, TierStats
+
+# Compare-and-set on the SHA-1 of the value a client saw: a key is replaced or deleted only if it
+# still holds that value (or, for a replacement, nothing).
+_REPLACE = """
+local v = redis.call('GET', KEYS[1])
+if v and redis.sha1hex(v) ~= ARGV[1] then return 0 end
+if ARGV[3] == '' then redis.call('SET', KEYS[1], ARGV[2]) else redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3]) end
+return 1
+"""
+_DELETE = """
+local v = redis.call('GET', KEYS[1])
+if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class RedisRegistry(Registry):
@@ -37,8 +60,13 @@ class RedisRegistry(Registry):
                                                socket_connect_timeout=socket_timeout, retry=Retry(NoBackoff(), 0))
         except ValueError as e:
             raise ValueError(f"--store {url!r} is not a Redis URL ({e}); use redis://host:port/db") from None
-        self.prefix = f"irminsul:{layout.model_id}:"
+        # NOTE: keyed by the store secret's id too: an entry under another secret is never at our key,
+        # so whatever at our key fails verification was not written by a holder of our secret.
+        self.prefix = f"irminsul:{layout.model_id}:{layout.key_id}:"
         self._errors = (redis.RedisError, OSError)
+        self._refused = redis.ResponseError  # Redis answered, with an error: it is up
+        self._replace = self.client.register_script(_REPLACE)
+        self._delete_if = self.client.register_script(_DELETE)
         self._min_backoff, self._max_backoff = backoff
         self._backoff, self._retry_at = self._min_backoff, 0.0
         self._up = False  # until the first successful command
@@ -47,7 +75,7 @@ class RedisRegistry(Registry):
         self._closed = False
         self._hits = self._misses = self._collisions = self._corrupt = 0
         self._failures = self._dropped = self._insertions = self._reconnects = 0
-        self._report = CorruptionLog("redis")
+        self.log = TierLog("redis")
         self._entries = self._bytes = 0  # refreshed by the background thread (DBSIZE-like count of our keys)
         self._probe()
         self._thread = threading.Thread(target=self._run, name="irminsul-redis", daemon=True)
@@ -58,6 +86,14 @@ class RedisRegistry(Registry):
     @property
     def available(self) -> bool:
         return self._up
+
+    def _error(self, what: str, error: Exception) -> None:
+        """A command failed: a refusal is counted; a connection-level failure also opens the breaker."""
+        self.log.failed(what, error)
+        if isinstance(error, self._refused):
+            self._failures += 1
+        else:
+            self._failed()
 
     def _failed(self) -> None:
         self._failures += 1
@@ -98,8 +134,13 @@ class RedisRegistry(Registry):
             except queue.Empty:
                 entry = None
             if entry is not None:
-                self._write(entry)
-                self._queue.task_done()
+                try:
+                    self._write(entry)
+                except Exception as e:  # NOTE: this thread outlives any one bad write
+                    self._dropped += 1
+                    self.log.failed("writing an entry", e)
+                finally:
+                    self._queue.task_done()
             if self._up and time.monotonic() - last_size > 10.0:
                 self._refresh_size()
                 last_size = time.monotonic()
@@ -117,12 +158,31 @@ class RedisRegistry(Registry):
         if not self._up:
             self._dropped += 1
             return
+        key, blob = self._key(entry.fingerprint), encode(entry, self.layout)
         try:
-            if self.client.set(self._key(entry.fingerprint), encode(entry, self.layout), nx=True, ex=self.ttl_s):
+            if self.client.set(key, blob, nx=True, ex=self.ttl_s):
                 self._insertions += 1
-        except self._errors:
+                return
+            held = self.client.get(key)
+            problem = self._problem(held, entry.fingerprint) if held is not None else None
+            if held is not None and problem is None:
+                return  # first writer wins among entries that verify
+            if problem is not None:  # taken by a value that does not verify (planted, damaged)
+                self._corrupt += 1
+                self.log.corrupt(entry.fingerprint, problem)
+            if self._replace(keys=[key], args=[_sha1(held), blob, self.ttl_s or ""]):  # if it is still there
+                self._insertions += 1
+        except self._errors as e:
             self._dropped += 1
-            self._failed()
+            self._error(f"writing entry {entry.fingerprint:016x}", e)
+
+    def _problem(self, blob: bytes, fingerprint: int) -> str | None:
+        """Why a stored value does not verify, or None if it does."""
+        try:
+            decode(blob, self.layout, fingerprint)
+        except CorruptEntry as e:
+            return str(e)
+        return None
 
     def _refresh_size(self, sample: int = 64) -> None:
         """Entries and bytes for the gauges, in bounded work whatever Redis holds: DBSIZE (O(1)) times
@@ -135,8 +195,8 @@ class RedisRegistry(Registry):
             for key in keys[:sample]:
                 pipe.strlen(key)
             sizes = pipe.execute()
-        except self._errors:
-            self._failed()
+        except self._errors as e:
+            self._error("reading the size", e)
             return
         self._entries = total
         self._bytes = sum(sizes) * total // len(sizes) if sizes else 0
@@ -154,46 +214,46 @@ class RedisRegistry(Registry):
 
     # -- Registry ------------------------------------------------------------------------
 
-    def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
-        entry = self._fetch(fingerprint)
-        if entry is None or not np.array_equal(entry.token_ids, token_ids):
+    def get(self, fingerprint: int, token_ids: np.ndarray, namespace: str = "") -> Entry | None:
+        entry, blob = self._fetch(fingerprint)
+        if entry is None or not entry.matches(token_ids, namespace):
             self._misses += 1
-            if entry is not None:  # a mismatching entry is dropped; the caller recomputes
+            if entry is not None:
                 self._collisions += 1
-                self._delete(fingerprint)
+                if entry.namespace == namespace:  # another chunk of ours: dropped, the caller recomputes
+                    self._delete(fingerprint, blob)  # (another namespace's entry is left to its owner)
             return None
         self._hits += 1
         return entry
 
-    def _fetch(self, fingerprint: int) -> Entry | None:
+    def _fetch(self, fingerprint: int) -> tuple[Entry | None, bytes | None]:
+        """The verified entry under a fingerprint and its blob; (None, None) on a miss."""
         if not self._up:
-            return None  # NOTE: never wait on a Redis that is known to be down
-        key = self._key(fingerprint)
+            return None, None  # NOTE: never wait on a Redis that is known to be down
         try:
-            blob = self.client.get(key)
-        except self._errors:
-            self._failed()
-            return None
+            blob = self.client.get(self._key(fingerprint))
+        except self._errors as e:
+            self._error(f"reading entry {fingerprint:016x}", e)
+            return None, None
         if blob is None:
-            return None
+            return None, None
         try:
-            return decode(blob, self.layout, fingerprint)
-        except ForeignEntry:
-            return None  # another namespace's (another store secret): not ours to serve or drop
-        except CorruptEntry as e:
+            return decode(blob, self.layout, fingerprint), blob
+        except CorruptEntry as e:  # foreign ones too: at our key, no holder of our secret wrote them
             self._corrupt += 1
-            self._report(fingerprint, str(e))
-            self._delete(fingerprint)
-            return None
+            self.log.corrupt(fingerprint, str(e))
+            self._delete(fingerprint, blob)
+            return None, None
 
-    def _delete(self, fingerprint: int) -> None:
+    def _delete(self, fingerprint: int, blob: bytes) -> None:
+        """Delete the key if it still holds ``blob`` (a racing writer's new value is kept)."""
         try:
-            self.client.delete(self._key(fingerprint))
-        except self._errors:
-            self._failed()
+            self._delete_if(keys=[self._key(fingerprint)], args=[_sha1(blob)])
+        except self._errors as e:
+            self._error(f"deleting entry {fingerprint:016x}", e)
 
     def peek(self, fingerprint: int) -> Entry | None:
-        return self._fetch(fingerprint)
+        return self._fetch(fingerprint)[0]
 
     def put(self, entry: Entry) -> bool:
         """Queue a write (done in the background); False when Redis is down or the queue is full."""
@@ -218,8 +278,8 @@ class RedisRegistry(Registry):
             return False
         try:
             return bool(self.client.exists(self._key(fingerprint)))
-        except self._errors:
-            self._failed()
+        except self._errors as e:
+            self._error("checking an entry", e)
             return False
 
     def __len__(self) -> int:
@@ -235,3 +295,7 @@ class RedisRegistry(Registry):
         return TierStats("redis", self._hits, self._misses, 0, self._insertions, self._entries, self._bytes, 0,
                          corrupt=self._corrupt, failures=self._failures, dropped=self._dropped,
                          pending=self._queue.qsize(), available=self._up)
+
+
+def _sha1(blob: bytes | None) -> str:
+    return hashlib.sha1(blob or b"").hexdigest()

@@ -1,10 +1,15 @@
 """Memory -> disk -> Redis behind one ``Registry``: reads fall through, hits are promoted.
 
 A lookup tries the in-process memory tier first, then each lower tier in order; a verified hit in
-a lower tier is copied into every tier above it, so hot entries move towards the engine. Writes
-go to every tier, on a background writer thread (encoding and file or network writes never sit
-on the thread that decodes; a full write queue drops the write and counts it), so content the
-memory tier evicts is still found below it. Membership (``in``) and ``peek`` see the memory tier only: ``register``
+a lower tier is promoted into the memory tier and queued for the lower tiers above it, so hot
+entries move towards the engine. Writes go to every tier, on a background writer thread (encoding
+and file or network writes never sit on the thread that decodes; a full write queue drops the
+write and counts it), so content the memory tier evicts is still found below it.
+
+A lower tier that fails never fails a lookup or a write: whatever a tier raises is a miss (or a
+skipped write), counted in that tier's ``failures`` and logged at most once per interval per tier.
+The disk and Redis tiers turn their own I/O errors into misses; this is the backstop for
+anything else they, or a tier of another kind, raise. Membership (``in``) and ``peek`` see the memory tier only: ``register``
 then always fills the local tier and its S1 window index, and the window index stays in step with
 the memory tier through ``on_evict``.
 
@@ -23,15 +28,17 @@ Pins protect memory entries; a pin on an entry that is not in memory is a counte
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from irminsul.cache.registry import Entry, MemoryRegistry, PinCounts, Registry, RegistryStats
-from irminsul.cache.store.stats import TierStats, memory_tier_stats
+from irminsul.cache.store.stats import TierLog, TierStats, memory_tier_stats
 
 
 class TieredRegistry(Registry):
@@ -47,9 +54,12 @@ class TieredRegistry(Registry):
         self._staged: OrderedDict[int, tuple[int, Entry]] = OrderedDict()  # fingerprint -> (tier, entry)
         self._staged_lock = threading.Lock()
         self.max_staged = 4096
-        self._writes: queue.Queue = queue.Queue(1024)
+        self._writes: queue.Queue = queue.Queue(1024)  # (entry, indexes of the lower tiers to write it to)
         self._writer: threading.Thread | None = None
         self.dropped_writes = 0
+        self._failures = [0] * len(self.lower)  # what each lower tier raised (its own stats do not see it)
+        # one log per tier, shared with the tier's own, so a tier costs at most one line per interval
+        self._logs = [getattr(t, "log", None) or TierLog(type(t).__name__) for t in self.lower]
 
     def bind(self, promote: Callable[[Entry], Entry | None], to_lower: Callable[[Entry], Entry]) -> None:
         self._promote, self._to_lower = promote, to_lower
@@ -58,43 +68,55 @@ class TieredRegistry(Registry):
         self.memory.put(entry)
         return entry
 
-    def prefetch(self, wanted: list[tuple[int, np.ndarray]]) -> int:
-        """Stage the lower tiers' entries for (fingerprint, token ids) pairs the memory tier lacks;
-        returns how many were found. Safe to call from any thread."""
+    def _call(self, i: int, what: str, fn: Callable, *args):
+        """``fn(*args)`` on lower tier i; None if it raised (counted and logged, never propagated)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self._failures[i] += 1
+            self._logs[i].failed(what, e)
+            return None
+
+    def _lower_get(self, fingerprint: int, token_ids: np.ndarray, namespace: str) -> tuple[int, Entry] | None:
+        for i, tier in enumerate(self.lower):
+            entry = self._call(i, "a lookup", tier.get, fingerprint, token_ids, namespace)
+            if entry is not None:
+                return i, entry
+        return None
+
+    def prefetch(self, wanted: list[tuple[int, np.ndarray, str]]) -> int:
+        """Stage the lower tiers' entries for (fingerprint, token ids, namespace) triples the memory
+        tier lacks; returns how many were found. Safe to call from any thread."""
         found = 0
-        for fingerprint, token_ids in wanted:
+        for fingerprint, token_ids, namespace in wanted:
             if fingerprint in self.memory or fingerprint in self._staged:
                 continue
-            for i, tier in enumerate(self.lower):
-                entry = tier.get(fingerprint, token_ids)
-                if entry is not None:
-                    with self._staged_lock:
-                        self._staged[fingerprint] = (i, entry)
-                        while len(self._staged) > self.max_staged:
-                            self._staged.popitem(last=False)
-                    found += 1
-                    break
+            hit = self._lower_get(fingerprint, token_ids, namespace)
+            if hit is not None:
+                with self._staged_lock:
+                    self._staged[fingerprint] = hit
+                    while len(self._staged) > self.max_staged:
+                        self._staged.popitem(last=False)
+                found += 1
         return found
 
-    def _staged_entry(self, fingerprint: int, token_ids: np.ndarray) -> tuple[int, Entry] | None:
+    def _staged_entry(self, fingerprint: int, token_ids: np.ndarray, namespace: str) -> tuple[int, Entry] | None:
         with self._staged_lock:
             staged = self._staged.pop(fingerprint, None)
-        if staged is not None and np.array_equal(staged[1].token_ids, token_ids):
+        if staged is not None and staged[1].matches(token_ids, namespace):
             return staged
         return None
 
-    def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:
-        entry = self.memory.get(fingerprint, token_ids)
+    def get(self, fingerprint: int, token_ids: np.ndarray, namespace: str = "") -> Entry | None:
+        entry = self.memory.get(fingerprint, token_ids, namespace)
         if entry is None:
-            staged = self._staged_entry(fingerprint, token_ids)
-            tiers = [(staged[0], staged[1])] if staged else ((i, t.get(fingerprint, token_ids))
-                                                              for i, t in enumerate(self.lower))
-            for i, found in tiers:
-                if found is not None:
-                    for upper in self.lower[:i]:
-                        upper.put(found)
-                    entry = self._promote(found)
-                    break
+            hit = self._staged_entry(fingerprint, token_ids, namespace) or self._lower_get(fingerprint, token_ids,
+                                                                                          namespace)
+            if hit is not None:
+                i, found = hit
+                if i:
+                    self._enqueue(found, range(i))  # NOTE: the tiers above it, off this thread
+                entry = self._promote(found)
         self._hits += entry is not None
         self._misses += entry is None
         return entry
@@ -105,34 +127,32 @@ class TieredRegistry(Registry):
     def put(self, entry: Entry) -> bool:
         stored = self.memory.put(entry)
         if self.lower:
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_loop, name="irminsul-store-writer", daemon=True)
-                self._writer.start()
-            try:
-                self._writes.put_nowait(self._to_lower(entry))
-            except queue.Full:
-                self.dropped_writes += 1
+            self._enqueue(self._to_lower(entry), range(len(self.lower)))
         return stored
+
+    def _enqueue(self, entry: Entry, tiers: range) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="irminsul-store-writer", daemon=True)
+            self._writer.start()
+        try:
+            self._writes.put_nowait((entry, tiers))
+        except queue.Full:
+            self.dropped_writes += 1
 
     def _write_loop(self) -> None:
         while True:
-            below = self._writes.get()
+            item = self._writes.get()
             try:
-                if below is None:
+                if item is None:
                     return
-                for tier in self.lower:
-                    tier.put(below)  # lower tiers keep the first copy of a fingerprint (disk: skip, Redis: SET NX)
-            except Exception:  # a broken tier costs reuse, never the server
-                import logging
-
-                logging.getLogger("irminsul.store").exception("writing an entry to a lower tier failed")
+                entry, tiers = item
+                for i in tiers:  # lower tiers keep the first copy that verifies (disk: skip, Redis: SET NX)
+                    self._call(i, "a write", self.lower[i].put, entry)
             finally:
                 self._writes.task_done()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until queued lower-tier writes are written (tests, shutdown); False on timeout."""
-        import time
-
         end = time.monotonic() + timeout
         while self._writes.unfinished_tasks and time.monotonic() < end:
             time.sleep(0.01)
@@ -165,20 +185,28 @@ class TieredRegistry(Registry):
     @property
     def stats(self) -> RegistryStats:
         m = self.memory.stats
-        collisions = m.collisions + sum(t.stats.collisions for t in self.lower)
+        collisions = m.collisions + sum(self._call(i, "its stats", lambda t=t: t.stats.collisions) or 0
+                                        for i, t in enumerate(self.lower))
         return RegistryStats(self._hits, self._misses, collisions, m.evictions, m.insertions, m.rejected,
                              m.entries, m.pinned, m.bytes, m.budget_bytes)
 
     @property
     def all_tier_stats(self) -> list[TierStats]:
-        return [memory_tier_stats(self.memory), *(t.tier_stats for t in self.lower)]
+        return [memory_tier_stats(self.memory), *(self._lower_stats(i) for i in range(len(self.lower)))]
+
+    def _lower_stats(self, i: int) -> TierStats:
+        tier, failures = self.lower[i], self._failures[i]
+        try:
+            s = tier.tier_stats if hasattr(tier, "tier_stats") else memory_tier_stats(tier)
+        except Exception:  # (/metrics still answers)
+            return TierStats(self._logs[i].tier, 0, 0, 0, 0, 0, 0, 0, failures=failures, available=False)
+        return dataclasses.replace(s, failures=s.failures + failures)
 
     def close(self) -> None:
         self.flush()
         if self._writer is not None:
             self._writes.put(None)
-        for tier in self.lower:
-            if hasattr(tier, "flush"):
-                tier.flush()
-            if hasattr(tier, "close"):
-                tier.close()
+        for i, tier in enumerate(self.lower):
+            for name in ("flush", "close"):
+                if hasattr(tier, name):
+                    self._call(i, name, getattr(tier, name))
