@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -40,6 +41,7 @@ class ServerState:
         from irminsul.server.chat import ChatRenderer
         from irminsul.server.metrics import ServerMetrics
         from irminsul.server.runner import EngineRunner
+        from irminsul.server.workers import Workers
 
         self.config = config
         path = Path(config.model) if config.model else bundled_model("mla")
@@ -50,6 +52,10 @@ class ServerState:
         self.tokenizer = Tokenizer(path)
         self.renderer = ChatRenderer(self.tokenizer)
         self.context = model.config.max_position_embeddings
+        # no token stands for more bytes than this, so a text of more than context x this many
+        # characters cannot fit, and is refused before anyone tokenizes it
+        self.max_token_bytes = max(1, max(len(self.tokenizer.token_bytes(t, False))
+                                          for t in range(self.tokenizer.vocab_size)))
         model_id = checkpoint_id(path, config.dtype)
         layout = RowLayout.of(model, model_id, secret=(config.store_secret or "").encode())
         if config.store.specs != ("memory",) and not config.store_secret:
@@ -64,6 +70,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name)
         self.runner = EngineRunner(self.engine, config.max_running_requests, config.max_queued_requests, self.metrics)
         self.metrics.watch(self.runner, self.engine.cache)
+        self.workers = Workers(config.prep_threads, config.prep_threads_per_tenant)
         self.started = time.time()
 
     def check_model(self, name: str | None) -> None:
@@ -100,6 +107,25 @@ class ServerState:
             tenant = f"{tenant or ''}|salt:{cache_salt}"
         return tenant
 
+    def share_of(self, request: Request) -> str:
+        """Whose share of the worker threads a request's preparation takes (workers.py): its API
+        key's tenant (checked before: key_tenant), or without keys its client's address."""
+        tenant = self.key_tenant(request)
+        return tenant if tenant is not None else f"host:{request.client.host if request.client else ''}"
+
+    def prepare(self, request: Request, fn, *args):
+        """``fn(*args)`` on a worker thread, within the request's share of them (an awaitable)."""
+        return self.workers.run(self.share_of(request), fn, *args)
+
+    def check_text(self, chars: int, what: str, param: str) -> None:
+        """Refuse a text that cannot fit in the context before it is tokenized (a body of megabytes
+        tokenizes for seconds into millions of ids): no token is longer than max_token_bytes."""
+        most = self.context * self.max_token_bytes
+        if chars > most:
+            raise APIError(400, f"the {what} has {chars:,} characters but the model's context is {self.context} "
+                                f"tokens, which hold at most {most:,} characters (no token is longer than "
+                                f"{self.max_token_bytes}); shorten it", param=param)
+
     def check_admin(self, request: Request) -> None:
         """Publishing fills the namespace every tenant reads: only the operator's key may do it."""
         admin, key = self.config.admin_key, self._bearer(request)
@@ -115,6 +141,7 @@ class ServerState:
             return
         self._closed = True
         self.runner.stop()
+        self.workers.close()
         if hasattr(self.registry, "close"):
             self.registry.close()
 
@@ -135,6 +162,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
         state.close()
 
     app = FastAPI(title="Irminsul", lifespan=lifespan)
+    app.add_middleware(_OneFraming)
 
     def error(request: Request, e: APIError, headers=None) -> JSONResponse:
         """Every error answer: counted in irminsul_request_errors_total, OpenAI's body."""
@@ -152,6 +180,15 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
         log.exception("unhandled error on %s", request.url.path)
         return error(request, APIError(500, f"internal error: {e}"))
 
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, e: ValueError):
+        # Python refuses to read an integer literal of more digits than sys.get_int_max_str_digits()
+        # (a guard against quadratic conversion): in a body, or in JSON sent inside one (guided_json)
+        if "integer string conversion" in str(e):
+            return error(request, APIError(400, f"the request holds an integer of more than "
+                                                f"{sys.get_int_max_str_digits()} digits; no field takes one that long"))
+        return await internal_error(request, e)
+
     @app.exception_handler(404)
     async def not_found(request: Request, e):
         return error(request, APIError(404, f"no route {request.method} {request.url.path}"))
@@ -166,7 +203,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
         return request.app.state.irminsul
 
     from irminsul.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PublishRequest,
-                                          TokenizeRequest, body_schema, parse_body, read_body)
+                                          TokenizeRequest, body_schema, read_body)
     from irminsul.server.responses import ResponsesRequest
 
     # NOTE: bodies are read and parsed by the handlers (size limit first, parsing off the event loop);
@@ -211,30 +248,16 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     async def tokenize(request: Request):
         """vLLM's: {"prompt": str} or {"messages": [...]} (rendered with the chat template) -> token ids."""
         s = state_of(request)
-        req = await asyncio.to_thread(parse_body, await read_body(request, s.config.max_request_bytes), TokenizeRequest)
-        s.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "send exactly one of 'prompt' (a string) or 'messages' (a chat)")
-        if req.prompt is not None:
-            ids = await asyncio.to_thread(s.tokenizer.encode, req.prompt, None if req.add_special_tokens else False)
-        else:
-            try:
-                ids = (await asyncio.to_thread(s.renderer.render, req.messages, req.tools, req.add_generation_prompt,
-                                               req.continue_final_message, req.chat_template_kwargs)).token_ids
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from None
-        return {"count": len(ids), "max_model_len": s.context, "tokens": ids}
+        s.key_tenant(request)  # (a 401 before the body is read)
+        raw = await read_body(request, s.config.max_request_bytes)
+        return await s.prepare(request, _tokenize, s, raw)
 
     @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
     async def detokenize(request: Request):
         s = state_of(request)
-        req = await asyncio.to_thread(parse_body, await read_body(request, s.config.max_request_bytes),
-                                      DetokenizeRequest)
-        s.check_model(req.model)
-        vocab = s.engine.config.vocab_size
-        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": await asyncio.to_thread(s.tokenizer.decode, req.tokens, False)}
+        s.key_tenant(request)  # (a 401 before the body is read)
+        raw = await read_body(request, s.config.max_request_bytes)
+        return await s.prepare(request, _detokenize, s, raw)
 
     @app.get("/health")
     async def health(request: Request):
@@ -251,17 +274,87 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     return app
 
 
+class _OneFraming:
+    """Refuse a request that says how long its body is twice, with Content-Length and
+    Transfer-Encoding both (RFC 9112 section 6.1): h11 reads it by Transfer-Encoding, and a proxy in
+    front that reads it by Content-Length would take the rest for another request (smuggling).
+    The answer closes the connection, so nothing left of the body is read as a request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                state = getattr(scope["app"].state, "irminsul", None) if "app" in scope else None
+                if state is not None:
+                    state.metrics.error(400)
+                e = APIError(400, "the request has both Content-Length and Transfer-Encoding; send only one")
+                await JSONResponse(e.body(), status_code=400, headers={"Connection": "close"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _tokenize(state: ServerState, raw: bytes) -> dict:
+    from irminsul.server.completions import text_chars
+    from irminsul.server.protocol import TokenizeRequest, parse_body
+
+    req = parse_body(raw, TokenizeRequest)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "send exactly one of 'prompt' (a string) or 'messages' (a chat)")
+    if req.prompt is not None:
+        state.check_text(len(req.prompt), "prompt", "prompt")
+        ids = state.tokenizer.encode(req.prompt, None if req.add_special_tokens else False)
+    else:
+        state.check_text(text_chars(req.messages), "messages", "messages")
+        try:
+            ids = state.renderer.render(req.messages, req.tools, req.add_generation_prompt,
+                                        req.continue_final_message, req.chat_template_kwargs).token_ids
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+    return {"count": len(ids), "max_model_len": state.context, "tokens": ids}
+
+
+def _detokenize(state: ServerState, raw: bytes) -> dict:
+    from irminsul.server.protocol import DetokenizeRequest, parse_body
+
+    req = parse_body(raw, DetokenizeRequest)
+    state.check_model(req.model)
+    vocab = state.engine.config.vocab_size
+    if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+    return {"prompt": state.tokenizer.decode(req.tokens, False)}
+
+
 async def _publish(state: ServerState, request: Request) -> dict:
     """{"text": str} or {"token_ids": [int]}: precompute in a trusted context and share with all tenants."""
-    import json
-
     from irminsul.engine.engine import PoolBusy
     from irminsul.errors import RequestError
-    from irminsul.server.protocol import check_values, read_body
+    from irminsul.server.protocol import read_body
 
     state.check_admin(request)
+    raw = await read_body(request, state.config.max_request_bytes)
+    tokens, param = await state.workers.run("admin", _publish_tokens, state, raw)  # (the operator's own share)
     try:
-        body = json.loads(await read_body(request, state.config.max_request_bytes))
+        done = await asyncio.wrap_future(state.runner.call(state.engine.publish, tokens))
+    except PoolBusy as e:
+        raise APIError(503, str(e)) from None
+    except RequestError as e:
+        raise APIError(400, str(e), param=param) from None
+    return {"object": "cache.chunks", "tokens": len(tokens), "entries": done.entries,
+            "stored_tokens": done.tokens, "skipped": done.skipped, "rejected": done.rejected}
+
+
+def _publish_tokens(state: ServerState, raw: bytes) -> tuple[list[int], str]:
+    """A publish body's document as token ids, and the field it came in (on a worker thread)."""
+    import json
+
+    from irminsul.server.protocol import check_values
+
+    try:
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict) or ("text" in body) == ("token_ids" in body):
@@ -271,9 +364,11 @@ async def _publish(state: ServerState, request: Request) -> dict:
     if state.engine.reuse not in ("pic", "naive"):
         raise APIError(400, f"publishing needs content reuse (--reuse pic or naive); this server runs "
                             f"--reuse {state.engine.reuse}")
+    param = "text" if "text" in body else "token_ids"
     if "text" in body:
         if not isinstance(body["text"], str) or not body["text"]:
             raise APIError(400, "'text' must be a non-empty string", param="text")
+        state.check_text(len(body["text"]), "text", "text")
         tokens = state.tokenizer.encode(body["text"], add_bos=False)
     else:
         tokens = body["token_ids"]
@@ -282,12 +377,5 @@ async def _publish(state: ServerState, request: Request) -> dict:
     try:
         state.engine.validate_prompt(tokens, room=0)
     except ValueError as e:
-        raise APIError(400, str(e), param="text" if "text" in body else "token_ids") from None
-    try:
-        done = await asyncio.wrap_future(state.runner.call(state.engine.publish, tokens))
-    except PoolBusy as e:
-        raise APIError(503, str(e)) from None
-    except RequestError as e:
-        raise APIError(400, str(e), param="text" if "text" in body else "token_ids") from None
-    return {"object": "cache.chunks", "tokens": len(tokens), "entries": done.entries,
-            "stored_tokens": done.tokens, "skipped": done.skipped, "rejected": done.rejected}
+        raise APIError(400, str(e), param=param) from None
+    return tokens, param

@@ -39,6 +39,22 @@ def register(sub) -> None:
     p.add_argument("--store-secret", default=None,
                    help="key of the MAC that authenticates disk and Redis entries (default: the "
                         "IRMINSUL_STORE_SECRET environment variable; without one, entries are only checksummed)")
+    p.add_argument("--timeout-header", type=float, default=10.0, metavar="SECONDS",
+                   help="a request's headers must arrive within this long of their first byte, or the connection "
+                        "gets a 408 and is closed")
+    p.add_argument("--timeout-body", type=float, default=60.0, metavar="SECONDS",
+                   help="a request's body must arrive within this long of its headers (408 and closed otherwise)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="an idle connection is closed after this long")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at once; more get a 503 and are closed (default: half the open-file "
+                        "limit, at most 4096)")
+    p.add_argument("--prep-threads", type=int, default=8,
+                   help="threads that parse, render, tokenize and compile constraints for requests")
+    p.add_argument("--prep-threads-per-tenant", type=int, default=2,
+                   help="of those, how many one tenant (API key; without keys, client address) may hold at once")
+    p.add_argument("--log-repeats", type=int, default=10, metavar="N",
+                   help="log a repeated warning or error at most N times a minute (then say how many were left out)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=serve)
 
@@ -64,7 +80,25 @@ def config_from_args(args):
         max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.max_prefill_tokens,
         default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key,
         max_request_bytes=parse_bytes(args.max_request_bytes, "--max-request-bytes"),
+        timeout_header=args.timeout_header, timeout_body=args.timeout_body, timeout_keep_alive=args.timeout_keep_alive,
+        max_connections=args.max_connections, prep_threads=args.prep_threads,
+        prep_threads_per_tenant=args.prep_threads_per_tenant, log_repeats=args.log_repeats,
         store_secret=args.store_secret if args.store_secret is not None else os.environ.get("IRMINSUL_STORE_SECRET"))
+
+
+def uvicorn_config(app, config, log_level: str = "info"):
+    """uvicorn's settings for this server: its HTTP protocol with header and body deadlines and the
+    connection cap (http.py), the keep-alive timeout."""
+    import functools
+
+    import uvicorn
+
+    from irminsul.server.http import ConnectionLimits, GuardedH11Protocol
+
+    limits = ConnectionLimits(config.timeout_header, config.timeout_body, config.connection_limit)
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
+                          timeout_graceful_shutdown=5, timeout_keep_alive=config.timeout_keep_alive,
+                          http=functools.partial(GuardedH11Protocol, limits=limits))
 
 
 def serve(args) -> int:
@@ -72,14 +106,21 @@ def serve(args) -> int:
 
     import uvicorn
 
+    from irminsul.server import logs
     from irminsul.server.app import ServerState, create_app
 
     config = config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     state = ServerState(config)  # loads the model; errors reach the CLI's one-line handler
     try:
-        uvicorn.run(create_app(config, state), host=config.host, port=config.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn_config(create_app(config, state), config, args.log_level))
+        logs.install(config.log_repeats)  # (after uvicorn has set up its handlers)
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            pass
+        if not server.started:
+            return 1
     finally:
         # NOTE: a forced exit (a second Ctrl-C) skips the app's shutdown; the engine thread must still be
         # stopped before the interpreter exits, or it dies inside a torch call and the process aborts

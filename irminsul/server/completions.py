@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import json
 import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from irminsul.server.protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest,
                                       check_supported, constraint_of, parse_body, read_body, resolve_max_tokens,
@@ -63,16 +62,34 @@ def _summed(parts: list[dict]) -> dict:
     return out
 
 
+SEED_RANGE = 2**63  # SamplingParams takes seeds in [0, 2^63)
+
+
+def text_chars(value) -> int:
+    """Characters in every string of a request's messages (a lower bound on what rendering them
+    makes: each is rendered, and the template adds its own)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(text_chars(v) for v in value)
+    return 0
+
+
 def _prompts(state, req: CompletionRequest) -> list[list[int]]:
     """A completion request's prompts: a string, token ids, or a list of either (a batch)."""
     prompt = req.prompt
     batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    for p in batch:
+        if isinstance(p, str):
+            state.check_text(len(p), "prompt", "prompt")
     return [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
 
 
 def prepare(state, request: Request, req, chat: bool) -> list[Job]:
     """Everything that can be refused before the jobs are queued: one job per prompt and choice
-    (`n` choices of one prompt differ by seed when sampling: seed, seed + 1, ...)."""
+    (`n` choices of one prompt differ by seed when sampling: seed, seed + 1, ... modulo 2^63)."""
     check_supported(req)
     state.check_model(req.model)
     tenant = state.tenant_of(request, req.cache_salt)
@@ -87,6 +104,7 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
                 raise APIError(400, f"tool_choice={req.tool_choice!r} and {asked_by} both constrain the output; "
                                     f"set only one", param=asked_by)
             constraint, asked_by = forced, "tool_choice"
+        state.check_text(text_chars(req.messages), "messages", "messages")
         try:
             rendered = state.renderer.render(req.messages, req.tools, req.add_generation_prompt,
                                              req.continue_final_message, req.chat_template_kwargs)
@@ -116,7 +134,8 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
                                 f"lower max_tokens")
         leader = None
         for i in range(req.n):
-            seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+            seeded = params if params.seed is None or i == 0 else \
+                dataclasses.replace(params, seed=(params.seed + i) % SEED_RANGE)
             jobs.append(Job(tokens=tokens, params=seeded, emit=None, segment_starts=starts, tenant=tenant,
                             matcher=_matcher(state, constraint, asked_by), leader=leader))
             leader = leader or jobs[-1]  # the other choices share the first one's prompt rows
@@ -137,8 +156,8 @@ async def handle(state, request: Request, chat: bool):
     state.key_tenant(request)  # (a 401 before the body is read)
     body = await read_body(request, state.config.max_request_bytes)
     # JSON parsing, chat rendering and tokenization run on a worker thread, never on the event loop.
-    req = await asyncio.to_thread(parse_body, body, ChatCompletionRequest if chat else CompletionRequest)
-    jobs = await asyncio.to_thread(prepare, state, request, req, chat)
+    req = await state.prepare(request, parse_body, body, ChatCompletionRequest if chat else CompletionRequest)
+    jobs = await state.prepare(request, prepare, state, request, req, chat)
     if len(jobs) > 1:
         return await _several(state, request, req, chat, jobs)
     job = jobs[0]
@@ -147,25 +166,42 @@ async def handle(state, request: Request, chat: bool):
     stream = (lambda first: _stream(state, [job], _Tagged(channel), fmt, (0, first))) if req.stream else None
 
     async def whole(event):
-        echo = None
-        if not chat and req.echo:
-            echo = await _echo(state, job)
-        return fmt.response([event], [echo] if echo is not None else None)
+        echoes = [await _echo(state, request, job)] if not chat and req.echo else None
+        return await json_response(state, request, fmt.response, [event], echoes)
 
     return await answer_one(state, request, job, channel, stream, whole)
 
 
-async def _echo(state, job: Job):
-    """The prompt's own log-probs, scored on the engine thread between steps. NOTE: after the job has
-    run: scored first, the prompt's rows would be cached before the job is admitted, and its usage
-    would count the prompt as a prefix hit (cached_tokens) although nothing had sent it before."""
-    return await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
+async def json_response(state, request: Request, build, *args) -> Response:
+    """``build(*args)`` as a JSON response, built and serialised on a worker thread: with every
+    prompt token's log-probs (echo) it runs to tens of megabytes, seconds of work on the event loop."""
+    return Response(await state.prepare(request, lambda: _dumps(build(*args)).encode()), media_type="application/json")
+
+
+def _dumps(obj, depth: int = 2) -> str:
+    """JSON text as JSONResponse writes it, an object's entries and a list's items (two levels down:
+    each choice) one json.dumps call at a time: one call over tens of MB holds the GIL, and with it
+    the event loop, for seconds."""
+    if depth and isinstance(obj, dict):
+        return "{" + ",".join(f"{_dumps(str(k), 0)}:{_dumps(v, depth - 1)}" for k, v in obj.items()) + "}"
+    if depth and isinstance(obj, list):
+        return "[" + ",".join(_dumps(v, depth - 1) for v in obj) + "]"
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+async def _echo(state, request: Request, job: Job):
+    """The prompt's own log-probs: scored on the engine thread between steps (one scoring per step:
+    runner.call), read into TokenLogprobs on a worker thread. NOTE: after the job has run: scored
+    first, the prompt's rows would be cached before the job is admitted, and its usage would count
+    the prompt as a prefix hit (cached_tokens) although nothing had sent it before."""
+    scored = await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
+    return await state.prepare(request, _echo_entries, job, scored)
 
 
 async def answer_one(state, request: Request, job: Job, channel: _Channel, stream, whole):
     """The answer to a one-job request once it is queued: its first event decides (a failure at
     admission is a 4xx, not an error inside a 200 stream), then `stream(first)` (the SSE chunks) or
-    `whole(finished)` (the JSON body; it may be a coroutine). A client that goes away gets a 499 and its
+    `await whole(finished)` (the JSON response). A client that goes away gets a 499 and its
     job is aborted."""
     watcher = asyncio.ensure_future(_disconnected(request))
     first = await first_event(state, job, channel, watcher)
@@ -180,8 +216,7 @@ async def answer_one(state, request: Request, job: Job, channel: _Channel, strea
         watcher.cancel()
     if event is None:
         return JSONResponse({}, status_code=499)
-    body = whole(event)
-    return JSONResponse(await body if inspect.isawaitable(body) else body)
+    return await whole(event)
 
 
 async def submit_one(state, job: Job, emit=None) -> _Channel:
@@ -256,9 +291,8 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
         raise
     finally:
         watcher.cancel()
-    echoes = [await _echo(state, job) for job in jobs] if not chat and req.echo else None
-    prompts = len(jobs) // req.n
-    return JSONResponse(fmt.response(events, echoes, prompts))
+    echoes = [await _echo(state, request, job) for job in jobs] if not chat and req.echo else None
+    return await json_response(state, request, fmt.response, events, echoes, len(jobs) // req.n)
 
 
 def _tool_format(state, req, chat: bool):
@@ -270,13 +304,21 @@ def _tool_format(state, req, chat: bool):
     return state.renderer.tool_format, names
 
 
-def _prompt_logprobs(engine, job: Job) -> tuple[list[int], list]:
-    """(prompt tokens, TokenLogprob of every prompt token but the first), as LLM.score gives them."""
+def _prompt_logprobs(engine, job: Job):
+    """The log-probs [len(prompt) - 1, vocab] of every prompt token but the first, as LLM.score gives
+    them (None when not asked for); on the engine thread."""
     tokens, n = job.tokens, job.params.logprobs
     if len(tokens) < 2 or n is None:
-        return tokens, []
+        return None
     lp, _ = engine.score(tokens[:1], tokens[1:], None, job.tenant)
-    return tokens, [TokenLogprob.of(row, token, n) for row, token in zip(lp, tokens[1:])]
+    return lp
+
+
+def _echo_entries(job: Job, lp) -> tuple[list[int], list]:
+    """(prompt tokens, TokenLogprob of every prompt token but the first)."""
+    if lp is None:
+        return job.tokens, []
+    return job.tokens, [TokenLogprob.of(row, token, job.params.logprobs) for row, token in zip(lp, job.tokens[1:])]
 
 
 class _Tagged:

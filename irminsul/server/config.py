@@ -73,6 +73,15 @@ class ServerConfig:
     api_keys: tuple[tuple[str, str], ...] = ()  # (key, tenant); empty: no authentication
     admin_key: str | None = None  # required to publish shared chunks
     store_secret: str | None = field(default=None, repr=False)  # keys the MAC of disk and Redis entries
+    # slow clients (http.py): seconds for a request's headers, for its body, idle between requests
+    timeout_header: float = 10.0
+    timeout_body: float = 60.0
+    timeout_keep_alive: float = 5.0  # uvicorn's default
+    max_connections: int | None = None  # None: half the open-file limit, at most 4096 (connection_limit)
+    # request preparation (workers.py): threads, and how many of them one tenant may hold at once
+    prep_threads: int = 8
+    prep_threads_per_tenant: int = 2
+    log_repeats: int = 10  # a repeated warning or error is logged at most this often a minute (logs.py)
 
     def __post_init__(self):
         if self.reuse not in MODES:
@@ -80,14 +89,33 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ServerConfigError(f"--port {self.port} is not a TCP port")
         for name in ("max_running_requests", "max_queued_requests", "max_prefill_tokens", "default_max_tokens",
-                     "max_request_bytes"):
+                     "max_request_bytes", "prep_threads", "prep_threads_per_tenant", "log_repeats"):
             if getattr(self, name) < 1:
                 raise ServerConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ServerConfigError(f"--kv-cache-gib must be > 0, got {self.kv_cache_gib}")
+        for name in ("timeout_header", "timeout_body", "timeout_keep_alive"):
+            if not getattr(self, name) > 0:
+                raise ServerConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ServerConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if self.prep_threads_per_tenant > self.prep_threads:
+            raise ServerConfigError(f"--prep-threads-per-tenant {self.prep_threads_per_tenant} is more than "
+                                    f"--prep-threads {self.prep_threads}")
         if len({k for k, _ in self.api_keys}) != len(self.api_keys):
             raise ServerConfigError("--api-key lists the same key twice")
 
     @property
     def tenants(self) -> dict[str, str]:
         return dict(self.api_keys)
+
+    @property
+    def connection_limit(self) -> int:
+        """Open connections served at once: --max-connections, else half the process's open-file
+        limit (the other half for the checkpoint, the stores and the engine), at most 4096."""
+        if self.max_connections is not None:
+            return self.max_connections
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(16, min(4096, soft // 2)) if soft != resource.RLIM_INFINITY else 4096

@@ -15,7 +15,6 @@ references are refused with a 400 that says so; send the whole conversation as `
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -25,7 +24,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
-from irminsul.server.completions import _Channel, _Format, _tool_format, answer_one, prepare, submit_one
+from irminsul.server.completions import _Channel, _Format, _tool_format, answer_one, json_response, prepare, submit_one
 from irminsul.server.protocol import (APIError, ChatCompletionRequest, Float, Int, _Common, parse_body, read_body,
                                       usage, validated)
 from irminsul.server.runner import Delta, Finished
@@ -331,17 +330,18 @@ def _renamed(e: APIError) -> APIError:
 async def handle(state, request: Request):
     state.key_tenant(request)  # (a 401 before the body is read)
     body = await read_body(request, state.config.max_request_bytes)
-    req = await asyncio.to_thread(parse_body, body, ResponsesRequest)
+    req = await state.prepare(request, parse_body, body, ResponsesRequest)
     try:
         chat = to_chat(req)
-        (job,) = await asyncio.to_thread(prepare, state, request, chat, True)
+        (job,) = await state.prepare(request, prepare, state, request, chat, True)
     except APIError as e:
         raise _renamed(e) from None
     channel = await submit_one(state, job)
     fmt = _Format(True, state.model_name, chat, state.tokenizer, _tool_format(state, chat, True))
     build = _Builder(req, fmt, state.model_name)
     stream = (lambda first: _stream(state, job, channel, build, first)) if req.stream else None
-    return await answer_one(state, request, job, channel, stream, build.whole)
+    return await answer_one(state, request, job, channel, stream,
+                            lambda finished: json_response(state, request, build.whole, finished))
 
 
 async def _stream(state, job, channel: _Channel, build: _Builder, first):

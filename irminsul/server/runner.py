@@ -1,14 +1,16 @@
 """The engine's scheduler on a background thread, fed by HTTP handlers.
 
 The engine is single-threaded; this thread is the only one that touches it. Every iteration takes
-new jobs, aborts and calls from the inbox, runs one `Scheduler.step()` (admission, one batched
-forward step, finished requests handed to the cache), and sends each job the text that became safe
-to show. Results reach the asyncio side through each job's `emit`, a thread-safe callback.
+new jobs and aborts from the inbox, runs at most one call (scoring an echoed prompt, publishing a
+document: each can be a long prefill, so several in a row would stall every stream), runs one
+`Scheduler.step()` (admission, one batched forward step, finished requests handed to the cache),
+and sends each job the text that became safe to show. Results reach the asyncio side through each job's `emit`, a thread-safe callback.
 Detokenization happens here (incrementally, in the engine), never on the event loop.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -78,6 +80,7 @@ class EngineRunner:
         self.scheduler = Scheduler(engine, max_running_requests, on_admit=self._admitted)
         self.max_queued_requests = max_queued_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls: collections.deque = collections.deque()  # (future, fn, args) taken from the inbox, not yet run
         self._jobs: dict[int, Job] = {}  # sequence id -> job, for every job the scheduler holds
         self._admitted_ids: set[int] = set()  # jobs admitted at least once (no longer counted as queued)
         self._submitted = 0  # jobs handed in and not yet admitted or dropped (for the queue limit)
@@ -138,7 +141,8 @@ class EngineRunner:
         self._inbox.put(("abort", job))
 
     def call(self, fn: Callable, *args) -> concurrent.futures.Future:
-        """Run ``fn(*args)`` on the engine thread, between steps (e.g. publishing chunks)."""
+        """Run ``fn(*args)`` on the engine thread, between steps (e.g. publishing chunks); while
+        sequences run, one call per step."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", (future, fn, args)))
         return future
@@ -148,7 +152,9 @@ class EngineRunner:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._drain(block=not self.scheduler.has_work)
+                self._drain(block=not self.scheduler.has_work and not self._calls)
+                if self._calls:
+                    self._run(*self._calls.popleft())
                 if self.scheduler.has_work:
                     self._step()
             except Exception:  # a bug must cost the requests it touches, never the thread
@@ -165,16 +171,19 @@ class EngineRunner:
             elif kind == "abort":
                 self._abort(item)
             elif kind == "call":
-                future, fn, args = item
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(*args))
-                    except BaseException as e:  # handed to the awaiting request
-                        future.set_exception(e)
+                self._calls.append(item)
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    @staticmethod
+    def _run(future: concurrent.futures.Future, fn: Callable, args: tuple) -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to the awaiting request
+                future.set_exception(e)
 
     def _accept(self, job: Job) -> None:
         try:
