@@ -14,6 +14,8 @@ scheduler preempts a running sequence (`preempt`), which is recomputed later.
 
 from __future__ import annotations
 
+import logging
+import logging
 import math
 import os
 
@@ -31,6 +33,8 @@ from irminsul.model.compiled import resolve
 from irminsul.model.deepseek import DeepseekModel
 from irminsul.model.mla import ForwardBatch
 from irminsul.model.tokenizer import Tokenizer
+
+log = logging.getLogger("irminsul.engine")
 
 DEFAULT_KV_CACHE_GIB = 1.0  # on the CPU (committed lazily, as rows are written)
 GPU_MEMORY_SHARE = 0.85  # on a GPU: this share of the memory free once the weights are loaded
@@ -357,33 +361,28 @@ class Engine:
         stacked = torch.stack([logits[i] for i in rows])
         wants = [row for row, i in enumerate(rows) if seqs[i].params.logprobs is not None]
         logprobs = dict(zip(wants, stacked[wants].log_softmax(-1))) if wants else {}  # the model's, unadjusted
+        failed: dict[int, str] = {}  # row -> why: an error in one row ends that sequence alone
         for row, i in enumerate(rows):
             p = seqs[i].params
             if p.adjusts_logits:
                 ends = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_ids)]
-                stacked[row] = adjust_logits(stacked[row], p, seqs[i].tokens[: seqs[i].prompt_len],
-                                             seqs[i].output_ids, ends)
-        constrained = [row for row, i in enumerate(rows) if seqs[i].matcher is not None]
-        if constrained:  # one mask call for every constrained sequence of the step
-            allowed = self.grammars.allowed([seqs[rows[row]].matcher for row in constrained])
-            stacked[constrained] = stacked[constrained].masked_fill(~allowed, float("-inf"))
+                try:
+                    stacked[row] = adjust_logits(stacked[row], p, seqs[i].tokens[: seqs[i].prompt_len],
+                                                 seqs[i].output_ids, ends)
+                except Exception as e:
+                    failed[row] = self._internal_error("adjusting the logits", seqs[i], e)
+        constrained = [row for row, i in enumerate(rows) if seqs[i].matcher is not None and row not in failed]
+        if constrained:
+            self._mask(stacked, constrained, [seqs[rows[row]] for row in constrained], failed)
         batch = [seqs[i] for i in rows]
-        failed = None
-        if all(seq.params.greedy for seq in batch):
-            tokens = stacked.argmax(-1).tolist()
-        else:  # one batched call, on the logits' device; its one host copy is here
-            try:
-                tokens = sample_batch(stacked, [seq.params for seq in batch], [seq.seed for seq in batch],
-                                      [len(seq.output_ids) for seq in batch]).tolist()
-            except Exception as e:  # a sampler bug ends the sampled requests of this step, not the greedy ones
-                tokens, failed = stacked.argmax(-1).tolist(), f"internal error while sampling: {e}"
+        tokens = self._choose(batch, stacked, failed)
         for row, i in enumerate(rows):
             seq, token = seqs[i], tokens[row]
+            if row in failed:
+                seq.finish_reason, seq.error = "abort", failed[row]
+                continue
             if seq.matcher is not None and seq.matcher.is_error():
                 self._constraint_failed(seq)
-                continue
-            if failed is not None and not seq.params.greedy:
-                seq.finish_reason, seq.error = "abort", failed
                 continue
             before = len(seq.tokens)
             self._append(seq, token)
@@ -394,6 +393,49 @@ class Engine:
                 seq.logprobs.append(TokenLogprob.of(logprobs[row], token, seq.params.logprobs, stop=not appended))
             new[i] = token
         return new
+
+    def _mask(self, stacked: torch.Tensor, constrained: list[int], seqs: list[Sequence],
+              failed: dict[int, str]) -> None:
+        """-inf on the tokens each constrained row's grammar rules out: one mask call for all of
+        them; should it fail, one call per row, so a failing matcher ends only its own sequence."""
+        try:
+            allowed = self.grammars.allowed([seq.matcher for seq in seqs])
+            stacked[constrained] = stacked[constrained].masked_fill(~allowed, float("-inf"))
+            return
+        except Exception:
+            pass
+        for row, seq in zip(constrained, seqs):
+            try:
+                stacked[row] = stacked[row].masked_fill(~self.grammars.allowed([seq.matcher])[0], float("-inf"))
+            except Exception as e:
+                failed[row] = self._internal_error("computing the grammar's token mask", seq, e)
+
+    def _choose(self, batch: list[Sequence], stacked: torch.Tensor, failed: dict[int, str]) -> list[int]:
+        """The next token of each row: greedy, or sampled in one batched call (its one host copy is
+        here). Should that call fail, the rows are sampled one by one (the same tokens: the
+        randomness is per row), so the error ends only the sequence whose row raised it."""
+        if all(seq.params.greedy for seq in batch):
+            return stacked.argmax(-1).tolist()
+        try:
+            return sample_batch(stacked, [seq.params for seq in batch], [seq.seed for seq in batch],
+                                [len(seq.output_ids) for seq in batch]).tolist()
+        except Exception:
+            pass
+        tokens = []
+        for row, seq in enumerate(batch):
+            try:
+                tokens.append(int(sample_batch(stacked[row : row + 1], [seq.params], [seq.seed],
+                                               [len(seq.output_ids)])[0]))
+            except Exception as e:
+                failed[row] = self._internal_error("sampling", seq, e)
+                tokens.append(-1)
+        return tokens
+
+    @staticmethod
+    def _internal_error(doing: str, seq: Sequence, e: Exception) -> str:
+        log.error("request %s: internal error while %s (%s: %s); ending this request only",
+                  seq.id, doing, type(e).__name__, e)
+        return f"internal error while {doing}: {type(e).__name__}"
 
     def _append(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -145,28 +145,45 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
 def uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """U(0, 1) [B, vocab] float32 from a counter-based hash (splitmix64) of (seed, step, token id):
     the same numbers on any device, for any batch a sequence shares, whatever ran before. int64
-    products wrap as unsigned ones do, so the hash is exact in torch integer ops."""
+    products wrap as unsigned ones do, so the hash is exact in torch integer ops.
+
+    NOTE: the interval is open (`unit_interval`). The top 23 bits plus one half, over 2^23, are
+    exact in float32 (largest 1 - 2^-24, smallest 2^-24); with 24 bits the largest value rounds
+    to 1.0, whose exponential is 0, and the race then divides by zero."""
     x = seeds[:, None] * _GOLDEN + steps[:, None] * _MIX2 + torch.arange(vocab, device=seeds.device)[None, :]
     for _ in range(2):
         x = x + _GOLDEN
         x = (x ^ _shr(x, 30)) * _MIX1
         x = (x ^ _shr(x, 27)) * _MIX2
         x = x ^ _shr(x, 31)
-    return (_shr(x, 40).float() + 0.5) / float(1 << 24)
+    return unit_interval(x)
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """int64 hash values -> float32 in (0, 1), open at both ends: the top 23 bits k as (k + 0.5) / 2^23."""
+    return (_shr(bits, 64 - _UNIFORM_BITS).float() + 0.5) / float(1 << _UNIFORM_BITS)
+
+
+_UNIFORM_BITS = 23  # float32's mantissa: k + 0.5 for k < 2^23 is exact
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
     """logits [B, vocab] -> token ids [B] (on the logits' device, no host synchronisation): each row
     greedy or sampled after temperature, top-k, min-p and top-p, by an exponential race
     (argmax p / E, E ~ Exp(1) from `uniforms`): the sampled row's distribution exactly, with the
-    randomness fixed by (seed, step). A degenerate row (nothing finite left) takes its argmax."""
+    randomness fixed by (seed, step). A degenerate row (nothing finite left) takes its argmax.
+
+    A token of probability 0 (masked by a grammar, cut by top-k/top-p/min-p, -inf logits) never
+    wins: the race runs in log space, log p - log E with E > 0 (`uniforms` is open), and such a
+    token's score is -inf."""
     dev, vocab = logits.device, logits.shape[-1]
     logits = logits.float()
     greedy = torch.tensor([p.greedy for p in params], device=dev)
     temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
     x = logits / temp[:, None]
     if any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy):
-        top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)
+        # a top_k past the vocabulary keeps everything (any size is valid; int64 holds the clamp)
+        top_k = torch.tensor([min(p.top_k, vocab) or vocab for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
         min_p = torch.tensor([p.min_p for p in params], device=dev)
         srt, order = x.sort(dim=-1, descending=True)
@@ -177,7 +194,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
         drop[:, 0] = False  # the most likely token is always kept
         x = torch.full_like(x, float("-inf")).scatter_(1, order, srt.masked_fill(drop, float("-inf")))
     probs = x.softmax(-1)
-    race = probs / -torch.log(uniforms(torch.tensor(seeds, device=dev), torch.tensor(steps, device=dev), vocab))
+    exp = -torch.log(uniforms(torch.tensor(seeds, device=dev), torch.tensor(steps, device=dev), vocab))  # > 0
+    race = torch.where(probs > 0, probs.log() - exp.log(), float("-inf"))
     bad = ~torch.isfinite(probs).all(-1) | (probs.sum(-1) <= 0)
     return torch.where(greedy | bad, logits.argmax(-1), race.argmax(-1))
 

@@ -113,3 +113,63 @@ def test_degenerate_sampling_values_sample_and_never_fail_the_step(tiny_dir):
     assert all(s.output_ids == greedy for s in seqs)  # degenerate sampling is greedy
     with pytest.raises(Exception, match="temperature"):
         SamplingParams(temperature=float("nan"))
+
+
+def test_an_error_in_one_sequence_ends_that_sequence_alone(tiny_dir, monkeypatch):
+    """Sampled, greedy and constrained neighbours in the same steps finish as they would alone when
+    one sequence's sampling, logit adjustment or grammar mask raises; only that one is aborted."""
+    import irminsul.engine.engine as engine_module
+    from irminsul.engine.grammar import Constraint
+
+    llm = LLM(tiny_dir, compile_decode=False)
+    prompt = _rand(40, 7)
+    cases = {"sampled": SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
+             "top_k": SamplingParams(max_tokens=12, temperature=1.0, top_k=2**63, seed=4, ignore_eos=True),
+             "greedy": SamplingParams(max_tokens=12, ignore_eos=True),
+             "biased": SamplingParams(max_tokens=12, temperature=0.7, seed=5, logit_bias=((3, 2.0),), ignore_eos=True),
+             "regex": SamplingParams(max_tokens=12, temperature=1.0, seed=6, constraint=Constraint.regex("[a-z ]{1,40}"))}
+    alone = {}
+    for name, params in cases.items():
+        seq = llm.engine.new_sequence(prompt, params)
+        _run(llm.scheduler, [seq])
+        assert seq.error is None, (name, seq.error)
+        alone[name] = seq.output_ids
+
+    def faulty(seq_params_marker, original):
+        def wrapped(*args, **kwargs):
+            params = args[1] if len(args) > 1 else kwargs.get("params")
+            if isinstance(params, list) and any(p.seed == seq_params_marker for p in params):
+                raise OverflowError("injected")
+            if isinstance(params, SamplingParams) and params.seed == seq_params_marker:
+                raise OverflowError("injected")
+            return original(*args, **kwargs)
+        return wrapped
+
+    bad = {"sample": SamplingParams(max_tokens=12, temperature=1.0, seed=666, ignore_eos=True),
+           "adjust": SamplingParams(max_tokens=12, temperature=1.0, seed=666, presence_penalty=0.5, ignore_eos=True)}
+    for where, target in (("sample", "sample_batch"), ("adjust", "adjust_logits")):
+        monkeypatch.setattr(engine_module, target, faulty(666, getattr(engine_module, target)))
+        seqs = {name: llm.engine.new_sequence(prompt, params) for name, params in cases.items()}
+        victim = llm.engine.new_sequence(prompt, bad[where])
+        _run(llm.scheduler, [*seqs.values(), victim])
+        monkeypatch.undo()
+        assert victim.finish_reason == "abort" and "internal error" in victim.error, (where, victim.error)
+        for name, seq in seqs.items():
+            assert seq.error is None and seq.output_ids == alone[name], (where, name, seq.error)
+
+    # a grammar whose mask computation fails takes down its own sequence only
+    original_allowed = llm.engine.grammars.allowed
+    victim = llm.engine.new_sequence(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=9,
+                                                            constraint=Constraint.regex("[0-9]{1,40}")))
+
+    def allowed(matchers):
+        if any(m is victim.matcher for m in matchers):
+            raise RuntimeError("injected")
+        return original_allowed(matchers)
+
+    monkeypatch.setattr(llm.engine.grammars, "allowed", allowed)
+    seqs = {name: llm.engine.new_sequence(prompt, params) for name, params in cases.items()}
+    _run(llm.scheduler, [*seqs.values(), victim])
+    assert victim.finish_reason == "abort" and "grammar" in victim.error
+    for name, seq in seqs.items():
+        assert seq.error is None and seq.output_ids == alone[name], (name, seq.error)
