@@ -343,12 +343,14 @@ def _json_constraint(value) -> Constraint:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise RequestError(f"the schema is not valid JSON ({e})") from None
+        except RecursionError:  # (deeper than Python's parser goes; far deeper than any schema needs)
+            raise RequestError(f"the schema nests more than {MAX_DEPTH} levels deep") from None
     return Constraint.json_schema(value)
 
 
 def tool_functions(req: ChatCompletionRequest) -> list[dict]:
-    """The request's functions ({"name", "parameters", ...}) after checking tool_choice against them."""
-    functions = [t.get("function", t) for t in req.tools or [] if isinstance(t, dict)]
+    """The request's functions ({"name", "parameters", ...}) after checking them and tool_choice."""
+    functions = [_function(i, t) for i, t in enumerate(req.tools or [])]
     choice = req.tool_choice
     if choice is None or choice in ("auto", "none"):
         return functions
@@ -366,6 +368,29 @@ def tool_functions(req: ChatCompletionRequest) -> list[dict]:
         raise APIError(400, f"tool_choice names the function {named!r}, which is not among the tools",
                        param="tool_choice")
     return functions
+
+
+def _function(i: int, tool) -> dict:
+    """tools[i]'s function: {"type": "function", "function": {"name": ..., "parameters": {...}}}
+    (or the function object itself, as some clients send it)."""
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict):
+        raise APIError(400, f"{where} must be an object {{'type': 'function', 'function': {{'name': ...}}}}",
+                       param=where)
+    if tool.get("type", "function") != "function":
+        raise APIError(400, f"{where}.type is {tool['type']!r}; only 'function' tools are supported", param=where)
+    fn = tool.get("function", tool)
+    if "function" in tool:
+        where += ".function"
+    if not isinstance(fn, dict):
+        raise APIError(400, f"{where} must be an object with a name (and parameters, a JSON schema), "
+                            f"not {type(fn).__name__}", param=where)
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise APIError(400, f"{where}.name must be a non-empty string", param=where)
+    if not isinstance(fn.get("parameters", {}) or {}, dict):
+        raise APIError(400, f"{where}.parameters must be a JSON schema object, not "
+                            f"{type(fn['parameters']).__name__}", param=where)
+    return fn
 
 
 def sampling_params(req: _Common, max_tokens: int, constraint: Constraint | None = None) -> SamplingParams:

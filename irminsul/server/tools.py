@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import regex
 
 from irminsul.engine.grammar import JSON_LAYOUT, Constraint, closed
+from irminsul.errors import RequestError
+from irminsul.server.protocol import APIError
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,10 @@ def forcing_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, added_to
     if tool_choice in (None, "auto", "none"):
         return None
     named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
-    return Constraint.lark(fmt.grammar(tools, named, added_token_id, single=not parallel))
+    try:
+        return Constraint.lark(fmt.grammar(tools, named, added_token_id, single=not parallel))
+    except RequestError as e:  # (a function's parameters too big or too deep to compile)
+        raise APIError(400, f"tools: {e}", param="tools") from None
 
 
 @dataclass

@@ -135,3 +135,30 @@ def test_auto_tool_choice_parses_what_the_model_writes(client):
                                              max_tokens=60, temperature=0, extra_body={"guided_regex": re.escape(text)})
         assert out.choices[0].message.content == text and not out.choices[0].message.tool_calls
         assert out.choices[0].finish_reason == "stop"
+
+
+def _ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{n}": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": _ref_chain(3000)}}, "$refs"),
+    ("guided_grammar", "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(3000)) + '\nr3000: "b"',
+     "rules"),
+    ("guided_json", "[" * 1000 + "]" * 1000, "levels"),
+    ("guided_choice", [f"option {i}" for i in range(100_000)], "choices"),
+    ("guided_regex", "((a{1000}){1000}){1000}", "spells out"),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": _ref_chain(3000)}}], "$ref"),
+])
+def test_grammars_too_big_to_compile_safely_are_a_400_and_the_server_lives_on(bundled, field, value, says):
+    import httpx
+
+    body = {"messages": ASK, "max_tokens": 4, field: value}
+    if field == "tools":
+        body["tool_choice"] = "required"
+    r = httpx.post(bundled.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+    ok = httpx.post(bundled.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text

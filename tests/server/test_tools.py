@@ -117,3 +117,22 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     parser = ToolCallParser(IRMINSUL, frozenset({"a", "b"}), max_calls=1)
     events = [e for k in range(0, len(two), 5) for e in parser.feed(two[k:k + 5])] + parser.finish()
     assert {e[1] for e in events if e[0] != "content"} == {0} and len(parser.calls) == 2
+
+
+@pytest.mark.parametrize("tool, says", [
+    ({"type": "function", "function": "f"}, "tools[0].function must be an object"),
+    ({"type": "function", "function": ["f"]}, "tools[0].function must be an object"),
+    ({"type": "function", "function": 3}, "tools[0].function must be an object"),
+    ({"type": "function", "function": {"parameters": {}}}, "tools[0].function.name"),
+    ({"type": "function", "function": {"name": "f", "parameters": "{}"}}, "parameters must be a JSON schema"),
+    ("f", "tools[0] must be an object"),
+    ({"type": "retrieval"}, "only 'function' tools"),
+])
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "f"}}])
+def test_a_malformed_tool_is_a_400_that_names_it(tool, says, choice):
+    from irminsul.server.protocol import APIError, ChatCompletionRequest, tool_functions
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice=choice)
+    with pytest.raises(APIError) as e:
+        tool_functions(req)
+    assert e.value.status == 400 and says in e.value.message
