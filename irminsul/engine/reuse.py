@@ -147,11 +147,13 @@ class CacheReuse:
         """The planner of a tenant's namespace (created on first use)."""
         tenant = self.default_tenant if tenant is None else tenant
         if tenant not in self.namespaces:
-            seed = namespace_seed(self.model_id, tenant)
-            salt = -1 - (seed >> 2)  # a negative id: never a real token
+            seed, name = namespace_seed(self.model_id, tenant), namespace_id(self.model_id, tenant)
+            # a negative id (never a real token) from the BLAKE2b namespace digest, not the xxHash64
+            # seed: a tenant who picks its cache_salt cannot search out another tenant's salt
+            salt = -1 - (int(name[:16], 16) >> 2)
             fallbacks = [] if tenant == SHARED else [self.namespace(SHARED)]
             # NOTE: a scoped view: every hit compares the namespace that wrote the entry, not only its fingerprint
-            registry = ScopedRegistry(self.registry, namespace_id(self.model_id, tenant))
+            registry = ScopedRegistry(self.registry, name)
             self.namespaces[tenant] = Planner(self.planner_config, registry, SaltedRadix(self.radix, salt),
                                               WindowIndex(self.planner_config.window), seed=seed,
                                               fallbacks=fallbacks)

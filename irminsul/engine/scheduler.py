@@ -85,6 +85,7 @@ class Scheduler:
         """Drop a sequence wherever it is; a running one gives its rows back."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+            seq.finish_reason = seq.finish_reason or "abort"  # it holds no rows yet; it is done all the same
         elif seq in self.running:
             self.running.remove(seq)
             seq.finish_reason = "abort"

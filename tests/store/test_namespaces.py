@@ -125,3 +125,24 @@ def test_a_scoped_registry_stamps_its_writes():
     shared = MemoryRegistry(10**6)
     ScopedRegistry(shared, ALICE).put(dataclasses.replace(entry(3, ""), namespace="forged"))
     assert shared.peek(3).namespace == ALICE
+
+
+def test_exact_prefixes_stay_apart_when_the_namespace_seeds_collide(tiny_dir, monkeypatch):
+    """The radix tree's tenant salt comes from the BLAKE2b namespace digest: a tenant that finds a
+    cache_salt whose 64-bit xxHash seed equals another tenant's (forced here: every seed is one
+    value) still matches none of that tenant's prefixes."""
+    from irminsul.engine import reuse
+    from irminsul.engine.llm import LLM
+    from irminsul.engine.sampling import SamplingParams
+
+    monkeypatch.setattr(reuse, "namespace_seed", lambda model_id, tenant="": 0x5EED)
+    engine = LLM(tiny_dir, reuse="prefix", compile_decode=False).engine
+    params = SamplingParams(max_tokens=1)
+    prompt = _rand(300, 300)
+    engine.run(engine.add(prompt, params, tenant="alice"))
+    seq = engine.add(prompt, params, tenant="bob")
+    assert seq.stats.prefix_tokens == 0, seq.stats
+    engine.finish(seq)
+    seq = engine.add(prompt, params, tenant="alice")
+    assert seq.stats.prefix_tokens >= 290, seq.stats  # alice's own prefix is still found
+    engine.finish(seq)
