@@ -118,12 +118,21 @@ class ServerProcess:
 class ThreadServer:
     """Serve an ASGI app with uvicorn on a free loopback port in a daemon thread."""
 
-    def __init__(self, app, port: int | None = None):
+    def __init__(self, app, port: int | None = None, config=None):
+        """`config`: the app's ServerConfig; given, uvicorn runs as `irminsul serve` runs it (its
+        HTTP protocol with header and body deadlines and the connection cap)."""
+        import dataclasses
+
         import uvicorn
 
         self.app, self.port = app, port or free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
+        if config is not None:
+            from irminsul.server.cli import uvicorn_config
+
+            settings = uvicorn_config(app, dataclasses.replace(config, host="127.0.0.1", port=self.port), "warning")
+        else:
+            settings = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(settings)
         self.thread = threading.Thread(target=self.server.run, name="irminsul-uvicorn", daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started, 60, f"uvicorn on port {self.port}")

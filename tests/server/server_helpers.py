@@ -21,8 +21,9 @@ def text(n_words: int, seed: int) -> str:
 
 
 def start(model_dir, **overrides) -> ThreadServer:
+    """The app on loopback, run by uvicorn as `irminsul serve` runs it."""
     config = ServerConfig(model=str(model_dir), served_model_name="tiny", **overrides)
-    return ThreadServer(create_app(config))
+    return ThreadServer(create_app(config), config=config)
 
 
 def metric(url: str, name: str, **labels) -> float:
