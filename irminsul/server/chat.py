@@ -9,6 +9,7 @@ gets the hand-written template (render.py) its special tokens match.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import secrets
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from irminsul.model.tokenizer import Tokenizer
 from irminsul.server import tools
-from irminsul.server.template import REASONING_FIELDS, RESERVED, JinjaTemplate, Marks, Piece, boundaries
+from irminsul.server.template import REASONING_FIELDS, RESERVED, JinjaTemplate, Marks, Piece, SpecialText, boundaries
 from irminsul.workloads.render import DEEPSEEK, QWEN2, ChatTemplate, segment_texts
 from irminsul.workloads.trace import parse_request
 
@@ -102,11 +103,25 @@ class ChatRenderer:
     def _has_special(self, text: str) -> bool:
         return self._special_re is not None and self._special_re.search(text) is not None
 
-    def _encode(self, text: str, client: list[tuple[int, int]]) -> list[int]:
-        """One segment's text; `client` the spans in it that the client sent. Where no client span
-        holds a special token's text, the segment is encoded whole; where one does, the template's
-        pieces are encoded with their control tokens and the client's as text."""
-        if not any(self._has_special(text[a:b]) for a, b in client):
+    def _touches_client(self, text: str, client: list[tuple[int, int]]) -> bool:
+        """Whether some special token's text in `text` has a character of a client span (sorted,
+        disjoint) in it: held by one, or made by a client string ending or starting it."""
+        if self._special_re is None or not client:
+            return False
+        starts = [a for a, _ in client]
+        for m in self._special_re.finditer(text):
+            k = bisect.bisect_left(starts, m.end()) - 1  # the last span starting before the match ends
+            if k >= 0 and client[k][1] > m.start():
+                return True
+        return False
+
+    def _encode(self, text: str, client: list[tuple[int, int]], hidden: SpecialText) -> list[int]:
+        """One segment's text, its special tokens' text hidden (`SpecialText`); `client` the spans
+        in it that the client sent. Where no special token's text touches a client span, the
+        segment is encoded whole; where one does, the template's pieces are encoded with their
+        control tokens and the client's as text."""
+        text, client = hidden.restore(text, client)
+        if not self._touches_client(text, client):
             return self.tokenizer.encode(text, add_bos=False)
         ids, at = [], 0
         for a, b in client:
@@ -175,7 +190,8 @@ class ChatRenderer:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}")
         if self._has_special(json.dumps(kwargs, ensure_ascii=False)):
             raise ValueError("chat_template_kwargs holds a special token's text")
-        prepared = self._prepare(messages)
+        hidden = SpecialText(self._specials, self._special_re)
+        prepared, tools = hidden.hide(self._prepare(messages)), hidden.hide(tools)
         marks = Marks()
         marked = self.jinja.render(self._with_parts(prepared, marks.wrap),
                                    [marks.wrap(t, ("tool", k)) for k, t in enumerate(tools or [])],
@@ -185,7 +201,7 @@ class ChatRenderer:
         if split is not None and split[0] == plain:
             text, pieces = split
         else:  # the template rewrote some client text: find each message's content instead
-            text, pieces = plain, self._find_contents(plain, messages, tools)
+            text, pieces = plain, self._find_contents(plain, prepared)
         if continue_final_message:  # the text ends where the final message's content does
             last = len(messages) - 1
             ends = [p.end for p in pieces if p.unit is not None and p.unit[1] == last and p.unit[0] != "tool"]
@@ -207,18 +223,15 @@ class ChatRenderer:
                 if p.end > a:
                     client.append((max(p.start, a) - a, min(p.end, b) - a))
                 j += 1
-            ids = self._encode(text[a:b], client)
+            ids = self._encode(text[a:b], client, hidden)
             if ids:
                 starts.append(len(tokens))
                 tokens.extend(ids)
         return RenderedChat(tokens, starts)
 
-    def _find_contents(self, text: str, messages, tools) -> list[Piece]:
+    def _find_contents(self, text: str, messages) -> list[Piece]:
         """Pieces for a rendering without marks: each message's content where it is found, in order.
-        Client text cannot be told from the template's then, so none may hold a special token."""
-        if self._has_special(json.dumps([messages, tools or []], ensure_ascii=False)):
-            raise ValueError("this model's chat template rewrites message text, so text holding a special "
-                             "token's string cannot be told apart from the template's; remove it")
+        (Special tokens' text in client strings is hidden, so it stays text even here.)"""
         pieces, at = [], 0
         for i, m in enumerate(messages):
             content = m.get("content")
@@ -243,9 +256,12 @@ class ChatRenderer:
             raise ValueError("add_generation_prompt=false, continue_final_message and chat_template_kwargs need "
                              "the checkpoint's own chat_template, which this model's tokenizer_config.json lacks")
         # Every string the client sent is wrapped in a mark no client can guess, so the template's
-        # text and the client's can be told apart after rendering (control tokens: see _encode).
+        # text and the client's can be told apart after rendering (control tokens: see _encode);
+        # special tokens' text is hidden everywhere, keys and `type` values included.
         mark = f"\ue000{secrets.token_hex(8)}\ue001"
-        request = parse_request({"messages": _wrapped(messages, mark), "tools": _wrapped(tools or [], mark)})
+        hidden = SpecialText(self._specials, self._special_re)
+        request = parse_request({"messages": _wrapped(hidden.hide(messages), mark),
+                                 "tools": _wrapped(hidden.hide(tools or []), mark)})
         tokens: list[int] = []
         starts: list[int] = []
         for marked in segment_texts(request, self.template):
@@ -255,7 +271,7 @@ class ChatRenderer:
                 if k % 2:
                     client.append((len(text), len(text) + len(piece)))
                 text += piece
-            ids = self._encode(text, client) if text else []
+            ids = self._encode(text, client, hidden) if text else []
             if ids:
                 starts.append(len(tokens))
                 tokens.extend(ids)

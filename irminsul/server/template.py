@@ -10,10 +10,16 @@ token, else its last line). Cutting there keeps the tokens what tokenizing the w
 the same content tokenizes and chunks the same way wherever it sits. A template that changes a
 client string (`| trim`, `.split(...)`) leaves marks that no longer match the plain rendering: the
 text is then cut where each message's content is found instead.
+
+Marks cannot sit on dictionary keys or on the values the template branches on (`role`, `type`),
+and a template may change what they wrap, so special tokens' text is kept out of the template
+another way (`SpecialText`): before rendering, every occurrence in every client string, keys
+included, is replaced by a stand-in; after it, each stand-in is put back as a span of client text.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import secrets
@@ -183,6 +189,67 @@ class Marks:
         if self._open in text or self._close in text:
             return None
         return text, [p for p in pieces if p.end > p.start]
+
+
+class SpecialText:
+    """Per-request stand-ins for special tokens' text in client strings.
+
+    `hide(value)` replaces each special token's text, in every string of a JSON value (dictionary
+    keys too, at any depth), by a stand-in of private-use characters and digits: no tokenizer reads
+    it as a control token and no template filter (`upper`, `trim`, `tojson`) changes it. `restore`
+    puts the text back after rendering and returns where it went, so it is encoded as text.
+    """
+
+    def __init__(self, specials: tuple[str, ...], pattern: re.Pattern | None):
+        nonce = "".join(secrets.choice("0123456789") for _ in range(16))
+        self._open, self._close = f"\ue004{nonce}:", "\ue005"
+        self._specials, self._pattern = specials, pattern
+        self._index = {s: k for k, s in enumerate(specials)}
+        self._stand_in = re.compile(re.escape(self._open) + r"(\d+)" + re.escape(self._close))
+
+    def _hide_str(self, s: str) -> str:
+        return self._pattern.sub(lambda m: f"{self._open}{self._index[m.group()]}{self._close}", s)
+
+    def hide(self, value):
+        if self._pattern is None:
+            return value
+        if isinstance(value, str):
+            return self._hide_str(value)
+        if isinstance(value, list):
+            return [self.hide(v) for v in value]
+        if isinstance(value, dict):
+            return {self.hide(k): self.hide(v) for k, v in value.items()}
+        return value
+
+    def restore(self, text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
+        """`text` with every stand-in replaced by the special token's text, and the client spans
+        in it: `spans` (offsets into `text`, none inside a stand-in) moved to match, with one span
+        per restored text, overlapping ones merged, in order."""
+        out, ends, deltas, restored, at = [], [], [], [], 0
+        for m in self._stand_in.finditer(text):
+            out.append(text[at : m.start()])
+            start = m.start() + (deltas[-1] if deltas else 0)
+            special = self._specials[int(m.group(1))]
+            out.append(special)
+            restored.append((start, start + len(special)))
+            at = m.end()
+            ends.append(m.end())
+            deltas.append(start + len(special) - m.end())
+        if not restored:
+            return text, spans
+        out.append(text[at:])
+
+        def moved(x: int) -> int:
+            k = bisect.bisect_right(ends, x) - 1
+            return x + (deltas[k] if k >= 0 else 0)
+
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted([(moved(a), moved(b)) for a, b in spans] + restored):
+            if merged and a < merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return "".join(out), merged
 
 
 def boundaries(text: str, pieces: list[Piece], specials: re.Pattern | None) -> list[int]:
