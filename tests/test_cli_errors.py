@@ -36,6 +36,7 @@ def test_training_options_are_checked_before_training(capsys, argv, message):
     (["--store", "disk:{file}"], "cannot use"),
     (["--store", "disk:{dir}", "--disk-budget", "0"], "--disk-budget 0 holds nothing"),
     (["--device", "tpu"], "device='tpu' is not a device"),
+    (["--tenant-cache-share", "1.5"], "--tenant-cache-share must be in (0, 1]"),
 ])
 def test_serve_refuses_what_it_cannot_use(tmp_path, args, message):
     """In a subprocess, with a timeout: if a check were lost, the server would start and serve."""

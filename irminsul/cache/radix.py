@@ -157,10 +157,11 @@ class RadixCache:
             node.lock_ref -= 1
             node = node.parent
 
-    def evict(self, nbytes: int) -> int:
-        """Evict least recently used unlocked leaves until ``nbytes`` are freed; returns bytes freed."""
+    def evict(self, nbytes: int, spare: Callable[[int], bool] | None = None) -> int:
+        """Evict least recently used unlocked leaves until ``nbytes`` are freed; returns bytes freed.
+        ``spare(first token)``: keep every key that starts with a token it says True for."""
         freed = 0
-        leaves = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
+        leaves = [n for n in self._iter_nodes(spare) if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         while freed < nbytes and leaves:
             leaf = heapq.heappop(leaves)
@@ -211,8 +212,20 @@ class RadixCache:
         """Every stored value (the engine's slot arrays), for accounting."""
         return [n.value for n in self._iter_nodes() if n.value is not None]
 
-    def _iter_nodes(self):
-        stack = list(self.root.children.values())
+    def values_under(self, first: int) -> list:
+        """The values of every key that starts with the token ``first``."""
+        top = self.root.children.get(int(first))
+        if top is None:
+            return []
+        out, stack = [], [top]
+        while stack:
+            node = stack.pop()
+            out.append(node.value)
+            stack.extend(node.children.values())
+        return out
+
+    def _iter_nodes(self, spare: Callable[[int], bool] | None = None):
+        stack = [n for t, n in self.root.children.items() if spare is None or not spare(t)]
         while stack:
             node = stack.pop()
             yield node

@@ -186,10 +186,11 @@ class MemoryRegistry(Registry):
         self._notify_store(entry)
         return True
 
-    def evict(self, nbytes: int) -> int:
-        """Evict least recently used unpinned entries until ``nbytes`` are freed; returns bytes freed."""
+    def evict(self, nbytes: int, spare: Callable[[Entry], bool] | None = None) -> int:
+        """Evict least recently used unpinned entries until ``nbytes`` are freed; returns bytes freed.
+        ``spare(entry)``: keep the entries it says True for."""
         freed = 0
-        for fp in [fp for fp in self._entries if fp not in self._pins]:
+        for fp in [fp for fp, e in self._entries.items() if fp not in self._pins and not (spare and spare(e))]:
             if freed >= nbytes:
                 break
             freed += self._entries[fp].nbytes

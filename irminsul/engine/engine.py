@@ -217,7 +217,7 @@ class Engine:
         """Fresh slots for positions of seq (rows to compute), evicting cached content if needed."""
         if not len(positions):
             return True
-        if not self.cache.make_room(len(positions)):
+        if not self.cache.make_room(len(positions), seq.tenant, admitting=True):
             return False
         slots = self.pool.alloc(len(positions))
         seq.slots[positions] = slots

@@ -59,7 +59,7 @@ class NoReuse:
         seq.pending = np.arange(n, dtype=np.int64)
         seq.stats.prompt_tokens = seq.stats.computed_tokens = n
 
-    def make_room(self, n: int) -> bool:
+    def make_room(self, n: int, tenant: str | None = None, admitting: bool = False) -> bool:
         return self.pool.free >= n
 
     def waits_for(self, tokens, segment_starts, tenant) -> bool:
@@ -110,6 +110,11 @@ class SaltedRadix:
         self.radix.unlock(node)
 
 
+def owner_of(tenant: str) -> str:
+    """Whose namespace this is: the tenant a `|`-subdivision (the server's cache_salt) belongs to."""
+    return tenant.split("|", 1)[0]
+
+
 class CacheReuse:
     """The cache of one engine: a registry and a radix tree shared by all tenants, both holding slot
     references into the pool, and per tenant a namespace (fingerprint seed, radix salt, S1 window
@@ -117,8 +122,12 @@ class CacheReuse:
 
     def __init__(self, mode: str, pool: LatentPool, num_layers: int, tenant: str = "", model_id: str = "",
                  carve_out: bool | None = None, s1: bool = True, registry=None, recompute_ratio: float = 0.0,
-                 check_layer: int = 1, max_namespaces: int = 1024, marker: tuple[int, ...] | None = None):
+                 check_layer: int = 1, max_namespaces: int = 1024, marker: tuple[int, ...] | None = None,
+                 tenant_share: float | None = None):
         self.mode, self.pool, self.model_id, self.default_tenant = mode, pool, model_id, tenant
+        if tenant_share is not None and not (isinstance(tenant_share, (int, float)) and 0 < tenant_share <= 1):
+            raise RequestError(f"tenant_share={tenant_share!r} must be a share of the pool in (0, 1]")
+        self.tenant_share = tenant_share
         # The pool is the one budget: the registry and the tree are never the first to refuse.
         # NOTE: "is None", not "or": an empty registry has len 0 and is falsy.
         self.registry = registry if registry is not None else MemoryRegistry(pool.capacity_bytes)
@@ -142,6 +151,7 @@ class CacheReuse:
             raise RequestError(f"check_layer={check_layer} must be in [1, {num_layers - 1}]")
         self.recompute_ratio, self.check_layer = recompute_ratio, check_layer
         self.inflight: dict[int, int] = {}  # fingerprint -> running sequences that will compute it
+        self._salts: dict[str, int] = {}  # tenant -> its radix salt (the first token of its keys)
 
     def namespace(self, tenant: str | None = None) -> Planner:
         """The planner of a tenant's namespace (created on first use)."""
@@ -151,6 +161,7 @@ class CacheReuse:
             # a negative id (never a real token) from the BLAKE2b namespace digest, not the xxHash64
             # seed: a tenant who picks its cache_salt cannot search out another tenant's salt
             salt = -1 - (int(name[:16], 16) >> 2)
+            self._salts[tenant] = salt
             fallbacks = [] if tenant == SHARED else [self.namespace(SHARED)]
             # NOTE: a scoped view: every hit compares the namespace that wrote the entry, not only its fingerprint
             registry = ScopedRegistry(self.registry, name)
@@ -251,15 +262,54 @@ class CacheReuse:
         seq.stats.reused_tokens -= len(positions)
         seq.stats.computed_tokens += len(positions)
 
-    def make_room(self, n: int) -> bool:
+    def make_room(self, n: int, tenant: str | None = None, admitting: bool = False) -> bool:
         """Evict cached content nobody is using, least recently used first, until n slots are free.
         A slot is freed only when its last holder lets go, so evicting may free fewer slots than
-        it names; the loop goes on while either structure still evicts something."""
+        it names; the loop goes on while either structure still evicts something.
+
+        With a `tenant_share`, room made to admit a request of `tenant` comes first from its own
+        cached content and from owners holding more than their share of the pool; another owner's
+        content within its share goes only when that is not enough (the rows running requests
+        need always come first)."""
+        if self.pool.free >= n:
+            return True
+        if self.tenant_share is not None and admitting:
+            tenant = self.default_tenant if tenant is None else tenant
+            salts, namespaces = self._within_share(owner_of(tenant))
+            if self._evict_until(n, lambda first: first in salts, lambda e: e.namespace in namespaces):
+                return True
+        return self._evict_until(n)
+
+    def _evict_until(self, n: int, spare_prefix=None, spare_entry=None) -> bool:
         while self.pool.free < n:
             need = (n - self.pool.free) * self.pool.bytes_per_slot
-            if not (self.radix.evict(need) or self.registry.evict(need)):
+            if not (self.radix.evict(need, spare_prefix) or self.registry.evict(need, spare_entry)):
                 return False
         return True
+
+    def _within_share(self, requester: str) -> tuple[set[int], set[str]]:
+        """The radix salts and registry namespaces of every owner but `requester` whose cached rows
+        (distinct slots in the tree and the registry) fit in its share of the pool."""
+        owners: dict[str, list[str]] = {}
+        for tenant in self.namespaces:
+            if tenant != SHARED and owner_of(tenant) != requester:
+                owners.setdefault(owner_of(tenant), []).append(tenant)
+        if not owners:
+            return set(), set()
+        by_namespace: dict[str, list[np.ndarray]] = {}
+        for e in self.registry.entries():
+            by_namespace.setdefault(e.namespace, []).append(np.asarray(e.payload))
+        budget = self.tenant_share * (self.pool.n_slots - 1)
+        salts, namespaces = set(), set()
+        for tenants in owners.values():
+            names = [namespace_id(self.model_id, t) for t in tenants]
+            held = [np.asarray(v) for t in tenants for v in self.radix.values_under(self._salts[t])]
+            held += [p for name in names for p in by_namespace.get(name, [])]
+            rows = np.unique(np.concatenate(held)) if held else np.zeros(0, np.int64)
+            if int((rows != EMPTY_SLOT).sum()) <= budget:
+                salts.update(self._salts[t] for t in tenants)
+                namespaces.update(names)
+        return salts, namespaces
 
     # -- as rows appear ----------------------------------------------------------------------
 

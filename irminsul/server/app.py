@@ -66,7 +66,8 @@ class ServerState:
                          if config.reuse != "off" else None)
         self.engine = Engine(model, self.tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
                              kv_cache_gib=pool_gib, compile_decode=config.compile_decode, model_id=model_id,
-                             registry=self.registry)
+                             registry=self.registry,
+                             **({"tenant_share": config.tenant_cache_share} if config.tenant_cache_share else {}))
         self.metrics = ServerMetrics(self.model_name)
         self.runner = EngineRunner(self.engine, config.max_running_requests, config.max_queued_requests, self.metrics)
         self.metrics.watch(self.runner, self.engine.cache)

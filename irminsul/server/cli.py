@@ -25,6 +25,9 @@ def register(sub) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="the latent pool: rows of running requests and cached content, one budget (GiB; default "
                         "1 on the CPU, 85%% of the free memory on a GPU)")
+    p.add_argument("--tenant-cache-share", type=float, default=None, metavar="SHARE",
+                   help="keep each API key's cached rows, up to this share of the pool (0-1], from other keys' "
+                        "admissions (default: one least-recently-used order for everyone)")
     p.add_argument("--disk-budget", default="8GiB", help="disk tier budget")
     p.add_argument("--redis-ttl", type=int, default=None, metavar="SECONDS",
                    help="expire Redis entries after this long (default: never; Redis's maxmemory policy bounds it)")
@@ -76,7 +79,7 @@ def config_from_args(args):
         model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
         reuse=args.reuse, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         compile_decode=args.compile_decode, store=store,
-        kv_cache_gib=args.kv_cache_gib, max_running_requests=args.max_running_requests,
+        kv_cache_gib=args.kv_cache_gib, tenant_cache_share=args.tenant_cache_share, max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.max_prefill_tokens,
         default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key,
         max_request_bytes=parse_bytes(args.max_request_bytes, "--max-request-bytes"),

@@ -65,6 +65,7 @@ class ServerConfig:
     compile_decode: bool | None = None  # compiled decode steps (model/compiled.py, model/graphs.py); None: where available
     store: StoreConfig = field(default_factory=StoreConfig)
     kv_cache_gib: float | None = None  # the latent pool, one budget; None: the device's default (engine.py)
+    tenant_cache_share: float | None = None  # each API key's cached rows kept from other keys' admissions, up to this share
     max_running_requests: int = 64
     max_queued_requests: int = 1024
     max_prefill_tokens: int = 2048  # per engine step; longer prompts are prefilled in chunks
@@ -94,6 +95,8 @@ class ServerConfig:
                 raise ServerConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ServerConfigError(f"--kv-cache-gib must be > 0, got {self.kv_cache_gib}")
+        if self.tenant_cache_share is not None and not 0 < self.tenant_cache_share <= 1:
+            raise ServerConfigError(f"--tenant-cache-share must be in (0, 1], got {self.tenant_cache_share}")
         for name in ("timeout_header", "timeout_body", "timeout_keep_alive"):
             if not getattr(self, name) > 0:
                 raise ServerConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")

@@ -277,3 +277,32 @@ def test_score_accepts_segments(tiny_dir):
     # docs 0 and 1 (and doc 2 except its last chunk, registered with the continuation after it)
     assert llm.last_stats.reused_tokens >= 450, llm.last_stats
     assert got.shape == ref.shape
+
+
+@pytest.mark.parametrize("share", [None, 0.4])
+def test_a_tenant_share_keeps_one_tenant_from_evicting_another(tiny_dir, share):
+    """Bob sends one new 300-token prompt after another into a pool of 1,000 rows. Without a share
+    the least recently used rows go first, alice's among them; with tenant_share=0.4, bob's
+    admissions evict bob's own cached rows while alice's 340 rows fit in her 40%."""
+    per_row = LLM(tiny_dir, reuse="off").engine.pool.bytes_per_slot
+    options = {} if share is None else {"tenant_share": share}
+    engine = LLM(tiny_dir, reuse="pic", kv_cache_gib=1000 * per_row / 2**30, **options).engine
+    doc = _rand(340, 80)
+    engine.run(engine.add(doc, _params(), tenant="key:alice"))
+    for i in range(6):
+        engine.run(engine.add(_rand(300, 81 + i), _params(), tenant=f"key:bob|salt:{i}"))
+    seq = engine.add(doc, _params(), tenant="key:alice")
+    hit = seq.stats.prefix_tokens + seq.stats.reused_tokens
+    engine.finish(seq)
+    if share is None:
+        assert hit < 100, seq.stats  # what the share is for: bob's traffic flushed alice's cache
+    else:
+        assert hit >= 330, seq.stats
+    pool = engine.pool
+    assert pool.free + pool.used == pool.n_slots - 1
+
+
+def test_a_tenant_share_is_validated(tiny_dir):
+    for bad in (0, 1.5, -0.1, "half"):
+        with pytest.raises(RequestError, match="tenant_share"):
+            LLM(tiny_dir, reuse="pic", tenant_share=bad)

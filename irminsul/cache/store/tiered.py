@@ -158,8 +158,8 @@ class TieredRegistry(Registry):
             time.sleep(0.01)
         return not self._writes.unfinished_tasks
 
-    def evict(self, nbytes: int) -> int:
-        return self.memory.evict(nbytes)
+    def evict(self, nbytes: int, spare=None) -> int:
+        return self.memory.evict(nbytes, spare)
 
     def entries(self) -> list[Entry]:
         return self.memory.entries()
