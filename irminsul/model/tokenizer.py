@@ -113,11 +113,15 @@ class Tokenizer:
         return ids
 
     def encode_text(self, text: str) -> list[int]:
-        """Encode text that comes from a client: a special token's string in it (`<|end|>`) is
-        encoded as the text it is, never as the control token, so nobody can forge a role boundary."""
+        """Encode text that comes from a client: an added token's string in it (`<|end|>`, or
+        DeepSeek's role markers, which its tokenizer adds without the special flag) is encoded as
+        the text it is, never as the control token, so nobody can forge a role boundary."""
         plain = getattr(self, "_plain", None)
         if plain is None:  # a second instance: the flag is per instance, and encode runs on many threads
-            plain = HFTokenizer.from_str(self._tok.to_str())
+            spec = json.loads(self._tok.to_str())
+            for added in spec.get("added_tokens", []):  # NOTE: encode_special_tokens covers special ones only
+                added["special"] = True
+            plain = HFTokenizer.from_str(json.dumps(spec))
             plain.encode_special_tokens = True
             self._plain = plain
         return plain.encode(text, add_special_tokens=False).ids

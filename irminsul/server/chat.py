@@ -96,7 +96,7 @@ class ChatRenderer:
                 self.tool_format = tools.DEEPSEEK
             elif "<tool_call>" in self.jinja.source:
                 self.tool_format = tools.HERMES
-        self._specials = tokenizer.special_strings
+        self._specials = tokenizer.added_strings  # (DeepSeek's role markers are added but not flagged special)
         self._special_re = _alternatives(self._specials)  # client text holding one is encoded as text
         self._added_re = _alternatives(tokenizer.added_strings)  # segments may start at any added token
 
