@@ -15,7 +15,6 @@ scheduler preempts a running sequence (`preempt`), which is recomputed later.
 from __future__ import annotations
 
 import logging
-import logging
 import math
 import os
 
@@ -217,7 +216,7 @@ class Engine:
         """Fresh slots for positions of seq (rows to compute), evicting cached content if needed."""
         if not len(positions):
             return True
-        if not self.cache.make_room(len(positions), seq.tenant, admitting=True):
+        if not self.cache.make_room(len(positions), [seq.tenant]):
             return False
         slots = self.pool.alloc(len(positions))
         seq.slots[positions] = slots
@@ -246,7 +245,7 @@ class Engine:
                     need.append(seq)
         if not need:
             return True
-        if not self.cache.make_room(len(need)):
+        if not self.cache.make_room(len(need), [seq.tenant for seq in need]):
             return False
         slots = self.pool.alloc(len(need))
         for seq, slot in zip(need, slots):

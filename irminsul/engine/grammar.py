@@ -65,9 +65,9 @@ class Constraint:
         if not isinstance(self.spec, str):
             raise RequestError(f"a {self.kind} constraint is given as text")
         if self.kind == "json_schema":
-            check_schema(_loads(self.spec, "the schema"))
+            check_schema(parse_json(self.spec, "the schema"))
         elif self.kind == "choice":
-            _check_options(_loads(self.spec, "the choices"))
+            _check_options(parse_json(self.spec, "the choices"))
         elif self.kind == "regex":
             _check_regex(self.spec, "the regex")
         else:
@@ -115,7 +115,8 @@ class Constraint:
             raise RequestError(f"the {self.kind.replace('_', ' ')} could not be compiled: {e}") from None
 
 
-def _loads(spec: str, what: str):
+def parse_json(spec: str, what: str):
+    """JSON text a client sent, or a RequestError that says what was wrong with it."""
     try:
         return json.loads(spec)
     except json.JSONDecodeError as e:
@@ -128,6 +129,8 @@ def check_schema(schema) -> None:
     """Refuse a JSON schema too big or too deep for llguidance to compile safely (MAX_SCHEMA_*):
     depth counts into what each $ref points to, so a chain of definitions is as deep as it is long.
     Iterative: a schema deep enough to matter would overflow Python's stack as well."""
+    if isinstance(schema, bool):  # true: anything; false: nothing (llguidance says so)
+        return
     nodes, anchors, todo = [], {}, [(schema, 1)]
     embedded = False  # a nested $id makes its own refs resolve against it: not followed here
     while todo:
@@ -139,6 +142,11 @@ def check_schema(schema) -> None:
             raise RequestError(f"the schema has more than {MAX_SCHEMA_NODES} objects and arrays; this server "
                                f"compiles at most that many")
         if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                _check_regex(node["pattern"], "a pattern in the schema")
+            if isinstance(node.get("patternProperties"), dict):
+                for pattern in node["patternProperties"]:
+                    _check_regex(pattern, "a patternProperties pattern in the schema")
             if isinstance(node.get("$anchor"), str):
                 anchors[node["$anchor"]] = node
             embedded |= node is not schema and isinstance(node.get("$id"), str)
@@ -297,16 +305,24 @@ def _check_lark(grammar: str) -> None:
         raise RequestError(f"the grammar defines {rules} rules and terminals; this server compiles at most "
                            f"{MAX_RULES}")
     decoder = json.JSONDecoder()
+    rest, at = [], 0  # the grammar without its %json schemas (checked as schemas, not as lines)
     for m in _INLINE_JSON.finditer(grammar):
+        if m.start() < at:
+            continue
         try:
-            schema = decoder.raw_decode(grammar, m.end())[0]
+            schema, end = decoder.raw_decode(grammar, m.end())
         except json.JSONDecodeError:
             continue  # not a schema: llguidance says what is wrong with it
         except RecursionError:
             raise RequestError(f"a %json schema in the grammar nests more than {MAX_SCHEMA_DEPTH} levels deep") from None
         check_schema(schema)
-    for n, line in enumerate(grammar.splitlines(), 1):
+        rest.append(grammar[at : m.end()])
+        at = end
+    rest.append(grammar[at:])
+    for n, line in enumerate("".join(rest).splitlines(), 1):
+        # counted both with "..." as literals and as plain text: a quote inside a /regex/ is no literal
         _check_regex(line, f"line {n} of the grammar", strings=True)
+        _check_regex(line, f"line {n} of the grammar")
 
 
 def reason(matcher) -> str:

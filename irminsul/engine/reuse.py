@@ -59,7 +59,7 @@ class NoReuse:
         seq.pending = np.arange(n, dtype=np.int64)
         seq.stats.prompt_tokens = seq.stats.computed_tokens = n
 
-    def make_room(self, n: int, tenant: str | None = None, admitting: bool = False) -> bool:
+    def make_room(self, n: int, for_tenants=None) -> bool:
         return self.pool.free >= n
 
     def waits_for(self, tokens, segment_starts, tenant) -> bool:
@@ -180,6 +180,7 @@ class CacheReuse:
                 break
             if tenant != SHARED:
                 self.namespaces.pop(tenant).close()
+                self._salts.pop(tenant, None)
 
     # -- the store tiers: the pool's offload ----------------------------------------------
 
@@ -262,21 +263,22 @@ class CacheReuse:
         seq.stats.reused_tokens -= len(positions)
         seq.stats.computed_tokens += len(positions)
 
-    def make_room(self, n: int, tenant: str | None = None, admitting: bool = False) -> bool:
+    def make_room(self, n: int, for_tenants=None) -> bool:
         """Evict cached content nobody is using, least recently used first, until n slots are free.
         A slot is freed only when its last holder lets go, so evicting may free fewer slots than
         it names; the loop goes on while either structure still evicts something.
 
-        With a `tenant_share`, room made to admit a request of `tenant` comes first from its own
-        cached content and from owners holding more than their share of the pool; another owner's
-        content within its share goes only when that is not enough (the rows running requests
-        need always come first)."""
+        With a `tenant_share`, room made for the sequences of `for_tenants` (None: the default
+        tenant) comes first from their owners' own cached content and from owners holding more
+        than their share of the pool; another owner's content within its share goes only when
+        that is not enough."""
         if self.pool.free >= n:
             return True
-        if self.tenant_share is not None and admitting:
-            tenant = self.default_tenant if tenant is None else tenant
-            salts, namespaces = self._within_share(owner_of(tenant))
-            if self._evict_until(n, lambda first: first in salts, lambda e: e.namespace in namespaces):
+        if self.tenant_share is not None:
+            tenants = [self.default_tenant if t is None else t for t in (for_tenants or [None])]
+            salts, namespaces = self._within_share({owner_of(t) for t in tenants})
+            if (salts or namespaces) and self._evict_until(n, lambda first: first in salts,
+                                                           lambda e: e.namespace in namespaces):
                 return True
         return self._evict_until(n)
 
@@ -287,12 +289,14 @@ class CacheReuse:
                 return False
         return True
 
-    def _within_share(self, requester: str) -> tuple[set[int], set[str]]:
-        """The radix salts and registry namespaces of every owner but `requester` whose cached rows
-        (distinct slots in the tree and the registry) fit in its share of the pool."""
+    def _within_share(self, requesters: set[str]) -> tuple[set[int], set[str]]:
+        """The radix salts and registry namespaces of every owner but the requesters whose cached
+        rows (distinct slots in the tree and the registry) fit in its share of the pool.
+        NOTE: O(cached entries and tree nodes) per call; it runs only when a share is set and the
+        pool is short."""
         owners: dict[str, list[str]] = {}
         for tenant in self.namespaces:
-            if tenant != SHARED and owner_of(tenant) != requester:
+            if tenant != SHARED and owner_of(tenant) not in requesters:
                 owners.setdefault(owner_of(tenant), []).append(tenant)
         if not owners:
             return set(), set()

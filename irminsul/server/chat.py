@@ -96,7 +96,11 @@ class ChatRenderer:
                 self.tool_format = tools.DEEPSEEK
             elif "<tool_call>" in self.jinja.source:
                 self.tool_format = tools.HERMES
-        self._specials = tokenizer.added_strings  # (DeepSeek's role markers are added but not flagged special)
+        # every added token's text is hidden in client strings (DeepSeek's role markers are added but not
+        # flagged special), but for unflagged ones the template looks for in content (R1's '</think>')
+        self._looked_for = _inspected(self.jinja.source) if self.jinja is not None else set()
+        special = set(tokenizer.special_strings)
+        self._specials = tuple(t for t in tokenizer.added_strings if t in special or t not in self._looked_for)
         self._special_re = _alternatives(self._specials)  # client text holding one is encoded as text
         self._added_re = _alternatives(tokenizer.added_strings)  # segments may start at any added token
 
@@ -239,10 +243,13 @@ class ChatRenderer:
                 content = "\n".join(p["text"] for p in content)
             if not content:
                 continue
-            found = text.find(content.strip(), at)
-            if found >= 0:
-                pieces.append(Piece(found, found + len(content.strip()), ("message", i)))
-                at = found + len(content.strip())
+            # as sent, or what a template that splits content on a literal keeps (R1: after '</think>')
+            for shown in [content.strip()] + [content.split(t)[-1].strip() for t in self._looked_for if t in content]:
+                found = text.find(shown, at) if shown else -1
+                if found >= 0:
+                    pieces.append(Piece(found, found + len(shown), ("message", i)))
+                    at = found + len(shown)
+                    break
         return pieces
 
     # -- the hand-written templates (checkpoints without a chat_template) -------------------
@@ -276,6 +283,16 @@ class ChatRenderer:
                 starts.append(len(tokens))
                 tokens.extend(ids)
         return RenderedChat(tokens, starts)
+
+
+_INSPECTED = re.compile(r"""(['"])((?:(?!\1).)+)\1\s+(?:not\s+)?in\b"""
+                        r"""|\.(?:r?split|r?partition|startswith|endswith|replace|find|index|count)\(\s*(['"])((?:(?!\3).)+)\3""")
+
+
+def _inspected(source: str) -> set[str]:
+    """The string literals a template tests content against (`'</think>' in content`,
+    `content.split('</think>')`): a client's text there must reach the template as it is."""
+    return {m.group(2) or m.group(4) for m in _INSPECTED.finditer(source)}
 
 
 def _alternatives(strings) -> re.Pattern | None:

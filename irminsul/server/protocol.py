@@ -16,7 +16,7 @@ from typing import Annotated
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
-from irminsul.engine.grammar import Constraint
+from irminsul.engine.grammar import Constraint, parse_json
 from irminsul.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from irminsul.engine.sequence import RequestStats
 from irminsul.errors import RequestError
@@ -339,12 +339,7 @@ def constraint_of(req: _Common) -> tuple[Constraint | None, str | None]:
 
 def _json_constraint(value) -> Constraint:
     if isinstance(value, str):  # vLLM takes the schema as JSON text too
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise RequestError(f"the schema is not valid JSON ({e})") from None
-        except RecursionError:  # (deeper than Python's parser goes; far deeper than any schema needs)
-            raise RequestError(f"the schema nests more than {MAX_DEPTH} levels deep") from None
+        value = parse_json(value, "the schema")
     return Constraint.json_schema(value)
 
 

@@ -139,3 +139,21 @@ def test_on_large_stack_returns_and_raises_on_the_callers_behalf():
     assert on_large_stack(lambda: threading.current_thread().name) == "grammar-compile"
     with pytest.raises(RequestError, match="boom"):
         on_large_stack(lambda: (_ for _ in ()).throw(RequestError("boom")))
+
+
+def test_bounds_reach_patterns_regex_literals_and_not_inline_schemas():
+    """A schema's `pattern` and `patternProperties` are regular expressions and are bounded as
+    such; a quote inside a Lark /regex/ does not hide its repetitions; a large %json schema in a
+    grammar (a forced call to a tool with a big schema) is checked as a schema, not as one line;
+    boolean schemas are valid."""
+    nested = "((a{1000}){1000}){1000}"
+    with pytest.raises(RequestError, match="spells out"):
+        Constraint.json_schema({"type": "string", "pattern": nested})
+    with pytest.raises(RequestError, match="spells out"):
+        Constraint.json_schema({"type": "object", "patternProperties": {nested: {"type": "string"}}})
+    with pytest.raises(RequestError, match="spells out"):
+        Constraint.lark(f'start: /"{nested}"/')
+    big = {"type": "object", "properties": {"kind": {"enum": [f"option number {i:06d}" for i in range(6000)]}}}
+    Constraint.lark(f"start: %json {json.dumps(big)}")  # 140 kB on one line, and fine
+    Constraint.json_schema(True)
+    Constraint.json_schema(False)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from irminsul import LLM, RequestError, Segments
+from irminsul.engine.sampling import SamplingParams
 from irminsul.model.tiny import make_tiny_checkpoint
 
 
@@ -306,3 +307,24 @@ def test_a_tenant_share_is_validated(tiny_dir):
     for bad in (0, 1.5, -0.1, "half"):
         with pytest.raises(RequestError, match="tenant_share"):
             LLM(tiny_dir, reuse="pic", tenant_share=bad)
+
+
+@pytest.mark.parametrize("share", [None, 0.4])
+def test_a_tenant_share_holds_while_another_tenant_decodes(tiny_dir, share):
+    """The rows a decoding request grows into come first from its own owner's cache too: bob's
+    request is admitted into free rows and then decodes past them."""
+    per_row = LLM(tiny_dir, reuse="off").engine.pool.bytes_per_slot
+    options = {} if share is None else {"tenant_share": share}
+    engine = LLM(tiny_dir, reuse="prefix", kv_cache_gib=1000 * per_row / 2**30, **options).engine
+    doc = _rand(300, 90)
+    engine.run(engine.add(doc, _params(), tenant="key:alice"))
+    for i in range(2):  # bob's cached rows fit in his share too
+        engine.run(engine.add(_rand(150, 91 + i), _params(), tenant="key:bob"))
+    free = engine.pool.free
+    long = engine.add(_rand(100, 95), SamplingParams(max_tokens=free - 100 + 60, ignore_eos=True), tenant="key:bob")
+    engine.run(long)
+    assert long.finish_reason == "length" and long.stats.preempted == 0
+    seq = engine.add(doc, _params(), tenant="key:alice")
+    hit = seq.stats.prefix_tokens
+    engine.finish(seq)
+    assert (hit >= 290) if share else (hit < 290), seq.stats

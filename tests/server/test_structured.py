@@ -146,7 +146,10 @@ def _ref_chain(n: int) -> dict:
     ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": _ref_chain(3000)}}, "$refs"),
     ("guided_grammar", "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(3000)) + '\nr3000: "b"',
      "rules"),
-    ("guided_json", "[" * 1000 + "]" * 1000, "levels"),
+    ("guided_json", '{"items": ' * 1000 + "{}" + "}" * 1000, "levels"),
+    ("guided_json", "[" * 100_000 + "]" * 100_000, "levels"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "string", "pattern": "((a{1000}){1000}){1000}"}}}, "spells out"),
     ("guided_choice", [f"option {i}" for i in range(100_000)], "choices"),
     ("guided_regex", "((a{1000}){1000}){1000}", "spells out"),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": _ref_chain(3000)}}], "$ref"),
