@@ -61,6 +61,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.llm.scheduler.add(seq)
         self.seqs.append(seq)
 
+    @precondition(lambda self: any(s.finished for s in self.seqs))
+    @rule(data=st.data(), sampled=st.booleans())
+    def resend(self, data, sampled):
+        """An earlier prompt again, in its tenant: an exact-prefix hit while the cache still holds it."""
+        done = data.draw(st.sampled_from([s for s in self.seqs if s.finished]))
+        params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0 if sampled else 0.0, seed=1)
+        seq = self.llm.engine.new_sequence(done.tokens[: done.prompt_len], params, tenant=done.tenant)
+        self.llm.scheduler.add(seq)
+        self.seqs.append(seq)
+
     @precondition(lambda self: self.llm.scheduler.has_work)
     @rule(n=st.integers(1, 12))
     def step(self, n):
@@ -118,5 +128,6 @@ def test_pool_tree_and_registry_keep_their_references_balanced(machine_llms, mod
     CacheMachine.llm = machine_llms[mode]
     CacheMachine.seen = dict(hits=0, preempted=0, aborted=0)
     run_state_machine_as_test(CacheMachine, settings=settings(
-        max_examples=25, stateful_step_count=30, deadline=None, database=None, suppress_health_check=list(HealthCheck)))
+        max_examples=25, stateful_step_count=30, deadline=None, database=None, derandomize=True,
+        suppress_health_check=list(HealthCheck)))
     assert all(CacheMachine.seen.values()), CacheMachine.seen  # hits, preemptions and aborts all happened
