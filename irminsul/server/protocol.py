@@ -16,7 +16,8 @@ from typing import Annotated
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
-from irminsul.engine.grammar import Constraint, parse_json
+from irminsul.engine.grammar import Constraint
+from irminsul.engine.grammar_limits import parse_json
 from irminsul.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from irminsul.engine.sequence import RequestStats
 from irminsul.errors import RequestError

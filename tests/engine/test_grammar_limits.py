@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from irminsul.engine.grammar import (MAX_OPTIONS, MAX_RULES, MAX_SCHEMA_DEPTH, Constraint, Grammars, on_large_stack,
-                                     spelled_out)
+from irminsul.engine.grammar import Constraint, Grammars, on_large_stack
+from irminsul.engine.grammar_limits import MAX_OPTIONS, MAX_RULES, MAX_SCHEMA_DEPTH, spelled_out
 from irminsul.errors import RequestError
 
 
@@ -70,7 +70,7 @@ def test_chains_that_would_overflow_the_native_stack_are_refused_in_a_live_proce
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and all(line.startswith("refused:") for line in lines), out.stdout
     assert f"more than {MAX_SCHEMA_DEPTH} levels" in lines[0] and "$refs" in lines[0]
-    assert f"3002 rules" in lines[1] and str(MAX_RULES) in lines[1]
+    assert "3002 rules" in lines[1] and str(MAX_RULES) in lines[1]
 
 
 @pytest.mark.parametrize("schema", [ref_chain(MAX_SCHEMA_DEPTH + 1), property_chain(MAX_SCHEMA_DEPTH // 3 + 1)])
