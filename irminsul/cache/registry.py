@@ -198,6 +198,17 @@ class MemoryRegistry(Registry):
             self._evictions += 1
         return freed
 
+    def discard(self, fingerprint: int) -> bool:
+        """Evict one entry (not a pinned one); True if it was there to evict."""
+        if fingerprint not in self._entries or fingerprint in self._pins:
+            return False
+        self._remove(fingerprint)
+        self._evictions += 1
+        return True
+
+    def pinned(self, fingerprint: int) -> bool:
+        return fingerprint in self._pins
+
     def pin(self, fingerprint: int) -> None:
         if fingerprint not in self._entries:
             raise KeyError(f"cannot pin fingerprint {fingerprint:#x}: not in the registry")

@@ -16,7 +16,9 @@ computing right now waits for them instead of computing them again.
 
 from __future__ import annotations
 
+import heapq
 import inspect
+import itertools
 from collections import OrderedDict
 
 import numpy as np
@@ -133,10 +135,18 @@ class CacheReuse:
         self.registry = registry if registry is not None else MemoryRegistry(pool.capacity_bytes)
         self.registry.on_store.append(lambda entry: pool.retain(entry.payload))
         self.registry.on_evict.append(lambda entry: pool.release(entry.payload))
+        # one logical clock for the tree's nodes and the registry's entries: one eviction order
+        self._clock = itertools.count(1)
+        self._used: dict[int, int] = {}  # registry fingerprint -> when it was stored or last reused
+        self.registry.on_store.append(lambda entry: self._used.__setitem__(entry.fingerprint, next(self._clock)))
+        self.registry.on_evict.append(lambda entry: self._used.pop(entry.fingerprint, None))
         if hasattr(self.registry, "bind"):  # store tiers below memory hold rows, memory holds slots
             self.registry.bind(self._promote, self._to_lower)
-        self.radix = RadixCache(pool.capacity_bytes, pool.bytes_per_slot, on_store=pool.retain,
-                                on_evict=pool.release)
+        # NOTE: the tree counts tokens, not rows: each tenant's salt token and rows held under two
+        # prefixes count twice, so a budget of the pool's size could bind before the pool and evict
+        # by the tree's own order; twice the pool leaves every eviction to make_room's one order.
+        self.radix = RadixCache(2 * pool.capacity_bytes, pool.bytes_per_slot, on_store=pool.retain,
+                                on_evict=pool.release, clock=self._clock)
         if carve_out is None:
             carve_out = mode == "pic"  # the paper's naive baseline has no carve-out
         # marker: the paper's S2 variant, a model-visible boundary sequence that restarts chunking.
@@ -237,6 +247,8 @@ class CacheReuse:
                 slots[span.start : span.end] = prefix[span.start : span.end]
             elif span.kind == "reuse":
                 slots[span.start : span.end] = span.entry.payload[span.src_offset : span.src_offset + len(span)]
+                if span.entry.fingerprint in self._used:
+                    self._used[span.entry.fingerprint] = next(self._clock)
         self.pool.retain(slots)
         # NOTE: the plan's pins and prefix lock kept its entries from eviction until now; the sequence
         # holds its own reference on every row it reuses from here, so they go now. Held until the
@@ -283,6 +295,51 @@ class CacheReuse:
         return self._evict_until(n)
 
     def _evict_until(self, n: int, spare_prefix=None, spare_entry=None) -> bool:
+        """Free slots until n are free, dropping the cache's holdings in one least-recently-used
+        order over the tree's leaves and the registry's entries: a leaf gives its last rows first
+        (as many as are still needed; its prefix keeps its head) together with the entries that
+        hold them; a holding whose rows someone else also holds is passed over, since dropping it
+        alone frees nothing. Only when that frees too little does each structure evict whole
+        holdings by its own order."""
+        if self.pool.free >= n:
+            return True
+        refs = self.pool.refs
+        memory = getattr(self.registry, "memory", self.registry)  # (the tiers below hold no slots)
+        entries = sorted((self._used.get(e.fingerprint, 0), e.fingerprint, e) for e in memory.entries()
+                         if not memory.pinned(e.fingerprint) and not (spare_entry and spare_entry(e)))
+        held = np.zeros(len(refs), np.int64)  # evictable registry references per slot
+        for _, _, e in entries:
+            np.add.at(held, np.asarray(e.payload, np.int64), 1)
+        gone: set[int] = set()
+
+        def drop(e) -> None:
+            if e.fingerprint not in gone and memory.discard(e.fingerprint):
+                np.subtract.at(held, np.asarray(e.payload, np.int64), 1)
+            gone.add(e.fingerprint)
+
+        leaves, i = self.radix.leaves(spare_prefix), 0
+        while self.pool.free < n and (leaves or i < len(entries)):
+            if leaves and (i >= len(entries) or leaves[0].last_access <= entries[i][0]):
+                leaf = heapq.heappop(leaves)
+                tail = np.asarray(leaf.value, np.int64)[-(n - self.pool.free):]
+                if not (refs[tail] == 1 + held[tail]).any():  # someone else holds every row
+                    continue
+                whole = len(tail) >= len(leaf.key)
+                _, parent = self.radix.trim(leaf, len(tail))
+                if not whole:
+                    heapq.heappush(leaves, leaf)  # what is left of it is still the oldest
+                elif parent is not None:
+                    heapq.heappush(leaves, parent)
+                if held[tail].any():  # the registry's references on those rows go with them
+                    rows = set(tail.tolist())
+                    for _, _, e in entries:
+                        if e.fingerprint not in gone and rows.intersection(np.asarray(e.payload).tolist()):
+                            drop(e)
+            else:
+                _, _, e = entries[i]
+                i += 1
+                if e.fingerprint not in gone and (refs[np.asarray(e.payload, np.int64)] == 1).any():
+                    drop(e)
         while self.pool.free < n:
             need = (n - self.pool.free) * self.pool.bytes_per_slot
             if not (self.radix.evict(need, spare_prefix) or self.registry.evict(need, spare_entry)):

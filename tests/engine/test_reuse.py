@@ -328,3 +328,29 @@ def test_a_tenant_share_holds_while_another_tenant_decodes(tiny_dir, share):
     hit = seq.stats.prefix_tokens
     engine.finish(seq)
     assert (hit >= 290) if share else (hit < 290), seq.stats
+
+
+@pytest.mark.parametrize("mode", ["prefix", "pic"])
+def test_making_room_for_a_few_rows_evicts_about_that_many(tiny_dir, mode):
+    """A and B fill most of a 1,500-row pool; a prompt 10 rows short of fitting evicts about 10
+    rows, least recently used first and from the tail (A's prefix keeps its head), across the
+    tree and the registry alike: the cache keeps at least 1,000 of its ~1,200 rows and B, sent
+    again, is still an exact-prefix hit."""
+    per_row = LLM(tiny_dir, reuse="off").engine.pool.bytes_per_slot
+    llm = LLM(tiny_dir, reuse=mode, kv_cache_gib=1500 * per_row / 2**30)
+    engine, pool = llm.engine, llm.engine.pool
+    a, b = _rand(600, 100), _rand(600, 101)
+    for prompt in (a, b):
+        engine.run(engine.add(prompt, _params()))
+    cached = len(engine.cache.cached_slots)
+    assert cached >= 1150 and pool.used == cached
+    c = _rand(pool.free + 9, 102)  # its rows and its one new token: 10 more than are free
+    engine.run(engine.add(c, _params()))
+    kept = len(engine.cache.cached_slots)
+    seq = engine.add(b, _params())
+    assert seq.stats.computed_tokens <= 6, seq.stats  # B: an exact-prefix hit (the last row is always computed)
+    engine.finish(seq)
+    seq = engine.add(a, _params())
+    assert seq.stats.prefix_tokens >= 550, seq.stats  # A lost its tail, not its head
+    engine.finish(seq)
+    assert kept >= 1000 + len(c) - 20, (kept, cached)  # the old rows (~1,200, less ~10) and C's own
