@@ -7,6 +7,7 @@ Each area of the project (engine, train, workloads, eval, server) owns its subco
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 AREAS = ("engine", "train", "workloads", "eval", "server")
@@ -22,8 +23,30 @@ def _area_modules():
                 raise
 
 
+DESCRIPTION = "Irminsul: an LLM serving engine for MLA models whose KV cache reuses content at any position."
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("irminsul")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        from irminsul import __version__
+        return __version__
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default in --help, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        nothing = action.default is None or action.default is False or action.default == []
+        if nothing or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="irminsul", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="irminsul", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"irminsul {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks that replay traces")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

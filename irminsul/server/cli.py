@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+from irminsul.cli import DefaultsHelpFormatter
+
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible API with Irminsul's cache")
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API with Irminsul's cache",
+                       formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled MLA model)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--reuse", default="pic", choices=["off", "prefix", "naive", "pic"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--reuse", default="pic", choices=["off", "prefix", "naive", "pic"],
+                   help="how cached content is reused (off: full prefill; prefix: exact prefix only)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
                    help="triton: Triton kernels over the pool (a GPU, or TRITON_INTERPRET=1 for its CPU interpreter)")
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
@@ -31,10 +35,12 @@ def register(sub) -> None:
     p.add_argument("--disk-budget", default="8GiB", help="disk tier budget")
     p.add_argument("--redis-ttl", type=int, default=None, metavar="SECONDS",
                    help="expire Redis entries after this long (default: never; Redis's maxmemory policy bounds it)")
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--max-running-requests", type=int, default=64,
+                   help="requests the engine runs at once; the rest wait")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests admitted and not yet finished; more get a 503")
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill tokens per engine step")
-    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sends none")
     p.add_argument("--max-request-bytes", default="8MiB", help="larger request bodies get a 413 before they are read")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                    help="accept this bearer key as this tenant (repeat, or @FILE with one per line)")
@@ -58,7 +64,8 @@ def register(sub) -> None:
                    help="of those, how many one tenant (API key; without keys, client address) may hold at once")
     p.add_argument("--log-repeats", type=int, default=10, metavar="N",
                    help="log a repeated warning or error at most N times a minute (then say how many were left out)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the least severe log level printed")
     p.set_defaults(func=serve)
 
 
