@@ -113,12 +113,19 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
         prompts, starts = [rendered.token_ids], rendered.segment_starts
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     else:
-        prompts, starts, requested = _prompts(state, req), None, req.max_tokens
+        requested = req.max_tokens
+        if requested == 0 and not req.echo:
+            raise APIError(400, "max_tokens=0 must be at least 1 (0 is taken only with echo=true: the prompt comes "
+                                "back, scored with logprobs=N, and nothing is generated)", param="max_tokens")
+        if requested == 0:  # as vLLM does it: one token is generated and not shown, so the prompt runs as any
+            requested = 1  # request's does (admitted, cached, counted) and then is scored by the echo
+        prompts, starts = _prompts(state, req), None
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices", param="n")
     if len(prompts) * req.n > state.runner.max_queued_requests:  # (a 503 would never turn into a 200)
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} choices are more than this server queues at once "
                             f"(--max-queued-requests {state.runner.max_queued_requests})", param="n")
+    shown_reason = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat)).finish_reason
     jobs = []
     for tokens in prompts:
         try:
@@ -137,7 +144,8 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
             seeded = params if params.seed is None or i == 0 else \
                 dataclasses.replace(params, seed=(params.seed + i) % SEED_RANGE)
             jobs.append(Job(tokens=tokens, params=seeded, emit=None, segment_starts=starts, tenant=tenant,
-                            matcher=_matcher(state, constraint, asked_by), leader=leader))
+                            matcher=_matcher(state, constraint, asked_by), leader=leader,
+                            shown_reason=shown_reason))
             leader = leader or jobs[-1]  # the other choices share the first one's prompt rows
     return jobs
 
@@ -304,6 +312,12 @@ def _tool_format(state, req, chat: bool):
     return state.renderer.tool_format, names
 
 
+def _with_calls(reason: str, calls) -> str:
+    """A choice's finish reason once its tool calls are parsed: tool_calls when the model stopped
+    after making any (cut off by max_tokens it stays length, as OpenAI reports it)."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 def _prompt_logprobs(engine, job: Job):
     """The log-probs [len(prompt) - 1, vocab] of every prompt token but the first, as LLM.score gives
     them (None when not asked for); on the engine thread."""
@@ -359,7 +373,7 @@ async def _stream(state, jobs: list[Job], channel, fmt: "_Format", first, prompt
                 if parser is not None:
                     for e in parser.finish():
                         yield fmt.sse(fmt.chunk(fmt.tool_delta(e), index=i))
-                    reason = "tool_calls" if parser.calls and reason == "stop" else reason
+                    reason = _with_calls(reason, parser.calls)
                 yield fmt.sse(fmt.chunk("" if not fmt.chat else {}, reason, index=i))
                 finished[i] = event
             else:  # Failed mid-stream: an error object, as vLLM sends it; the other choices end too
@@ -392,6 +406,7 @@ class _Format:
         # completions' echo: a prompt sent as a string comes back as that string, not as its decoding
         prompt = None if chat else req.prompt
         self.n = req.n
+        self.echo_only = not chat and req.echo and req.max_tokens == 0  # the prompt scored, nothing generated
         self.prompt_strings = [prompt] if isinstance(prompt, str) else \
             list(prompt) if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt) else None
 
@@ -400,25 +415,27 @@ class _Format:
 
     def logprobs(self, entries, text_start: int = 0) -> dict | None:
         """OpenAI's logprobs object for generated tokens (chat: `content`; completions: the legacy
-        parallel lists). Special tokens show as the output text shows them (skip_special_tokens).
-        Chat: a token's text is its own decoding (U+FFFD for a piece of a multi-byte character, as
-        OpenAI's API shows it) and `bytes` carry its real bytes. Completions: a token's text is what
-        it completes of the output text (a piece of a multi-byte character: "", then the character
-        with its last piece), so the tokens join to the text and `text_offset` indexes it, as
-        lm-evaluation-harness reads them; an alternative that is such a piece shows as `bytes:\\xNN`."""
+        parallel lists). A sampled special token shows as the output text shows it
+        (skip_special_tokens); an alternative always by its own text, as vLLM names it, or a client
+        could not tell which one it was. Chat: a token's text is its own decoding (U+FFFD for a
+        piece of a multi-byte character, as OpenAI's API shows it) and `bytes` carry its real bytes.
+        Completions: a token's text is what it completes of the output text (a piece of a
+        multi-byte character: "", then the character with its last piece), so the tokens join to
+        the text and `text_offset` indexes it, as lm-evaluation-harness reads them; an alternative
+        that is such a piece shows as `bytes:\\xNN`."""
         if not entries:
             return None
         tok, skip = self.tokenizer, self.skip_special
         if self.chat:
-            def one(t, lp):
-                return {"token": tok.decode([t], skip_special_tokens=skip), "logprob": lp,
-                        "bytes": list(tok.token_bytes(t, skip))}
+            def one(t, lp, skip_special):
+                return {"token": tok.decode([t], skip_special_tokens=skip_special), "logprob": lp,
+                        "bytes": list(tok.token_bytes(t, skip_special))}
 
-            return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
-                                for e in entries]}
+            return {"content": [{**one(e.token, e.logprob, skip),
+                                 "top_logprobs": [one(t, v, False) for t, v in e.top]} for e in entries]}
 
-        def shown(t: int) -> str:
-            b = tok.token_bytes(t, skip)
+        def shown(t: int) -> str:  # (an alternative: skipped, every special token would be the one key "")
+            b = tok.token_bytes(t, False)
             try:
                 return b.decode("utf-8")
             except UnicodeDecodeError:
@@ -466,7 +483,23 @@ class _Format:
             return message, event.finish_reason
         message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-        return message, "tool_calls" if event.finish_reason == "stop" else event.finish_reason
+        return message, _with_calls(event.finish_reason, calls)
+
+    def finish_reason(self, event: Finished) -> str:
+        """The finish reason a finished job's client is sent, for /metrics to count the same (run on
+        the engine thread: a chat answer's tool calls are parsed there once more)."""
+        if self.echo_only:
+            return "length"
+        if self.tool_format is None or event.finish_reason != "stop":
+            return event.finish_reason
+        return _with_calls(event.finish_reason, parse_all(self.tool_format, event.text, self.tool_names,
+                                                          self.max_calls)[1])
+
+    @staticmethod
+    def prompt_only(event: Finished) -> Finished:
+        """echo with max_tokens=0: the token generated to run the prompt is dropped, as vLLM drops it."""
+        return dataclasses.replace(event, text="", finish_reason="length", completion_tokens=0,
+                                   logprobs=None if event.logprobs is None else ())
 
     def usage_chunk(self, events: list[Finished], prompts: int = 1) -> dict:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
@@ -492,7 +525,7 @@ class _Format:
             sent = self.prompt_strings[index // self.n] if self.prompt_strings else None
             prompt = sent if sent is not None else self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special)
             text = prompt + text
-            if logprobs is not None or entries:
+            if event.logprobs is not None or entries:
                 empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
                 before = self.logprobs([TokenLogprob(tokens[0], None), *entries])
                 before["top_logprobs"][0] = None
@@ -503,6 +536,8 @@ class _Format:
     def response(self, events: list[Finished], echoes: list | None = None, prompts: int = 1) -> dict:
         """One choice per event, in order; usage counts each distinct prompt once (n choices share it)."""
         head = self._head("chat.completion" if self.chat else "text_completion")
+        if self.echo_only:
+            events = [self.prompt_only(e) for e in events]
         choices = [self.choice(e, i, echoes[i] if echoes else None) for i, e in enumerate(events)]
         return {**head, "choices": choices, "usage": self.usage(events, prompts)}
 

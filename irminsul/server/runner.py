@@ -63,6 +63,9 @@ class Job:
     tenant: str | None = None
     matcher: object | None = None  # the output constraint's grammar state, compiled off the engine thread
     leader: Job | None = None  # the first choice of the same prompt (n > 1): its prompt rows are shared
+    # Finished -> the finish reason its client is sent, when the server's differs from the engine's
+    # (tool_calls): /metrics counts what clients see
+    shown_reason: Callable[[Finished], str] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
     seq: Sequence | None = None
@@ -246,10 +249,12 @@ class EngineRunner:
             if out.finished:
                 self._admitted_ids.discard(out.seq.id)
                 seq = self._jobs.pop(out.seq.id).seq
-                job.emit(Finished(seq.text, seq.finish_reason, seq.stats, len(seq.output_ids),
-                                  tuple(seq.logprobs) if seq.params.logprobs is not None else None))
+                finished = Finished(seq.text, seq.finish_reason, seq.stats, len(seq.output_ids),
+                                    tuple(seq.logprobs) if seq.params.logprobs is not None else None)
+                job.emit(finished)
                 if self.metrics:
-                    self.metrics.finished(seq.finish_reason, len(seq.output_ids), now=now, arrival=job.arrival)
+                    reason = job.shown_reason(finished) if job.shown_reason else seq.finish_reason
+                    self.metrics.finished(reason, len(seq.output_ids), now=now, arrival=job.arrival)
 
     def _end(self, job: Job, event: Failed) -> None:
         job.emit(event)
