@@ -253,8 +253,19 @@ class EngineRunner:
                                     tuple(seq.logprobs) if seq.params.logprobs is not None else None)
                 job.emit(finished)
                 if self.metrics:
-                    reason = job.shown_reason(finished) if job.shown_reason else seq.finish_reason
-                    self.metrics.finished(reason, len(seq.output_ids), now=now, arrival=job.arrival)
+                    self.metrics.finished(self._shown_reason(job, finished), len(seq.output_ids), now=now,
+                                          arrival=job.arrival)
+
+    @staticmethod
+    def _shown_reason(job: Job, finished: Finished) -> str:
+        """The finish reason the client is sent (for /metrics); a failure to tell costs only the label."""
+        if job.shown_reason is None:
+            return finished.finish_reason
+        try:
+            return job.shown_reason(finished)
+        except Exception:
+            log.exception("request %d: reading its finish reason failed", job.id)
+            return finished.finish_reason
 
     def _end(self, job: Job, event: Failed) -> None:
         job.emit(event)
