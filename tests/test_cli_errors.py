@@ -1,5 +1,5 @@
-"""Bad command-line arguments end in one line on stderr and exit status 2, never a traceback (each of
-these once crashed, found by probing the CLI)."""
+"""Bad command-line arguments, unreachable servers, missing folders and a port in use end in one line
+on stderr and exit status 2, never a traceback."""
 
 import os
 import subprocess
@@ -14,6 +14,8 @@ from irminsul.cli import main
     (["eval", "quality", "--n", "0"], "--n: 0 must be >= 1"),
     (["demo", "--repeats", "0"], "--repeats: 0 must be >= 1"),
     (["demo", "--doc-chars", "-1"], "--doc-chars: -1 must be >= 1"),
+    (["demo", "--threads", "0"], "--threads: 0 must be >= 1"),
+    (["eval-reference", "--threads", "0"], "--threads: 0 must be >= 1"),
 ])
 def test_argument_types(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -46,3 +48,31 @@ def test_serve_refuses_what_it_cannot_use(tmp_path, args, message):
     run = subprocess.run([sys.executable, "-m", "irminsul.cli", "serve", "--port", "0", *args], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_commands_that_cannot_reach_or_write_say_so_in_one_line(capsys, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    assert main(["workloads", "build", "agent_meta", "--source", "tau_bench", "--n", "1", "--out", str(trace)]) == 0
+    capsys.readouterr()
+    for argv, message in (
+            (["bench", "serve", str(trace), "--url", "http://127.0.0.1:1"], "--url http://127.0.0.1:1: no server answers"),
+            (["workloads", "build", "agent_meta", "--source", "tau_bench", "--out", str(tmp_path / "no" / "x.jsonl")],
+             "the folder"),
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+
+def test_serve_finds_a_port_in_use_before_loading_the_model():
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = dict(os.environ, IRMINSUL_COMPILE_DECODE="0")
+        run = subprocess.run([sys.executable, "-m", "irminsul.cli", "serve", "--port", str(port)], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and f"--port {port}: cannot listen" in run.stderr, run.stderr
+    assert "loading" not in run.stderr.lower() and "Traceback" not in run.stderr

@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=3, help="picks the passkey and where it sits in the document")
     p.add_argument("--doc-chars", type=at_least(1), default=3000, help="length of the document (characters of policy)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="fresh caches per mode; times are their median")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads")
     p.set_defaults(func=run)
 
 

@@ -64,6 +64,10 @@ class ServerState:
         pool_gib = config.kv_cache_gib if config.kv_cache_gib is not None else default_kv_cache_gib(model.device)
         self.registry = (open_registry(config.store, layout, memory_bytes=int(pool_gib * 2**30))
                          if config.reuse != "off" else None)
+        for tier in getattr(self.registry, "lower", ()):
+            if getattr(tier, "available", True) is False:  # (it reconnects by itself; say so once)
+                log.warning("the store tier %s does not answer; serving without it until it does "
+                            "(/metrics: irminsul_store_available)", getattr(tier, "url", type(tier).__name__))
         self.engine = Engine(model, self.tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
                              kv_cache_gib=pool_gib, compile_decode=config.compile_decode, model_id=model_id,
                              registry=self.registry,

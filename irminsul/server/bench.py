@@ -109,7 +109,10 @@ async def replay(url: str, requests, concurrency: int, max_tokens: int, api_key:
     samples: list[Sample] = []
     failures: list[str] = []
     async with httpx.AsyncClient(timeout=None, headers=headers) as client:
-        card = (await client.get(url + "/v1/models")).json()["data"][0]
+        try:
+            card = (await client.get(url + "/v1/models")).json()["data"][0]
+        except httpx.HTTPError as e:
+            raise UserFacingError(f"--url {url}: no server answers there ({type(e).__name__}: {e})") from None
 
         async def session(turns):
             async with gate:

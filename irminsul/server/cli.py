@@ -111,6 +111,26 @@ def uvicorn_config(app, config, log_level: str = "info"):
                           http=functools.partial(GuardedH11Protocol, limits=limits))
 
 
+def check_port(host: str, port: int) -> None:
+    """A ServerConfigError if nothing can listen on host:port now (in use, or not this machine's)."""
+    import socket
+
+    from irminsul.server.config import ServerConfigError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServerConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ServerConfigError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); "
+                                    f"is another server running there?") from None
+
+
 def serve(args) -> int:
     import logging
 
@@ -120,6 +140,7 @@ def serve(args) -> int:
     from irminsul.server.app import ServerState, create_app
 
     config = config_from_args(args)
+    check_port(config.host, config.port)  # before the model loads and compiles, not after
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     state = ServerState(config)  # loads the model; errors reach the CLI's one-line handler
     try:

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from irminsul.cli import at_least
 from irminsul.errors import UserFacingError
 from irminsul.train.arch import ReferenceShape
 
@@ -13,7 +14,7 @@ def register(subparsers) -> None:
     p.add_argument("--minutes", type=float, default=75.0, help="wall-clock budget (fits --steps to it if unset)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (fixes the schedule: reproducible)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=at_least(1), default=2)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--ckpt-minutes", type=float, default=10.0)
@@ -39,7 +40,7 @@ def register(subparsers) -> None:
     e.add_argument("--needles", type=int, default=4, help="needles per (context, depth) cell")
     e.add_argument("--qa-items", type=int, default=120, help="MuSiQue items to answer")
     e.add_argument("--synthetic", type=int, default=20, help="probes per synthetic task and length")
-    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--threads", type=at_least(1), default=2)
     e.add_argument("--data", default=None)
     e.add_argument("--out", default=None, help="write the metrics (JSON) to this file (default: print them)")
     e.add_argument("--card", action="store_true",

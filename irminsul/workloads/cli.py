@@ -12,9 +12,16 @@ from irminsul.errors import UserFacingError
 
 
 def _build(args) -> int:
+    from pathlib import Path
+
+    from irminsul.errors import UserFacingError
     from irminsul.workloads.builders import build_source
     from irminsul.workloads.patterns import apply_pattern
     from irminsul.workloads.trace import write_trace
+
+    folder = Path(args.out).parent
+    if not folder.is_dir():  # (checked before the trace is built, which can take a while)
+        raise UserFacingError(f"--out {args.out}: the folder {folder} does not exist")
 
     requests = apply_pattern(args.pattern, build_source(args.source, args.data, args.n), seed=args.seed)
     dropped = ""

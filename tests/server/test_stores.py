@@ -179,3 +179,16 @@ def test_a_disk_that_turns_read_only_mid_run_costs_no_request(tiny_dir, tmp_path
         assert httpx.get(s.url + "/health").status_code == 200
     finally:
         s.stop()
+
+
+def test_an_unreachable_redis_at_start_up_is_said_once(tiny_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="irminsul.server"):
+        s = start(tiny_dir, store=StoreConfig(("memory", "redis://127.0.0.1:1/0")))
+    try:
+        said = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+        assert len(said) == 1 and "redis://127.0.0.1:1/0" in said[0], said
+        assert chat(s.url, [{"role": "user", "content": "hello"}], max_tokens=2)["choices"]  # served without it
+    finally:
+        s.stop()
