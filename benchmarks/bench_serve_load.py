@@ -23,17 +23,10 @@ import httpx
 
 from irminsul.cli import run_for_people
 from irminsul.machine import describe
-from irminsul.server.testing import ServerProcess
+from irminsul.server.testing import ServerProcess, rss_mib
 
 WORDS = ("policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "
          "reservation economy business gold silver airport delay voucher").split()
-
-
-def rss_mib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) // 1024
-    return -1
 
 
 def gauges(url: str) -> dict[str, float]:

@@ -28,7 +28,7 @@ import httpx
 
 from irminsul.cli import run_for_people
 from irminsul.machine import describe
-from irminsul.server.testing import ServerProcess
+from irminsul.server.testing import ServerProcess, rss_mib
 
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
 WORDS = ("policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "
@@ -40,13 +40,6 @@ TOOL = {"type": "function", "function": {"name": "lookup", "description": "look 
                                          "parameters": {"type": "object",
                                                         "properties": {"code": {"type": "string", "maxLength": 12}},
                                                         "required": ["code"]}}}
-
-
-def rss_mib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) // 1024
-    return -1
 
 
 def documents(n: int = 6, words: int = 150) -> list[str]:

@@ -161,7 +161,8 @@ class CacheReuse:
             raise RequestError(f"check_layer={check_layer} must be in [1, {num_layers - 1}]")
         self.recompute_ratio, self.check_layer = recompute_ratio, check_layer
         self.inflight: dict[int, int] = {}  # fingerprint -> running sequences that will compute it
-        self._salts: dict[str, int] = {}  # tenant -> its radix salt (the first token of its keys)
+        # tenant -> (its radix salt: the first token of its keys, its namespace id: what its entries record)
+        self._names: dict[str, tuple[int, str]] = {}
 
     def namespace(self, tenant: str | None = None) -> Planner:
         """The planner of a tenant's namespace (created on first use)."""
@@ -171,7 +172,7 @@ class CacheReuse:
             # a negative id (never a real token) from the BLAKE2b namespace digest, not the xxHash64
             # seed: a tenant who picks its cache_salt cannot search out another tenant's salt
             salt = -1 - (int(name[:16], 16) >> 2)
-            self._salts[tenant] = salt
+            self._names[tenant] = salt, name
             fallbacks = [] if tenant == SHARED else [self.namespace(SHARED)]
             # NOTE: a scoped view: every hit compares the namespace that wrote the entry, not only its fingerprint
             registry = ScopedRegistry(self.registry, name)
@@ -190,7 +191,7 @@ class CacheReuse:
                 break
             if tenant != SHARED:
                 self.namespaces.pop(tenant).close()
-                self._salts.pop(tenant, None)
+                self._names.pop(tenant, None)
 
     # -- the store tiers: the pool's offload ----------------------------------------------
 
@@ -363,12 +364,12 @@ class CacheReuse:
         budget = self.tenant_share * (self.pool.n_slots - 1)
         salts, namespaces = set(), set()
         for tenants in owners.values():
-            names = [namespace_id(self.model_id, t) for t in tenants]
-            held = [np.asarray(v) for t in tenants for v in self.radix.values_under(self._salts[t])]
+            names = [self._names[t][1] for t in tenants]
+            held = [np.asarray(v) for t in tenants for v in self.radix.values_under(self._names[t][0])]
             held += [p for name in names for p in by_namespace.get(name, [])]
             rows = np.unique(np.concatenate(held)) if held else np.zeros(0, np.int64)
             if int((rows != EMPTY_SLOT).sum()) <= budget:
-                salts.update(self._salts[t] for t in tenants)
+                salts.update(self._names[t][0] for t in tenants)
                 namespaces.update(names)
         return salts, namespaces
 

@@ -79,6 +79,14 @@ class RedisProcess:
         return redis.Redis.from_url(self.url)
 
 
+def rss_mib(pid: int) -> int:
+    """A process's resident memory in MiB (Linux's /proc), -1 where it cannot be read."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) // 1024
+    return -1
+
+
 class ServerProcess:
     """``irminsul serve ARGS`` in a subprocess on a free port; ``url`` is its base URL."""
 
