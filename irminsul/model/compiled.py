@@ -3,8 +3,12 @@
 A decode step of a small model is hundreds of tiny tensor operations; in eager torch each costs
 microseconds of dispatch, which is what separated the engine from llama.cpp on one request
 (`benchmarks/profile_decode.py` counts them; `benchmarks/bench_compiled.py` measures the gain).
-Here the decode step is written as one plain function of the model's packed weights and compiled
-once, with dynamic shapes (the key count grows each step, the batch varies), in three graphs:
+Here the model's own forward (`DeepseekModel.hidden`: its decoder layers, MLA and MoE modules) is
+compiled once, with dynamic shapes (the key count grows each step, the batch varies), over a
+`DecodeBatch`: a batch that hands each layer's new rows back instead of writing them into the pool
+and has the torch backend attend over the earlier rows with each token's own row beside them
+(`TorchAttention.beside`). Inside a graph the MoE takes its decode forms (`MoE.one_token`,
+`MoE.dense`). Three graphs:
 
 - one sequence decoding alone whose rows sit in consecutive slots: its rows are read in place
   (`__call__`), its k experts through their stacked weights;
@@ -15,8 +19,8 @@ once, with dynamic shapes (the key count grows each step, the batch varies), in 
   E / k times the routed products, used where that is at most DENSE_EXPERTS and for at most
   MAX_BATCH sequences (`max_batch`) (beyond, those products cost more than the graph saves).
 
-It computes what the engine's step computes (the same absorbed attention over `[c_KV | k_r]`, RoPE
-at read from the model's own cos/sin tables, the model's router), so it is tested against that
+It computes what the engine's step computes (the same layers, the absorbed attention over
+`[c_KV | k_r]` with RoPE at read from the model's own cos/sin tables), and is tested against that
 path (tests/engine/test_compiled.py); the engine takes its own path for anything else (prefill,
 `naive`, batches whose padding would exceed PADDING_SLACK), and `unavailable` says when none of it
 applies. It is on by default where it is available (as vLLM compiles unless told `enforce_eager`):
@@ -32,12 +36,10 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MoE
-from irminsul.model.rope import encode_pairwise
 
 log = logging.getLogger("irminsul.model")
 DENSE_EXPERTS = 4  # the batched step runs every expert when that is at most this many times the routed work
@@ -137,7 +139,7 @@ class CompiledDecode:
         2 and up share the dynamic graphs). Without duck sizing: sizes that happen to be equal here
         (scratch slots and a layer count, say) must not become one size, or a real step recompiles."""
         with torch.fx.experimental._config.patch(use_duck_shape=False), \
-                torch._dynamo.config.patch(capture_scalar_outputs=True):  # (`_moe`'s expert ids)
+                torch._dynamo.config.patch(capture_scalar_outputs=True):  # (`MoE.one_token`'s expert ids)
             self._warm_up()
 
     def warmed(self) -> "CompiledDecode":
@@ -189,84 +191,38 @@ class CompiledDecode:
 
     def _step(self, token, pos, old_rows, cos_tab, sin_tab):
         """One sequence; old_rows [layers, T, width]: its rows before the token, read where they lie."""
-        return self._layers(token, pos, lambda i: old_rows[i][None], old_rows.shape[1], cos_tab, sin_tab, None, _moe)
+        batch = DecodeBatch(token, pos, cos_tab, sin_tab, old_rows.shape[1], rows=old_rows)
+        return self.model.hidden(batch), torch.stack(batch.new_rows)
 
     def _step_batch(self, tokens, pos, key_slots, pool, cos_tab, sin_tab):
         """B sequences; their earlier rows gathered from the pool through key_slots [B, T]. One sequence
         (rows not in one run of slots, as a content hit leaves them) takes its k experts alone."""
         t = key_slots.shape[1]
         visible = torch.arange(t, device=pos.device)[None, :] < pos[:, None]  # [B, T]
-        moe = _moe if tokens.shape[0] == 1 else _moe_dense
-        return self._layers(tokens, pos, lambda i: pool[i][key_slots], t, cos_tab, sin_tab, visible, moe)
-
-    def _layers(self, token, pos, rows_of, t, cos_tab, sin_tab, visible, moe):
-        """The decoder over B new tokens [B] at positions pos [B] -> (final hidden [B, hidden], their
-        rows [layers, B, width]). rows_of(layer): their earlier rows [B, T, width], key j at position
-        j; `visible` [B, T]: which are real (None: all). The absorbed attention of the engine's step,
-        with each token's own key added beside the earlier ones (it is not in the pool yet)."""
-        m = self.model
-        cfg = m.config
-        h, r, nope, rope = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)
-        layout = m.rotary.out_layout
-        b = token.shape[0]
-        x = m.model.embed_tokens.weight[token]  # [B, hidden]
-        q_cos, q_sin = cos_tab[pos][:, None], sin_tab[pos][:, None]  # [B, 1, rope/2]: over the heads
-        k_cos, k_sin = cos_tab[:t], sin_tab[:t]  # [T, rope/2]
-        new_rows = []
-        for i, layer in enumerate(m.model.layers):
-            attn = layer.self_attn
-            y = layer.input_layernorm(x)
-            w_in, b_in = attn.in_proj
-            y = y @ w_in if b_in is None else torch.addmm(b_in, y, w_in)
-            q_in, kv = y.split([y.shape[-1] - cfg.latent_width, cfg.latent_width], dim=-1)
-            q = q_in if cfg.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(q_in))
-            q = q.view(b, h, nope + rope)
-            q_pe = encode_pairwise(m.rotary.to_cache(q[..., nope:]), q_cos, q_sin, layout)  # [B, H, rope]
-            c_kv, k_new = attn.kv_a_layernorm(kv[:, :r]), m.rotary.to_cache(kv[:, r:])  # [B, r], [B, rope]
-            new_rows.append(torch.cat([c_kv, k_new], dim=-1))
-            rows = rows_of(i)  # [B, T, width]
-            w = attn.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
-            q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, r]: W_UK absorbed
-            k_r = encode_pairwise(rows[..., r : r + rope], k_cos, k_sin, layout)  # [B, T, rope]
-            k_self = encode_pairwise(k_new, q_cos[:, 0], q_sin[:, 0], layout)  # each token's own key
-            scores = torch.bmm(q_lat, rows[..., :r].transpose(1, 2)) + torch.bmm(q_pe, k_r.transpose(1, 2))
-            if visible is not None:
-                scores = scores.masked_fill(~visible[:, None], float("-inf"))
-            own = (q_lat * c_kv[:, None]).sum(-1, keepdim=True) + (q_pe * k_self[:, None]).sum(-1, keepdim=True)
-            p = (torch.cat([scores, own], dim=-1) * cfg.softmax_scale).softmax(dim=-1)  # [B, H, T + 1]
-            o_lat = torch.bmm(p[..., :-1], rows[..., :r]) + p[..., -1:] * c_kv[:, None]  # [B, H, r]
-            o = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # W_UV absorbed
-            x = x + attn.o_proj(o.reshape(b, -1))
-            z = layer.post_attention_layernorm(x)
-            x = x + (moe(layer.mlp, z) if isinstance(layer.mlp, MoE) else layer.mlp.packed_forward(z))
-        return m.model.norm(x), torch.stack(new_rows)
+        batch = DecodeBatch(tokens, pos, cos_tab, sin_tab, t, pool=pool, key_slots=key_slots, visible=visible)
+        return self.model.hidden(batch), torch.stack(batch.new_rows)
 
 
-def _moe(moe: MoE, x):
-    """One token's k experts, each as two products over its own weights in the stack, plus the shared one.
-    NOTE: each expert id is read as a number (an unbacked size in the graph, `capture_scalar_outputs`),
-    so its weights are views of the stack: indexing the stack by the id tensor would copy the k experts'
-    weights at every step (on the bundled model that copy was ~7% of a one-sequence decode)."""
-    weights, ids = moe.gate(x)  # [1, k]
-    gate_up, down = moe._stacked
-    out = None
-    for j in range(ids.shape[1]):
-        e = ids[0, j].item()
-        torch._check(e >= 0)
-        torch._check(e < gate_up.shape[0])
-        g, u = torch.mm(x, gate_up[e]).chunk(2, dim=-1)
-        y = torch.mm(F.silu(g) * u, down[e]) * weights[0, j].to(x.dtype)
-        out = y if out is None else out + y
-    return out if moe.shared_experts is None else out + moe.shared_experts.packed_forward(x)
+class DecodeBatch:
+    """What the model's layers read of a batch (`ForwardBatch`'s token_ids, positions, memo and attend),
+    for B tokens decoding: each layer's new rows [B, width] are kept (`new_rows`, in layer order), and
+    attention reads the earlier rows, key j at position j: `rows` [layers, T, width] of one sequence in
+    place, or the pool gathered through key_slots [B, T] (`visible` [B, T]: which are real)."""
 
+    def __init__(self, token_ids, positions, cos_tab, sin_tab, t: int, rows=None, pool=None, key_slots=None,
+                 visible=None):
+        self.token_ids, self.positions = token_ids, positions
+        self.rows, self.pool, self.key_slots, self.visible = rows, pool, key_slots, visible
+        self.q_cos_sin = (cos_tab[positions], sin_tab[positions])  # [B, rope/2]
+        self.k_cos, self.k_sin = cos_tab[:t], sin_tab[:t]  # [T, rope/2]
+        self.new_rows: list[torch.Tensor] = []
 
-def _moe_dense(moe: MoE, x):
-    """B tokens through every expert, each weighted by its routing weight (0 where not chosen): static
-    shapes, one graph, E / k times the routed products (`max_batch` bounds that)."""
-    weights, ids = moe.gate(x)  # [B, k]
-    gate_up, down = moe._stacked  # [E, H, 2I], [E, I, H]
-    mix = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
-    mix = mix.scatter(1, ids, weights.to(x.dtype))  # [B, E] (a token picks an expert at most once)
-    g, u = torch.matmul(x[None], gate_up).chunk(2, dim=-1)  # [E, B, I] each
-    out = torch.bmm(F.silu(g) * u * mix.t()[..., None], down).sum(0)
-    return out if moe.shared_experts is None else out + moe.shared_experts.packed_forward(x)
+    def memo(self, key, compute):
+        return self.q_cos_sin if key == "rope" else compute()
+
+    def attend(self, attn, q_nope, q_pe, rows, index=None):
+        self.new_rows.append(rows)
+        layer = attn.layer
+        old = self.rows[layer][None] if self.key_slots is None else self.pool[layer][self.key_slots]  # [B, T, width]
+        return attn.backend.beside(attn, q_nope, q_pe, old, rows, self.k_cos, self.k_sin, self.q_cos_sin,
+                                   self.visible)

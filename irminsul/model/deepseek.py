@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from irminsul.errors import RequestError
-from irminsul.model.attention import TorchAttention
+from irminsul.model import attention
+from irminsul.model.attention import AttentionBackend, TorchAttention
+from irminsul.model.base import Capabilities
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import MLP, Linear, LongcatMoE, MoE, RMSNorm
 from irminsul.model.mla import ForwardBatch, MLAttention, SequenceRows
@@ -24,7 +25,7 @@ from irminsul.model.rope import Rotary
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: TorchAttention):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, layer, rotary, backend)
@@ -43,7 +44,7 @@ class LongcatBlock(nn.Module):
     """LongCat-Flash's decoder block: two MLA sublayers (pool layers 2i and 2i + 1), each followed by
     a dense MLP, and a shortcut MoE fed after the first sublayer and added after the second."""
 
-    def __init__(self, cfg: ModelConfig, block: int, rotary: Rotary, backend: TorchAttention):
+    def __init__(self, cfg: ModelConfig, block: int, rotary: Rotary, backend: AttentionBackend):
         super().__init__()
         self.mlp = LongcatMoE(cfg)
         self.self_attn = nn.ModuleList(MLAttention(cfg, 2 * block + j, rotary, backend) for j in range(2))
@@ -67,7 +68,7 @@ class LongcatBlock(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: TorchAttention):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         block = LongcatBlock if cfg.model_type == "longcat_flash" else DecoderLayer
@@ -86,21 +87,39 @@ class DeepseekModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @classmethod
+    def load(cls, path, dtype="float32", device: str = "cpu", pack: bool = True) -> "DeepseekModel":
+        from irminsul.model.loader import load_mla
+
+        return load_mla(path, dtype, device, pack)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(backend=self.attention.name, fresh_rows=True, indexer=bool(self.config.index_n_heads))
+
+    def decode_step(self, pool_rows: torch.Tensor, compile_decode: bool | None):
+        """The decode step the backend compiles: the torch backend's through torch.compile on a CPU
+        (model/compiled.py, one per model), the triton backend's as CUDA graphs over `pool_rows`
+        (model/graphs.py, one set per pool); None where there is none (`compiled.wanted`). Raises
+        ValueError when compile_decode=True asks for one that cannot be built."""
+        if self.attention.name == "triton":
+            from irminsul.model import graphs
+
+            return graphs.resolve(self, pool_rows, compile_decode)
+        from irminsul.model import compiled
+
+        return compiled.resolve(self, compile_decode)
+
     def set_attention_backend(self, name: str) -> None:
         """"torch" (the reference, any device) or "triton" (a GPU, or Triton's interpreter on CPU
-        tensors): attention in model/triton_attention.py, and the MoE layers' routed experts in
+        tensors): attention in model/attention/triton.py, and the MoE layers' routed experts in
         model/triton_moe.py (one grouped launch per product, no host sync)."""
+        backend = attention.backend(name, self.config, self.rotary)
         kernel = None
-        if name == "torch":
-            backend = TorchAttention(self.config, self.rotary)
-        elif name == "triton":
+        if name == "triton":
             from irminsul.model import triton_moe
-            from irminsul.model.triton_attention import TritonAttention
 
-            backend = TritonAttention(self.config, self.rotary)
             kernel = triton_moe.fused_experts
-        else:
-            raise RequestError(f"attention_backend={name!r}: choose torch or triton")
         self.attention = backend
         for module in self.modules():
             if isinstance(module, MLAttention):
@@ -141,6 +160,11 @@ class DeepseekModel(nn.Module):
 
         With stop_layer, run only layers [0, stop_layer) and return the (un-normed) hidden state
         entering stop_layer; rows of later layers are left untouched."""
+        return self.hidden(batch, stop_layer)
+
+    def hidden(self, batch, stop_layer: int | None = None) -> torch.Tensor:
+        """`forward` without its inference mode, for a caller that compiles it (model/compiled.py:
+        `batch` is then its decode batch, which keeps the rows instead of writing them)."""
         x = self.model.embed_tokens(batch.token_ids)
         per = self.config.attention_per_block
         for i, block in enumerate(self.model.layers):

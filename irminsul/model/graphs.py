@@ -34,7 +34,7 @@ from irminsul.model.attention import EMPTY_SLOT
 from irminsul.model.compiled import built, wanted
 from irminsul.model.layers import LongcatMoE
 from irminsul.model.mla import ForwardBatch
-from irminsul.model.triton_attention import Tiles, TritonAttention, TritonPlan
+from irminsul.model.attention.triton import Tiles, TritonAttention, TritonPlan
 
 MAX_BATCH = 128  # the largest captured batch (vLLM's default capture sizes reach 512)
 MAX_LEN = 16384  # keys per sequence a captured step covers (longer sequences decode eagerly)

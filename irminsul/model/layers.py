@@ -190,7 +190,8 @@ class MLP(nn.Module):
         return self.gate_up is not None and self.gate_up.data_ptr() == self.gate_proj.weight.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
+        # (a compiled graph cannot compare data pointers: the compiled step takes packed models only)
+        if not (torch.compiler.is_compiling() or self.packed):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.packed_forward(x)
 
@@ -294,16 +295,16 @@ class MoE(nn.Module):
         if self.kernel is not None:
             out = self.kernel(x, weights, ids, *self.stacked())
             return out if self.shared_experts is None else out + self.shared_experts(x)
+        if torch.compiler.is_compiling():
+            # NOTE: in a graph no shape may follow the routing, and the grouped batch is sized on the
+            # host: one token takes its k experts, several run every expert (model/compiled.py
+            # bounds how many, `DENSE_EXPERTS`)
+            out = self.one_token(x, weights, ids) if n == 1 else self.dense(x, weights, ids)
         # grouped when most experts are hit (it reads every expert's weights) and padding at most
         # doubles the work (up to 256 padded rows per expert are always fine)
         # (on a GPU always grouped: two launches instead of a loop of launches over the experts hit)
-        if n == 1 and not (self.grouped and (x.is_cuda or 2 * k >= experts)):
-            # one token (a single sequence's decode step): its k experts, no counts, gathers or host reads
-            w = weights[0].to(x.dtype)
-            out = None
-            for slot, expert in enumerate(ids[0].tolist()):
-                y = self.experts[expert](x) * w[slot]
-                out = y if out is None else out + y
+        elif n == 1 and not (self.grouped and (x.is_cuda or 2 * k >= experts)):
+            out = self.one_token(x, weights, ids)
         else:
             flat = ids.reshape(-1)
             counts = torch.bincount(flat, minlength=experts)
@@ -318,6 +319,33 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One token's k experts (a single sequence's decode step), each as two products over its own
+        weights in the stack: no counts, no gathers.
+        NOTE: each expert id is read as a number (in a compiled graph an unbacked size,
+        `capture_scalar_outputs`), so its weights are views of the stack: indexing the stack by the id
+        tensor would copy the k experts' weights at every step (~7% of a one-sequence decode of the
+        bundled model)."""
+        gate_up, down = self._stacked if torch.compiler.is_compiling() else self.stacked()
+        out = None
+        for j in range(ids.shape[1]):
+            e = ids[0, j].item()
+            torch._check(e >= 0)
+            torch._check(e < gate_up.shape[0])
+            g, u = torch.mm(x, gate_up[e]).chunk(2, dim=-1)
+            y = torch.mm(F.silu(g) * u, down[e]) * weights[0, j].to(x.dtype)
+            out = y if out is None else out + y
+        return out
+
+    def dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every token through every expert, weighted by its routing weight (0 where not chosen): no
+        shape depends on routing, at E / k times the routed products."""
+        gate_up, down = self._stacked if torch.compiler.is_compiling() else self.stacked()  # [E, H, 2I], [E, I, H]
+        mix = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
+        mix = mix.scatter(1, ids, weights.to(x.dtype))  # [n, E] (a token picks an expert at most once)
+        g, u = torch.matmul(x[None], gate_up).chunk(2, dim=-1)  # [E, n, I] each
+        return torch.bmm(F.silu(g) * u * mix.t()[..., None], down).sum(0)
 
     def _grouped(self, x, weights, flat, counts, cap) -> torch.Tensor:
         gate_up, down = self.stacked()

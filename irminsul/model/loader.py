@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from irminsul.errors import CheckpointError, RequestError
+from irminsul.errors import CheckpointError, ConfigError, RequestError
 from irminsul.model.config import ModelConfig
-from irminsul.model.deepseek import DeepseekModel
+from irminsul.model.registry import model_class
 from irminsul.model.rope import Rotary
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -93,18 +93,35 @@ def check_device(device) -> None:
         raise RequestError(f"device={device!r}, but there are {torch.cuda.device_count()} CUDA devices")
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               pack: bool = True) -> DeepseekModel:
-    """The checkpoint as a DeepseekModel; `pack`: lay its weights out for inference (`DeepseekModel.pack`).
-    A DeepSeek-V4 checkpoint comes back as `v4_serving.V4Serving`, the same interface to the engine."""
+def read_config(path: Path) -> dict:
+    """The checkpoint's config.json as a dict, else a ConfigError that says what is wrong with it."""
+    file = path / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{file} is missing: a checkpoint directory needs config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file} must hold a JSON object (a model config), not a {type(raw).__name__}")
+    return raw
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu", pack: bool = True):
+    """The checkpoint as the class its model_type is registered to (registry.py), a `base.Model`;
+    `pack`: lay its weights out for inference where the family does (`DeepseekModel.pack`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     check_device(device)
-    from irminsul.model.v4_serving import is_v4, load_v4_serving
+    return model_class(read_config(path).get("model_type")).load(path, dtype=dtype, device=device, pack=pack)
 
-    if is_v4(path):
-        return load_v4_serving(path, dtype=dtype, device=device)
+
+def load_mla(path: Path, dtype: str | torch.dtype = "float32", device: str = "cpu", pack: bool = True):
+    """An MLA checkpoint (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash, LongCat-Flash) as a DeepseekModel."""
+    from irminsul.model.deepseek import DeepseekModel
+
+    path = Path(path)
     cfg = ModelConfig.from_file(path / "config.json")
     dtype = resolve_dtype(dtype)
     tensors = read_tensors(weight_files(path), cfg.num_blocks)

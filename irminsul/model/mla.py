@@ -2,7 +2,7 @@
 
 The cache holds one row per token and layer, `[c_KV | k_r]`: the latent after `kv_a_layernorm`
 (kv_lora_rank wide) and the decoupled RoPE key (qk_rope_head_dim wide), stored un-rotated and
-encoded at its position when attention reads it (`attention.py`). A cached row has no position
+encoded at its position when attention reads it (`attention/`). A cached row has no position
 in it, so reuse at another position shares it as it is.
 
 Absorbed attention (DeepSeek-V3 `inference/model.py`, attn_impl="absorb"):
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from irminsul.model.attention import EMPTY_SLOT, AttentionGroup, SeqAttention, TorchAttention
+from irminsul.model.attention import EMPTY_SLOT, AttentionBackend, SeqAttention
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import Linear, RMSNorm, dnn_weight, pack_linears, packed
 from irminsul.model.rope import Rotary, encode_half
@@ -91,7 +91,7 @@ class SequenceRows:
         other.cfg, other.pool, other.filled = self.cfg, self.pool.clone(), self.filled.clone()
         return other
 
-    def batch(self, backend: TorchAttention, token_ids: torch.Tensor, positions: torch.Tensor) -> "ForwardBatch":
+    def batch(self, backend: AttentionBackend, token_ids: torch.Tensor, positions: torch.Tensor) -> "ForwardBatch":
         """A one-sequence forward batch computing token_ids at positions into these rows."""
         self.ensure(int(positions.max()) + 1)
         self.filled[positions] = True  # every layer writes these rows before it attends
@@ -110,9 +110,14 @@ class ForwardBatch:
     positions: torch.Tensor  # [N] int64, absolute positions
     pool: torch.Tensor  # [n_layers, n_slots, width]: every row the pass reads or writes
     write_slots: torch.Tensor  # [N] int64: the pool slot each computed row is written to
-    groups: list[AttentionGroup]  # the backend's plan: at most one decode and one prefill group
+    plan: object  # the attention backend's `plan` for these tokens (its own type)
 
     _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def groups(self):
+        """The torch backend's plan: its padded groups (at most one decode and one prefill group)."""
+        return self.plan
 
     def memo(self, key, compute):
         """What every layer of one forward pass needs alike (RoPE cos/sin of the queries), once."""
@@ -120,9 +125,18 @@ class ForwardBatch:
             self._memo[key] = compute()
         return self._memo[key]
 
+    def attend(self, attn: "MLAttention", q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+               index=None) -> torch.Tensor:
+        """Store the layer's computed rows [N, row_width] at write_slots and attend over the pool
+        (the backend's `forward` with this batch's plan) -> [N, H, v]."""
+        pool = self.pool[attn.layer]  # [n_slots, width]
+        # NOTE: written before attending: a query attends to rows computed in this same pass.
+        pool.index_copy_(0, self.write_slots, rows.to(pool.dtype))
+        return attn.backend.forward(attn, q_nope, q_pe, pool, self.plan, index)
+
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: TorchAttention):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: AttentionBackend):
         super().__init__()
         self.cfg, self.layer, self.rotary, self.backend = cfg, layer, rotary, backend
         h, bias = cfg.num_attention_heads, cfg.attention_bias
@@ -157,7 +171,9 @@ class MLAttention(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x))."""
         q_in = self._q_in()
-        if self.in_proj is None or self.in_proj[0].data_ptr() != q_in.weight.data_ptr():
+        # (a compiled graph cannot compare data pointers: the compiled step takes packed models only)
+        if self.in_proj is None or (not torch.compiler.is_compiling()
+                                    and self.in_proj[0].data_ptr() != q_in.weight.data_ptr()):
             return q_in(x), self.kv_a_proj_with_mqa(x)
         return packed(x, *self.in_proj, self.in_proj_dnn).split([q_in.out_features, self.cfg.latent_width], dim=-1)
 
@@ -195,11 +211,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(n, h, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         cos_sin = batch.memo("rope", lambda: self.rotary.cos_sin(batch.positions))
         q_pe = self.rotary.apply(q_pe, batch.positions, cos_sin)  # [n, H, rope]
-        pool = batch.pool[self.layer]  # [n_slots, width]
-        # NOTE: written before attending: a query attends to rows computed in this same pass.
-        pool.index_copy_(0, batch.write_slots, self.stored_rows(x, kv).to(pool.dtype))
         index = None if self.indexer is None else self.indexer.queries(x, q_resid, cos_sin)
-        out = self.backend.forward(self, q_nope, q_pe, pool, batch.groups, index)  # [n, H, v]
+        out = batch.attend(self, q_nope, q_pe, self.stored_rows(x, kv), index)  # [n, H, v]
         return self.o_proj(out.reshape(n, h * cfg.v_head_dim))
 
 

@@ -15,7 +15,7 @@ Two kernels over the stacked, input-major weights `MoE.stacked()` keeps (gate|up
 then each token's k rows are summed in torch (deterministic: no atomics).
 
 Tested against the torch experts under Triton's interpreter (tests/model/test_triton_moe.py);
-the bf16 tensor-core path (LOW) runs on a GPU only, as in triton_attention.py.
+the bf16 tensor-core path (LOW) runs on a GPU only, as in attention/triton.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from irminsul.model.triton_attention import INTERPRETED, available
+from irminsul.model.attention.triton import INTERPRETED, available
 
 try:
     import triton

@@ -1,5 +1,5 @@
-"""DeepSeek-V4 behind the engine's model interface, so `LLM` and `irminsul serve` run it with the same
-pool, scheduler and reuse modes as the MLA models.
+"""DeepSeek-V4 as a model family of the engine (`base.Model`), so `LLM` and `irminsul serve` run it with the
+same pool, scheduler and reuse modes as the MLA models.
 
 The pool row of a V4 layer is the per-token row of `deepseek_v4.py`: the token's key = value with its rope
 slice un-rotated, then its compressor's (and indexer's) pooling inputs. Layers differ in width (a sliding
@@ -9,10 +9,11 @@ position exactly as it does for MLA; compressed entries are pooled from the rows
 sequence's window alignment, and keys are rotated at read (`naive`: at the position they were computed
 at, the stale baseline).
 
-This is the reference path, not a fast one: each sequence of a step gathers its rows and runs the layers
-on its own (a Python loop over sequences), and attention rebuilds every compressed entry of the sequence
-each step (O(length) per layer). A batched kernel is the GPU issue's work. `pic+r` (which recomputes
-the rows that deviate most, from MLA's c_KV) is not available for V4, nor is the triton backend.
+This is the reference path, not a fast one: V4's attention re-pools each sequence's compressed entries
+from its own rows (O(length) per layer), so its backend plans the step per sequence (`V4Plan`) and the
+forward runs the layers on each sequence's gathered rows in turn. A batched kernel is the GPU issue's
+work. `pic+r` (which recomputes the rows that deviate most, from MLA's c_KV) is not available for V4,
+nor is the triton backend, nor a compiled decode step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 
 from irminsul.errors import ConfigError
 from irminsul.model.attention import EMPTY_SLOT, SeqAttention
+from irminsul.model.base import Capabilities
 from irminsul.model.deepseek_v4 import DeepseekV4ForCausalLM, load_deepseek_v4
 
 
@@ -42,21 +44,44 @@ class V4EngineConfig:
     model_type: str = "deepseek_v4"
 
 
-@dataclass
+@dataclass(frozen=True)
+class V4Sequence:
+    """One sequence of a step, on the model's device: its tokens are rows `rows` of the flat batch."""
+
+    rows: slice
+    q_positions: torch.Tensor  # [m] int64: the positions computed
+    key_slots: torch.Tensor  # [T] int64: the pool slot of positions 0..T-1
+    key_rope: torch.Tensor | None  # [T] RoPE position of each key; None: its own
+
+
+@dataclass(frozen=True)
 class V4Plan:
-    """A step's sequences as the engine describes them (`SeqAttention`) and where their tokens sit in
-    the flat batch (sequence i: rows offsets[i]:offsets[i + 1])."""
+    """A step as V4's attention reads it: sequence by sequence."""
 
-    seqs: list[SeqAttention]
-    offsets: list[int]
+    seqs: tuple[V4Sequence, ...]
 
 
-class _Planner:
+class V4Backend:
+    """V4's attention backend (torch): its plan is the step's sequences, checked and on the device."""
+
+    name = "torch"
+
     def plan(self, seqs: list[SeqAttention], offsets: list[int], device) -> V4Plan:
-        return V4Plan(list(seqs), list(offsets))
+        out = []
+        for i, seq in enumerate(seqs):
+            slots = np.asarray(seq.key_slots)
+            missing = slots == EMPTY_SLOT
+            missing[np.asarray(seq.q_positions)] = False
+            if missing.any():  # (the engine fills every earlier position before computing a later one)
+                raise RuntimeError(f"DeepSeek-V4: positions {np.flatnonzero(missing)[:8].tolist()} have no row")
+            rope = None if seq.key_rope is None else torch.as_tensor(np.asarray(seq.key_rope), device=device)
+            out.append(V4Sequence(slice(offsets[i], offsets[i + 1]),
+                                  torch.as_tensor(np.asarray(seq.q_positions), device=device),
+                                  torch.as_tensor(slots, device=device), rope))
+        return V4Plan(tuple(out))
 
 
-class V4Serving(nn.Module):
+class V4Model(nn.Module):
     def __init__(self, model: DeepseekV4ForCausalLM, eos_token_ids: tuple[int, ...] = ()):
         super().__init__()
         self.v4 = model
@@ -64,7 +89,15 @@ class V4Serving(nn.Module):
         self.widths = [layer.self_attn.row_width for layer in model.model.layers]
         self.config = V4EngineConfig(cfg.num_hidden_layers, max(self.widths), cfg.max_position_embeddings,
                                      cfg.vocab_size, tuple(eos_token_ids))
-        self.attention = _Planner()
+        self.attention = V4Backend()
+
+    @classmethod
+    def load(cls, path, dtype="float32", device: str = "cpu", pack: bool = True) -> "V4Model":
+        """(`pack` has nothing to do: V4's reference path keeps the checkpoint's layout.)"""
+        raw = json.loads((Path(path) / "config.json").read_text())
+        eos = raw.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(load_deepseek_v4(path, dtype=dtype, device=device), eos)
 
     @property
     def device(self) -> torch.device:
@@ -74,32 +107,35 @@ class V4Serving(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.v4.lm_head.weight.dtype
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(backend=self.attention.name, fresh_rows=False)
+
     def set_attention_backend(self, name: str) -> None:
         if name != "torch":
             raise ConfigError(f"attention_backend={name!r}: DeepSeek-V4 runs on the torch backend only for now")
 
+    def decode_step(self, pool_rows: torch.Tensor, compile_decode: bool | None) -> None:
+        if compile_decode:
+            raise ValueError("a compiled decode step needs an MLA model (DeepSeek-V4 decodes eagerly for now)")
+        return None
+
+    def fresh_rows(self, batch, layer: int) -> torch.Tensor:
+        raise ConfigError("recompute_ratio (pic+r) is not available for deepseek_v4 yet")
+
     @torch.inference_mode()
     def forward(self, batch) -> torch.Tensor:
-        """The engine's ForwardBatch (its `groups` a V4Plan) -> final hidden states [N, hidden]; every
-        computed token's rows are written to the pool at batch.write_slots."""
-        plan: V4Plan = batch.groups
+        """A ForwardBatch whose plan is a V4Plan -> final hidden states [N, hidden]; every computed
+        token's rows are written to the pool at batch.write_slots."""
         out = None
-        for i, seq in enumerate(plan.seqs):
-            at = slice(plan.offsets[i], plan.offsets[i + 1])
-            slots = torch.as_tensor(np.asarray(seq.key_slots), device=self.device)
-            q_pos = torch.as_tensor(np.asarray(seq.q_positions), device=self.device)
-            missing = slots == EMPTY_SLOT
-            missing[q_pos] = False
-            if bool(missing.any()):  # (the engine fills every earlier position before computing a later one)
-                raise RuntimeError(f"DeepSeek-V4: positions {missing.nonzero()[:, 0].tolist()[:8]} have no row")
-            rows = [batch.pool[layer, slots, :w].clone() for layer, w in enumerate(self.widths)]
-            key_pos = None if seq.key_rope is None else torch.as_tensor(np.asarray(seq.key_rope), device=self.device)
-            hidden = self.v4.prefill_hidden(batch.token_ids[at], q_pos, rows, key_pos)
+        for seq in batch.plan.seqs:
+            rows = [batch.pool[layer, seq.key_slots, :w].clone() for layer, w in enumerate(self.widths)]
+            hidden = self.v4.prefill_hidden(batch.token_ids[seq.rows], seq.q_positions, rows, seq.key_rope)
             for layer, (w, layer_rows) in enumerate(zip(self.widths, rows)):
-                batch.pool[layer, batch.write_slots[at], :w] = layer_rows[q_pos].to(batch.pool.dtype)
+                batch.pool[layer, batch.write_slots[seq.rows], :w] = layer_rows[seq.q_positions].to(batch.pool.dtype)
             if out is None:
                 out = hidden.new_empty(batch.token_ids.shape[0], hidden.shape[-1])
-            out[at] = hidden
+            out[seq.rows] = hidden
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -113,10 +149,3 @@ def is_v4(path: Path) -> bool:
         return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "deepseek_v4"
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def load_v4_serving(path: str | Path, dtype="float32", device: str = "cpu") -> V4Serving:
-    raw = json.loads((Path(path) / "config.json").read_text())
-    eos = raw.get("eos_token_id")
-    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    return V4Serving(load_deepseek_v4(path, dtype=dtype, device=device), eos)

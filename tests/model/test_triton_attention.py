@@ -10,7 +10,7 @@ import torch
 
 from irminsul import LLM, Segments
 from irminsul.model.tiny import make_tiny_checkpoint
-from irminsul.model.triton_attention import TritonAttention
+from irminsul.model.attention.triton import TritonAttention
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (benchmarks/gpu_check.sh runs these on a GPU)
@@ -77,7 +77,7 @@ def test_the_kernel_alone_against_a_dense_reference():
     explicit RoPE positions, queries that see different prefixes."""
     from irminsul.model.config import RopeConfig
     from irminsul.model.rope import Rotary
-    from irminsul.model.triton_attention import Tiles, TritonPlan, mla_attention
+    from irminsul.model.attention.triton import Tiles, TritonPlan, mla_attention
 
     g = torch.Generator().manual_seed(0)
     h, r, rope, t = 3, 24, 8, 45

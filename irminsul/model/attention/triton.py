@@ -1,4 +1,4 @@
-"""Attention over the latent pool in Triton: the `triton` backend (the torch backend's interface).
+"""Attention over the latent pool in Triton: the `triton` backend.
 
 One kernel serves decode and prefill alike, in MLA's absorbed form (FlashMLA's scheme): a program
 takes a tile of query rows of one sequence (one row for decode, 64 / H rows for prefill spans), all
@@ -19,7 +19,7 @@ backend; that is how CI tests them (tests/model/test_triton_attention.py).
 
 DeepSeek-V3.2's sparse attention enters as a per-query selection mask: the indexer's scores and
 top-k are computed in torch (`_selection`) and the kernel ANDs the mask into its causal one. Not yet
-here (issue 15): a fused indexer kernel that hands the attention kernel a key list per query
+here: a fused indexer kernel that hands the attention kernel a key list per query
 (FlashMLA's sparse decode), the expanded form for long prefill spans, tile sizes tuned on a GPU.
 """
 
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from irminsul.errors import RequestError
-from irminsul.model.attention import SeqAttention, TorchAttention, dsa_selection
+from irminsul.model.attention.base import AttentionBackend, SeqAttention, absorb_output, absorb_query, dsa_selection
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import Rotary, encode_half
 
@@ -88,7 +88,7 @@ class TritonPlan:
     splits: int | None = None
 
 
-class TritonAttention(TorchAttention):
+class TritonAttention(AttentionBackend):
     name = "triton"
     BLOCK_T = 32  # keys per inner step
     SPLIT = 256  # keys per split (FlashMLA's split over the key length)
@@ -130,17 +130,13 @@ class TritonAttention(TorchAttention):
     def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan: TritonPlan,
                 index=None):
         cfg = self.cfg
-        h, r = cfg.num_attention_heads, cfg.kv_lora_rank
-        w = attn.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
-        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, r]: W_UK absorbed
+        w_uk, w_uv = self.absorbed_weights(attn)
+        q_lat = absorb_query(q_nope, w_uk)  # [n, H, r]
         cos, sin = self.rotary.table(plan.max_pos + 1, pool.device)
         selected = None if index is None else self._selection(index, pool, plan, cos, sin)
         o_lat = mla_attention(q_lat, q_pe, pool, plan, cos, sin, cfg.softmax_scale,
                               self.rotary.config.cache_layout == "interleaved", self.BLOCK_T, self.SPLIT, selected)
-        return torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-
-
+        return absorb_output(o_lat.to(q_nope.dtype), w_uv)
     def _selection(self, index, pool, plan: TritonPlan, cos, sin) -> torch.Tensor:
         """DeepSeek-V3.2's DSA in torch: each query's index_topk best keys by its indexer scores ->
         uint8 [n, T] (1 = attend), which the kernel ANDs into its causal mask. (A reference path: a

@@ -26,20 +26,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from irminsul.model.attention.base import (EMPTY_SLOT, PADDING_SLACK, AttentionBackend, SeqAttention, absorb_output,
+                                           absorb_query, consecutive, dsa_selection)
 from irminsul.model.config import ModelConfig
-from irminsul.model.rope import Rotary, encode_half
-
-EMPTY_SLOT = 0  # pool slot 0 holds no row: padding and not-yet-filled positions point here
-PADDING_SLACK = 1.5  # a group's padded work (B x M x T) stays within this factor of its real work
-
-
-@dataclass(frozen=True)
-class SeqAttention:
-    """What one sequence contributes to a step's attention (built by the caller)."""
-
-    q_positions: np.ndarray  # [m] int64, increasing: the positions computed this step
-    key_slots: np.ndarray  # [T] int64: pool slot of positions 0..T-1 (EMPTY_SLOT: no row), T > max(q)
-    key_rope: np.ndarray | None = None  # [T] RoPE position of each key; None: its own position
+from irminsul.model.rope import encode_half, encode_pairwise
 
 
 @dataclass
@@ -77,19 +67,15 @@ def expand_is_cheaper(cfg: ModelConfig, m: int, length: int) -> bool:
     return expanded < absorbed
 
 
-class TorchAttention:
+class TorchAttention(AttentionBackend):
     """The reference backend: plain torch ops, any device torch runs on."""
 
     name = "torch"
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary):
-        self.cfg, self.rotary = cfg, rotary
-
     # -- once per forward pass -----------------------------------------------------------
 
     def plan(self, seqs: list[SeqAttention], offsets: list[int], device) -> list[AttentionGroup]:
-        """Group the step's sequences (decode / prefill) and build each group's padded metadata.
-        Sequence i's queries are rows offsets[i]:offsets[i+1] of the flat batch."""
+        """Group the step's sequences (decode / prefill) and build each group's padded metadata."""
         decode = [i for i, s in enumerate(seqs) if len(s.q_positions) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.q_positions) > 1]
         return [self._group([seqs[i] for i in ids], [offsets[i] for i in ids], device)
@@ -132,15 +118,12 @@ class TorchAttention:
 
     def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
                 groups: list[AttentionGroup], index=None) -> torch.Tensor:
-        """q_nope [n, H, nope], q_pe [n, H, rope] (rotated) of the step's queries, pool [S, W] of
-        this layer -> attention output [n, H, v_head_dim] (before o_proj). The absorbed groups
-        share one W_UK product before and one W_UV product after their attention. `index`:
-        V3.2's indexer queries and head weights ([n, heads, d], [n, heads]); each query then
-        attends only to the index_topk keys its indexer scores best."""
+        """The absorbed groups share one W_UK product before and one W_UV product after their
+        attention. With V3.2's `index`, each query attends only to the index_topk keys its indexer
+        scores best."""
         cfg = self.cfg
-        n, h, r = q_nope.shape[0], cfg.num_attention_heads, cfg.kv_lora_rank
-        w = attn.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
-        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+        n, h = q_nope.shape[0], cfg.num_attention_heads
+        w_uk, w_uv = self.absorbed_weights(attn)
         absorbed = [g for g in groups if not g.expanded]
         expanded = [g for g in groups if g.expanded]
         if not expanded and len(absorbed) == 1 and len(absorbed[0].token_index) == n:
@@ -150,14 +133,14 @@ class TorchAttention:
         out = None if idx is None and absorbed else q_nope.new_empty(n, h, cfg.v_head_dim)
         if absorbed:
             qn, qp = (q_nope, q_pe) if idx is None else (q_nope[idx], q_pe[idx])
-            q_lat = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)  # [n', H, r]: W_UK absorbed
+            q_lat = absorb_query(qn, w_uk)  # [n', H, r]
             o_lat, at = [], 0
             for g in absorbed:
                 k = len(g.token_index)
                 o_lat.append(self._absorbed(q_lat[at : at + k], qp[at : at + k], pool, g, _rows_of(index, g)))
                 at += k
             o_lat = o_lat[0] if len(o_lat) == 1 else torch.cat(o_lat)
-            o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # W_UV absorbed
+            o = absorb_output(o_lat, w_uv)
             if idx is None:
                 return o
             out[idx] = o
@@ -165,6 +148,29 @@ class TorchAttention:
             out[g.token_index] = self._expanded(attn, q_nope[g.token_index], q_pe[g.token_index], pool, g,
                                                 _rows_of(index, g))
         return out
+
+    def beside(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, new: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, q_cos_sin, visible: torch.Tensor | None) -> torch.Tensor:
+        """Decode attention of B tokens over their earlier rows and, beside them, each token's own row
+        (not in the pool yet: model/compiled.py's step returns the new rows instead of writing them, as
+        a graph that writes into its input copies the input whole). q_nope [B, H, nope], q_pe [B, H,
+        rope] (rotated); rows [B, T, width] (key j at position j), `visible` [B, T] which are real (None:
+        all); new [B, width] their own rows; cos/sin [T, rope/2] of positions 0..T-1, q_cos_sin those of
+        the tokens' positions -> [B, H, v]."""
+        cfg = self.cfg
+        r, rope, layout = cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.rotary.out_layout
+        w_uk, w_uv = self.absorbed_weights(attn)
+        q_lat = absorb_query(q_nope, w_uk)  # [B, H, r]
+        c_kv = new[:, :r]
+        k_r = encode_pairwise(rows[..., r : r + rope], cos, sin, layout)  # [B, T, rope]
+        k_self = encode_pairwise(new[:, r : r + rope], *q_cos_sin, layout)  # each token's own key
+        scores = torch.bmm(q_lat, rows[..., :r].transpose(1, 2)) + torch.bmm(q_pe, k_r.transpose(1, 2))
+        if visible is not None:
+            scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        own = (q_lat * c_kv[:, None]).sum(-1, keepdim=True) + (q_pe * k_self[:, None]).sum(-1, keepdim=True)
+        p = (torch.cat([scores, own], dim=-1) * cfg.softmax_scale).softmax(dim=-1)  # [B, H, T + 1]
+        o_lat = torch.bmm(p[..., :-1], rows[..., :r]) + p[..., -1:] * c_kv[:, None]  # [B, H, r]
+        return absorb_output(o_lat, w_uv)
 
     def _keys(self, pool: torch.Tensor, g: AttentionGroup, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The group's keys [B, T, r + rope]: [c_KV | k_r encoded at each key's RoPE position]; and
@@ -232,11 +238,6 @@ class TorchAttention:
         return _rows(o.transpose(1, 2).reshape(b * m, h, cfg.v_head_dim), g)
 
 
-def consecutive(slots: np.ndarray) -> bool:
-    """Whether the slots are one increasing run s, s + 1, ... (rows that can be read in place)."""
-    return len(slots) < 2 or bool((np.diff(slots) == 1).all())
-
-
 def _buckets(ids: list[int], seqs: list[SeqAttention]) -> list[list[int]]:
     """Split sequences into groups whose padded work stays within PADDING_SLACK of the real work:
     longest first, a sequence joins the current group while the group stays within the slack."""
@@ -257,16 +258,6 @@ def _buckets(ids: list[int], seqs: list[SeqAttention]) -> list[list[int]]:
         out.append([i])
         work = real
     return [sorted(g) for g in out]
-
-
-def dsa_selection(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int):
-    """DeepSeek-V3.2's sparse attention: the visible keys [..., T] (bool) narrowed to the `topk` that
-    score best under sum_h w_h * relu(q_h . k): q [..., heads, d] (scaled), w [..., heads], keys
-    [..., T, d] (rotary part encoded), the leading dims broadcast."""
-    scores = torch.einsum("...hd,...td->...ht", q, keys).relu()
-    scores = torch.einsum("...h,...ht->...t", w, scores).masked_fill(~visible, float("-inf"))
-    top = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
-    return visible & torch.zeros_like(visible).scatter_(-1, top, True)
 
 
 def _rows_of(index, g: AttentionGroup):

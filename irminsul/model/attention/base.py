@@ -1,0 +1,85 @@
+"""What every attention backend shares: the step's per-sequence description, the backend interface,
+and the parts of absorbed MLA that do not depend on the kernel.
+
+A backend is called twice per forward pass: `plan` once, with every sequence's query positions and
+slot table, to build the metadata its kernels read (its own type: the torch backend's padded groups,
+the triton backend's tiles); `forward` once per layer, with that plan. Both backends compute the
+absorbed form around their attention core: q_nope · W_UK before it, o_lat · W_UV after it
+(DeepSeek-V2, arXiv 2405.04434, section 2.1.2), with W_UK and W_UV read out of `kv_b_proj`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from irminsul.model.config import ModelConfig
+from irminsul.model.rope import Rotary
+
+EMPTY_SLOT = 0  # pool slot 0 holds no row: padding and not-yet-filled positions point here
+PADDING_SLACK = 1.5  # a group's padded work (B x M x T) stays within this factor of its real work
+
+
+@dataclass(frozen=True)
+class SeqAttention:
+    """What one sequence contributes to a step's attention (built by the caller)."""
+
+    q_positions: np.ndarray  # [m] int64, increasing: the positions computed this step
+    key_slots: np.ndarray  # [T] int64: pool slot of positions 0..T-1 (EMPTY_SLOT: no row), T > max(q)
+    key_rope: np.ndarray | None = None  # [T] RoPE position of each key; None: its own position
+
+
+def consecutive(slots: np.ndarray) -> bool:
+    """Whether the slots are one increasing run s, s + 1, ... (rows that can be read in place)."""
+    return len(slots) < 2 or bool((np.diff(slots) == 1).all())
+
+
+class AttentionBackend(ABC):
+    """Attention of a step's queries over the latent pool, `[c_KV | k_r]` rows read through slot tables."""
+
+    name: str  # "torch" or "triton": what `set_attention_backend` takes and a runner asks for
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        self.cfg, self.rotary = cfg, rotary
+
+    @abstractmethod
+    def plan(self, seqs: list[SeqAttention], offsets: list[int], device):
+        """The step's attention metadata, once per forward pass. Sequence i's queries are rows
+        offsets[i]:offsets[i+1] of the flat batch."""
+
+    @abstractmethod
+    def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan,
+                index=None) -> torch.Tensor:
+        """q_nope [n, H, nope], q_pe [n, H, rope] (rotated) of the step's queries, pool [S, W] of this
+        layer, `plan` from `plan` -> attention output [n, H, v_head_dim] (before o_proj). `index`:
+        V3.2's indexer queries and head weights ([n, heads, d], [n, heads]), else None."""
+
+    def absorbed_weights(self, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, r], W_UV [H, v, r]): the two halves of the layer's kv_b_proj."""
+        cfg = self.cfg
+        w = attn.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                       cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [n, H, nope] -> q_lat [n, H, r]: W_UK absorbed into the query."""
+    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+
+def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [n, H, r] (softmax-weighted latents) -> [n, H, v]: W_UV absorbed into the output."""
+    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def dsa_selection(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int):
+    """DeepSeek-V3.2's sparse attention: the visible keys [..., T] (bool) narrowed to the `topk` that
+    score best under sum_h w_h * relu(q_h . k): q [..., heads, d] (scaled), w [..., heads], keys
+    [..., T, d] (rotary part encoded), the leading dims broadcast."""
+    scores = torch.einsum("...hd,...td->...ht", q, keys).relu()
+    scores = torch.einsum("...h,...ht->...t", w, scores).masked_fill(~visible, float("-inf"))
+    top = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
+    return visible & torch.zeros_like(visible).scatter_(-1, top, True)
