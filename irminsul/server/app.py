@@ -29,18 +29,16 @@ log = logging.getLogger("irminsul.server")
 
 
 class ServerState:
-    """The loaded model, its engine and scheduler, and the request-level policies."""
+    """The loaded model's tokenizer and chat renderer, the client of its engine, and the request-level policies."""
 
     def __init__(self, config: ServerConfig):
         from irminsul.bundled import bundled_model
-        from irminsul.cache.store import RowLayout, open_registry
-        from irminsul.engine.engine import Engine, default_kv_cache_gib
         from irminsul.model.identity import checkpoint_id
         from irminsul.model.loader import load_model
         from irminsul.model.tokenizer import Tokenizer
         from irminsul.server.chat import ChatRenderer
+        from irminsul.server.engine_client import EngineClient
         from irminsul.server.metrics import ServerMetrics
-        from irminsul.server.runner import EngineRunner
         from irminsul.server.workers import Workers
 
         self.config = config
@@ -51,30 +49,17 @@ class ServerState:
             model.set_attention_backend(config.attention_backend)
         self.tokenizer = Tokenizer(path)
         self.renderer = ChatRenderer(self.tokenizer)
-        self.context = model.config.max_position_embeddings
         # no token stands for more bytes than this, so a text of more than context x this many
         # characters cannot fit, and is refused before anyone tokenizes it
         self.max_token_bytes = max(1, max(len(self.tokenizer.token_bytes(t, False))
                                           for t in range(self.tokenizer.vocab_size)))
-        model_id = checkpoint_id(path, config.dtype)
-        layout = RowLayout.of(model, model_id, secret=(config.store_secret or "").encode())
         if config.store.specs != ("memory",) and not config.store_secret:
             log.warning("the disk / Redis tiers have no --store-secret: whoever can write to them can "
                         "substitute cached rows undetected (see docs/serving.md, Security model)")
-        pool_gib = config.kv_cache_gib if config.kv_cache_gib is not None else default_kv_cache_gib(model.device)
-        self.registry = (open_registry(config.store, layout, memory_bytes=int(pool_gib * 2**30))
-                         if config.reuse != "off" else None)
-        for tier in getattr(self.registry, "lower", ()):
-            if getattr(tier, "available", True) is False:  # (it reconnects by itself; say so once)
-                log.warning("the store tier %s does not answer; serving without it until it does "
-                            "(/metrics: irminsul_store_available)", getattr(tier, "url", type(tier).__name__))
-        self.engine = Engine(model, self.tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
-                             kv_cache_gib=pool_gib, compile_decode=config.compile_decode, model_id=model_id,
-                             registry=self.registry,
-                             **({"tenant_share": config.tenant_cache_share} if config.tenant_cache_share else {}))
         self.metrics = ServerMetrics(self.model_name)
-        self.runner = EngineRunner(self.engine, config.max_running_requests, config.max_queued_requests, self.metrics)
-        self.metrics.watch(self.runner, self.engine.cache)
+        self.client = EngineClient.create(model, self.tokenizer, checkpoint_id(path, config.dtype), config, self.metrics)
+        self.context = self.client.context
+        self.metrics.watch(self.client)
         self.workers = Workers(config.prep_threads, config.prep_threads_per_tenant)
         self.started = time.time()
 
@@ -140,15 +125,13 @@ class ServerState:
             raise APIError(403, "publishing shared chunks needs the admin key (--admin-key)")
 
     def close(self) -> None:
-        """Stop the engine thread and the store's threads (idempotent: the app's shutdown and the CLI
-        both call it)."""
+        """Stop the engine thread, the store's threads and the worker threads (idempotent: the app's
+        shutdown and the CLI both call it)."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        self.runner.stop()
+        self.client.stop()
         self.workers.close()
-        if hasattr(self.registry, "close"):
-            self.registry.close()
 
 
 def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAPI:
@@ -160,7 +143,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
         nonlocal state
         if state is None:
             state = await asyncio.to_thread(ServerState, config)
-        state.runner.start()
+        state.client.start()
         app.state.irminsul = state
         log.info("serving %s (reuse=%s) on http://%s:%d", state.model_name, config.reuse, config.host, config.port)
         yield
@@ -237,7 +220,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
 
     def model_card(s: ServerState) -> dict:
         return {"id": s.model_name, "object": "model", "created": int(s.started), "owned_by": "irminsul",
-                "max_model_len": s.context, "irminsul": {"reuse": s.engine.reuse, "store": list(s.config.store.specs)}}
+                "max_model_len": s.context, "irminsul": {"reuse": s.client.reuse, "store": list(s.config.store.specs)}}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -266,14 +249,14 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
 
     @app.get("/health")
     async def health(request: Request):
-        if not state_of(request).runner.alive:
+        if not state_of(request).client.alive:
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics(request: Request):
         s = state_of(request)
-        await s.runner.refresh_stats()
+        await s.client.refresh_stats()
         return Response(s.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
@@ -327,7 +310,7 @@ def _detokenize(state: ServerState, raw: bytes) -> dict:
 
     req = parse_body(raw, DetokenizeRequest)
     state.check_model(req.model)
-    vocab = state.engine.config.vocab_size
+    vocab = state.client.vocab_size
     if bad := [t for t in req.tokens if not 0 <= t < vocab]:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
     return {"prompt": state.tokenizer.decode(req.tokens, False)}
@@ -335,16 +318,16 @@ def _detokenize(state: ServerState, raw: bytes) -> dict:
 
 async def _publish(state: ServerState, request: Request) -> dict:
     """{"text": str} or {"token_ids": [int]}: precompute in a trusted context and share with all tenants."""
-    from irminsul.engine.engine import PoolBusy
     from irminsul.errors import RequestError
+    from irminsul.server.engine_client import Busy
     from irminsul.server.protocol import read_body
 
     state.check_admin(request)
     raw = await read_body(request, state.config.max_request_bytes)
     tokens, param = await state.workers.run("admin", _publish_tokens, state, raw)  # (the operator's own share)
     try:
-        done = await asyncio.wrap_future(state.runner.call(state.engine.publish, tokens))
-    except PoolBusy as e:
+        done = await state.client.publish(tokens)
+    except Busy as e:
         raise APIError(503, str(e)) from None
     except RequestError as e:
         raise APIError(400, str(e), param=param) from None
@@ -366,9 +349,9 @@ def _publish_tokens(state: ServerState, raw: bytes) -> tuple[list[int], str]:
         raise APIError(400, "send exactly one of 'text' (a string) or 'token_ids' (a list of ints)")
     check_values(body)  # lone surrogates, deep nesting: as every other endpoint
     state.check_model(body.get("model"))
-    if state.engine.reuse not in ("pic", "naive"):
+    if state.client.reuse not in ("pic", "naive"):
         raise APIError(400, f"publishing needs content reuse (--reuse pic or naive); this server runs "
-                            f"--reuse {state.engine.reuse}")
+                            f"--reuse {state.client.reuse}")
     param = "text" if "text" in body else "token_ids"
     if "text" in body:
         if not isinstance(body["text"], str) or not body["text"]:
@@ -380,7 +363,7 @@ def _publish_tokens(state: ServerState, raw: bytes) -> tuple[list[int], str]:
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise APIError(400, "'token_ids' must be a list of integers", param="token_ids")
     try:
-        state.engine.validate_prompt(tokens, room=0)
+        state.client.validate(tokens, room=0)
     except ValueError as e:
         raise APIError(400, str(e), param=param) from None
     return tokens, param

@@ -22,7 +22,7 @@ from irminsul.server.protocol import (MAX_CHOICES, APIError, ChatCompletionReque
                                       sampling_params, tool_functions, usage)
 from irminsul.server.tools import ToolCallParser, forcing_constraint, parse_all
 from irminsul.engine.sequence import TokenLogprob
-from irminsul.server.runner import Delta, Failed, Finished, Job, QueueFull
+from irminsul.server.engine_client import Delta, Failed, Finished, Job, QueueFull
 
 
 class _Channel:
@@ -122,22 +122,21 @@ def prepare(state, request: Request, req, chat: bool) -> list[Job]:
         prompts, starts = _prompts(state, req), None
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_CHOICES} choices", param="n")
-    if len(prompts) * req.n > state.runner.max_queued_requests:  # (a 503 would never turn into a 200)
+    if len(prompts) * req.n > state.client.max_queued_requests:  # (a 503 would never turn into a 200)
         raise APIError(400, f"{len(prompts)} prompts x n={req.n} choices are more than this server queues at once "
-                            f"(--max-queued-requests {state.runner.max_queued_requests})", param="n")
+                            f"(--max-queued-requests {state.client.max_queued_requests})", param="n")
     shown_reason = _Format(chat, state.model_name, req, state.tokenizer, _tool_format(state, req, chat)).finish_reason
     jobs = []
     for tokens in prompts:
         try:
-            state.engine.validate_prompt(tokens)
+            state.client.validate(tokens)
         except ValueError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
         max_tokens = resolve_max_tokens(requested, len(tokens), state.context, state.config.default_max_tokens)
         params = sampling_params(req, max_tokens, constraint)
-        pool = state.engine.pool
-        if len(tokens) + max_tokens > pool.n_slots - 1:
+        if not state.client.fits(len(tokens) + max_tokens):
             raise APIError(400, f"the request needs {len(tokens)} prompt + {max_tokens} output rows but this "
-                                f"server's KV pool holds {pool.n_slots - 1} (--kv-cache-gib); shorten it or "
+                                f"server's KV pool holds {state.client.kv_rows} (--kv-cache-gib); shorten it or "
                                 f"lower max_tokens")
         leader = None
         for i in range(req.n):
@@ -155,7 +154,7 @@ def _matcher(state, constraint, asked_by: str | None):
     if constraint is None:
         return None
     try:
-        return state.engine.grammars.matcher(constraint)
+        return state.client.matcher(constraint)
     except ValueError as e:
         raise APIError(400, f"{asked_by}: {e}", param=asked_by) from None
 
@@ -202,7 +201,7 @@ async def _echo(state, request: Request, job: Job):
     runner.call), read into TokenLogprobs on a worker thread. NOTE: after the job has run: scored
     first, the prompt's rows would be cached before the job is admitted, and its usage would count
     the prompt as a prefix hit (cached_tokens) although nothing had sent it before."""
-    scored = await asyncio.wrap_future(state.runner.call(_prompt_logprobs, state.engine, job))
+    scored = await state.client.score(job)
     return await state.prepare(request, _echo_entries, job, scored)
 
 
@@ -230,12 +229,11 @@ async def answer_one(state, request: Request, job: Job, channel: _Channel, strea
 async def submit_one(state, job: Job, emit=None) -> _Channel:
     """Queue one job (its disk / Redis chunks prefetched first, off the engine thread); its events
     arrive on the returned channel, or go to `emit` if given."""
-    if state.registry is not None and hasattr(state.registry, "lower"):
-        await asyncio.to_thread(state.runner.prefetch, job)
+    await state.client.prefetch(job)
     channel = _Channel()
     job.emit = emit or channel.emit
     try:
-        state.runner.submit(job)
+        state.client.submit(job)
     except QueueFull as e:
         raise APIError(503, f"the server is overloaded: {e}; retry later") from None
     return channel
@@ -246,7 +244,7 @@ async def first_event(state, job: Job, channel: _Channel, watcher: asyncio.Task)
     None if the client went away first (the job is aborted)."""
     first = await _next(channel, watcher)
     if first is None:
-        state.runner.abort(job)
+        state.client.abort(job)
         return None
     if isinstance(first, Failed):
         watcher.cancel()
@@ -260,7 +258,7 @@ async def last_event(state, job: Job, channel: _Channel, watcher: asyncio.Task, 
     while not isinstance(event, (Finished, Failed)):
         event = await _next(channel, watcher)
         if event is None:
-            state.runner.abort(job)
+            state.client.abort(job)
             return None
     if isinstance(event, Failed):
         raise APIError(event.status, event.message)
@@ -278,7 +276,7 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
             channels.append(await submit_one(state, job, (lambda e, i=i: merged.emit((i, e))) if merged else None))
     except APIError:  # the queue is full: none of the request's jobs run
         for job in jobs[: len(channels)]:
-            state.runner.abort(job)
+            state.client.abort(job)
         raise
     if req.stream:  # (stream with echo is refused up front)
         return StreamingResponse(_stream(state, jobs, merged, fmt, None, len(jobs) // req.n),
@@ -290,12 +288,12 @@ async def _several(state, request: Request, req, chat: bool, jobs: list[Job]):
             event = await last_event(state, job, channel, watcher)
             if event is None:
                 for j in jobs:
-                    state.runner.abort(j)
+                    state.client.abort(j)
                 return JSONResponse({}, status_code=499)
             events.append(event)
     except APIError:  # one choice failed: the others end too
         for j in jobs:
-            state.runner.abort(j)
+            state.client.abort(j)
         raise
     finally:
         watcher.cancel()
@@ -316,16 +314,6 @@ def _with_calls(reason: str, calls) -> str:
     """A choice's finish reason once its tool calls are parsed: tool_calls when the model stopped
     after making any (cut off by max_tokens it stays length, as OpenAI reports it)."""
     return "tool_calls" if calls and reason == "stop" else reason
-
-
-def _prompt_logprobs(engine, job: Job):
-    """The log-probs [len(prompt) - 1, vocab] of every prompt token but the first, as LLM.score gives
-    them (None when not asked for); on the engine thread."""
-    tokens, n = job.tokens, job.params.logprobs
-    if len(tokens) < 2 or n is None:
-        return None
-    lp, _ = engine.score(tokens[:1], tokens[1:], None, job.tenant)
-    return lp
 
 
 def _echo_entries(job: Job, lp) -> tuple[list[int], list]:
@@ -380,7 +368,7 @@ async def _stream(state, jobs: list[Job], channel, fmt: "_Format", first, prompt
                 yield fmt.sse(APIError(event.status, event.message).body())
                 failed = True
                 for job in jobs:
-                    state.runner.abort(job)
+                    state.client.abort(job)
                 break
         if fmt.include_usage and not failed:
             yield fmt.sse(fmt.usage_chunk([finished[i] for i in range(len(jobs))], prompts))
@@ -389,7 +377,7 @@ async def _stream(state, jobs: list[Job], channel, fmt: "_Format", first, prompt
     finally:
         if not done:
             for job in jobs:
-                state.runner.abort(job)
+                state.client.abort(job)
 
 
 class _Format:

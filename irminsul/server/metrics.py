@@ -1,7 +1,8 @@
 """Prometheus metrics for /metrics: where prompt rows came from, latency, the store and the queue.
 
-Token counters and latency histograms are updated by the scheduler thread as requests are admitted
-and finish; store, prefix-tree and queue gauges are read from their owners at scrape time.
+Token counters and latency histograms are updated by the engine thread as requests are admitted
+and finish; pool, store, prefix-tree and queue gauges come from the snapshot the engine thread takes
+for each scrape (EngineClient.refresh_stats): nothing here reads the engine's state itself.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from irminsul.cache.store import tier_stats
 from irminsul.engine.sequence import RequestStats
 
 disable_created_metrics()  # no *_created series: they double the scrape for no use here
@@ -66,41 +66,40 @@ class ServerMetrics:
 
     # -- scrape-time gauges --------------------------------------------------------------
 
-    def watch(self, runner, cache) -> None:
-        self.registry.register(_StateCollector(runner, cache, self.model_name))
+    def watch(self, client) -> None:
+        """Scrape-time gauges from `client` (an EngineClient): its queue and its latest stats snapshot."""
+        self.registry.register(_StateCollector(client, self.model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _StateCollector:
-    def __init__(self, runner, cache, model_name: str):
-        self.runner, self.cache, self.model = runner, cache, model_name
+    def __init__(self, client, model_name: str):
+        self.client, self.model = client, model_name
 
     def collect(self):
         m = [self.model]
-        st = self.runner.stats  # taken on the engine thread (the pool and the caches are its alone)
+        st = self.client.stats  # taken on the engine thread (the pool and the caches are its alone)
         for name, doc, value in (
-            ("irminsul_running_requests", "requests being prefilled or decoded", st["running_sequences"]),
-            ("irminsul_running_sequences", "sequences holding rows in the pool", st["running_sequences"]),
-            ("irminsul_queued_requests", "requests waiting for admission", self.runner.queued),
+            ("irminsul_running_requests", "requests being prefilled or decoded", st.running_sequences),
+            ("irminsul_running_sequences", "sequences holding rows in the pool", st.running_sequences),
+            ("irminsul_queued_requests", "requests waiting for admission", self.client.queued),
             ("irminsul_kv_pool_bytes_used", "pool bytes held by running requests or cached content",
-             st["kv_pool_bytes_used"]),
-            ("irminsul_kv_pool_bytes_capacity", "pool size (--kv-cache-gib)", st["kv_pool_bytes_capacity"]),
-            ("irminsul_cached_bytes", "pool bytes the prefix tree and the chunk registry hold", st["cached_bytes"]),
+             st.kv_pool_bytes_used),
+            ("irminsul_kv_pool_bytes_capacity", "pool size (--kv-cache-gib)", st.kv_pool_bytes_capacity),
+            ("irminsul_cached_bytes", "pool bytes the prefix tree and the chunk registry hold", st.cached_bytes),
         ):
             g = GaugeMetricFamily(name, doc, labels=["model"])
             g.add_metric(m, value)
             yield g
-        registry = getattr(self.cache, "registry", None)
-        if registry is None:  # reuse=off: no store
+        if not st.tiers:  # reuse=off: no store
             return
-        tiers = tier_stats(registry)
         gauges = {f: GaugeMetricFamily(f"irminsul_store_{f}", f"store {f} per tier", labels=["model", "tier"])
                   for f in ("bytes", "entries", "budget_bytes", "pending_writes", "available")}
         counters = {f: CounterMetricFamily(f"irminsul_store_{f}", f"store {f} per tier", labels=["model", "tier"])
                     for f in ("hits", "misses", "evictions", "insertions", "corrupt", "failures", "dropped")}
-        for t in tiers:
+        for t in st.tiers:
             labels = [self.model, t.tier]
             values = {"bytes": t.bytes, "entries": t.entries, "budget_bytes": t.budget_bytes,
                       "pending_writes": t.pending, "available": int(t.available)}
@@ -110,8 +109,9 @@ class _StateCollector:
                 c.add_metric(labels, getattr(t, f))
         yield from gauges.values()
         yield from counters.values()
-        r = self.cache.radix.stats
-        for name, value in (("bytes", r.bytes), ("budget_bytes", r.budget_bytes), ("nodes", r.nodes)):
+        r = st.prefix_cache
+        for name, value in (() if r is None else (("bytes", r.bytes), ("budget_bytes", r.budget_bytes),
+                                                   ("nodes", r.nodes))):
             g = GaugeMetricFamily(f"irminsul_prefix_cache_{name}", f"radix tree {name}", labels=["model"])
             g.add_metric(m, value)
             yield g

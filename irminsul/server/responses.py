@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from irminsul.server.completions import _Channel, _Format, _tool_format, answer_one, json_response, prepare, submit_one
 from irminsul.server.protocol import (APIError, ChatCompletionRequest, Float, Int, _Common, parse_body, read_body,
                                       usage, validated)
-from irminsul.server.runner import Delta, Finished
+from irminsul.server.engine_client import Delta, Finished
 from irminsul.server.tools import ToolCallParser
 
 
@@ -383,4 +383,4 @@ async def _stream(state, job, channel: _Channel, build: _Builder, first):
         done = True
     finally:
         if not done:
-            state.runner.abort(job)
+            state.client.abort(job)

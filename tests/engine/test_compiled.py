@@ -93,8 +93,8 @@ def test_serve_flag_reaches_the_engine():
     assert config().compile_decode is None
     assert config("--compile-decode").compile_decode is True
     assert config("--no-compile-decode").compile_decode is False
-    assert ServerState(config("--compile-decode")).engine._compiled is not None
-    assert ServerState(config()).engine._compiled is None
+    assert ServerState(config("--compile-decode")).client.engine._compiled is not None
+    assert ServerState(config()).client.engine._compiled is None
 
 
 def test_compiled_by_default_where_available_once_per_model(tmp_path, monkeypatch):

@@ -166,24 +166,24 @@ def test_calls_on_the_engine_thread_take_turns_with_steps(keyed):
     engine step, so a running stream keeps getting tokens between them."""
     import concurrent.futures
 
-    runner = keyed.app.state.irminsul.runner
+    client = keyed.app.state.irminsul.client
     steps = [0]
-    real_step = runner._step
+    real_step = client._step
 
     def counted():
         steps[0] += 1
         real_step()
 
-    runner._step = counted
+    client._step = counted
     try:
         with httpx.stream("POST", keyed.url + "/v1/completions", headers=KEY_A, timeout=60,
                           json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()
             next(lines)  # the stream is running
-            seen = [runner.call(lambda: steps[0]) for _ in range(5)]
+            seen = [client.call(lambda: steps[0]) for _ in range(5)]
             at = [f.result(30) for f in concurrent.futures.as_completed(seen)]
     finally:
-        runner._step = real_step
+        client._step = real_step
     assert len(set(at)) == 5, at  # a step between every two calls
 
 

@@ -78,7 +78,7 @@ def test_corrupt_disk_entry_is_detected_and_recomputed(tiny_dir, tmp_path):
         assert got["reused_tokens"] > 0.5 * len(doc), got
         assert metric(s.url, "irminsul_store_corrupt_total", tier="disk") == 1
         assert metric(s.url, "irminsul_store_hits_total", tier="disk") >= 3
-        layout = s.app.state.irminsul.registry.lower[0].layout
+        layout = s.app.state.irminsul.client.registry.lower[0].layout
         decode(victim.read_bytes(), layout)  # recomputed and written back, valid again
         assert httpx.get(s.url + "/health").status_code == 200
     finally:
@@ -96,7 +96,7 @@ def test_a_store_filled_by_another_checkpoint_gives_no_hits_and_loses_nothing(ti
     s = start(tiny_dir, store=store)
     try:
         chat(s.url, turn("original, first", doc))
-        s.app.state.irminsul.registry.flush()
+        s.app.state.irminsul.client.registry.flush()
     finally:
         s.stop()
     files = sorted((tmp_path / "store").rglob("*.safetensors"))
@@ -119,7 +119,7 @@ def test_a_store_shared_under_another_secret_is_neither_served_nor_deleted(tiny_
     s = start(tiny_dir, store=store, store_secret="alpha")
     try:
         chat(s.url, turn("first, under alpha", doc))
-        s.app.state.irminsul.registry.flush()
+        s.app.state.irminsul.client.registry.flush()
     finally:
         s.stop()
     files = sorted(tmp_path.rglob("*.safetensors"))
@@ -165,8 +165,8 @@ def test_a_disk_that_turns_read_only_mid_run_costs_no_request(tiny_dir, tmp_path
         docs = [text(120, 300 + i) for i in range(3)]
         before = [stream_chat(s.url, turn(f"before {i}", doc)) for i, doc in enumerate(docs)]
         state = s.app.state.irminsul
-        assert state.registry.flush()
-        state.runner.call(state.engine.cache.clear).result(10)  # memory forgets: the disk must answer
+        assert state.client.registry.flush()
+        state.client.call(state.client.engine.cache.clear).result(10)  # memory forgets: the disk must answer
         DiskFaults(monkeypatch, tmp_path).mode = "read-only"
         prompts = [turn(f"before {i}", doc) for i, doc in enumerate(docs)] + \
                   [turn(f"new {i}", text(100, 400 + i)) for i in range(3)]

@@ -1,15 +1,23 @@
-"""The engine's scheduler on a background thread, fed by HTTP handlers.
+"""The server's one way to the engine: its scheduler on a background thread, and named calls for the handlers.
 
-The engine is single-threaded; this thread is the only one that touches it. Every iteration takes
-new jobs and aborts from the inbox, runs at most one call (scoring an echoed prompt, publishing a
-document: each can be a long prefill, so several in a row would stall every stream), runs one
-`Scheduler.step()` (admission, one batched forward step, finished requests handed to the cache),
-and sends each job the text that became safe to show. Results reach the asyncio side through each job's `emit`, a thread-safe callback.
-Detokenization happens here (incrementally, in the engine), never on the event loop.
+The engine is single-threaded; this thread is the only one that touches its state. Every
+iteration takes new jobs and aborts from the inbox, runs at most one call (scoring an echoed
+prompt, publishing a document, a stats snapshot: each can be a long prefill, so several in a row
+would stall every stream), runs one `Scheduler.step()` (admission, one batched forward step,
+finished requests handed to the cache), and sends each job the text that became safe to show.
+Results reach the asyncio side through each job's `emit`, a thread-safe callback. Detokenization
+happens here (incrementally, in the engine), never on the event loop.
+
+Every engine, scheduler, pool and cache call the server makes is in this file. Handlers call the
+client's methods: `validate`, `fits`, `matcher` and `prefetch` from worker threads (they read
+nothing the engine thread mutates, or, for `prefetch`, only the store's own locked tiers);
+`submit`, `abort`, `score`, `publish` and `refresh_stats` from anywhere (they go through the
+inbox); `stats` is the snapshot the engine thread last took.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import itertools
@@ -19,8 +27,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from irminsul.engine.engine import Engine
+from irminsul.cache.store import TierStats, tier_stats
+from irminsul.engine.engine import Engine, PoolBusy
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.scheduler import Scheduler
 from irminsul.engine.sequence import RequestStats, Sequence, TokenLogprob
@@ -74,14 +84,53 @@ class Job:
 
 
 class QueueFull(Exception):
-    pass
+    """More jobs are queued than --max-queued-requests allows (a 503: a retry may succeed)."""
 
 
-class EngineRunner:
-    def __init__(self, engine: Engine, max_running_requests: int, max_queued_requests: int, metrics=None):
-        self.engine, self.metrics = engine, metrics
+class Busy(Exception):
+    """The KV pool has no room for the call now, while running requests hold theirs (a 503)."""
+
+
+class PrefixCacheStats(NamedTuple):
+    bytes: int
+    budget_bytes: int
+    nodes: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The pool, the queue and the caches, as the engine thread saw them between two steps."""
+
+    kv_pool_bytes_used: int
+    kv_pool_bytes_capacity: int
+    cached_bytes: int  # pool bytes the prefix tree and the chunk registry hold (counted once)
+    running_sequences: int
+    waiting_sequences: int
+    tiers: tuple[TierStats, ...] = ()  # the store's tiers (none with reuse=off)
+    prefix_cache: PrefixCacheStats | None = None  # the radix tree (none with reuse=off)
+
+
+class Published(NamedTuple):
+    """What publishing a document stored: chunk entries and their tokens, and what it left out."""
+
+    entries: int
+    tokens: int
+    skipped: int
+    rejected: int
+
+
+class EngineClient:
+    def __init__(self, engine: Engine, max_running_requests: int, max_queued_requests: int, metrics=None,
+                 registry=None):
+        """`registry`: the chunk store the engine's cache was built over (closed with the client)."""
+        self.engine, self.metrics, self.registry = engine, metrics, registry
         self.scheduler = Scheduler(engine, max_running_requests, on_admit=self._admitted)
         self.max_queued_requests = max_queued_requests
+        self.reuse: str = engine.reuse  # the reuse mode (off, prefix, naive, pic)
+        self.vocab_size: int = engine.config.vocab_size
+        self.context: int = engine.config.max_position_embeddings
+        self.kv_rows: int = engine.pool.n_slots - 1  # the most rows one request can hold (slot 0 is reserved)
+        self._prefetches = hasattr(registry, "lower")  # disk / Redis tiers to read ahead of admission
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: collections.deque = collections.deque()  # (future, fn, args) taken from the inbox, not yet run
         self._jobs: dict[int, Job] = {}  # sequence id -> job, for every job the scheduler holds
@@ -90,18 +139,32 @@ class EngineRunner:
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="irminsul-engine", daemon=True)
-        self.stats = self.scheduler.stats()  # the latest snapshot, for /metrics
+        self.stats = self._snapshot()  # the latest snapshot, for /metrics
 
-    async def refresh_stats(self, timeout: float = 5.0) -> dict:
-        """A fresh snapshot of the scheduler's stats, taken on the engine thread between steps (the
-        last one if the thread does not answer in time)."""
-        import asyncio
+    @classmethod
+    def create(cls, model, tokenizer, model_id: str, config, metrics=None) -> EngineClient:
+        """The engine over a loaded model, with its chunk store and pool sized by the server's `config`."""
+        from irminsul.cache.store import RowLayout, open_registry
+        from irminsul.engine.engine import default_kv_cache_gib
 
+        layout = RowLayout.of(model, model_id, secret=(config.store_secret or "").encode())
+        pool_gib = config.kv_cache_gib if config.kv_cache_gib is not None else default_kv_cache_gib(model.device)
+        registry = (open_registry(config.store, layout, memory_bytes=int(pool_gib * 2**30))
+                    if config.reuse != "off" else None)
+        for tier in getattr(registry, "lower", ()):
+            if getattr(tier, "available", True) is False:  # (it reconnects by itself; say so once)
+                log.warning("the store tier %s does not answer; serving without it until it does "
+                            "(/metrics: irminsul_store_available)", getattr(tier, "url", type(tier).__name__))
         try:
-            self.stats = await asyncio.wait_for(asyncio.wrap_future(self.call(self.scheduler.stats)), timeout)
-        except asyncio.TimeoutError:
-            pass
-        return self.stats
+            engine = Engine(model, tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
+                            kv_cache_gib=pool_gib, compile_decode=config.compile_decode, model_id=model_id,
+                            registry=registry,
+                            **({"tenant_share": config.tenant_cache_share} if config.tenant_cache_share else {}))
+        except BaseException:
+            if hasattr(registry, "close"):
+                registry.close()
+            raise
+        return cls(engine, config.max_running_requests, config.max_queued_requests, metrics, registry)
 
     # -- any thread ----------------------------------------------------------------------
 
@@ -109,9 +172,12 @@ class EngineRunner:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the engine thread, then the store's threads."""
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(30)
+        if hasattr(self.registry, "close"):
+            self.registry.close()
 
     @property
     def alive(self) -> bool:
@@ -121,6 +187,20 @@ class EngineRunner:
     def queued(self) -> int:
         return self._submitted
 
+    def validate(self, tokens: list[int], room: int = 1) -> None:
+        """Token ids in the vocabulary, and `room` positions left in the context after them; a
+        RequestError that says which is not (pure: any thread)."""
+        self.engine.validate_prompt(tokens, room)
+
+    def fits(self, n_tokens: int) -> bool:
+        """Whether one request of `n_tokens` rows (prompt + output) fits the KV pool at all."""
+        return n_tokens <= self.kv_rows
+
+    def matcher(self, constraint):
+        """A fresh grammar state for a structured-output constraint (compiled on the caller's thread:
+        a worker's, never the engine's); a ValueError when the constraint cannot be compiled."""
+        return self.engine.grammars.matcher(constraint)
+
     def submit(self, job: Job) -> None:
         with self._count_lock:
             if self._submitted >= self.max_queued_requests:
@@ -128,9 +208,13 @@ class EngineRunner:
             self._submitted += 1
         self._inbox.put(("job", job))
 
-    def prefetch(self, job: Job) -> None:
-        """Read the job's cached chunks from the disk and Redis tiers (call from a worker thread, not
-        the engine's): admission then finds them staged instead of waiting on I/O."""
+    async def prefetch(self, job: Job) -> None:
+        """Read the job's cached chunks from the disk and Redis tiers on a worker thread (the store's
+        tiers lock themselves): admission then finds them staged instead of waiting on I/O."""
+        if self._prefetches:
+            await asyncio.to_thread(self._prefetch, job)
+
+    def _prefetch(self, job: Job) -> None:
         try:
             self.engine.cache.prefetch(job.tokens, job.segment_starts, job.tenant)
         except Exception:  # a store problem costs reuse, never the request
@@ -144,13 +228,55 @@ class EngineRunner:
         self._inbox.put(("abort", job))
 
     def call(self, fn: Callable, *args) -> concurrent.futures.Future:
-        """Run ``fn(*args)`` on the engine thread, between steps (e.g. publishing chunks); while
-        sequences run, one call per step."""
+        """Run ``fn(*args)`` on the engine thread, between steps; while sequences run, one call per step."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", (future, fn, args)))
         return future
 
+    async def score(self, job: Job):
+        """The log-probs [len(prompt) - 1, vocab] of every prompt token of `job` but the first, as
+        LLM.score gives them (None without logprobs or with a one-token prompt), on the engine thread."""
+        return await asyncio.wrap_future(self.call(self._score, job))
+
+    def _score(self, job: Job):
+        tokens, n = job.tokens, job.params.logprobs
+        if len(tokens) < 2 or n is None:
+            return None
+        lp, _ = self.engine.score(tokens[:1], tokens[1:], None, job.tenant)
+        return lp
+
+    async def publish(self, tokens: list[int]) -> Published:
+        """Precompute a document's rows in a trusted context and share its chunks with every tenant
+        (on the engine thread). Busy when the pool has no room now; a RequestError when it never will."""
+        return await asyncio.wrap_future(self.call(self._publish, tokens))
+
+    def _publish(self, tokens: list[int]) -> Published:
+        try:
+            done = self.engine.publish(tokens)
+        except PoolBusy as e:
+            raise Busy(str(e)) from None
+        return Published(done.entries, done.tokens, done.skipped, done.rejected)
+
+    async def refresh_stats(self, timeout: float = 5.0) -> EngineStats:
+        """A fresh snapshot, taken on the engine thread between steps (the last one if the thread does
+        not answer in time)."""
+        try:
+            self.stats = await asyncio.wait_for(asyncio.wrap_future(self.call(self._snapshot)), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.stats
+
     # -- the engine thread ---------------------------------------------------------------
+
+    def _snapshot(self) -> EngineStats:
+        s = self.scheduler.stats()
+        cache = self.engine.cache
+        radix = getattr(cache, "radix", None)
+        prefix = None if radix is None else PrefixCacheStats(radix.stats.bytes, radix.stats.budget_bytes,
+                                                             radix.stats.nodes)
+        return EngineStats(s["kv_pool_bytes_used"], s["kv_pool_bytes_capacity"], s["cached_bytes"],
+                           s["running_sequences"], s["waiting_sequences"],
+                           tuple(tier_stats(self.registry)) if self.registry is not None else (), prefix)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
