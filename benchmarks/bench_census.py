@@ -26,7 +26,8 @@ from irminsul.workloads.census import run_census
 from irminsul.workloads.patterns import PATTERNS, apply_pattern
 from irminsul.workloads.recovery import STRATEGIES, run_recovery
 from irminsul.workloads.render import render_trace
-from irminsul.workloads.report import pct, table
+from irminsul.table import table
+from irminsul.workloads.report import pct
 
 TARGET_SECONDS = 60.0
 

@@ -38,7 +38,8 @@ def machine() -> str:
 def build_items(model_dir: Path, n: int, seed: int) -> list[dict]:
     from irminsul.train import tasks
     from irminsul.train.data import Corpus
-    from irminsul.train.tokenizer import END, load_tokenizer
+    from irminsul.model.chat_format import END
+    from irminsul.train.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     corpus = Corpus.load(None)

@@ -53,13 +53,14 @@ def run(args) -> int:
     from irminsul.engine.sampling import SamplingParams
     from irminsul.errors import UserFacingError
     from irminsul.machine import describe
-    from irminsul.workloads.report import table
+    from irminsul.model.chat_format import BOS, END, ROLE_TOKENS
+    from irminsul.table import table
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, reuse="off", compile_decode=False)  # six-token answers: not worth compiling
     tok, cfg = llm.tokenizer, llm.model.config
-    marks = [tok.token_to_id(t) for t in ("<|bos|>", "<|user|>", "<|end|>", "<|assistant|>")]
+    marks = [tok.token_to_id(t) for t in (BOS, ROLE_TOKENS["user"], END, ROLE_TOKENS["assistant"])]
     if None in marks:
         raise UserFacingError(f"{llm.path} does not use the bundled models' chat tokens; the demo needs them")
     bos, user, end, assistant = marks

@@ -199,9 +199,9 @@ def cost(args) -> int:
 
 def _request(rng, raw: dict, n: int, shared_fraction: float, bos):
     from irminsul.eval.cost import Scenario
-    from irminsul.eval.timing import Request
+    from irminsul.eval.timing import MovedSpan
 
     sc = Scenario.of(n, shared_fraction)
     head = (bos,) if bos is not None else ()
-    return Request.random(rng, raw["vocab_size"], sc.header_tokens, sc.shared_tokens,
+    return MovedSpan.random(rng, raw["vocab_size"], sc.header_tokens, sc.shared_tokens,
                           n - sc.header_tokens - sc.shared_tokens, head)

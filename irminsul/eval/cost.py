@@ -122,7 +122,7 @@ class CostResult:
         return self.models | {"energy_model": asdict(self.energy), "sweep": self.sweep}
 
     def table(self) -> str:
-        from irminsul.workloads.report import table
+        from irminsul.table import table
 
         rows = []
         for name, m in self.models.items():

@@ -190,7 +190,7 @@ class QualityResult:
                 "setup": self.setup}
 
     def table(self) -> str:
-        from irminsul.workloads.report import table
+        from irminsul.table import table
 
         rows = []
         for task, per in self.tasks.items():

@@ -135,7 +135,7 @@ class RocResult:
         return {"mla": self.mla, "gqa": self.gqa, "setup": self.setup}
 
     def table(self) -> str:
-        from irminsul.workloads.report import table
+        from irminsul.table import table
 
         rows = []
         for arch, res in (("mla", self.mla), ("gqa", self.gqa)):

@@ -131,7 +131,7 @@ class RotationResult:
         return {"layer0": self.layer0, "per_layer": self.per_layer, "v2_lite": self.v2_lite}
 
     def table(self) -> str:
-        from irminsul.workloads.report import table
+        from irminsul.table import table
 
         rows = [[f"{d:,}", f"{self.layer0['by_delta'][d]['fp32']:.2e}", f"{self.layer0['by_delta'][d]['bf16']:.2e}",
                  f"{self.v2_lite['by_delta'][d]['fp32']:.2e}", f"{self.v2_lite['by_delta'][d]['bf16']:.2e}"]

@@ -26,9 +26,10 @@ from irminsul.train import tasks as train_tasks
 from irminsul.data import data_dir as find_data_dir
 from irminsul.train.data import Corpus, is_held_out, render_chat
 from irminsul.train.retrieval import NEEDLE_DEPTHS
-from irminsul.train.tokenizer import BOS, END, load_tokenizer
+from irminsul.model.chat_format import BOS, END, ROLE_TOKENS
+from irminsul.train.tokenizer import load_tokenizer
 from irminsul.workloads.patterns import agent_meta
-from irminsul.workloads.trace import Request
+from irminsul.workloads.trace import TraceRequest
 
 TASKS = ("niah", "musique", "agent_meta")
 # How `train.tasks.doc_qa` asks; `musique` checks that it still does.
@@ -86,7 +87,7 @@ class TaskData:
         corpus = Corpus.load(self.data_dir)
         self.pool = train_tasks.TokenPool(self.tok, corpus.held_out, corpus.tools_held_out, corpus.words)
         self.bos, self.end = self.tok.token_to_id(BOS), self.tok.token_to_id(END)
-        self.user, self.asst = self.tok.token_to_id("<|user|>"), self.tok.token_to_id("<|assistant|>")
+        self.user, self.asst = (self.tok.token_to_id(ROLE_TOKENS[r]) for r in ("user", "assistant"))
 
 
 def _find(seq: list[int], sub: list[int], start: int = 0) -> int:
@@ -185,7 +186,7 @@ def agent_meta_case(d: TaskData, conv: AgentConversations, rng: np.random.Genera
     seeds = rng.integers(0, 2**31, 2)
     headers = []
     for s in seeds:
-        (req,) = agent_meta([Request(session, msgs)], seed=int(s))
+        (req,) = agent_meta([TraceRequest(session, msgs)], seed=int(s))
         headers.append(d.tok.encode(render_chat([req.messages[0]])).ids)
     first, fs = _joined([d.bos], headers[0], *body)
     prompt, ps = _joined([d.bos], headers[1], *body, [d.asst])

@@ -21,8 +21,9 @@ from irminsul.model.rope import Rotary
 
 
 @dataclass(frozen=True)
-class Request:
-    """first = other_header + shared (cached); prompt = header + shared + tail (the hit)."""
+class MovedSpan:
+    """A shared span cached behind one header, then hit behind another: first = other_header + shared
+    (cached); prompt = header + shared + tail (the hit), the span moved by `delta`."""
 
     other_header: list[int]
     header: list[int]
@@ -42,7 +43,7 @@ class Request:
         return len(self.header) - len(self.other_header)
 
     @classmethod
-    def random(cls, rng: np.random.Generator, vocab: int, header: int, shared: int, tail: int, head=()) -> "Request":
+    def random(cls, rng: np.random.Generator, vocab: int, header: int, shared: int, tail: int, head=()) -> "MovedSpan":
         def ids(k):
             return rng.integers(16, vocab, k).tolist()
 
@@ -71,7 +72,7 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_mla(llm, req: Request, repeats: int = 3) -> Timing:
+def time_mla(llm, req: MovedSpan, repeats: int = 3) -> Timing:
     from irminsul.engine.engine import Engine
     from irminsul.engine.sampling import SamplingParams
 
@@ -100,7 +101,7 @@ def llama_rotary(config) -> Rotary:
 
 
 @torch.no_grad()
-def gqa_cached_span(model, req: Request) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def gqa_cached_span(model, req: MovedSpan) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V) [1, kv_heads, len(shared), d] of the shared span as cached from `first`."""
     out = model(input_ids=torch.tensor([req.first]), use_cache=True, logits_to_keep=1)
     cache = out["cache"] if "cache" in out else out["past_key_values"]
@@ -109,7 +110,7 @@ def gqa_cached_span(model, req: Request) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 @torch.no_grad()
-def gqa_hit_logits(model, rotary: Rotary, req: Request, span) -> torch.Tensor:
+def gqa_hit_logits(model, rotary: Rotary, req: MovedSpan, span) -> torch.Tensor:
     """Header computed, shared K/V appended (K rotated by δ: every head, every dim), tail computed."""
     from transformers.cache_utils import DynamicCache
 
@@ -125,7 +126,7 @@ def gqa_hit_logits(model, rotary: Rotary, req: Request, span) -> torch.Tensor:
                  logits_to_keep=1).logits[0, -1]
 
 
-def time_gqa(model, req: Request, repeats: int = 3) -> Timing:
+def time_gqa(model, req: MovedSpan, repeats: int = 3) -> Timing:
     rotary = llama_rotary(model.config)
     span = gqa_cached_span(model, req)
 

@@ -90,7 +90,7 @@ def _byte_order(ch: str) -> int:
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
     byte_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
-    from irminsul.model.tokenizer import IRMINSUL_CHAT_TEMPLATE
+    from irminsul.model.chat_format import IRMINSUL_CHAT_TEMPLATE
 
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": True,

@@ -34,40 +34,6 @@ def _token_text(value) -> str | None:
     return value
 
 
-# The bundled models' chat template (tokenizer_config.json): `<|bos|>`, then `<|role|>content<|end|>`
-# per message, tool schemas as JSON lines in the system turn, an assistant's tool calls as
-# {"name", "arguments"} objects after its content (the training data's form), text parts each
-# followed by a blank line. `irminsul.server.chat.IRMINSUL` is the same format, hand-written.
-IRMINSUL_CHAT_TEMPLATE = (
-    "{%- set ns = namespace(sys=0) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'system' and loop.index0 == ns.sys -%}{%- set ns.sys = ns.sys + 1 -%}"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- macro calls(m) -%}"
-    "{%- for c in (m.get('tool_calls') or []) + ([m['function_call']] if m.get('function_call') else []) -%}"
-    "{%- set f = c['function'] if 'function' in c else c -%}{%- set a = f.get('arguments', '') -%}"
-    "{{- {'name': f.get('name', '') | string, 'arguments': a if a is string else a | tojson} | tojson -}}"
-    "{%- endfor -%}"
-    "{%- endmacro -%}"
-    "{%- macro message(m, close) -%}"
-    "{%- set role = 'tool' if m['role'] == 'function' else m['role'] -%}"
-    "{{- '<|' + role + '|>' -}}"
-    "{%- if m['content'] is string -%}{{- m['content'] -}}"
-    "{%- elif m['content'] is not none -%}{%- for p in m['content'] -%}{{- p['text'] + '\\n\\n' -}}{%- endfor -%}{%- endif -%}"
-    "{%- if role == 'assistant' -%}{{- calls(m) -}}{%- endif -%}"
-    "{%- if close -%}{{- '<|end|>' -}}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{{- bos_token -}}"
-    "{%- for m in messages[:ns.sys] -%}{{- message(m, not tools or loop.index0 < ns.sys - 1) -}}{%- endfor -%}"
-    "{%- if tools -%}"
-    "{{- ('' if ns.sys else '<|system|>') + '# Tools\\nYou may call these functions:' -}}"
-    "{%- for t in tools -%}{{- '\\n' + t | tojson -}}{%- endfor -%}"
-    "{{- '\\n<|end|>' -}}"
-    "{%- endif -%}"
-    "{%- for m in messages[ns.sys:] -%}{{- message(m, true) -}}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
-)
-
-
 class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)

@@ -1,10 +1,10 @@
 """Chat requests -> token ids + segment starts.
 
-Each message (and each text part of one) and each tool schema starts a segment of its own, so the
-same content always tokenises the same way wherever it sits, and every segment start is handed to
-the engine: CDC chunking restarts there (S2 without model-visible markers, docs/design.md section 3).
+Each segment the chat format makes (`irminsul/model/chat_format.py`: each message, each text part
+and each tool schema) is tokenised on its own, and every segment start is handed to the engine:
+CDC chunking restarts there (S2 without model-visible markers, docs/design.md section 3).
 The template is the checkpoint's own Jinja `chat_template` (`template.py`); a checkpoint without one
-gets the hand-written template (render.py) its special tokens match.
+gets the hand-written chat format its special tokens match.
 """
 
 from __future__ import annotations
@@ -15,39 +15,13 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from irminsul.model.chat_format import DEEPSEEK, IRMINSUL, QWEN2, TEMPLATES, ChatTemplate, parse_chat, segment_texts
 from irminsul.model.tokenizer import Tokenizer
 from irminsul.server import tools
 from irminsul.server.template import REASONING_FIELDS, RESERVED, JinjaTemplate, Marks, Piece, SpecialText, boundaries
-from irminsul.workloads.render import DEEPSEEK, QWEN2, ChatTemplate, segment_texts
-from irminsul.workloads.trace import parse_request
-
-ROLES = ("system", "user", "assistant", "tool")
-
-
-def _tool_call_text(calls) -> str:
-    # the bundled model's training data wrote each call as this object right after the content
-    # (irminsul/train/data.py), with the arguments as OpenAI sends them: JSON text
-    return "".join(json.dumps({"name": n, "arguments": a}, ensure_ascii=False) for n, a in calls)
-
-
-# The bundled model's (and tiny checkpoints') template: {{bos}} + <|role|>content<|end|> ... <|assistant|>
-IRMINSUL = ChatTemplate(
-    bos="<|bos|>",
-    opener={r: f"<|{r}|>" for r in ROLES},
-    closer={r: "<|end|>" for r in ROLES},
-    generation="<|assistant|>",
-    tools_header="# Tools\nYou may call these functions:",
-    tools_footer="\n",
-    tool_text=lambda t: "\n" + json.dumps(t, ensure_ascii=False),
-    calls_text=_tool_call_text,
-)
 
 # Checked in order: the first template whose special tokens the tokenizer knows wins.
-_BY_TOKENS = (
-    (IRMINSUL, tools.IRMINSUL, ("<|bos|>", "<|user|>", "<|assistant|>", "<|end|>")),
-    (DEEPSEEK, tools.DEEPSEEK, ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")),
-    (QWEN2, tools.HERMES, ("<|im_start|>", "<|im_end|>")),
-)
+_BY_TOKENS = ((IRMINSUL, tools.IRMINSUL), (DEEPSEEK, tools.DEEPSEEK), (QWEN2, tools.HERMES))
 
 
 def _wrapped(value, mark: str):
@@ -64,8 +38,8 @@ def _wrapped(value, mark: str):
 
 def template_for(tokenizer: Tokenizer) -> tuple[ChatTemplate | None, tools.ToolFormat | None]:
     """The chat template and the tool-call syntax that go with the tokenizer's special tokens."""
-    for template, tool_format, tokens in _BY_TOKENS:
-        if all(tokenizer.token_to_id(t) is not None for t in tokens):
+    for template, tool_format in _BY_TOKENS:
+        if all(tokenizer.token_to_id(t) is not None for t in template.markers):
             return template, tool_format
     return None, None
 
@@ -143,7 +117,7 @@ class ChatRenderer:
         # OpenAI's newer "developer" role is a system message to every template here.
         messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                     for m in messages]
-        parse_request({"messages": messages, "tools": tools or []})  # validates, says what is wrong
+        parse_chat(messages, tools or [])  # validates, says what is wrong
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=true needs add_generation_prompt=false: the final message "
                              "is continued, not answered")
@@ -258,7 +232,7 @@ class ChatRenderer:
                         template_kwargs) -> RenderedChat:
         if self.template is None:
             raise ValueError("this model has no chat_template and its tokenizer matches no chat template Irminsul "
-                             "knows (irminsul, deepseek, qwen2); use /v1/completions with a rendered prompt")
+                             f"knows ({', '.join(TEMPLATES)}); use /v1/completions with a rendered prompt")
         if not add_generation_prompt or continue_final_message or template_kwargs:
             raise ValueError("add_generation_prompt=false, continue_final_message and chat_template_kwargs need "
                              "the checkpoint's own chat_template, which this model's tokenizer_config.json lacks")
@@ -267,11 +241,10 @@ class ChatRenderer:
         # special tokens' text is hidden everywhere, keys and `type` values included.
         mark = f"\ue000{secrets.token_hex(8)}\ue001"
         hidden = SpecialText(self._specials, self._special_re)
-        request = parse_request({"messages": _wrapped(hidden.hide(messages), mark),
-                                 "tools": _wrapped(hidden.hide(tools or []), mark)})
+        chat = parse_chat(_wrapped(hidden.hide(messages), mark), _wrapped(hidden.hide(tools or []), mark))
         tokens: list[int] = []
         starts: list[int] = []
-        for marked in segment_texts(request, self.template):
+        for marked in segment_texts(chat, self.template):
             pieces = marked.split(mark)  # template, client, template, client, ..., template
             text, client = "", []
             for k, piece in enumerate(pieces):

@@ -8,7 +8,7 @@ correction cost, quality) differ only in attention and FFN. MLA numbers follow D
 
 from dataclasses import dataclass
 
-from irminsul.train.tokenizer import BOS, END
+from irminsul.model.chat_format import BOS, END
 
 
 @dataclass(frozen=True)

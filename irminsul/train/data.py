@@ -1,7 +1,7 @@
 """Real text from `irminsul/data/`, rendered as documents, with a held-out slice of every source.
 
-Each source becomes a list of documents (strings). Chat-shaped records are rendered with the same
-role tokens as the chat template in `tokenizer.py`, so the model sees its own serving format.
+Each source becomes a list of documents (strings). Chat-shaped records are rendered in the bundled
+chat format (`irminsul/model/chat_format.py`), so the model sees its own serving format.
 A document is held out when a stable hash of its text falls in the held-out bucket (1 in 10),
 so the split does not depend on file order or on the seed.
 """
@@ -12,24 +12,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from irminsul.data import data_dir as find_data_dir
+from irminsul.model.chat_format import IRMINSUL, LEGACY_ROLES
 
 SOURCES = ("tau_bench", "bfcl", "toolbench", "musique")
 HELD_OUT_BUCKETS = 10  # 1 document in 10 is held out
 
 
 def render_chat(messages: list[dict]) -> str:
-    """OpenAI-format messages -> text with role tokens (mirrors the tokenizer's chat template)."""
+    """A training document in the bundled chat format: `<|role|>content<|end|>` per message, what the
+    chat template writes for plain messages. Apart from `segment_texts` because the records are raw
+    data, not validated requests (content may be an object, written as JSON; arguments as they
+    are), and because this text, held-out hash included, is what the bundled models were trained on."""
     out = []
     for m in messages:
         role = m.get("role", "user")
-        role = "tool" if role in ("tool", "function") else role
+        role = "tool" if role in LEGACY_ROLES else role
         content = m.get("content") or ""
         if not isinstance(content, str):
             content = json.dumps(content, ensure_ascii=False)
         for call in m.get("tool_calls") or []:
             fn = call.get("function", call)
             content += json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments")}, ensure_ascii=False)
-        out.append(f"<|{role}|>{content}<|end|>")
+        out.append(IRMINSUL.opener[role] + content + IRMINSUL.closer[role])
     return "".join(out)
 
 
@@ -55,7 +59,7 @@ def _bfcl(d: Path) -> list[str]:
             r = json.loads(line)
             turns = r["question"][0] if r.get("question") else []
             tools = json.dumps(r.get("function", []), ensure_ascii=False)
-            docs.append(f"<|system|>{tools}<|end|>" + render_chat(turns))
+            docs.append(render_chat([{"role": "system", "content": tools}, *turns]))
     for f in sorted((d / "multi_turn_func_doc").glob("*.json")):
         docs += [line for line in f.read_text().splitlines() if line.strip()]
     return docs

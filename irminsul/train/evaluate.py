@@ -19,7 +19,8 @@ from irminsul.data import data_dir
 from irminsul.train import retrieval, tasks
 from irminsul.train.checkpoint import load_checkpoint
 from irminsul.train.data import Corpus, is_held_out, musique_items
-from irminsul.train.tokenizer import BOS, END, load_tokenizer
+from irminsul.model.chat_format import BOS, END
+from irminsul.train.tokenizer import load_tokenizer
 
 
 @torch.no_grad()

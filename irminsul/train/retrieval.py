@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from irminsul.model.chat_format import BOS, END, ROLE_TOKENS
 from irminsul.train.tasks import Example, TokenPool, passkey
 
 ScoreFn = Callable[[list[int], list[int]], torch.Tensor]
@@ -104,7 +105,7 @@ def musique_prompts(tok, items: Sequence[dict], max_tokens: int = 2000) -> list[
     in that order.
     """
     out = []
-    bos, user, end, asst = (tok.token_to_id(t) for t in ("<|bos|>", "<|user|>", "<|end|>", "<|assistant|>"))
+    bos, user, end, asst = (tok.token_to_id(t) for t in (BOS, ROLE_TOKENS["user"], END, ROLE_TOKENS["assistant"]))
     for item in items:
         gold = [normalize(a) for a in item["answers"]]
         ctxs = sorted(item["ctxs"], key=lambda c: not any(g and g in normalize(c["text"]) for g in gold))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from irminsul.train.tokenizer import BOS, END, SPECIAL_TOKENS
+from irminsul.model.chat_format import BOS, END, ROLE_TOKENS, SPECIAL_TOKENS
 
 KINDS = ("passkey", "kv", "doc_qa", "tool", "repeat", "copy")
 
@@ -82,11 +82,16 @@ def _digits(rng: np.random.Generator, n: int) -> str:
 BODY_AT = 2  # the body starts after BOS and <|user|>
 
 
+def _turn(t: Tokenizer, user: list[int], assistant: list[int]) -> list[int]:
+    """One user turn, then the assistant's reply begun: `<|bos|><|user|>user<|end|><|assistant|>assistant`."""
+    return [t.token_to_id(BOS), t.token_to_id(ROLE_TOKENS["user"])] + user + [
+        t.token_to_id(END), t.token_to_id(ROLE_TOKENS["assistant"])] + assistant
+
+
 def _wrap(pool: TokenPool, body: list[int], question: str, prefix: str, answer: list[int], kind: str,
           body_sources: list[int] | None = None) -> Example:
     t = pool.tok
-    prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + pool.enc(question) + [
-        t.token_to_id(END), t.token_to_id("<|assistant|>")] + pool.enc(prefix)
+    prompt = _turn(t, body + pool.enc(question), pool.enc(prefix))
     sources = tuple(BODY_AT + i for i in body_sources) if body_sources is not None else None
     return Example(prompt, answer + [t.token_to_id(END)], kind, sources)
 
@@ -159,8 +164,7 @@ def doc_qa(pool: TokenPool, rng: np.random.Generator, n_tokens: int, quote_len: 
     quote, answer = text[s:s + quote_len], text[s + quote_len:s + quote_len + answer_len]
     t = pool.tok
     q_ids = pool.enc("\n\nWhich words follow \"") + quote + pool.enc("\"?")
-    prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + q_ids + [
-        t.token_to_id(END), t.token_to_id("<|assistant|>")] + pool.enc("They are:")
+    prompt = _turn(t, body + q_ids, pool.enc("They are:"))
     at = BODY_AT + text_at[k] + s + quote_len
     return Example(prompt, answer + [t.token_to_id(END)], "doc_qa", tuple(range(at, at + len(answer))))
 
@@ -204,8 +208,7 @@ def repeat(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     filler = pool.filler(rng, max(8, n_tokens - fixed))
     body, (at,) = _insert(filler, [span], [float(rng.random())])
     t = pool.tok
-    prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + pool.enc(question) + [
-        t.token_to_id(END), t.token_to_id("<|assistant|>")] + head
+    prompt = _turn(t, body + pool.enc(question), head)
     at += BODY_AT + len(head)
     return Example(prompt, answer + [t.token_to_id(END)], "repeat", tuple(range(at, at + len(answer))))
 
@@ -226,8 +229,7 @@ def copy(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     gap = int(rng.integers(0, max(1, min(64, n_tokens - fixed))))
     body = pool.filler(rng, gap // 2) + span + pool.filler(rng, gap - gap // 2)
     t = pool.tok
-    prompt = [t.token_to_id(BOS), t.token_to_id("<|user|>")] + body + pool.enc(question) + [
-        t.token_to_id(END), t.token_to_id("<|assistant|>")] + span[:2]
+    prompt = _turn(t, body + pool.enc(question), span[:2])
     at = BODY_AT + gap // 2 + 2
     return Example(prompt, span[2:] + [t.token_to_id(END)], "copy", tuple(range(at, at + m - 2)))
 

@@ -4,7 +4,7 @@ Numbers are *not* split into single digits: a 5-digit passkey becomes 2-3 BPE pi
 thousands, which an induction head can match on one token, whereas ten digit tokens recur all
 over the filler and need multi-token matching (a first 300-step run stayed at chance with split
 digits). A number tokenises differently with and without a leading space, so retrieval tasks
-encode " <value>" once and use the same ids in the needle and in the answer (issue 4, pitfall 1).
+encode " <value>" once and use the same ids in the needle and in the answer.
 """
 
 import json
@@ -12,15 +12,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from irminsul.model.tokenizer import IRMINSUL_CHAT_TEMPLATE
+from irminsul.model.chat_format import BOS, END, IRMINSUL_CHAT_TEMPLATE, PAD, SPECIAL_TOKENS
 
-BOS, EOS, END = "<|bos|>", "<|eos|>", "<|end|>"
-ROLES = ("system", "user", "assistant", "tool")
-SPECIAL_TOKENS = [BOS, EOS, END, "<|pad|>"] + [f"<|{r}|>" for r in ROLES]
 VOCAB_SIZE = 8192
-
-# Jinja chat template; `render_chat` in data.py writes the same text for plain messages.
-CHAT_TEMPLATE = IRMINSUL_CHAT_TEMPLATE
 
 
 def train_tokenizer(texts, vocab_size: int = VOCAB_SIZE) -> Tokenizer:
@@ -52,17 +46,17 @@ def save_tokenizer(tok: Tokenizer, out: Path, model_max_length: int) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": END,
-        "pad_token": "<|pad|>",
+        "pad_token": PAD,
         "unk_token": None,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": IRMINSUL_CHAT_TEMPLATE,
         "added_tokens_decoder": added,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    specials = {"bos_token": BOS, "eos_token": END, "pad_token": "<|pad|>",
+    specials = {"bos_token": BOS, "eos_token": END, "pad_token": PAD,
                 "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, END, "<|pad|>")]}
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
 

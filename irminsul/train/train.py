@@ -26,7 +26,8 @@ from irminsul.train.attention import HeadProbe
 from irminsul.train.arch import ReferenceShape, build_model, hf_config
 from irminsul.train.checkpoint import max_reload_error, save_checkpoint
 from irminsul.train.data import Corpus
-from irminsul.train.tokenizer import BOS, train_tokenizer
+from irminsul.model.chat_format import BOS
+from irminsul.train.tokenizer import train_tokenizer
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Callable
 
 from irminsul.errors import UserFacingError
 from irminsul.data import data_dir
-from irminsul.workloads.trace import Request
+from irminsul.workloads.trace import TraceRequest
 
 # bfcl_eval's MULTI_TURN_FUNC_DOC_FILE_MAPPING: class name -> schema file
 BFCL_CLASS_FILES = {
@@ -57,18 +57,18 @@ def _tool(schema: dict) -> dict:
     return schema if schema.get("type") == "function" else {"type": "function", "function": schema}
 
 
-def tau_bench(data: Path) -> list[Request]:
+def tau_bench(data: Path) -> list[TraceRequest]:
     trajectories = _load_json(data / "tau_bench" / "gpt-4o-airline.json")
     tools = tuple(_load_json(data / "tau_bench" / "airline_tools.json"))
     out = []
     for t in trajectories:
         session = f"tau-{t['task_id']}-{t['trial']}"
         traj = t["traj"]
-        out += [Request(session, tuple(traj[:i]), tools) for i, m in enumerate(traj) if m["role"] == "assistant"]
+        out += [TraceRequest(session, tuple(traj[:i]), tools) for i, m in enumerate(traj) if m["role"] == "assistant"]
     return out
 
 
-def bfcl(data: Path) -> list[Request]:
+def bfcl(data: Path) -> list[TraceRequest]:
     root = data / "bfcl"
     out = []
     for rec in _load_jsonl(root / "BFCL_v4_multi_turn_base.json"):
@@ -80,15 +80,15 @@ def bfcl(data: Path) -> list[Request]:
         for turn in rec["question"]:
             history += turn
             if turn:
-                out.append(Request(rec["id"], tuple(history), tools))
+                out.append(TraceRequest(rec["id"], tuple(history), tools))
     for rec in _load_jsonl(root / "BFCL_v4_live_multiple.json"):
         group = re.match(r"live_multiple_\d+-(\d+)-\d+", rec["id"])
         session = f"live_multiple-{group.group(1) if group else rec['id']}"
-        out.append(Request(session, tuple(rec["question"][0]), tuple(_tool(f) for f in rec["function"])))
+        out.append(TraceRequest(session, tuple(rec["question"][0]), tuple(_tool(f) for f in rec["function"])))
     return out
 
 
-def toolbench(data: Path) -> list[Request]:
+def toolbench(data: Path) -> list[TraceRequest]:
     out = []
     paths = sorted((data / "toolbench").glob("data_example_answer_*.json"))
     if not paths:
@@ -98,27 +98,27 @@ def toolbench(data: Path) -> list[Request]:
         tools = tuple(_tool(f) for f in answer.get("function", []))
         for messages in answer.get("train_messages", []):
             prompt = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
-            out.append(Request(path.stem.removeprefix("data_example_answer_"), tuple(prompt), tools))
+            out.append(TraceRequest(path.stem.removeprefix("data_example_answer_"), tuple(prompt), tools))
     return out
 
 
-def musique(data: Path) -> list[Request]:
+def musique(data: Path) -> list[TraceRequest]:
     out = []
     for i, item in enumerate(_load_json(data / "musique" / "musique_s.json")):
         parts = [{"type": "text", "text": (c["title"] + "\n" if c["title"] else "") + c["text"]}
                  for c in item["ctxs"]]
         parts.append({"type": "text", "text": MUSIQUE_QUERY + item["question"]})
-        out.append(Request(f"musique-{i}", ({"role": "system", "content": MUSIQUE_SYSTEM},
+        out.append(TraceRequest(f"musique-{i}", ({"role": "system", "content": MUSIQUE_SYSTEM},
                                             {"role": "user", "content": parts})))
     return out
 
 
-SOURCES: dict[str, Callable[[Path], list[Request]]] = {
+SOURCES: dict[str, Callable[[Path], list[TraceRequest]]] = {
     "tau_bench": tau_bench, "bfcl": bfcl, "toolbench": toolbench, "musique": musique,
 }
 
 
-def first_sessions(requests: list[Request], n: int | None) -> list[Request]:
+def first_sessions(requests: list[TraceRequest], n: int | None) -> list[TraceRequest]:
     """The requests of the first `n` sessions (in order of first appearance)."""
     if n is None:
         return requests
@@ -129,7 +129,7 @@ def first_sessions(requests: list[Request], n: int | None) -> list[Request]:
     return [r for r in requests if r.session in keep]
 
 
-def build_source(name: str, data: Path | None = None, n: int | None = None) -> list[Request]:
+def build_source(name: str, data: Path | None = None, n: int | None = None) -> list[TraceRequest]:
     if name not in SOURCES:
         raise UserFacingError(f"unknown source {name!r}: use one of {', '.join(SOURCES)}")
     return first_sessions(SOURCES[name](data_dir(data)), n)

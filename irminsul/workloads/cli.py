@@ -52,7 +52,8 @@ def _build(args) -> int:
 def _census(args) -> int:
     from irminsul.workloads.census import CensusConfig, run_census
     from irminsul.workloads.render import render_trace
-    from irminsul.workloads.report import pct, table
+    from irminsul.table import table
+    from irminsul.workloads.report import pct
     from irminsul.workloads.trace import read_trace
 
     rendered = render_trace(read_trace(args.trace), args.tokenizer, desc="census")
@@ -95,7 +96,8 @@ def _census_plot(result, path, title) -> None:
 def _recovery(args) -> int:
     from irminsul.workloads.recovery import STRATEGIES, RecoveryConfig, run_recovery
     from irminsul.workloads.render import render_trace
-    from irminsul.workloads.report import bar_chart, pct, table
+    from irminsul.table import table
+    from irminsul.workloads.report import bar_chart, pct
     from irminsul.workloads.trace import read_trace
 
     rendered = render_trace(read_trace(args.trace), args.tokenizer)  # rendered once the strategies are checked

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Callable
 
 from irminsul.errors import UserFacingError
-from irminsul.workloads.trace import Request
+from irminsul.workloads.trace import TraceRequest
 
 AGENTS = ("airline-support", "booking-assistant", "triage-bot", "travel-concierge", "ops-copilot")
 PROFILE_FIELDS = (
@@ -52,24 +52,25 @@ def _fill(rng: random.Random, template: str) -> str:
                            days=rng.randint(1, 400), n=rng.randint(1, 9), big=rng.randint(1, 900))
 
 
-def _by_session(requests: list[Request]) -> dict[str, list[Request]]:
-    out: dict[str, list[Request]] = defaultdict(list)
+def _by_session(requests: list[TraceRequest]) -> dict[str, list[TraceRequest]]:
+    out: dict[str, list[TraceRequest]] = defaultdict(list)
     for r in requests:
         out[r.session].append(r)
     return out
 
 
-def _split_system(r: Request) -> tuple[list[dict], list[dict]]:
+def _split_system(r: TraceRequest) -> tuple[list[dict], list[dict]]:
     msgs = list(r.messages)
     n = next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))
     return msgs[:n], msgs[n:]
 
 
-def raw(requests: list[Request], seed: int = 0) -> list[Request]:
+def raw(requests: list[TraceRequest], seed: int = 0) -> list[TraceRequest]:
     return list(requests)
 
 
-def agent_meta(requests: list[Request], seed: int = 0, profile_lines: tuple[int, int] = (2, 24)) -> list[Request]:
+def agent_meta(requests: list[TraceRequest], seed: int = 0,
+               profile_lines: tuple[int, int] = (2, 24)) -> list[TraceRequest]:
     """Prepend a header message (request id, timestamp, agent, user profile of varying length)."""
     rng = random.Random(seed)
     clock = datetime(2026, 5, 4, 9, 0, 0)
@@ -84,8 +85,8 @@ def agent_meta(requests: list[Request], seed: int = 0, profile_lines: tuple[int,
     return out
 
 
-def sysvar(requests: list[Request], seed: int = 0, n_variants: int = 8, per: str = "request",
-           lines: tuple[int, int] = (1, 6), at: float = 0.5) -> list[Request]:
+def sysvar(requests: list[TraceRequest], seed: int = 0, n_variants: int = 8, per: str = "request",
+           lines: tuple[int, int] = (1, 6), at: float = 0.5) -> list[TraceRequest]:
     """Insert one of `n_variants` paragraphs (of 1-6 lines) at fraction `at` of the system prompt's
     paragraphs; a variant is drawn per request (a dynamic section) or per session."""
     rng = random.Random(seed)
@@ -120,7 +121,8 @@ def _summary(messages: list[dict]) -> str:
     return "Summary of the earlier conversation:\n" + "\n".join(lines)
 
 
-def compact(requests: list[Request], seed: int = 0, every: tuple[int, int] = (4, 8), keep_last: int = 2) -> list[Request]:
+def compact(requests: list[TraceRequest], seed: int = 0, every: tuple[int, int] = (4, 8),
+            keep_last: int = 2) -> list[TraceRequest]:
     """Once a session's history beyond its last summary exceeds `every` (drawn per compaction)
     plus `keep_last` messages, all but the last `keep_last` are replaced by a summary message."""
     rng = random.Random(seed)
@@ -142,7 +144,8 @@ def compact(requests: list[Request], seed: int = 0, every: tuple[int, int] = (4,
     return out
 
 
-def rerank(requests: list[Request], seed: int = 0, repeats: int = 4, keep: tuple[float, float] = (0.6, 1.0)) -> list[Request]:
+def rerank(requests: list[TraceRequest], seed: int = 0, repeats: int = 4,
+           keep: tuple[float, float] = (0.6, 1.0)) -> list[TraceRequest]:
     """After each RAG request, `repeats` more with its passages (all text parts of a message but the
     last, which is the question) re-ordered and a random subset of `keep` of them kept."""
     rng = random.Random(seed)
@@ -161,8 +164,8 @@ def rerank(requests: list[Request], seed: int = 0, repeats: int = 4, keep: tuple
     return out
 
 
-def tool_variants(requests: list[Request], seed: int = 0, keep: tuple[float, float] = (0.5, 1.0),
-                  per: str = "request") -> list[Request]:
+def tool_variants(requests: list[TraceRequest], seed: int = 0, keep: tuple[float, float] = (0.5, 1.0),
+                  per: str = "request") -> list[TraceRequest]:
     """Each request (or session) gets a random subset of `keep` of its tools, in a random order."""
     rng = random.Random(seed)
     chosen: dict[str, list[int]] = {}
@@ -178,13 +181,13 @@ def tool_variants(requests: list[Request], seed: int = 0, keep: tuple[float, flo
     return out
 
 
-PATTERNS: dict[str, Callable[..., list[Request]]] = {
+PATTERNS: dict[str, Callable[..., list[TraceRequest]]] = {
     "raw": raw, "agent_meta": agent_meta, "sysvar": sysvar, "compact": compact,
     "rerank": rerank, "tool_variants": tool_variants,
 }
 
 
-def apply_pattern(name: str, requests: list[Request], seed: int = 0, **params) -> list[Request]:
+def apply_pattern(name: str, requests: list[TraceRequest], seed: int = 0, **params) -> list[TraceRequest]:
     if name not in PATTERNS:
         raise UserFacingError(f"unknown pattern {name!r}: use one of {', '.join(PATTERNS)}")
     return PATTERNS[name](requests, seed=seed, **params)

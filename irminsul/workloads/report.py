@@ -1,4 +1,4 @@
-"""Plain-text tables and PNG bar charts for the census and recovery reports."""
+"""Percentages and PNG bar charts for the census and recovery reports (tables: `irminsul/table.py`)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,6 @@ from typing import Sequence
 
 def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    """A left-aligned first column, right-aligned others; a Markdown-compatible pipe table."""
-    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r):
-        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
-
-    sep = "|" + "|".join(("-" * (w + 1) + ("-" if i == 0 else ":")) for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
 def bar_chart(path: str | Path, labels: Sequence[str], series: dict[str, Sequence[float]], title: str,

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from irminsul.errors import UserFacingError
-
-ROLES = ("system", "user", "assistant", "tool", "function")
+from irminsul.model.chat_format import parse_chat
 
 
 class TraceError(UserFacingError, ValueError):
@@ -26,7 +25,9 @@ class TraceError(UserFacingError, ValueError):
 
 
 @dataclass(frozen=True)
-class Request:
+class TraceRequest:
+    """One line of a trace: a session's chat request, or its prompt already tokenised."""
+
     session: str
     messages: tuple = ()  # OpenAI chat messages (dicts)
     tools: tuple = ()  # OpenAI tool schemas (dicts)
@@ -49,32 +50,7 @@ class Request:
         return out
 
 
-def _check_message(i: int, m) -> None:
-    if not isinstance(m, dict):
-        raise ValueError(f"messages[{i}] is not an object")
-    if m.get("role") not in ROLES:
-        raise ValueError(f"messages[{i}] has role {m.get('role')!r}; expected one of {', '.join(ROLES)}")
-    content = m.get("content")
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and isinstance(part.get("text"), str)):
-                raise ValueError(f"messages[{i}].content[{j}] is not a text part {{'type': 'text', 'text': ...}}")
-    elif content is not None and not isinstance(content, str):
-        raise ValueError(f"messages[{i}].content must be a string, a list of text parts or null")
-    calls = m.get("tool_calls")
-    if calls is not None and not isinstance(calls, list):
-        raise ValueError(f"messages[{i}].tool_calls must be a list of tool calls")
-    for j, call in enumerate(calls or []):
-        fn = call.get("function", call) if isinstance(call, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
-            raise ValueError(f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': "
-                             f"{{'name': ..., 'arguments': ...}}}}")
-    legacy = m.get("function_call")
-    if legacy is not None and not (isinstance(legacy, dict) and isinstance(legacy.get("name"), str)):
-        raise ValueError(f"messages[{i}].function_call must be {{'name': ..., 'arguments': ...}}")
-
-
-def parse_request(obj) -> Request:
+def parse_request(obj) -> TraceRequest:
     """Validate one decoded JSON line; raises ValueError saying what is wrong."""
     if not isinstance(obj, dict):
         raise ValueError("a request must be a JSON object")
@@ -94,18 +70,12 @@ def parse_request(obj) -> Request:
             if segs != sorted(set(segs)) or (segs and (segs[0] < 0 or segs[-1] >= max(len(ids), 1))):
                 raise ValueError(f"'segments' must be strictly increasing offsets in [0, {len(ids)})")
             segs = tuple(segs)
-        return Request(str(session), token_ids=tuple(ids), segments=segs)
-    messages, tools = obj["messages"], obj.get("tools") or []
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
-    for i, m in enumerate(messages):
-        _check_message(i, m)
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise ValueError("'tools' must be a list of tool schema objects")
-    return Request(str(session), messages=tuple(messages), tools=tuple(tools))
+        return TraceRequest(str(session), token_ids=tuple(ids), segments=segs)
+    chat = parse_chat(obj["messages"], obj.get("tools") or [])
+    return TraceRequest(str(session), messages=chat.messages, tools=chat.tools)
 
 
-def iter_trace(path: str | Path) -> Iterator[Request]:
+def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
     path = Path(path)
     if not path.exists():
         raise TraceError(f"{path}: no such trace file")
@@ -121,14 +91,14 @@ def iter_trace(path: str | Path) -> Iterator[Request]:
                 raise TraceError(f"{path}:{lineno}: {e}") from None
 
 
-def read_trace(path: str | Path) -> list[Request]:
+def read_trace(path: str | Path) -> list[TraceRequest]:
     requests = list(iter_trace(path))
     if not requests:
         raise TraceError(f"{path}: the trace holds no requests")
     return requests
 
 
-def write_trace(path: str | Path, requests: Iterable[Request]) -> int:
+def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> int:
     n = 0
     with Path(path).open("w", encoding="utf-8") as f:
         for r in requests:

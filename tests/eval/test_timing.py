@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul.eval.timing import Request, gqa_cached_span, gqa_hit_logits, llama_rotary
+from irminsul.eval.timing import MovedSpan, gqa_cached_span, gqa_hit_logits, llama_rotary
 
 
 def _llama(layers):
@@ -19,7 +19,7 @@ def _llama(layers):
 @pytest.mark.parametrize("layers, exact", [(1, True), (2, False)])
 def test_gqa_hit_equals_full_prefill_only_without_context_drift(layers, exact):
     model = _llama(layers)
-    req = Request.random(np.random.default_rng(0), 300, header=20, shared=120, tail=10)
+    req = MovedSpan.random(np.random.default_rng(0), 300, header=20, shared=120, tail=10)
     assert req.delta != 0
     hit = gqa_hit_logits(model, llama_rotary(model.config), req, gqa_cached_span(model, req))
     with torch.no_grad():
@@ -30,7 +30,7 @@ def test_gqa_hit_equals_full_prefill_only_without_context_drift(layers, exact):
 
 def test_gqa_hit_without_rotation_is_wrong():
     model = _llama(1)
-    req = Request.random(np.random.default_rng(1), 300, header=20, shared=120, tail=10)
+    req = MovedSpan.random(np.random.default_rng(1), 300, header=20, shared=120, tail=10)
     rot = llama_rotary(model.config)
     rot.rotate = lambda k, delta: k  # stale K, as a naive GQA cache would serve it
     hit = gqa_hit_logits(model, rot, req, gqa_cached_span(model, req))

@@ -4,7 +4,8 @@ import jinja2
 import pytest
 
 from irminsul.model.tokenizer import Tokenizer
-from irminsul.server.chat import IRMINSUL, ChatRenderer, template_for
+from irminsul.model.chat_format import IRMINSUL
+from irminsul.server.chat import ChatRenderer, template_for
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@ import pytest
 
 from irminsul.errors import UserFacingError
 from irminsul.workloads.patterns import PATTERNS, apply_pattern
-from irminsul.workloads.trace import Request
+from irminsul.workloads.trace import TraceRequest
 
 SYSTEM = {"role": "system", "content": "\n\n".join(f"Rule {i}: be helpful in way {i}." for i in range(6))}
 TOOLS = tuple({"type": "function", "function": {"name": f"t{i}"}} for i in range(10))
@@ -13,13 +13,13 @@ def _session(name, turns):
     for k in range(turns):
         history = history + [{"role": "user", "content": f"{name} question {k}"},
                              {"role": "assistant", "content": f"{name} answer {k}"}]
-        out.append(Request(name, (SYSTEM, *history[:-1]), TOOLS))
+        out.append(TraceRequest(name, (SYSTEM, *history[:-1]), TOOLS))
     return out
 
 
 def _rag(n):
     parts = [{"type": "text", "text": f"passage {i}"} for i in range(10)]
-    return [Request(f"q{k}", (SYSTEM, {"role": "user", "content": parts + [{"type": "text", "text": f"Q{k}?"}]}))
+    return [TraceRequest(f"q{k}", (SYSTEM, {"role": "user", "content": parts + [{"type": "text", "text": f"Q{k}?"}]}))
             for k in range(n)]
 
 

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from irminsul.workloads.render import Renderer, segment_texts
-from irminsul.workloads.trace import Request
+from irminsul.model.chat_format import segment_texts
+from irminsul.workloads.render import Renderer
+from irminsul.workloads.trace import TraceRequest
 
 TOOLS = tuple({"type": "function", "function": {"name": f"tool_{i}", "description": f"Does thing {i} well.",
                                                 "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
@@ -22,7 +23,7 @@ def renderer(request):
 
 
 def test_segments_are_tokenised_on_their_own(renderer):
-    req = Request("s", MESSAGES, TOOLS)
+    req = TraceRequest("s", MESSAGES, TOOLS)
     out = renderer(req)
     texts = [t for t in segment_texts(req, renderer.template) if t]
     pieces = [renderer.tokenizer.encode(t) for t in texts]
@@ -33,8 +34,8 @@ def test_segments_are_tokenised_on_their_own(renderer):
 
 
 def test_same_tool_tokenises_the_same_in_any_order(renderer):
-    a = renderer(Request("s", MESSAGES, TOOLS))
-    b = renderer(Request("s", MESSAGES, TOOLS[::-1]))
+    a = renderer(TraceRequest("s", MESSAGES, TOOLS))
+    b = renderer(TraceRequest("s", MESSAGES, TOOLS[::-1]))
 
     def seg(out, k):
         s = out.segment_starts
@@ -49,15 +50,15 @@ def test_same_tool_tokenises_the_same_in_any_order(renderer):
 
 def test_text_parts_are_segments(renderer):
     parts = [{"type": "text", "text": f"Passage {i}: " + "word " * (5 + i)} for i in range(3)]
-    a = renderer(Request("s", ({"role": "user", "content": parts},)))
-    b = renderer(Request("s", ({"role": "user", "content": parts[::-1]},)))
+    a = renderer(TraceRequest("s", ({"role": "user", "content": parts},)))
+    b = renderer(TraceRequest("s", ({"role": "user", "content": parts[::-1]},)))
     assert len(a.segment_starts) == len(b.segment_starts)
     assert sorted(a.token_ids.tolist()) == sorted(b.token_ids.tolist())
     assert a.token_ids.tolist() != b.token_ids.tolist()
 
 
 def test_generation_prompt_ends_every_request(renderer):
-    out = renderer(Request("s", MESSAGES[:2]))
+    out = renderer(TraceRequest("s", MESSAGES[:2]))
     tail = renderer.tokenizer.decode(out.token_ids[out.segment_starts[-1]:])
     assert tail == renderer.template.generation
 
@@ -71,6 +72,6 @@ def test_known_ids():
 
 
 def test_pretokenized_passes_through():
-    out = Renderer("deepseek")(Request("s", token_ids=(5, 6, 7), segments=(0, 2)))
+    out = Renderer("deepseek")(TraceRequest("s", token_ids=(5, 6, 7), segments=(0, 2)))
     assert out.token_ids.tolist() == [5, 6, 7] and out.segment_starts == (0, 2)
-    assert Renderer("deepseek")(Request("s", token_ids=(5,))).segment_starts == (0,)
+    assert Renderer("deepseek")(TraceRequest("s", token_ids=(5,))).segment_starts == (0,)

@@ -2,13 +2,13 @@ import json
 
 import pytest
 
-from irminsul.workloads.trace import Request, TraceError, read_trace, write_trace
+from irminsul.workloads.trace import TraceRequest, TraceError, read_trace, write_trace
 
 
 def test_round_trip(tmp_path):
-    reqs = [Request("a", ({"role": "user", "content": "hi"},), ({"type": "function", "function": {"name": "f"}},)),
-            Request("b", token_ids=(1, 2, 3), segments=(0, 2)),
-            Request("c", token_ids=(4,))]
+    reqs = [TraceRequest("a", ({"role": "user", "content": "hi"},), ({"type": "function", "function": {"name": "f"}},)),
+            TraceRequest("b", token_ids=(1, 2, 3), segments=(0, 2)),
+            TraceRequest("c", token_ids=(4,))]
     path = tmp_path / "t.jsonl"
     assert write_trace(path, reqs) == 3
     assert read_trace(path) == reqs
