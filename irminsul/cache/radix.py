@@ -211,6 +211,52 @@ class RadixCache:
             self.on_evict(dropped)
         return dropped, parent
 
+    def cut(self, first_dropped: Callable[[Any], int | None]) -> int:
+        """Forget rows named from outside: `first_dropped(value)` is the index of the first token of a
+        node to drop (None: keep it all); that token, the rest of its node and every node below go,
+        so what stays is still a set of cached prefixes. Locked nodes are cut too: the caller knows
+        which rows it may take. Returns tokens dropped."""
+        dropped, stack = 0, list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            i = first_dropped(node.value)
+            if i is None:
+                stack.extend(node.children.values())
+                continue
+            dropped += self._drop_below(node)
+            if i <= 0:
+                del node.parent.children[int(node.key[0])]
+                dropped += self._forget(node.value, len(node.key), whole=True)
+            else:
+                node.value, tail = self.split_value(node.value, i)
+                dropped += self._forget(tail, len(node.key) - i, whole=False)
+                node.key = node.key[:i]
+        return dropped
+
+    def _drop_below(self, node: Node) -> int:
+        """Remove every descendant of node; tokens dropped."""
+        dropped, stack = 0, list(node.children.values())
+        node.children = {}
+        while stack:
+            child = stack.pop()
+            stack.extend(child.children.values())
+            dropped += self._forget(child.value, len(child.key), whole=True)
+        return dropped
+
+    def _forget(self, value: Any, k: int, whole: bool) -> int:
+        """Account for k tokens (value) leaving the tree; `whole`: a node went with them."""
+        self._tokens -= k
+        self._evicted += k
+        self._nodes -= whole
+        self._evictions += whole
+        if self.on_evict is not None:
+            self.on_evict(value)
+        return k
+
+    def locked_values(self) -> list:
+        """The values of every locked node (rows a plan in progress is about to use)."""
+        return [n.value for n in self._iter_nodes() if n.lock_ref and n.value is not None]
+
     @property
     def stats(self) -> RadixStats:
         return RadixStats(self._matches, self._hits, self._matched, self._inserted, self._rejected,

@@ -209,6 +209,10 @@ class MemoryRegistry(Registry):
     def pinned(self, fingerprint: int) -> bool:
         return fingerprint in self._pins
 
+    def pinned_entries(self) -> list[Entry]:
+        """The entries a plan in progress holds pins on."""
+        return [self._entries[fp] for fp in self._pins if fp in self._entries]
+
     def pin(self, fingerprint: int) -> None:
         if fingerprint not in self._entries:
             raise KeyError(f"cannot pin fingerprint {fingerprint:#x}: not in the registry")

@@ -1,39 +1,38 @@
-"""The engine: one latent pool, admission against the cache, batched forward steps, sampling.
+"""The engine: the step loop over a scheduler, a model runner and an output processor.
+
+    Engine.step():  Scheduler.schedule()      admission, rows, preemption, the prefill budget
+                                              (it owns the KV manager: irminsul/kvcache/)
+                 -> ModelRunner.execute()     one forward pass over the batch -> logits
+                 -> OutputProcessor.process() sampling, stops, detokenization, log-probs, grammars
+                 -> Scheduler.finish()        finished sequences' rows go to the cache
 
 A step takes any mix of sequences: those still in prefill contribute their next pending positions
 (the ones the cache plan left to compute, in increasing order, at most `max_prefill_tokens` in
-all), those decoding contribute their last token. One forward pass computes all of them, with one
-attention call per layer and group (`irminsul/model/attention.py`); each sequence attends only to
-the rows its slot table names.
-
-Memory is the pool: a sequence holds one reference on each slot of its table, and so do the
-cache's radix tree and registry. Admission and decoding take fresh slots, evicting cached content
-nobody is using when the pool is short (`CacheReuse.make_room`); when even that is not enough the
-scheduler preempts a running sequence (`preempt`), which is recomputed later.
+all), those decoding contribute their last token; each attends only to the rows its slot table
+names. Besides the loop, whole-request helpers for offline use: `add` + `run` (one request
+alone), `score` (teacher-forced log-probs) and `publish` (a document's rows into the shared
+namespace).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from irminsul.engine.grammar import Grammars, reason
-from irminsul.engine.pool import LatentPool
-from irminsul.engine.reuse import make_reuse
-from irminsul.engine.sampling import SamplingParams, adjust_logits, request_seed, sample_batch
-from irminsul.engine.sequence import Sequence, TokenLogprob
+from irminsul.engine.model_runner import ModelRunner, ScheduledBatch
+from irminsul.engine.output import OutputProcessor
+from irminsul.engine.sampling import SamplingParams, request_seed
+from irminsul.engine.scheduler import Scheduler
+from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
-from irminsul.model.attention import EMPTY_SLOT, PADDING_SLACK, SeqAttention, consecutive
-from irminsul.model.compiled import resolve
-from irminsul.model.deepseek import DeepseekModel
-from irminsul.model.mla import ForwardBatch
+from irminsul.kvcache.manager import KVCacheManager, PoolBusy, PoolFull
+from irminsul.kvcache.pool import LatentPool
 from irminsul.model.tokenizer import Tokenizer
-
-log = logging.getLogger("irminsul.engine")
 
 DEFAULT_KV_CACHE_GIB = 1.0  # on the CPU (committed lazily, as rows are written)
 GPU_MEMORY_SHARE = 0.85  # on a GPU: this share of the memory free once the weights are loaded
@@ -60,27 +59,28 @@ def memory_bytes(device) -> float:
         return math.inf
 
 
-class PoolFull(RequestError):
-    """The request cannot get rows now, even after evicting every cached row nobody is using."""
-
-
-class PoolBusy(PoolFull):
-    """... but it could once running requests give theirs back: a retry may succeed (a 503)."""
+@dataclass(frozen=True)
+class StepOutput:
+    seq: Sequence
+    token: int | None  # the token sampled this step (None: still in prefill, or finished without one)
+    text: str  # output text that became safe to show with this step
+    finished: bool
 
 
 class Engine:
-    def __init__(self, model: DeepseekModel, tokenizer: Tokenizer, reuse: str = "off",
-                 max_prefill_tokens: int = 2048, kv_cache_gib: float | None = None, pool: LatentPool | None = None,
-                 compile_decode: bool | None = None, **cache_options):
+    def __init__(self, model, tokenizer: Tokenizer, reuse: str = "off", max_prefill_tokens: int = 2048,
+                 kv_cache_gib: float | None = None, pool: LatentPool | None = None,
+                 compile_decode: bool | None = None, max_running_requests: int = 256,
+                 decode_slowdown: float | None = 2.0, **cache_options):
         """`pool`: share another engine's pool (engines over the same weights, each with its own
         cache, as the evaluations compare strategies); otherwise one of `kv_cache_gib` GiB.
-        `compile_decode`: decode steps run compiled: with the torch backend on a CPU, one sequence and
-        small batches through torch.compile (model/compiled.py, once per model); with the triton
-        backend on a GPU, batches up to 128 as CUDA graphs (model/graphs.py, once per engine: they
-        hold its pool). None: where available, True: required, False: never (vLLM's enforce_eager)."""
+        `compile_decode`: see `ModelRunner`. `max_running_requests`, `decode_slowdown`: see
+        `Scheduler`. `cache_options`: see `KVCacheManager`."""
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = model.config
-        self.max_prefill_tokens = max_prefill_tokens
+        if unknown := sorted(set(cache_options) - KVCacheManager.options()):
+            raise RequestError(f"unknown cache option {', '.join(unknown)}; "
+                               f"the options are {', '.join(sorted(KVCacheManager.options()))}")
         if pool is None:
             gib = default_kv_cache_gib(model.device) if kv_cache_gib is None else kv_cache_gib
             if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf:
@@ -90,34 +90,29 @@ class Engine:
                                    f"{'this GPU' if torch.device(model.device).type == 'cuda' else 'this machine'} has")
             pool = LatentPool.sized(cfg, int(gib * 2**30), model.dtype, model.device)
         self.pool = pool
-        self.cache = make_reuse(reuse, self.pool, cfg.num_hidden_layers, **cache_options)
-        if self.cache.recompute_ratio and not hasattr(model, "fresh_rows"):
+        self.kv = KVCacheManager(reuse, pool, cfg.num_hidden_layers, **cache_options)
+        self.runner = ModelRunner(model, pool, compile_decode)
+        if self.kv.recompute_ratio and not self.runner.supports_recompute:
             raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
-        try:
-            if getattr(model.attention, "name", None) == "triton":  # CUDA graphs (model/graphs.py)
-                from irminsul.model import graphs
-
-                self._compiled, self._graphs = None, graphs.resolve(model, self.pool.rows, compile_decode)
-            else:  # the torch backend: compiled on a CPU (model/compiled.py)
-                self._compiled, self._graphs = resolve(model, compile_decode), None
-        except ValueError as e:
-            raise RequestError(f"compile_decode: {e}") from None
         eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
         self.eos_ids = frozenset(eos - {None})
-        self._grammars: Grammars | None = None
-
-    @property
-    def grammars(self) -> Grammars:
-        """Structured output's matcher factory, built on first use."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer.to_json(), self.config.vocab_size, self.eos_ids)
-        return self._grammars
+        self.output = OutputProcessor(tokenizer, cfg.vocab_size, self.eos_ids, cfg.max_position_embeddings)
+        self.scheduler = Scheduler(self.kv, max_prefill_tokens, max_running_requests, decode_slowdown,
+                                   choose_recompute=self._choose_recompute)
 
     @property
     def reuse(self) -> str:
-        return self.cache.mode
+        return self.kv.mode
 
-    # -- admission -------------------------------------------------------------------------
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self.scheduler.max_prefill_tokens
+
+    @property
+    def grammars(self):
+        return self.output.grammars
+
+    # -- requests ---------------------------------------------------------------------------
 
     def validate_prompt(self, tokens: list[int], room: int = 1) -> None:
         """Token ids in the vocabulary, and `room` positions left after them in the context (a prompt
@@ -160,353 +155,80 @@ class Engine:
                         tenant=tenant, seed=request_seed(params.seed), matcher=matcher,
                         detok=self.tokenizer.decode_stream(params.skip_special_tokens), leader=leader)
 
-    def admit(self, seq: Sequence) -> bool:
-        """Plan the sequence against the cache and give it rows: shared slots for what it reuses,
-        fresh ones for what it computes. False (holding nothing) when it must wait: a running
-        sequence is computing some of its chunks right now, its leader is still computing their
-        shared prompt, or the pool cannot hold it yet."""
-        lead = seq.leader
-        if lead is not None and lead.admitted and not lead.finished and lead.prompt_len == seq.prompt_len:
-            return False if lead.in_prefill else self._admit_sibling(seq, lead)
-        if self.cache.waits_for(seq.tokens, seq.segment_starts, seq.tenant):
-            return False
-        self.cache.prepare(seq)  # the plan, the slot table of reused rows, the stats
-        try:
-            if self.cache.recompute_ratio and not self._select_recompute(seq):
-                self._unadmit(seq)
-                return False
-            if not self._alloc(seq, seq.pending):
-                self._unadmit(seq)
-                return False
-        except BaseException:
-            self._unadmit(seq)
-            raise
-        return True
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a sequence; `step` admits it when the pool has room."""
+        self.scheduler.add(seq)
 
-    def _admit_sibling(self, seq: Sequence, lead: Sequence) -> bool:
-        """Share the leader's prompt rows (one more reference each) and compute only the last prompt
-        position, whose logits start this choice. Counted as prefix tokens: rows found, not computed."""
-        n = seq.prompt_len - 1
-        seq.slots = np.zeros(seq.prompt_len, np.int64)
-        seq.slots[:n] = lead.slots[:n]
-        self.pool.retain(seq.slots[:n])
-        seq.pending = np.array([n], np.int64)
-        seq.plan, seq.registered = None, seq.prompt_len
-        st = seq.stats
-        st.prompt_tokens, st.prefix_tokens, st.reused_tokens, st.computed_tokens = seq.prompt_len, n, 0, 1
-        st.carve_out_tokens = st.s1_tokens = 0
-        if not self._alloc(seq, seq.pending):
-            self._unadmit(seq)
-            return False
-        seq.leader = None  # admitted: it holds its own references now
-        return True
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+        self.output.forget(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    # -- the step loop ----------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """One scheduled step: every running sequence's new token and the text that became safe to
+        show; finished sequences' rows go to the cache."""
+        batch, failed = self.scheduler.schedule()
+        out = [StepOutput(seq, None, self.output.delta(seq), True) for seq in failed]
+        if batch is None:
+            return out
+        t = time.perf_counter()
+        new = self._execute(batch)
+        self.scheduler.observe(time.perf_counter() - t, batch, decoded=any(x is not None for x in new))
+        for seq, token in zip(batch.seqs, new):
+            text = self.output.delta(seq)
+            if seq.finished:
+                self.scheduler.finish(seq)
+            if token is not None or seq.finished:
+                out.append(StepOutput(seq, token, text, seq.finished))
+        return out
+
+    def _execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Forward + sample over a batch; appends the new token to each sequence that produced one."""
+        logits = self.runner.execute(batch, stale_keys=self.kv.mode == "naive")
+        for seq, take in zip(batch.seqs, batch.takes):
+            if take is not None:
+                self.kv.computed(seq)  # in-flight reuse: chunks whose rows now exist
+        return self.output.process(batch.seqs, logits)
+
+    # -- whole-request helpers (offline; the scheduler batches many) ------------------------
 
     def add(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
             tenant: str | None = None) -> Sequence:
-        """Validate and admit now (single-request use; the scheduler admits when there is room)."""
+        """Validate and admit now (single-request use; `add_request` queues instead)."""
         seq = self.new_sequence(tokens, params, segment_starts, tenant)
-        if self.admit(seq):
+        if self.scheduler.admit(seq):
             return seq
-        if self.cache.waits_for(seq.tokens, seq.segment_starts, seq.tenant):
+        if self.kv.waits_for(seq):
             raise PoolFull("a running request is computing this prompt's content; admit it through the scheduler")
         raise PoolFull(f"the KV pool ({self.pool.describe()}) cannot hold this request even "
                        f"after evicting every cached row; raise kv_cache_gib or shorten the prompt")
 
-    def _alloc(self, seq: Sequence, positions: np.ndarray) -> bool:
-        """Fresh slots for positions of seq (rows to compute), evicting cached content if needed."""
-        if not len(positions):
-            return True
-        if not self.cache.make_room(len(positions), [seq.tenant]):
-            return False
-        slots = self.pool.alloc(len(positions))
-        seq.slots[positions] = slots
-        self.pool.computed_at[slots] = positions
-        return True
-
-    def _unadmit(self, seq: Sequence) -> None:
-        """Undo admission: release the plan, its in-flight claims and every row the sequence holds."""
-        reason, seq.finish_reason = seq.finish_reason, "abort"
-        try:
-            self.cache.finish(seq)
-        finally:
-            seq.finish_reason = reason
-            self.pool.release(seq.slots)
-            seq.slots = np.zeros(0, np.int64)
-            seq._buf = None
-            seq.pending = np.zeros(0, np.int64)
-
-    def reserve(self, seqs: list[Sequence]) -> bool:
-        """A slot for each decoding sequence's newest token; False if the pool cannot give them all."""
-        need = []
-        for seq in seqs:
-            if not seq.in_prefill:
-                seq.grow()
-                if seq.slots[-1] == EMPTY_SLOT:
-                    need.append(seq)
-        if not need:
-            return True
-        if not self.cache.make_room(len(need), [seq.tenant for seq in need]):
-            return False
-        slots = self.pool.alloc(len(need))
-        for seq, slot in zip(need, slots):
-            seq.slots[-1] = slot
-            self.pool.computed_at[slot] = len(seq.tokens) - 1
-        return True
-
-    def preempt(self, seq: Sequence) -> None:
-        """Take every row from a running sequence; it keeps its tokens and is admitted again later,
-        recomputing (or reusing) what it had. Chunks it already offered the cache stay there."""
-        self._unadmit(seq)
-        seq.stats.preempted += 1
-
-    # -- stepping ------------------------------------------------------------------------
-
-    def _forward(self, seqs: list[Sequence], takes: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
-        """Compute positions takes[i] of seqs[i] (their slots already allocated); final hidden [N, H]."""
-        naive = self.cache.mode == "naive"  # stale k_r: keys read at the position they were computed at
-        specs, ids, offsets = [], [], [0]
-        for seq, take in zip(seqs, takes):
-            keys = seq.slots[: int(take[-1]) + 1]
-            specs.append(SeqAttention(take, keys, self.pool.computed_at[keys] if naive else None))
-            ids.append([seq.tokens[-1]] if len(take) == 1 and take[0] == len(seq.tokens) - 1
-                       else np.asarray(seq.tokens)[take])
-            offsets.append(offsets[-1] + len(take))
-        takes_all = np.concatenate(takes)
-        write = np.concatenate([seq.slots[take] for seq, take in zip(seqs, takes)])
-        dev = self.model.device
-        batch = ForwardBatch(torch.as_tensor(np.concatenate(ids), device=dev), torch.as_tensor(takes_all, device=dev),
-                             self.pool.rows, torch.as_tensor(write, device=dev),
-                             self.model.attention.plan(specs, offsets, dev))
-        return self.model(batch), offsets
-
-    def forward(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[torch.Tensor | None]:
-        """One forward pass; the next-token logits [vocab] of each sequence whose prompt is done
-        (None for one still in prefill, or one that got no prefill tokens this step). At most
-        `prefill_budget` (default max_prefill_tokens) prompt positions are computed in all. The
-        logits may be views of a captured step's output buffer: valid until the next step."""
-        # compiled decode steps read each key at its own position: not `naive` (stale k_r)
-        if ((self._compiled is not None or self._graphs is not None) and self.cache.mode != "naive"
-                and not any(s.in_prefill for s in seqs)):
-            logits = self._compiled_decode(seqs) if self._compiled is not None else self._graph_decode(seqs)
-            if logits is not None:
-                for seq in seqs:
-                    self.cache.computed(seq)
-                return list(logits)
-        takes, ran = [], []
-        budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
-        for seq in seqs:
-            if seq.in_prefill:
-                if budget <= 0:
-                    continue
-                take = seq.pending[:budget]
-                budget -= len(take)
-                seq.pending = seq.pending[len(take) :]
-            else:  # decode: only the last token, whose row is not computed yet
-                take = np.array([len(seq.tokens) - 1])
-            takes.append(take)
-            ran.append(seq)
-        out: dict[int, torch.Tensor] = {}
-        if ran:
-            hidden, offsets = self._forward(ran, takes)
-            for seq in ran:
-                self.cache.computed(seq)  # in-flight reuse: chunks whose rows now exist
-            wanted = [i for i, s in enumerate(ran) if not s.in_prefill]
-            if wanted:
-                logits = self.model.logits(hidden[[offsets[i + 1] - 1 for i in wanted]])
-                out = {ran[i].id: logits[row] for row, i in enumerate(wanted)}
-        return [out.get(seq.id) for seq in seqs]
-
-    def _compiled_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """The next-token logits [B, vocab] of decoding sequences through the compiled step, or None (the
-        engine's path). A sequence alone whose rows sit in consecutive slots is read in place; otherwise
-        (where the compiled step covers batches, up to its `max_batch` sequences) their rows are gathered
-        through their slot tables, when padding them to one length costs at most PADDING_SLACK times the
-        real work."""
-        dev = self.model.device
-        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
-        if len(seqs) == 1 and consecutive(slots := seqs[0].slots[: lens[0]]):
-            hidden = self._compiled(torch.tensor([seqs[0].tokens[-1]], device=dev), torch.tensor(lens - 1, device=dev),
-                                    self.pool.rows, int(slots[0]), int(lens[0]))
-        else:
-            t = int(lens.max()) - 1
-            if len(seqs) > self._compiled.max_batch or len(seqs) * t > PADDING_SLACK * (lens.sum() - len(seqs)):
-                return None
-            key_slots = np.full((len(seqs), t), EMPTY_SLOT, np.int64)
-            for i, s in enumerate(seqs):
-                key_slots[i, : lens[i] - 1] = s.slots[: lens[i] - 1]
-            write = np.fromiter((s.slots[n - 1] for s, n in zip(seqs, lens)), np.int64, len(seqs))
-            hidden = self._compiled.batch(torch.tensor([s.tokens[-1] for s in seqs], device=dev),
-                                          torch.from_numpy(lens - 1).to(dev), torch.from_numpy(key_slots).to(dev),
-                                          self.pool.rows, torch.from_numpy(write).to(dev))
-        return self.model.logits(hidden)
-
-    def _graph_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """The next-token logits [B, vocab] of decoding sequences through a captured step when it
-        covers them (`DecodeGraphs.fits`); else None."""
-        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
-        if not self._graphs.fits(len(seqs), int(lens.max())):
-            return None
-        return self._graphs(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens,
-                            [s.slots[:n] for s, n in zip(seqs, lens)])
-
-    def step(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[int | None]:
-        """Forward + sample; appends the new token to each sequence that produced one. Decoding
-        sequences need their slot first (`reserve`)."""
-        logits = self.forward(seqs, prefill_budget)
-        rows = [i for i, x in enumerate(logits) if x is not None]
-        new: list[int | None] = [None] * len(seqs)
-        if not rows:
-            return new
-        stacked = torch.stack([logits[i] for i in rows])
-        wants = [row for row, i in enumerate(rows) if seqs[i].params.logprobs is not None]
-        logprobs = dict(zip(wants, stacked[wants].log_softmax(-1))) if wants else {}  # the model's, unadjusted
-        failed: dict[int, str] = {}  # row -> why: an error in one row ends that sequence alone
-        for row, i in enumerate(rows):
-            p = seqs[i].params
-            if p.adjusts_logits:
-                ends = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_ids)]
-                try:
-                    stacked[row] = adjust_logits(stacked[row], p, seqs[i].tokens[: seqs[i].prompt_len],
-                                                 seqs[i].output_ids, ends)
-                except Exception as e:
-                    failed[row] = self._internal_error("adjusting the logits", seqs[i], e)
-        constrained = [row for row, i in enumerate(rows) if seqs[i].matcher is not None and row not in failed]
-        if constrained:
-            self._mask(stacked, constrained, [seqs[rows[row]] for row in constrained], failed)
-        batch = [seqs[i] for i in rows]
-        tokens = self._choose(batch, stacked, failed)
-        for row, i in enumerate(rows):
-            seq, token = seqs[i], tokens[row]
-            if row in failed:
-                seq.finish_reason, seq.error = "abort", failed[row]
-                continue
-            if seq.matcher is not None and seq.matcher.is_error():
-                self._constraint_failed(seq)
-                continue
-            before = len(seq.tokens)
-            self._append(seq, token)
-            appended = len(seq.tokens) > before
-            # a stop token (EOS or stop_token_ids) is not output, but its log-prob is, as vLLM's are:
-            # lm-evaluation-harness drops the last entry of an echoed prompt + one generated token
-            if row in logprobs and (appended or seq.finish_reason == "stop"):
-                seq.logprobs.append(TokenLogprob.of(logprobs[row], token, seq.params.logprobs, stop=not appended))
-            new[i] = token
-        return new
-
-    def _mask(self, stacked: torch.Tensor, constrained: list[int], seqs: list[Sequence],
-              failed: dict[int, str]) -> None:
-        """-inf on the tokens each constrained row's grammar rules out: one mask call for all of
-        them; should it fail, one call per row, so a failing matcher ends only its own sequence."""
-        try:
-            allowed = self.grammars.allowed([seq.matcher for seq in seqs])
-            stacked[constrained] = stacked[constrained].masked_fill(~allowed, float("-inf"))
-            return
-        except Exception:
-            pass
-        for row, seq in zip(constrained, seqs):
-            try:
-                stacked[row] = stacked[row].masked_fill(~self.grammars.allowed([seq.matcher])[0], float("-inf"))
-            except Exception as e:
-                failed[row] = self._internal_error("computing the grammar's token mask", seq, e)
-
-    def _choose(self, batch: list[Sequence], stacked: torch.Tensor, failed: dict[int, str]) -> list[int]:
-        """The next token of each row: greedy, or sampled in one batched call (its one host copy is
-        here). Should that call fail, the rows are sampled one by one (the same tokens: the
-        randomness is per row), so the error ends only the sequence whose row raised it."""
-        if all(seq.params.greedy for seq in batch):
-            return stacked.argmax(-1).tolist()
-        try:
-            return sample_batch(stacked, [seq.params for seq in batch], [seq.seed for seq in batch],
-                                [len(seq.output_ids) for seq in batch]).tolist()
-        except Exception:
-            pass
-        tokens = []
-        for row, seq in enumerate(batch):
-            try:
-                tokens.append(int(sample_batch(stacked[row : row + 1], [seq.params], [seq.seed],
-                                               [len(seq.output_ids)])[0]))
-            except Exception as e:
-                failed[row] = self._internal_error("sampling", seq, e)
-                tokens.append(-1)
-        return tokens
-
-    @staticmethod
-    def _internal_error(doing: str, seq: Sequence, e: Exception) -> str:
-        log.error("request %s: internal error while %s (%s: %s); ending this request only",
-                  seq.id, doing, type(e).__name__, e)
-        return f"internal error while {doing}: {type(e).__name__}"
-
-    def _append(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            seq.finish_reason = "stop"
-            return
-        seq.tokens.append(token)
-        seq.stats.generated_tokens += 1
-        before = len(seq.text)
-        seq.text += seq.detok(token)
-        if seq.matcher is not None:
-            seq.matcher.consume_token(token)  # the mask allowed it; the matcher only moves on ...
-            if seq.matcher.is_error():  # ... unless nothing can follow (it says "stopped" then too)
-                self._constraint_failed(seq)
-                return
-        if p.stop and len(seq.output_ids) >= p.min_tokens and self._cut_at_stop(seq, before):
-            seq.finish_reason = "stop"
-        elif seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
-            seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.config.max_position_embeddings:
-            seq.finish_reason = "length"
-
-    @staticmethod
-    def _constraint_failed(seq: Sequence) -> None:
-        """The grammar reached a dead end (a schema that allows no finite output, say): the request's
-        fault (400), not the server's."""
-        seq.finish_reason, seq.error = "abort", f"the output constraint failed: {reason(seq.matcher)}"
-        seq.error_status = 400
-
-    @staticmethod
-    def _cut_at_stop(seq: Sequence, before: int) -> bool:
-        """Look for a stop string in the text the new token completed; cut the output before it."""
-        start = max(0, before - max(len(s) for s in seq.params.stop) + 1)
-        hits = [(i, i + len(s)) for i, s in ((seq.text.find(s, start), s) for s in seq.params.stop) if i >= 0]
-        if hits:
-            at, end = min(hits)
-            seq.text = seq.text[: end if seq.params.include_stop_str_in_output else at]
-        return bool(hits)
-
-    def streamable(self, seq: Sequence) -> str:
-        """The output text that is safe to show now: never the start of what may become a stop string."""
-        if seq.finished or not seq.params.stop:
-            return seq.text
-        return seq.text[: max(0, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)]
+    def run(self, seq: Sequence) -> Sequence:
+        """Generate until an admitted sequence is done, alone; its rows then go to the cache."""
+        while not seq.finished:
+            if not self.scheduler.reserve([seq]):
+                self.finish(seq)
+                raise PoolFull(f"the KV pool ({self.pool.describe()}) is full; raise kv_cache_gib")
+            self._execute(self.scheduler.batch([seq]))
+        self.finish(seq)
+        return seq
 
     def finish(self, seq: Sequence) -> None:
         """Hand the sequence's rows to the cache (registry and tree) and drop its own references."""
-        if seq.finish_reason is None:
-            seq.finish_reason = "abort"
-        try:
-            self.cache.finish(seq)
-        finally:
-            self.pool.release(seq.slots)
-            seq.slots = np.zeros(0, np.int64)
-            seq._buf = None
+        self.scheduler.finish(seq)
+        self.output.forget(seq)
 
     def close(self) -> None:
         """Drop everything the cache holds (its rows go back to the pool, which may be shared)."""
-        self.cache.clear()
-
-    # -- whole-request helpers -----------------------------------------------------------
-
-    def run(self, seq: Sequence) -> Sequence:
-        """Generate until the sequence is done (it runs alone; the scheduler batches many)."""
-        while not seq.finished:
-            if not self.reserve([seq]):
-                self.finish(seq)
-                raise PoolFull(f"the KV pool ({self.pool.describe()}) is full; "
-                               f"raise kv_cache_gib")
-            self.step([seq])
-        self.finish(seq)
-        return seq
+        self.kv.clear()
 
     @torch.inference_mode()
     def score(self, prompt: list[int], continuation: list[int], segment_starts: list[int] | None = None,
@@ -526,17 +248,16 @@ class Engine:
         seq.tokens = tokens[:-1]
         seq.grow()
         extra = np.arange(n, len(tokens) - 1)
-        if not self._alloc(seq, extra):
+        if not self.kv.allocate(seq, extra):
             self.finish(seq)
             raise PoolFull("the KV pool cannot hold the continuation; raise kv_cache_gib")
-        seq.pending = np.concatenate([seq.pending, extra])
+        seq.extend_pending(extra)
         pieces = []
         while seq.in_prefill:
-            take = seq.pending[: self.max_prefill_tokens]
-            seq.pending = seq.pending[len(take) :]
-            hidden, _ = self._forward([seq], [take])
-            self.cache.computed(seq)
-            pieces.append(self.model.logits(hidden[torch.as_tensor(take >= n - 1)]))
+            take = seq.take_pending(self.max_prefill_tokens)
+            hidden, _ = self.runner.forward([seq], [take], stale_keys=self.kv.mode == "naive")
+            self.kv.computed(seq)
+            pieces.append(self.runner.logits(hidden[torch.as_tensor(take >= n - 1)]))
         seq.tokens = tokens
         seq.finish_reason = "stop"
         self.finish(seq)  # registers the rows that exist: every token but the last
@@ -551,52 +272,48 @@ class Engine:
         if len(ids) > self.pool.n_slots - 1:
             raise RequestError(f"the document has {len(ids)} tokens but the KV pool holds {self.pool.describe()}; "
                                f"raise kv_cache_gib or publish it in parts")
-        seq = Sequence(tokens=ids, prompt_len=len(ids), params=SamplingParams(max_tokens=1))
-        seq.slots = np.zeros(len(ids), np.int64)
-        if not self._alloc(seq, np.arange(len(ids))):
+        slots = self.kv.take(len(ids))
+        if slots is None:
             raise PoolBusy(f"the KV pool ({self.pool.describe()}) has no room for this document's {len(ids)} rows "
                            f"while the running requests hold theirs; retry later")
         try:
+            positions = np.arange(len(ids))
+            self.pool.computed_at[slots] = positions
+            doc = Sequence(tokens=ids, prompt_len=len(ids), params=SamplingParams(max_tokens=1))
+            doc.admit(slots, np.zeros(0, np.int64), None, {})
             for start in range(0, len(ids), self.max_prefill_tokens):
-                take = np.arange(start, min(len(ids), start + self.max_prefill_tokens))
-                self._forward([seq], [take])
-            return self.cache.register_published(np.asarray(ids, np.int64), seq.slots, segment_starts)
+                self.runner.forward([doc], [positions[start : start + self.max_prefill_tokens]])
+            return self.kv.publish(np.asarray(ids, np.int64), slots, segment_starts)
         finally:
-            self.pool.release(seq.slots)
+            self.pool.release(slots)
 
     # -- pic+r ---------------------------------------------------------------------------
 
-    def _select_recompute(self, seq: Sequence) -> bool:
-        """pic+r (CacheBlend, Yao et al. 2025): recompute the fraction r of reused rows whose c_KV at
-        the check layer deviates most from what the current context gives. Layers [0, check_layer)
-        run over every non-prefix position into scratch slots; only their latent at check_layer is
-        compared. False if the pool has no room for the scratch rows now."""
-        cache = self.cache
-        reused = np.concatenate([np.arange(s.start, s.end) for s in seq.plan.spans if s.kind == "reuse"] or
+    def _choose_recompute(self, seq: Sequence) -> np.ndarray | None:
+        """pic+r (CacheBlend, Yao et al. 2025): the fraction r of reused rows whose c_KV at the check
+        layer deviates most from what the current context gives. Layers [0, check_layer) run over
+        every non-prefix position into scratch slots; only their latent at check_layer is compared.
+        None if the pool has no room for the scratch rows now."""
+        kv = self.kv
+        reused = np.concatenate([np.arange(s.start, s.end) for s in seq.reuse_plan.spans if s.kind == "reuse"] or
                                 [np.zeros(0, np.int64)])
-        k = int(math.ceil(cache.recompute_ratio * len(reused)))
+        k = int(math.ceil(kv.recompute_ratio * len(reused)))
         if k == 0:
-            return True
+            return reused[:0]
         run = np.union1d(reused, seq.pending)
-        if not cache.make_room(len(run)):
-            return False
-        scratch = self.pool.alloc(len(run))
+        scratch = kv.take(len(run))
+        if scratch is None:
+            return None
         try:
             table = seq.slots.copy()
             table[run] = scratch
             self.pool.computed_at[scratch] = run
+            fresh = self.runner.latents(np.asarray(seq.tokens), run, table, scratch, kv.check_layer)
             dev = self.model.device
-            spec = SeqAttention(run, table[: int(run[-1]) + 1])
-            batch = ForwardBatch(torch.as_tensor(np.asarray(seq.tokens)[run], device=dev),
-                                 torch.as_tensor(run, device=dev), self.pool.rows, torch.as_tensor(scratch, device=dev),
-                                 self.model.attention.plan([spec], [0, len(run)], dev))
-            r = self.config.kv_lora_rank
-            fresh = self.model.fresh_rows(batch, cache.check_layer)[:, :r]
             at = torch.as_tensor(np.searchsorted(run, reused), device=dev)
-            cached = self.pool.rows[cache.check_layer, torch.as_tensor(seq.slots[reused], device=dev), :r].float()
+            r = self.config.kv_lora_rank
+            cached = self.pool.rows[kv.check_layer, torch.as_tensor(seq.slots[reused], device=dev), :r].float()
             deviation = (fresh[at].float() - cached).norm(dim=-1) / cached.norm(dim=-1).clamp_min(1e-12)
-            chosen = np.sort(reused[deviation.topk(k).indices.cpu().numpy()])
+            return np.sort(reused[deviation.topk(k).indices.cpu().numpy()])
         finally:
             self.pool.release(scratch)
-        cache.recompute(seq, chosen)
-        return True

@@ -17,7 +17,6 @@ import torch
 from irminsul.bundled import bundled_model
 from irminsul.engine.engine import Engine
 from irminsul.engine.sampling import SamplingParams
-from irminsul.engine.scheduler import Scheduler
 from irminsul.engine.sequence import RequestStats, TokenLogprob
 from irminsul.errors import RequestError
 from irminsul.model.identity import checkpoint_id
@@ -92,11 +91,11 @@ class LLM:
             self.model.set_attention_backend(attention_backend)
         self.tokenizer = Tokenizer(self.path)
         cache_options.setdefault("model_id", checkpoint_id(self.path, dtype))
-        self.engine = Engine(self.model, self.tokenizer, reuse=reuse, kv_cache_gib=kv_cache_gib,
-                             compile_decode=compile_decode, **cache_options)
         # Offline batches are for throughput: prompts are prefilled at the full per-step budget
         # (the server keeps decode_slowdown=2: its streams' inter-token latency comes first).
-        self.scheduler = Scheduler(self.engine, max_running_requests, decode_slowdown=None)
+        self.engine = Engine(self.model, self.tokenizer, reuse=reuse, kv_cache_gib=kv_cache_gib,
+                             compile_decode=compile_decode, max_running_requests=max_running_requests,
+                             decode_slowdown=None, **cache_options)
 
     @property
     def reuse(self) -> str:
@@ -124,13 +123,13 @@ class LLM:
             tokens, segments = normalize_prompt(p, self.tokenizer)
             seqs.append(self.engine.new_sequence(tokens, params, segments))
         for seq in seqs:
-            self.scheduler.add(seq)
+            self.engine.add_request(seq)
         try:
             while any(not s.finished for s in seqs):
-                self.scheduler.step()
+                self.engine.step()
         except BaseException:
             for seq in seqs:
-                self.scheduler.abort(seq)
+                self.engine.abort(seq)
             raise
         for seq in seqs:
             if seq.error:
@@ -154,4 +153,4 @@ class LLM:
 
     def stats(self) -> dict:
         """kv_pool_bytes_used / _capacity, cached_bytes, running_sequences, waiting_sequences."""
-        return self.scheduler.stats()
+        return self.engine.stats()

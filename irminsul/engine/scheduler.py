@@ -1,38 +1,40 @@
-"""Continuous batching inside the engine, for the offline `LLM` and the server alike (in the spirit of
-nano-vllm's and mini-sglang's schedulers).
+"""Continuous batching (in the spirit of nano-vllm's and mini-sglang's schedulers). The scheduler owns
+the KV manager: admission, the reservation of rows, preemption and the prefill budget are here.
 
-Every `step()`:
+Every step (`schedule`):
 
-1. admit waiting sequences in arrival order while the running cap allows and the engine can give
-   them rows (`Engine.admit`: the cache plan, shared slots for reused rows, fresh ones for the rest,
-   evicting cached rows nobody uses). A sequence whose content a running sequence is computing
-   right now waits for it (in-flight reuse), and so does everything behind it;
+1. admit waiting sequences in arrival order while the running cap allows and the KV manager can
+   give them rows (the cache plan, shared slots for reused rows, fresh ones for the rest, evicting
+   cached rows nobody uses). A sequence whose content a running sequence is computing right now
+   waits for it (in-flight reuse), and so does everything behind it;
 2. give every decoding sequence a slot for its newest token; when the pool cannot, preempt the
    most recently admitted sequence (its rows are freed, it goes back to the front of the queue
    and is recomputed, or partly reused, when admitted again) and try again;
-3. run ONE `Engine.step` over every running sequence: prefill chunks together with one decode
+3. hand the engine ONE batch of every running sequence: prefill chunks together with one decode
    token for each sequence already past its prompt. The prefill chunk is at most
    `max_prefill_tokens`, and while sequences are decoding it is sized so that the step takes at
    most `decode_slowdown` times a decode-only step, so arriving prompts never stall the streams.
-   The size is found by feedback, not a cost model (a prompt's late tokens attend to more rows, and
-   a step that carries prefill has a fixed cost of its own): it shrinks by 30% after a step over
-   80% of the limit and grows by 10% after one under it (never below MIN_CHUNK); the decode-only
-   step time is a moving average, refreshed by one decode-only step in 16 while prompts are waiting;
-4. report each sequence's new text and finish those that are done.
+   The size is found by feedback (`observe`), not a cost model (a prompt's late tokens attend to
+   more rows, and a step that carries prefill has a fixed cost of its own): it shrinks by 30% after
+   a step over 80% of the limit and grows by 10% after one under it (never below MIN_CHUNK); the
+   decode-only step time is a moving average, refreshed by one decode-only step in 16 while
+   prompts are waiting.
 
+After the step the engine hands back the finished sequences (`finish`), whose rows go to the cache.
 Nothing here is thread-safe: one thread drives a scheduler (the server runs it on a worker thread).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from irminsul.engine.engine import Engine
+import numpy as np
+
+from irminsul.engine.model_runner import ScheduledBatch
 from irminsul.engine.sequence import Sequence
+from irminsul.kvcache.manager import KVCacheManager
 
 log = logging.getLogger("irminsul.engine")
 # a step beside decoding carries at least this many prompt positions: such a step runs the engine's
@@ -42,37 +44,25 @@ log = logging.getLogger("irminsul.engine")
 MIN_CHUNK = 32.0
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    seq: Sequence
-    token: int | None  # the token sampled this step (None: still in prefill, or finished without one)
-    text: str  # output text that became safe to show with this step
-    finished: bool
-
-
 class Scheduler:
-    def __init__(self, engine: Engine, max_running_requests: int = 256,
-                 on_admit: Callable[[Sequence], None] | None = None, decode_slowdown: float | None = 2.0):
+    def __init__(self, kv: KVCacheManager, max_prefill_tokens: int = 2048, max_running_requests: int = 256,
+                 decode_slowdown: float | None = 2.0,
+                 choose_recompute: Callable[[Sequence], np.ndarray | None] | None = None):
+        """`choose_recompute(seq)`: pic+r's choice of the reused rows to recompute (None: no room for
+        its check now); given by the engine, which runs the model for it."""
         if decode_slowdown is not None and not decode_slowdown > 1:
             raise ValueError(f"decode_slowdown={decode_slowdown} must be > 1 (or None: no limit)")
-        self.engine = engine
+        self.kv = kv
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_running_requests = max_running_requests
-        self.on_admit = on_admit  # told of every admission (a preempted sequence is admitted again)
         self.decode_slowdown = decode_slowdown
+        self.choose_recompute = choose_recompute
+        self.on_admit: Callable[[Sequence], None] | None = None  # told of every admission (again after preemption)
         self._decode_s: float | None = None  # moving average of a decode-only step's seconds
         self._chunk = 64.0  # prompt positions a step beside decoding carries (adapted, see step 3)
         self._steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._shown: dict[int, int] = {}  # characters of output text already reported, per sequence
-
-    def stats(self) -> dict:
-        """The pool and the queue now: bytes the pool holds and can hold, bytes the cache holds
-        (counted once however many sequences and entries share them), sequences running and waiting."""
-        pool = self.engine.pool
-        return {"kv_pool_bytes_used": pool.used_bytes, "kv_pool_bytes_capacity": pool.capacity_bytes,
-                "cached_bytes": len(self.engine.cache.cached_slots) * pool.bytes_per_slot,
-                "running_sequences": len(self.running), "waiting_sequences": len(self.waiting)}
 
     @property
     def has_work(self) -> bool:
@@ -89,57 +79,119 @@ class Scheduler:
         elif seq in self.running:
             self.running.remove(seq)
             seq.finish_reason = "abort"
-            self.engine.finish(seq)
-        self._shown.pop(seq.id, None)
+            self.kv.free(seq)
 
-    def step(self) -> list[StepOutput]:
-        out = self._admit()
+    # -- one sequence's rows ----------------------------------------------------------------
+
+    def admit(self, seq: Sequence) -> bool:
+        """Plan the sequence against the cache and give it rows: shared slots for what it reuses,
+        fresh ones for what it computes. False (holding nothing) when it must wait: a running
+        sequence is computing some of its chunks right now, its leader is still computing their
+        shared prompt, or the pool cannot hold it yet."""
+        lead = seq.leader
+        if lead is not None and lead.admitted and not lead.finished and lead.prompt_len == seq.prompt_len:
+            if lead.in_prefill:
+                return False
+            self.kv.share_prompt(seq, lead)
+        else:
+            if self.kv.waits_for(seq):
+                return False
+            self.kv.plan(seq)
+        try:
+            if self.kv.recompute_ratio and seq.reuse_plan is not None:
+                chosen = self.choose_recompute(seq)
+                if chosen is None:
+                    self._unadmit(seq)
+                    return False
+                if len(chosen):
+                    self.kv.recompute(seq, chosen)
+            if not self.kv.allocate(seq, seq.pending):
+                self._unadmit(seq)
+                return False
+        except BaseException:
+            self._unadmit(seq)
+            raise
+        seq.leader = None  # admitted: it holds its own references now
+        return True
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Undo admission: its plan's claims and every row it holds go back; nothing is cached."""
+        self.kv.free(seq, cache=False)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take every row from a running sequence; it keeps its tokens and is admitted again later,
+        recomputing (or reusing) what it had. Chunks it already offered the cache stay there."""
+        self._unadmit(seq)
+        seq.stats.preempted += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """A finished sequence's rows go to the cache (registry and tree) and its own references go."""
+        if seq.finish_reason is None:
+            seq.finish_reason = "abort"
+        if seq in self.running:
+            self.running.remove(seq)
+        self.kv.free(seq)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[ScheduledBatch | None, list[Sequence]]:
+        """This step's batch (None: nothing runs), and the sequences that ended without running:
+        ones the pool can never hold, and the last one left when even it cannot decode."""
+        failed = self._admit()
+        if self.running:
+            failed += self._reserve()
         if not self.running:
-            return out
-        out += self._reserve()
-        if not self.running:
-            return out
-        prefill = sum(len(s.pending) for s in self.running)
-        budget = self._prefill_budget(prefill)
-        t = time.perf_counter()
-        new = self.engine.step(self.running, budget)
-        self._observe(time.perf_counter() - t, min(prefill, budget), decoding=any(x is not None for x in new))
-        for seq, token in zip(list(self.running), new):
-            text = self.engine.streamable(seq)
-            shown = self._shown.get(seq.id, 0)
-            delta, self._shown[seq.id] = text[shown:], max(shown, len(text))
-            if seq.finished:
-                self.running.remove(seq)
-                self.engine.finish(seq)
-                self._shown.pop(seq.id, None)
-            if token is not None or seq.finished:
-                out.append(StepOutput(seq, token, delta, seq.finished))
-        return out
+            return None, failed
+        pending = sum(len(s.pending) for s in self.running)
+        return self.batch(self.running, self._prefill_budget(pending)), failed
+
+    def batch(self, seqs: list[Sequence], prefill_budget: int | None = None) -> ScheduledBatch:
+        """The positions each sequence computes in one step: the next pending prompt positions of those
+        in prefill (at most `prefill_budget` in all, default max_prefill_tokens), the last token of
+        those decoding. Decoding sequences need their slot first (`reserve`)."""
+        budget = self.max_prefill_tokens if prefill_budget is None else min(prefill_budget, self.max_prefill_tokens)
+        decode_only = not any(s.in_prefill for s in seqs)
+        takes, prefill = [], 0
+        for seq in seqs:
+            if seq.in_prefill:
+                take = seq.take_pending(budget) if budget > 0 else None
+                if take is not None:
+                    budget -= len(take)
+                    prefill += len(take)
+            else:  # decode: only the last token, whose row is not computed yet
+                take = np.array([len(seq.tokens) - 1])
+            takes.append(take)
+        return ScheduledBatch(list(seqs), takes, prefill, decode_only)
+
+    def reserve(self, seqs: list[Sequence]) -> bool:
+        """A slot for each decoding sequence's newest token; False if the pool cannot give them all."""
+        return self.kv.append_slots(seqs)
 
     def _prefill_budget(self, pending: int) -> int:
         """Prompt positions this step may compute (see the module docstring, step 3)."""
         decoding = any(not s.in_prefill for s in self.running)
         if not pending or not decoding or self.decode_slowdown is None or self._decode_s is None:
-            return self.engine.max_prefill_tokens
+            return self.max_prefill_tokens
         self._steps += 1
         if self._steps % 16 == 0:
             return 0  # a decode-only step now and then: decoding slows as contexts grow, re-measure it
-        return int(min(self.engine.max_prefill_tokens, self._chunk))
+        return int(min(self.max_prefill_tokens, self._chunk))
 
-    def _observe(self, seconds: float, prefill_tokens: int, decoding: bool) -> None:
-        if not prefill_tokens:
-            if decoding:
+    def observe(self, seconds: float, batch: ScheduledBatch, decoded: bool) -> None:
+        """How long the step over `batch` took; `decoded`: some sequence decoded a token in it."""
+        if not batch.prefill_tokens:
+            if decoded:
                 self._decode_s = seconds if self._decode_s is None else 0.8 * self._decode_s + 0.2 * seconds
-        elif decoding and self._decode_s is not None and self.decode_slowdown is not None:
+        elif decoded and self._decode_s is not None and self.decode_slowdown is not None:
             # aim 20% under the limit: the step times scatter around the aim, and the limit is for most
             over = seconds > 0.8 * self.decode_slowdown * self._decode_s
-            self._chunk = min(self.engine.max_prefill_tokens, max(MIN_CHUNK, self._chunk * (0.7 if over else 1.1)))
+            self._chunk = min(self.max_prefill_tokens, max(MIN_CHUNK, self._chunk * (0.7 if over else 1.1)))
 
-    def _admit(self) -> list[StepOutput]:
-        failed: list[StepOutput] = []
+    def _admit(self) -> list[Sequence]:
+        failed: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_running_requests:
             seq = self.waiting[0]
-            if self.engine.admit(seq):
+            if self.admit(seq):
                 self.waiting.popleft()
                 self.running.append(seq)
                 if self.on_admit is not None:
@@ -152,23 +204,30 @@ class Scheduler:
             self.waiting.popleft()
             seq.finish_reason = "abort"
             seq.error = (f"the request needs more rows than the KV pool holds "
-                         f"({self.engine.pool.describe()}); raise kv_cache_gib")
-            failed.append(StepOutput(seq, None, "", True))
+                         f"({self.kv.pool.describe()}); raise kv_cache_gib")
+            failed.append(seq)
         return failed
 
-    def _reserve(self) -> list[StepOutput]:
+    def _reserve(self) -> list[Sequence]:
         """Slots for every decoding sequence, preempting the newest admitted until they fit."""
-        failed: list[StepOutput] = []
-        while self.running and not self.engine.reserve(self.running):
+        failed: list[Sequence] = []
+        while self.running and not self.reserve(self.running):
             victim = self.running.pop()  # the most recently admitted
             if not self.running:  # alone and still no room: the pool is too small for it
                 victim.finish_reason = "length"
-                self.engine.finish(victim)
-                failed.append(StepOutput(victim, None, self.engine.streamable(victim)[self._shown.pop(victim.id, 0):],
-                                         True))
+                self.kv.free(victim)
+                failed.append(victim)
                 log.warning("request %d stopped early: the KV pool is full", victim.id)
                 break
-            self.engine.preempt(victim)
+            self.preempt(victim)
             self.waiting.appendleft(victim)
             log.info("preempted request %d to make room (%d running)", victim.id, len(self.running))
         return failed
+
+    def stats(self) -> dict:
+        """The pool and the queue now: bytes the pool holds and can hold, bytes the cache holds
+        (counted once however many sequences and entries share them), sequences running and waiting."""
+        pool = self.kv.pool
+        return {"kv_pool_bytes_used": pool.used_bytes, "kv_pool_bytes_capacity": pool.capacity_bytes,
+                "cached_bytes": len(self.kv.cached_slots) * pool.bytes_per_slot,
+                "running_sequences": len(self.running), "waiting_sequences": len(self.waiting)}

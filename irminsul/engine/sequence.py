@@ -52,17 +52,17 @@ class TokenLogprob:
 
 @dataclass(eq=False)
 class Sequence:
+    """A request inside the engine. Its slot table and pending positions are the KV manager's to
+    set (`admit`, `place`, `recompute`, `release`) and the scheduler's to consume (`take_pending`);
+    the output processor appends tokens and text."""
+
     tokens: list[int]  # prompt, then generated tokens
     prompt_len: int
     params: SamplingParams
     segment_starts: list[int] | None = None
     tenant: str | None = None  # cache namespace; None means the engine's default
-    # Pool slot of each position's row (EMPTY_SLOT: not computed yet). The sequence holds one
-    # reference on each slot it names.
-    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # positions to compute
     stats: RequestStats = field(default_factory=RequestStats)
-    plan: object | None = None  # the cache's plan, kept until finish() releases its pins
+    reuse_plan: object | None = None  # the cache planner's plan (irminsul.cache.planner.Plan), until freed
     registered: int = 0  # prompt positions whose chunks were offered to the cache (in-flight reuse)
     seed: int = 0  # sampling randomness is a function of (seed, output position): engine/sampling.py
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -75,7 +75,19 @@ class Sequence:
     # Another choice of the same prompt (n > 1): this one shares its prompt rows instead of computing them
     leader: Sequence | None = field(default=None, repr=False)
     id: int = field(default_factory=lambda: next(_ids))
+    # Pool slot of each position's row (EMPTY_SLOT: not computed yet); the sequence holds one
+    # reference on each slot it names. A view of _buf, which doubles as decoding grows it.
+    _slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     _buf: np.ndarray | None = field(default=None, repr=False)
+    _pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)  # positions to compute
+
+    @property
+    def slots(self) -> np.ndarray:
+        return self._slots
+
+    @property
+    def pending(self) -> np.ndarray:
+        return self._pending
 
     @property
     def output_ids(self) -> list[int]:
@@ -87,26 +99,64 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return len(self.pending) > 0
+        return len(self._pending) > 0
 
     @property
     def admitted(self) -> bool:
-        return len(self.slots) > 0
+        return len(self._slots) > 0
 
     @property
     def filled(self) -> int:
         """Positions 0..filled-1 all have rows (the rows a finished sequence can hand to the cache)."""
-        empty = np.flatnonzero(self.slots == EMPTY_SLOT)
-        return int(empty[0]) if len(empty) else len(self.slots)
+        empty = np.flatnonzero(self._slots == EMPTY_SLOT)
+        return int(empty[0]) if len(empty) else len(self._slots)
+
+    # -- the KV manager's -----------------------------------------------------------------
+
+    def admit(self, slots: np.ndarray, pending: np.ndarray, plan, counts: dict[str, int]) -> None:
+        """A slot table (rows it reuses; EMPTY_SLOT where it computes), the positions to compute, the
+        plan that produced them and where its prompt's rows come from (RequestStats fields)."""
+        self._slots, self._buf, self._pending = slots, None, pending
+        self.reuse_plan, self.registered = plan, 0
+        for name, value in counts.items():
+            setattr(self.stats, name, value)
+
+    def place(self, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Fresh rows for positions (computed next)."""
+        self._slots[positions] = slots
+
+    def recompute(self, positions: np.ndarray) -> None:
+        """pic+r: reused rows at positions are computed in this context instead."""
+        self._slots[positions] = EMPTY_SLOT
+        self._pending = np.union1d(self._pending, positions)
+        self.stats.recomputed_tokens = len(positions)
+        self.stats.reused_tokens -= len(positions)
+        self.stats.computed_tokens += len(positions)
+
+    def extend_pending(self, positions: np.ndarray) -> None:
+        """More positions to compute (scoring's continuation)."""
+        self._pending = np.concatenate([self._pending, positions])
+
+    def release(self) -> None:
+        """Every row is given back (the KV manager released the references)."""
+        self._slots, self._buf, self._pending = np.zeros(0, np.int64), None, np.zeros(0, np.int64)
+        self.reuse_plan = None
 
     def grow(self) -> None:
         """Make the slot table as long as the tokens (a decoded token's row is computed next step);
         the table is a view of a buffer that doubles, so decoding does not copy it every token."""
         n = len(self.tokens)
-        if len(self.slots) >= n:
+        if len(self._slots) >= n:
             return
         if self._buf is None or len(self._buf) < n:
-            buf = np.zeros(max(n, 2 * len(self.slots), 16), np.int64)
-            buf[: len(self.slots)] = self.slots
+            buf = np.zeros(max(n, 2 * len(self._slots), 16), np.int64)
+            buf[: len(self._slots)] = self._slots
             self._buf = buf
-        self.slots = self._buf[:n]
+        self._slots = self._buf[:n]
+
+    # -- the scheduler's ------------------------------------------------------------------
+
+    def take_pending(self, budget: int) -> np.ndarray:
+        """The next (at most budget) positions to compute, no longer pending."""
+        take, self._pending = self._pending[:budget], self._pending[budget:]
+        return take

@@ -32,7 +32,6 @@ from typing import NamedTuple
 from irminsul.cache.store import TierStats, tier_stats
 from irminsul.engine.engine import Engine, PoolBusy
 from irminsul.engine.sampling import SamplingParams
-from irminsul.engine.scheduler import Scheduler
 from irminsul.engine.sequence import RequestStats, Sequence, TokenLogprob
 from irminsul.errors import RequestError
 
@@ -124,7 +123,9 @@ class EngineClient:
                  registry=None):
         """`registry`: the chunk store the engine's cache was built over (closed with the client)."""
         self.engine, self.metrics, self.registry = engine, metrics, registry
-        self.scheduler = Scheduler(engine, max_running_requests, on_admit=self._admitted)
+        self.scheduler = engine.scheduler  # (its queues, read for the job bookkeeping)
+        self.scheduler.max_running_requests = max_running_requests
+        self.scheduler.on_admit = self._admitted
         self.max_queued_requests = max_queued_requests
         self.reuse: str = engine.reuse  # the reuse mode (off, prefix, naive, pic)
         self.vocab_size: int = engine.config.vocab_size
@@ -216,7 +217,7 @@ class EngineClient:
 
     def _prefetch(self, job: Job) -> None:
         try:
-            self.engine.cache.prefetch(job.tokens, job.segment_starts, job.tenant)
+            self.engine.kv.prefetch(job.tokens, job.segment_starts, job.tenant)
         except Exception:  # a store problem costs reuse, never the request
             log.exception("prefetching request %d's chunks failed", job.id)
 
@@ -269,8 +270,8 @@ class EngineClient:
     # -- the engine thread ---------------------------------------------------------------
 
     def _snapshot(self) -> EngineStats:
-        s = self.scheduler.stats()
-        cache = self.engine.cache
+        s = self.engine.stats()
+        cache = self.engine.kv
         radix = getattr(cache, "radix", None)
         prefix = None if radix is None else PrefixCacheStats(radix.stats.bytes, radix.stats.budget_bytes,
                                                              radix.stats.nodes)
@@ -281,10 +282,10 @@ class EngineClient:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._drain(block=not self.scheduler.has_work and not self._calls)
+                self._drain(block=not self.engine.has_work and not self._calls)
                 if self._calls:
                     self._run(*self._calls.popleft())
-                if self.scheduler.has_work:
+                if self.engine.has_work:
                     self._step()
             except Exception:  # a bug must cost the requests it touches, never the thread
                 log.exception("the engine loop hit an unexpected error; it keeps serving")
@@ -328,7 +329,7 @@ class EngineClient:
                 job.emit(Failed(500, f"internal error while accepting the request: {e}"))
             return
         self._jobs[job.seq.id] = job
-        self.scheduler.add(job.seq)
+        self.engine.add_request(job.seq)
 
     def _admitted(self, seq: Sequence) -> None:
         if seq.id not in self._admitted_ids:  # the first admission, not a re-admission after preemption
@@ -339,11 +340,11 @@ class EngineClient:
 
     def _step(self) -> None:
         try:
-            outputs = self.scheduler.step()
+            outputs = self.engine.step()
         except Exception as e:
             log.exception("engine step failed; failing the %d running requests", len(self.scheduler.running))
             for seq in list(self.scheduler.running):
-                self.scheduler.abort(seq)
+                self.engine.abort(seq)
                 self._admitted_ids.discard(seq.id)
                 self._end(self._jobs.pop(seq.id), Failed(500, f"internal error during generation: {e}"))
             return
@@ -403,7 +404,7 @@ class EngineClient:
             return  # never accepted, or already done
         if job.seq in self.scheduler.waiting:
             self._dequeued()
-        self.scheduler.abort(job.seq)
+        self.engine.abort(job.seq)
         del self._jobs[job.seq.id]
         self._admitted_ids.discard(job.seq.id)
         if self.metrics:

@@ -24,7 +24,7 @@ POOL_ROWS = 450  # a few prompts' worth: admission evicts, decoding preempts
 
 def holders(llm) -> np.ndarray:
     """How many references each slot should have: one per holder that names it."""
-    pool, cache, sched = llm.engine.pool, llm.engine.cache, llm.scheduler
+    pool, cache, sched = llm.engine.pool, llm.engine.kv, llm.engine.scheduler
     want = np.zeros(pool.n_slots, np.int64)
     named = [s.slots for s in [*sched.running, *sched.waiting]]
     named += cache.radix.values()
@@ -49,7 +49,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize()
     def start(self):
-        self.llm.engine.cache.clear()
+        self.llm.engine.kv.clear()
         self.seqs = []
 
     @rule(header=st.sampled_from([0, 0, 0, 3, 40]), picks=st.lists(st.integers(0, len(CHUNKS) - 1), min_size=1, max_size=3),
@@ -58,7 +58,7 @@ class CacheMachine(RuleBasedStateMachine):
         prompt = [3 + (header + i) % 200 for i in range(header)] + sum((CHUNKS[p] for p in picks), [])
         params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=1.0 if sampled else 0.0, seed=header)
         seq = self.llm.engine.new_sequence(prompt, params, tenant=tenant)
-        self.llm.scheduler.add(seq)
+        self.llm.engine.add_request(seq)
         self.seqs.append(seq)
 
     @precondition(lambda self: any(s.finished for s in self.seqs))
@@ -68,33 +68,33 @@ class CacheMachine(RuleBasedStateMachine):
         done = data.draw(st.sampled_from([s for s in self.seqs if s.finished]))
         params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0 if sampled else 0.0, seed=1)
         seq = self.llm.engine.new_sequence(done.tokens[: done.prompt_len], params, tenant=done.tenant)
-        self.llm.scheduler.add(seq)
+        self.llm.engine.add_request(seq)
         self.seqs.append(seq)
 
-    @precondition(lambda self: self.llm.scheduler.has_work)
+    @precondition(lambda self: self.llm.engine.has_work)
     @rule(n=st.integers(1, 12))
     def step(self, n):
         for _ in range(n):
-            if not self.llm.scheduler.has_work:
+            if not self.llm.engine.has_work:
                 break
-            self.llm.scheduler.step()
+            self.llm.engine.step()
 
-    @precondition(lambda self: self.llm.scheduler.has_work)
+    @precondition(lambda self: self.llm.engine.has_work)
     @rule()
     def drain(self):
         """Run everything to the end: finished sequences fill the tree and the registry."""
-        while self.llm.scheduler.has_work:
-            self.llm.scheduler.step()
+        while self.llm.engine.has_work:
+            self.llm.engine.step()
 
     @precondition(lambda self: any(not s.finished for s in self.seqs))
     @rule(data=st.data())
     def abort(self, data):
         live = [s for s in self.seqs if not s.finished]
-        self.llm.scheduler.abort(data.draw(st.sampled_from(live)))
+        self.llm.engine.abort(data.draw(st.sampled_from(live)))
 
     @rule()
     def clear(self):
-        self.llm.engine.cache.clear()
+        self.llm.engine.kv.clear()
 
     @invariant()
     def references_balance(self):
@@ -108,13 +108,12 @@ class CacheMachine(RuleBasedStateMachine):
         assert pool.free == int((pool.refs[1:] == 0).sum())
 
     def teardown(self):
-        sched = self.llm.scheduler
-        while sched.has_work:
-            sched.step()
+        while self.llm.engine.has_work:
+            self.llm.engine.step()
         for seq in self.seqs:
             assert seq.finished and (seq.error is None or seq.finish_reason == "abort"), seq.error
         self.references_balance()
-        self.llm.engine.cache.clear()
+        self.llm.engine.kv.clear()
         pool = self.llm.engine.pool
         assert pool.used == 0, f"{pool.used} rows leaked"
         for seq in self.seqs:

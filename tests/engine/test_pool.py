@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from irminsul.engine.pool import LatentPool
+from irminsul.kvcache.pool import LatentPool
 from irminsul.model.config import ModelConfig
 from irminsul.model.tiny import tiny_config
 

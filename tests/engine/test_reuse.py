@@ -76,14 +76,14 @@ def test_reused_rows_are_shared_and_equal_rows_computed_in_place(one_layer):
     off = LLM(one_layer, reuse="off")
     ref_seq = off.engine.add(second, _params())
     while ref_seq.in_prefill:
-        off.engine.forward([ref_seq])
+        off.engine.runner.execute(off.engine.scheduler.batch([ref_seq]))
     ref_rows = off.engine.pool.read(ref_seq.slots)
     off.engine.finish(ref_seq)
     pic = LLM(one_layer, reuse="pic")
     pic.generate(first, max_tokens=1)
-    cached = np.concatenate([e.payload for e in pic.engine.cache.registry.entries()])
+    cached = np.concatenate([e.payload for e in pic.engine.kv.registry.entries()])
     seq = pic.engine.add(second, _params())
-    reused = [s for s in seq.plan.spans if s.kind == "reuse"]
+    reused = [s for s in seq.reuse_plan.spans if s.kind == "reuse"]
     assert reused and all(s.delta == 117 for s in reused)
     for s in reused:
         assert np.isin(seq.slots[s.start:s.end], cached).all()  # the registry's own slots
@@ -121,8 +121,8 @@ def test_stats_add_up_and_generated_output_is_registered(tiny_dir):
     assert s.prompt_tokens == s.prefix_tokens + s.reused_tokens + s.computed_tokens
     assert s.reused_tokens >= 400 and s.carve_out_tokens <= s.computed_tokens
     generated = range(77 + 400, 77 + 700)
-    in_output = sum(len(set(range(sp.start, sp.end)) & set(generated)) for sp in seq.plan.spans if sp.kind == "reuse")
-    assert in_output >= 150, seq.plan.spans
+    in_output = sum(len(set(range(sp.start, sp.end)) & set(generated)) for sp in seq.reuse_plan.spans if sp.kind == "reuse")
+    assert in_output >= 150, seq.reuse_plan.spans
     llm.engine.run(seq)
 
 
@@ -158,7 +158,7 @@ def test_one_pool_budget_evicts_cached_rows_to_admit_new_ones(tiny_dir):
         assert r.finish_reason == "length"
         assert pool.used_bytes <= pool.capacity_bytes
         assert llm.stats()["cached_bytes"] <= pool.used_bytes  # everything held is cached (nothing runs)
-    assert llm.engine.cache.registry.stats.evictions > 0 and llm.engine.cache.radix.stats.evictions > 0
+    assert llm.engine.kv.registry.stats.evictions > 0 and llm.engine.kv.radix.stats.evictions > 0
     assert pool.free + pool.used == pool.n_slots - 1  # no slot lost or double-freed
 
 
@@ -252,7 +252,7 @@ def test_pic_plus_r_recomputes_the_most_deviating_rows(tiny_dir):
 
 def test_namespaces_are_bounded(tiny_dir):
     llm = LLM(tiny_dir, reuse="pic", max_namespaces=3)
-    cache = llm.engine.cache
+    cache = llm.engine.kv
     callbacks = len(cache.registry.on_evict)
     for i in range(10):
         llm.engine.run(llm.engine.add(_rand(50, 90 + i), _params(), tenant=f"t{i}"))
@@ -342,11 +342,11 @@ def test_making_room_for_a_few_rows_evicts_about_that_many(tiny_dir, mode):
     a, b = _rand(600, 100), _rand(600, 101)
     for prompt in (a, b):
         engine.run(engine.add(prompt, _params()))
-    cached = len(engine.cache.cached_slots)
+    cached = len(engine.kv.cached_slots)
     assert cached >= 1150 and pool.used == cached
     c = _rand(pool.free + 9, 102)  # its rows and its one new token: 10 more than are free
     engine.run(engine.add(c, _params()))
-    kept = len(engine.cache.cached_slots)
+    kept = len(engine.kv.cached_slots)
     seq = engine.add(b, _params())
     assert seq.stats.computed_tokens <= 6, seq.stats  # B: an exact-prefix hit (the last row is always computed)
     engine.finish(seq)

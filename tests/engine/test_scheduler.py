@@ -5,20 +5,19 @@ import numpy as np
 
 from irminsul import LLM
 from irminsul.engine.sampling import SamplingParams
-from irminsul.engine.scheduler import Scheduler
 
 
 def _rand(n, seed, lo=0, hi=250):
     return np.random.default_rng(seed).integers(lo, hi, n).tolist()
 
 
-def _run(sched: Scheduler, seqs) -> dict:
+def _run(engine, seqs) -> dict:
     """Step until every sequence is done; the streamed text of each."""
     for seq in seqs:
-        sched.add(seq)
+        engine.add_request(seq)
     streamed = {seq.id: "" for seq in seqs}
-    while sched.has_work:
-        for out in sched.step():
+    while engine.has_work:
+        for out in engine.step():
             streamed[out.seq.id] += out.text
     return streamed
 
@@ -30,7 +29,7 @@ def test_streamed_text_is_the_output_and_never_shows_a_stop_string(tiny_dir):
     assert len(stop) == 3 and stop in base.text
     seq = llm.engine.new_sequence(llm.tokenizer.encode("stop test"), SamplingParams(max_tokens=24, stop=(stop,),
                                                                                     ignore_eos=True))
-    streamed = _run(Scheduler(llm.engine), [seq])[seq.id]
+    streamed = _run(llm.engine, [seq])[seq.id]
     assert seq.finish_reason == "stop" and streamed == seq.text == base.text[: base.text.index(stop)]
 
 
@@ -42,7 +41,7 @@ def test_a_small_pool_preempts_and_every_answer_stays_the_same(tiny_dir):
     per_row = LLM(tiny_dir).engine.pool.bytes_per_slot
     llm = LLM(tiny_dir, kv_cache_gib=900 * per_row / 2**30)  # 4 x (150 + 120) rows do not fit in 900
     seqs = [llm.engine.new_sequence(p, SamplingParams(max_tokens=120, ignore_eos=True)) for p in prompts]
-    _run(llm.scheduler, seqs)
+    _run(llm.engine, seqs)
     assert [s.output_ids for s in seqs] == alone
     assert sum(s.stats.preempted for s in seqs) >= 1
     pool = llm.engine.pool
@@ -57,10 +56,10 @@ def _burst(tiny_dir, segmented: bool):
     seqs = [llm.engine.new_sequence(h + doc + tail, params, [0, len(h), len(h) + len(doc)] if segmented else None)
             for h in headers]
     for seq in seqs:
-        llm.scheduler.add(seq)
+        llm.engine.add_request(seq)
     peak = 0
-    while llm.scheduler.has_work:
-        llm.scheduler.step()
+    while llm.engine.has_work:
+        llm.engine.step()
         peak = max(peak, llm.engine.pool.used)
     own = sum(len(h) + len(tail) for h in headers)  # every request's header and question
     # one copy of every distinct token's rows: the document, each header, question and output, and
@@ -108,7 +107,7 @@ def test_degenerate_sampling_values_sample_and_never_fail_the_step(tiny_dir):
     odd = [SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-50, ignore_eos=True),
            SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True)]
     seqs = [llm.engine.new_sequence(prompt, p) for p in [SamplingParams(max_tokens=8, ignore_eos=True), *odd]]
-    _run(Scheduler(llm.engine), seqs)
+    _run(llm.engine, seqs)
     assert all(s.finish_reason == "length" and s.error is None for s in seqs)
     assert all(s.output_ids == greedy for s in seqs)  # degenerate sampling is greedy
     with pytest.raises(Exception, match="temperature"):
@@ -118,7 +117,7 @@ def test_degenerate_sampling_values_sample_and_never_fail_the_step(tiny_dir):
 def test_an_error_in_one_sequence_ends_that_sequence_alone(tiny_dir, monkeypatch):
     """Sampled, greedy and constrained neighbours in the same steps finish as they would alone when
     one sequence's sampling, logit adjustment or grammar mask raises; only that one is aborted."""
-    import irminsul.engine.engine as engine_module
+    import irminsul.engine.output as engine_module
     from irminsul.engine.grammar import Constraint
 
     llm = LLM(tiny_dir, compile_decode=False)
@@ -131,7 +130,7 @@ def test_an_error_in_one_sequence_ends_that_sequence_alone(tiny_dir, monkeypatch
     alone = {}
     for name, params in cases.items():
         seq = llm.engine.new_sequence(prompt, params)
-        _run(llm.scheduler, [seq])
+        _run(llm.engine, [seq])
         assert seq.error is None, (name, seq.error)
         alone[name] = seq.output_ids
 
@@ -151,7 +150,7 @@ def test_an_error_in_one_sequence_ends_that_sequence_alone(tiny_dir, monkeypatch
         monkeypatch.setattr(engine_module, target, faulty(666, getattr(engine_module, target)))
         seqs = {name: llm.engine.new_sequence(prompt, params) for name, params in cases.items()}
         victim = llm.engine.new_sequence(prompt, bad[where])
-        _run(llm.scheduler, [*seqs.values(), victim])
+        _run(llm.engine, [*seqs.values(), victim])
         monkeypatch.undo()
         assert victim.finish_reason == "abort" and "internal error" in victim.error, (where, victim.error)
         for name, seq in seqs.items():
@@ -169,7 +168,7 @@ def test_an_error_in_one_sequence_ends_that_sequence_alone(tiny_dir, monkeypatch
 
     monkeypatch.setattr(llm.engine.grammars, "allowed", allowed)
     seqs = {name: llm.engine.new_sequence(prompt, params) for name, params in cases.items()}
-    _run(llm.scheduler, [*seqs.values(), victim])
+    _run(llm.engine, [*seqs.values(), victim])
     assert victim.finish_reason == "abort" and "grammar" in victim.error
     for name, seq in seqs.items():
         assert seq.error is None and seq.output_ids == alone[name], (name, seq.error)

@@ -1,0 +1,143 @@
+"""The model runner: a scheduled batch in, next-token logits out.
+
+It builds the model's `ForwardBatch` from each sequence's slot table (the rows attention reads,
+the slots the new rows are written to), runs one forward pass with one attention call per layer
+and group (`irminsul/model/attention/`), and returns the logits of the sequences whose prompt is
+done. Decode-only steps go through the compiled CPU step (`model/compiled.py`) or the captured
+CUDA graphs (`model/graphs.py`) where those cover the batch. Nothing here decides what runs: the
+scheduler did; nothing here samples: the output processor will.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from irminsul.engine.sequence import Sequence
+from irminsul.errors import RequestError
+from irminsul.kvcache.pool import LatentPool
+from irminsul.model.attention import EMPTY_SLOT, PADDING_SLACK, SeqAttention, consecutive
+from irminsul.model.base import CapturedStep, CompiledStep, Model
+from irminsul.model.mla import ForwardBatch
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work: every running sequence, and the positions each computes (None: nothing this
+    step, a prompt the prefill budget did not reach). A decoding sequence computes its last token."""
+
+    seqs: list[Sequence]
+    takes: list[np.ndarray | None]
+    prefill_tokens: int  # prompt positions among the takes
+    decode_only: bool  # every sequence was past its prompt: the compiled or captured step may run it
+
+
+class ModelRunner:
+    def __init__(self, model: Model, pool: LatentPool, compile_decode: bool | None = None):
+        """`compile_decode`: decode steps run compiled: with the torch backend on a CPU, one sequence and
+        small batches through torch.compile (model/compiled.py, once per model); with the triton
+        backend on a GPU, batches up to 128 as CUDA graphs (model/graphs.py, once per runner: they
+        hold its pool). None: where available, True: required, False: never (vLLM's enforce_eager)."""
+        self.model, self.pool = model, pool
+        self.device = model.device
+        self.capabilities = model.capabilities
+        try:
+            step = model.decode_step(pool.rows, compile_decode)
+        except ValueError as e:
+            raise RequestError(f"compile_decode: {e}") from None
+        # the triton backend's steps are captured CUDA graphs (GPU), the torch backend's compiled (CPU)
+        captured = self.capabilities.backend == "triton"
+        self.compiled: CompiledStep | None = None if captured else step
+        self.graphs: CapturedStep | None = step if captured else None
+
+    @property
+    def supports_recompute(self) -> bool:
+        return self.capabilities.fresh_rows
+
+    def execute(self, batch: ScheduledBatch, stale_keys: bool = False) -> list[torch.Tensor | None]:
+        """The next-token logits [vocab] of each sequence whose prompt is done after this step (None
+        for the others). `stale_keys`: keys read at the position they were computed at (`naive`).
+        The logits may be views of a captured step's output buffer: valid until the next step."""
+        if (self.compiled is not None or self.graphs is not None) and not stale_keys and batch.decode_only:
+            logits = self.decode(batch.seqs)
+            if logits is not None:
+                return list(logits)
+        ran = [(seq, take) for seq, take in zip(batch.seqs, batch.takes) if take is not None]
+        out: dict[int, torch.Tensor] = {}
+        if ran:
+            hidden, offsets = self.forward([s for s, _ in ran], [t for _, t in ran], stale_keys)
+            wanted = [i for i, (s, _) in enumerate(ran) if not s.in_prefill]
+            if wanted:
+                logits = self.model.logits(hidden[[offsets[i + 1] - 1 for i in wanted]])
+                out = {ran[i][0].id: logits[row] for row, i in enumerate(wanted)}
+        return [out.get(seq.id) for seq in batch.seqs]
+
+    def forward(self, seqs: list[Sequence], takes: list[np.ndarray],
+                stale_keys: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """Compute positions takes[i] of seqs[i] (their slots already allocated); the final hidden
+        states [N, H] and each sequence's offset into them."""
+        specs, ids, offsets = [], [], [0]
+        for seq, take in zip(seqs, takes):
+            keys = seq.slots[: int(take[-1]) + 1]
+            specs.append(SeqAttention(take, keys, self.pool.computed_at[keys] if stale_keys else None))
+            ids.append([seq.tokens[-1]] if len(take) == 1 and take[0] == len(seq.tokens) - 1
+                       else np.asarray(seq.tokens)[take])
+            offsets.append(offsets[-1] + len(take))
+        write = np.concatenate([seq.slots[take] for seq, take in zip(seqs, takes)])
+        dev = self.device
+        batch = ForwardBatch(torch.as_tensor(np.concatenate(ids), device=dev),
+                             torch.as_tensor(np.concatenate(takes), device=dev), self.pool.rows,
+                             torch.as_tensor(write, device=dev), self.model.attention.plan(specs, offsets, dev))
+        return self.model(batch), offsets
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The next-token logits [B, vocab] of decoding sequences through the compiled or captured
+        step, or None when it does not cover them (the eager path runs them)."""
+        return self._compiled_decode(seqs) if self.compiled is not None else self._graph_decode(seqs)
+
+    def _compiled_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """A sequence alone whose rows sit in consecutive slots is read in place; otherwise (where the
+        compiled step covers batches, up to its `max_batch` sequences) their rows are gathered through
+        their slot tables, when padding them to one length costs at most PADDING_SLACK times the real
+        work."""
+        dev = self.device
+        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
+        if len(seqs) == 1 and consecutive(slots := seqs[0].slots[: lens[0]]):
+            hidden = self.compiled(torch.tensor([seqs[0].tokens[-1]], device=dev), torch.tensor(lens - 1, device=dev),
+                                   self.pool.rows, int(slots[0]), int(lens[0]))
+        else:
+            t = int(lens.max()) - 1
+            if len(seqs) > self.compiled.max_batch or len(seqs) * t > PADDING_SLACK * (lens.sum() - len(seqs)):
+                return None
+            key_slots = np.full((len(seqs), t), EMPTY_SLOT, np.int64)
+            for i, s in enumerate(seqs):
+                key_slots[i, : lens[i] - 1] = s.slots[: lens[i] - 1]
+            write = np.fromiter((s.slots[n - 1] for s, n in zip(seqs, lens)), np.int64, len(seqs))
+            hidden = self.compiled.batch(torch.tensor([s.tokens[-1] for s in seqs], device=dev),
+                                         torch.from_numpy(lens - 1).to(dev), torch.from_numpy(key_slots).to(dev),
+                                         self.pool.rows, torch.from_numpy(write).to(dev))
+        return self.model.logits(hidden)
+
+    def _graph_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
+        if not self.graphs.fits(len(seqs), int(lens.max())):
+            return None
+        return self.graphs(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens,
+                           [s.slots[:n] for s, n in zip(seqs, lens)])
+
+    def latents(self, tokens: np.ndarray, run: np.ndarray, table: np.ndarray, write: np.ndarray,
+                layer: int) -> torch.Tensor:
+        """pic+r's check: layers [0, layer) over positions `run` of `tokens`, their rows written to
+        the scratch slots `write`, each attending to the rows `table` names; the latent c_KV
+        [len(run), kv_lora_rank] the context gives them at `layer`."""
+        dev = self.device
+        spec = SeqAttention(run, table[: int(run[-1]) + 1])
+        batch = ForwardBatch(torch.as_tensor(tokens[run], device=dev), torch.as_tensor(run, device=dev),
+                             self.pool.rows, torch.as_tensor(write, device=dev),
+                             self.model.attention.plan([spec], [0, len(run)], dev))
+        return self.model.fresh_rows(batch, layer)[:, : self.model.config.kv_lora_rank]
