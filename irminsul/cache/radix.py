@@ -14,7 +14,8 @@ same tokens in two values, so it is neither), which is how the engine counts slo
 Budget: ``bytes = stored tokens * bytes_per_token <= budget_bytes`` always holds. ``insert`` first
 evicts unlocked LRU leaves (never the path it extends); if the new suffix still does not fit it
 stores the longest prefix of that suffix that does (a prefix of a cached sequence is itself a
-valid cached sequence), possibly nothing.
+valid cached sequence), possibly nothing. (Model-free replays use that budget; the engine gives
+the tree none of its own: its KV manager decides which rows go and the tree ``cut``s them.)
 """
 
 from __future__ import annotations
@@ -87,16 +88,13 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class RadixCache:
     def __init__(self, budget_bytes: int, bytes_per_token: int, split_value: SplitFn = split_axis0,
-                 on_store: Callable[[Any], None] | None = None, on_evict: Callable[[Any], None] | None = None,
-                 clock=None):
-        """`clock`: an iterator of increasing ints, shared with another cache so that both keep one
-        least-recently-used order (the engine shares it with the registry's)."""
+                 on_store: Callable[[Any], None] | None = None, on_evict: Callable[[Any], None] | None = None):
         if budget_bytes < 0 or bytes_per_token < 1:
             raise ValueError("need budget_bytes >= 0 and bytes_per_token >= 1")
         self.budget_bytes, self.bytes_per_token = budget_bytes, bytes_per_token
         self.split_value = split_value
         self.on_store, self.on_evict = on_store, on_evict
-        self._clock = clock if clock is not None else itertools.count(1)  # logical time: deterministic LRU order
+        self._clock = itertools.count(1)  # logical time: deterministic LRU order
         self.root = Node(np.zeros(0, np.int64), None, None, 0)
         self.root.lock_ref = 1  # never evicted
         self._tokens = self._nodes = 0
@@ -180,36 +178,6 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         return freed
-
-    def leaves(self, spare: Callable[[int], bool] | None = None) -> list[Node]:
-        """The unlocked leaves (what `trim` may shorten), as a heap: least recently used first."""
-        leaves = [n for n in self._iter_nodes(spare) if not n.children and n.lock_ref == 0]
-        heapq.heapify(leaves)
-        return leaves
-
-    def trim(self, leaf: Node, k: int) -> tuple[Any, Node | None]:
-        """Drop the last `k` tokens of an unlocked leaf, tail first (the prefix keeps its head).
-        Returns the dropped value and, when the whole leaf went and its parent is now an unlocked
-        leaf, that parent (else None)."""
-        if leaf.children or leaf.lock_ref or leaf is self.root:
-            raise ValueError("only an unlocked leaf can be trimmed")
-        k = min(k, len(leaf.key))
-        parent = None
-        if k == len(leaf.key):
-            dropped = leaf.value
-            del leaf.parent.children[int(leaf.key[0])]
-            self._nodes -= 1
-            self._evictions += 1
-            if leaf.parent is not self.root and not leaf.parent.children and leaf.parent.lock_ref == 0:
-                parent = leaf.parent
-        else:
-            leaf.value, dropped = self.split_value(leaf.value, len(leaf.key) - k)
-            leaf.key = leaf.key[: len(leaf.key) - k]
-        self._tokens -= k
-        self._evicted += k
-        if self.on_evict is not None:
-            self.on_evict(dropped)
-        return dropped, parent
 
     def cut(self, first_dropped: Callable[[Any], int | None]) -> int:
         """Forget rows named from outside: `first_dropped(value)` is the index of the first token of a

@@ -41,8 +41,8 @@ class EvictionOrder:
         self.stamp[slots] = self._tick * _RANKS + rank
 
     def evictable(self, refs: np.ndarray, protected: np.ndarray | None = None) -> np.ndarray:
-        """Slots only caches hold (every reference on them is a cache holding), oldest stamp first
-        is not implied: see `oldest`. `protected`: a mask of slots to leave alone."""
+        """Slots only caches hold (every reference on them is a cache holding), in slot order.
+        `protected`: a mask of slots to leave alone."""
         mask = (self.held > 0) & (refs == self.held)
         if protected is not None:
             mask &= ~protected

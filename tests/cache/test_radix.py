@@ -110,3 +110,40 @@ def test_model_free_values_may_be_none():
     tree.insert([1, 2, 4], None)
     m = tree.match([1, 2, 3])
     assert m.length == 3 and [v for v, _ in m.values] == [None, None]
+
+
+def test_cut_forgets_a_named_row_its_tail_and_everything_below():
+    """`cut` drops, in each node, the first row it names and all after it (and every node below):
+    each cached sequence then matches exactly up to its first dropped row, no stored value names a
+    dropped row, and what the tree reports evicted is what it stopped holding."""
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        held = []
+        tree = RadixCache(10**9, 1, on_store=lambda v: held.append(len(v)),
+                          on_evict=lambda v: held.append(-len(v)))
+        stored, next_row = [], 1
+        for _ in range(40):
+            if stored and rng.random() < 0.6:
+                base = stored[rng.integers(len(stored))]
+                seq = np.concatenate([base[: rng.integers(0, len(base) + 1)], rng.integers(0, 5, rng.integers(1, 10))])
+            else:
+                seq = rng.integers(0, 5, rng.integers(1, 15))
+            rows = np.arange(next_row, next_row + len(seq))  # each position its own row id
+            next_row += len(seq)
+            tree.insert(seq, rows)
+            stored.append(seq)
+        before = [_concat(tree.match(s)) for s in stored]  # the rows each sequence reads
+        gone = np.zeros(next_row, bool)
+        gone[rng.choice(np.arange(1, next_row), size=int(rng.integers(1, 12)), replace=False)] = True
+
+        def first_gone(value):
+            hit = np.flatnonzero(gone[value])
+            return int(hit[0]) if len(hit) else None
+
+        tree.cut(first_gone)
+        for seq, rows in zip(stored, before):
+            hit = np.flatnonzero(gone[rows])
+            assert tree.match(seq).length == (int(hit[0]) if len(hit) else len(rows)), trial
+        assert not any(gone[n.value].any() for n in tree._iter_nodes())
+        assert sum(held) == tree.stats.bytes == sum(len(n.key) for n in tree._iter_nodes())
+        assert tree.stats.nodes == sum(1 for _ in tree._iter_nodes())
