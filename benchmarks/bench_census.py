@@ -21,13 +21,13 @@ from pathlib import Path
 from irminsul.cli import run_for_people
 from irminsul.errors import UserFacingError
 from irminsul.machine import describe
-from irminsul.workloads.builders import SOURCES, build_source
-from irminsul.workloads.census import run_census
-from irminsul.workloads.patterns import PATTERNS, apply_pattern
-from irminsul.workloads.recovery import STRATEGIES, run_recovery
-from irminsul.workloads.render import render_trace
+from irminsul.research.workloads.builders import SOURCES, build_source
+from irminsul.research.workloads.census import run_census
+from irminsul.research.workloads.patterns import PATTERNS, apply_pattern
+from irminsul.research.workloads.recovery import STRATEGIES, run_recovery
+from irminsul.research.workloads.render import render_trace
+from irminsul.research.workloads.report import pct
 from irminsul.table import table
-from irminsul.workloads.report import pct
 
 TARGET_SECONDS = 60.0
 

@@ -24,16 +24,16 @@ from pathlib import Path
 from irminsul.cli import run_for_people
 from irminsul.errors import UserFacingError
 from irminsul.machine import describe
-from irminsul.server.bench import replay, summarise
+from irminsul.research.bench_serve import replay, summarise
+from irminsul.research.workloads.trace import read_trace
 from irminsul.server.testing import ServerProcess
-from irminsul.workloads.trace import read_trace
 
 
 def tiny_qwen2_checkpoint(path: Path) -> Path:
     """A tiny random DeepSeek-V2 with Qwen2's tokenizer and a 64k context."""
     from irminsul.data import data_file
     from irminsul.model.tiny import make_tiny_checkpoint
-    from irminsul.workloads.tokenizers import load_tokenizer
+    from irminsul.research.workloads.tokenizers import load_tokenizer
 
     if (path / "config.json").exists():
         return path

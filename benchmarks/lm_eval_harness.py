@@ -36,10 +36,10 @@ def machine() -> str:
 
 
 def build_items(model_dir: Path, n: int, seed: int) -> list[dict]:
-    from irminsul.train import tasks
-    from irminsul.train.data import Corpus
     from irminsul.model.chat_format import END
-    from irminsul.train.tokenizer import load_tokenizer
+    from irminsul.research.train import tasks
+    from irminsul.research.train.data import Corpus
+    from irminsul.research.train.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     corpus = Corpus.load(None)

@@ -30,10 +30,10 @@ import torch
 from irminsul import LLM
 from irminsul.cli import run_for_people
 from irminsul.data import data_file
-from irminsul.eval.v4_reuse import shifted_reuse_error
 from irminsul.machine import describe
 from irminsul.model import deepseek_v4
 from irminsul.model.deepseek_v4 import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, make_tiny_v4_checkpoint
+from irminsul.research.eval.v4_reuse import shifted_reuse_error
 
 # a small V4: the released model's ratios where they fit (K = V head with a rope slice, CSA every 4,
 # HCA every 32 here for 128 there, a window shorter than the prompts)

@@ -1,8 +1,8 @@
 """The `irminsul` command line.
 
-Each area of the project (engine, train, workloads, eval, server) owns its subcommands in
-`irminsul/<area>/cli.py`, which defines `register(subparsers)` and, optionally,
-`register_bench(bench_subparsers)` for `irminsul bench ...`. This file only discovers them.
+Each area of the project owns its subcommands in a module of AREAS, which defines
+`register(subparsers)` and, optionally, `register_bench(bench_subparsers)` for `irminsul bench ...`.
+This file only discovers them.
 """
 
 import argparse
@@ -10,12 +10,12 @@ import importlib
 import importlib.metadata
 import sys
 
-AREAS = ("engine", "train", "workloads", "eval", "server")
+AREAS = ("irminsul.engine.cli", "irminsul.research.train.cli", "irminsul.research.workloads.cli",
+         "irminsul.research.eval.cli", "irminsul.server.cli", "irminsul.research.bench_serve")
 
 
 def _area_modules():
-    for area in AREAS:
-        name = f"irminsul.{area}.cli"
+    for name in AREAS:
         try:
             yield importlib.import_module(name)
         except ModuleNotFoundError as e:

@@ -18,6 +18,19 @@ from dataclasses import asdict, dataclass
 from irminsul.errors import UserFacingError
 from irminsul.machine import describe
 
+
+def register_bench(sub) -> None:
+    p = sub.add_parser("serve", help="replay a trace against a running server: TTFT, throughput, cached tokens")
+    p.add_argument("trace", help="trace JSONL (irminsul workloads build ...)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--concurrency", type=int, default=4, help="sessions replayed at once (turns stay in order)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=run_bench)
+
+
 KINDS = ("prefix_tokens", "reused_tokens", "carve_out_tokens", "computed_tokens")
 
 
@@ -148,7 +161,7 @@ def summarise(url: str, samples: list[Sample], duration: float, card: dict, conc
 
 
 def run_bench(args) -> int:
-    from irminsul.workloads.trace import read_trace
+    from irminsul.research.workloads.trace import read_trace
 
     requests = read_trace(args.trace)[: args.limit]
     samples, duration, card, failures = asyncio.run(replay(args.url, requests, args.concurrency, args.max_tokens,

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from irminsul.errors import CheckpointError
-from irminsul.eval.v4_reuse import shifted_reuse_error
 from irminsul.model.config import RopeConfig
+from irminsul.research.eval.v4_reuse import shifted_reuse_error
 from irminsul.model.deepseek_v4 import (CSA, HASH_MOE, HCA, SLIDING, TINY_V4, TINY_V4_YARN, TOPK_MOE, V4Config,
                                         load_deepseek_v4, make_tiny_v4_checkpoint)
 

@@ -30,7 +30,7 @@ def test_client_text_never_encodes_as_an_added_token(source):
     """encode_text: every added token's text (DeepSeek's role and tool markers are added tokens
     without the special flag) comes out as ordinary pieces, never as the control token itself."""
     if source == "deepseek":
-        from irminsul.workloads.tokenizers import _deepseek_dir
+        from irminsul.research.workloads.tokenizers import _deepseek_dir
 
         tok = Tokenizer(_deepseek_dir())
     else:

@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerFast
 from irminsul.bundled import bundled_model
 from irminsul.data import data_file
 from irminsul.model.tokenizer import Tokenizer
+from irminsul.research.workloads.tokenizers import load_tokenizer
 from irminsul.server.chat import ChatRenderer
-from irminsul.workloads.tokenizers import load_tokenizer
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city (°C)",

@@ -62,7 +62,7 @@ FUNCTIONS = [{"name": "get_weather", "parameters": WEATHER}, {"name": "f2", "par
 
 def _tokenizer(name):
     from irminsul.model.tokenizer import Tokenizer
-    from irminsul.workloads.tokenizers import load_tokenizer
+    from irminsul.research.workloads.tokenizers import load_tokenizer
 
     import tempfile
     from pathlib import Path

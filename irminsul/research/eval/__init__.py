@@ -1,4 +1,4 @@
-"""The evaluation suite (issue 6): does position-independent reuse keep the model's answers, and
+"""The evaluation suite: does position-independent reuse keep the model's answers, and
 what does a hit save?
 
   metrics.py     KL, argmax agreement, first divergence, AUC with ties, intervals

@@ -80,7 +80,7 @@ def _setup(args) -> tuple[float, Path]:
 def _gqa(path: str | None, mla: Path, seed: int, fallback: bool) -> tuple[Path | None, str]:
     """(GQA checkpoint, how it was chosen): a path, the bundled twin, or a random-init twin."""
     from irminsul.bundled import ROOT
-    from irminsul.eval.twin import random_twin
+    from irminsul.research.eval.twin import random_twin
 
     if path and path != "random-twin":
         return Path(path), "given"
@@ -93,7 +93,7 @@ def _gqa(path: str | None, mla: Path, seed: int, fallback: bool) -> tuple[Path |
 
 def _text(model: Path, data: str | None):
     """(sampler of held-out text ids, [BOS]) for the model's tokenizer."""
-    from irminsul.eval.tasks import TaskData
+    from irminsul.research.eval.tasks import TaskData
 
     d = TaskData(model, data)
     return (lambda rng, k: d.pool.filler(rng, k) if k > 0 else []), (d.bos,)
@@ -101,10 +101,10 @@ def _text(model: Path, data: str | None):
 
 def quality(args) -> int:
     from irminsul.errors import UserFacingError
-    from irminsul.eval.quality import STRATEGIES, run_quality
-    from irminsul.eval.report import emit
-    from irminsul.eval.tasks import TASKS, build_cases
     from irminsul.model.config import ModelConfig
+    from irminsul.research.eval.quality import STRATEGIES, run_quality
+    from irminsul.research.eval.report import emit
+    from irminsul.research.eval.tasks import TASKS, build_cases
 
     started, model = _setup(args)
     tasks = [t for t in args.tasks.split(",") if t]
@@ -127,8 +127,8 @@ def quality(args) -> int:
 
 
 def rotation(args) -> int:
-    from irminsul.eval.report import emit
-    from irminsul.eval.rotation import run_rotation
+    from irminsul.research.eval.report import emit
+    from irminsul.research.eval.rotation import run_rotation
 
     started, model = _setup(args)
     sample, head = _text(model, args.data)
@@ -137,8 +137,8 @@ def rotation(args) -> int:
 
 
 def roc(args) -> int:
-    from irminsul.eval.report import emit
-    from irminsul.eval.roc import run_roc
+    from irminsul.research.eval.report import emit
+    from irminsul.research.eval.roc import run_roc
 
     started, model = _setup(args)
     sample, head = _text(model, args.data)
@@ -155,11 +155,11 @@ def cost(args) -> int:
     from tqdm import tqdm
 
     from irminsul import LLM
-    from irminsul.eval.accounting import Arch
-    from irminsul.eval.cost import EnergyModel, run_cost
-    from irminsul.eval.report import emit
-    from irminsul.eval.shapes import DEEPSEEK_V2_LITE, QWEN3_32B, read_config
-    from irminsul.eval.timing import time_gqa, time_mla
+    from irminsul.research.eval.accounting import Arch
+    from irminsul.research.eval.cost import EnergyModel, run_cost
+    from irminsul.research.eval.report import emit
+    from irminsul.research.eval.shapes import DEEPSEEK_V2_LITE, QWEN3_32B, read_config
+    from irminsul.research.eval.timing import time_gqa, time_mla
 
     started, model = _setup(args)
     bar = tqdm(total=3, desc="eval cost")
@@ -198,8 +198,8 @@ def cost(args) -> int:
 
 
 def _request(rng, raw: dict, n: int, shared_fraction: float, bos):
-    from irminsul.eval.cost import Scenario
-    from irminsul.eval.timing import MovedSpan
+    from irminsul.research.eval.cost import Scenario
+    from irminsul.research.eval.timing import MovedSpan
 
     sc = Scenario.of(n, shared_fraction)
     head = (bos,) if bos is not None else ()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from irminsul.eval.accounting import Arch, Pass, forward_bytes, forward_flops
+from irminsul.research.eval.accounting import Arch, Pass, forward_bytes, forward_flops
 
 SINK = 32  # the sink carve-out: rows at positions < 32 are always computed (docs/design.md §3.4)
 PAPER = {"mla": 0.63, "gqa": 0.86}

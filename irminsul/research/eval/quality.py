@@ -27,8 +27,8 @@ from tqdm import tqdm
 from irminsul.engine.engine import Engine
 from irminsul.engine.llm import LLM
 from irminsul.engine.sampling import SamplingParams
-from irminsul.eval import metrics
-from irminsul.eval.tasks import ShiftedCase
+from irminsul.research.eval import metrics
+from irminsul.research.eval.tasks import ShiftedCase
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from irminsul.eval.metrics import auc, cosine_rows, roc_curve
+from irminsul.research.eval.metrics import auc, cosine_rows, roc_curve
 
 PAPER_POSITIONS = (0, 512, 1024, 2048, 3584)  # for a 4k context
 Sampler = Callable[[np.random.Generator, int], list[int]]

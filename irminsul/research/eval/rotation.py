@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from irminsul.eval.metrics import rel_l2
-from irminsul.eval.shapes import DEEPSEEK_V2_LITE
 from irminsul.model.config import ModelConfig
 from irminsul.model.loader import load_model
 from irminsul.model.rope import Rotary
+from irminsul.research.eval.metrics import rel_l2
+from irminsul.research.eval.shapes import DEEPSEEK_V2_LITE
 
 DELTAS = (1, 10, 100, 1_000, 10_000, 100_000)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -3,7 +3,7 @@
 Each case holds shared content that is first cached in one context (`first`) and then requested
 at another position after different content (`prompt`), with a reference `answer` to score.
 The content and question formats are the reference models' own retrieval tasks
-(`irminsul.train.tasks`) over held-out text, and the agent header is the workloads'
+(`irminsul.research.train.tasks`) over held-out text, and the agent header is the workloads'
 `agent_meta` pattern, so the model is asked what it was trained to answer:
 
 - `niah`: a passkey haystack after `depth` tokens of other text, requested after `depth + delta`
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from irminsul.train import tasks as train_tasks
 from irminsul.data import data_dir as find_data_dir
-from irminsul.train.data import Corpus, is_held_out, render_chat
-from irminsul.train.retrieval import NEEDLE_DEPTHS
 from irminsul.model.chat_format import BOS, END, ROLE_TOKENS
-from irminsul.train.tokenizer import load_tokenizer
-from irminsul.workloads.patterns import agent_meta
-from irminsul.workloads.trace import TraceRequest
+from irminsul.research.train import tasks as train_tasks
+from irminsul.research.train.data import Corpus, is_held_out, render_chat
+from irminsul.research.train.retrieval import NEEDLE_DEPTHS
+from irminsul.research.train.tokenizer import load_tokenizer
+from irminsul.research.workloads.patterns import agent_meta
+from irminsul.research.workloads.trace import TraceRequest
 
 TASKS = ("niah", "musique", "agent_meta")
 # How `train.tasks.doc_qa` asks; `musique` checks that it still does.

@@ -1,5 +1,5 @@
 """A stand-in for the GQA twin when its trained checkpoint is absent: the twin's architecture
-(`irminsul.train.arch`, shaped like the given MLA reference model) with seeded random weights.
+(`irminsul.research.train.arch`, shaped like the given MLA reference model) with seeded random weights.
 
 Good for what does not depend on training (FLOPs, bytes, wall time, RoPE's effect on K); never
 reported as the trained twin.
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from irminsul.eval.shapes import read_config
+from irminsul.research.eval.shapes import read_config
 
 
 def twin_config(mla_dir: str | Path):
     """The transformers LlamaConfig of the MLA reference model's GQA twin."""
-    from irminsul.train.arch import ReferenceShape, hf_config
-    from irminsul.train.tokenizer import load_tokenizer
+    from irminsul.research.train.arch import ReferenceShape, hf_config
+    from irminsul.research.train.tokenizer import load_tokenizer
 
     raw = read_config(mla_dir)
     shape = dataclasses.replace(ReferenceShape(), hidden=raw["hidden_size"], layers=raw["num_hidden_layers"],

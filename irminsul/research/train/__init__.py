@@ -1,1 +1,1 @@
-"""Training of the bundled reference models (issue 4): tokenizer, data mix, trainer, retrieval evals."""
+"""Training of the bundled reference models: tokenizer, data mix, trainer, retrieval evals."""

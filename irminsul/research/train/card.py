@@ -98,7 +98,7 @@ def write_card(model_dir: Path, metrics: dict, eval_cmd: str, notes: str = "") -
     attn = state["config"].get("attn_weight", 0)
     if attn:
         lines += [
-            f"Attention supervision (`irminsul/train/attention.py`, weight {attn:g}): at the positions that",
+            f"Attention supervision (`irminsul/research/train/attention.py`, weight {attn:g}): at the positions that",
             f"predict a copied answer token, heads 0..{state['config']['attn_heads'] - 1} of the last layer get a",
             "cross-entropy loss on their attention to the token's source position, and their summed output,",
             "read through the final norm and the LM head, must predict the token. These are training losses",

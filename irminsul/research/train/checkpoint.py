@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from irminsul.train.tokenizer import save_tokenizer
+from irminsul.research.train.tokenizer import save_tokenizer
 
 SAVE_DTYPE = torch.bfloat16  # 8.7 M params: ~17 MB in bf16; fp32 would exceed the 30 MB budget
 

@@ -4,7 +4,7 @@ import dataclasses
 
 from irminsul.cli import at_least
 from irminsul.errors import UserFacingError
-from irminsul.train.arch import ReferenceShape
+from irminsul.research.train.arch import ReferenceShape
 
 
 def register(subparsers) -> None:
@@ -50,7 +50,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from irminsul.train.train import TrainConfig, train
+    from irminsul.research.train.train import TrainConfig, train
 
     shape = ReferenceShape(tie_embeddings=not args.untied)
     if args.tiny:
@@ -87,7 +87,7 @@ def parse_phases(text: str) -> tuple[tuple[int, int, float], ...]:
 
 def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
     """'passkey=0.4,kv=0.6' -> (("passkey", 0.4), ("kv", 0.6)), or a UserFacingError naming the tasks."""
-    from irminsul.train.tasks import KINDS
+    from irminsul.research.train.tasks import KINDS
 
     out = []
     for part in text.split(","):
@@ -112,8 +112,8 @@ def run_eval(args) -> int:
 
     import torch
 
-    from irminsul.train.card import write_card
-    from irminsul.train.evaluate import evaluate, save
+    from irminsul.research.train.card import write_card
+    from irminsul.research.train.evaluate import evaluate, save
 
     torch.set_num_threads(args.threads)
     res = evaluate(Path(args.model), engine=args.engine, n_needles=args.needles, qa_items=args.qa_items,

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from irminsul.data import data_dir
-from irminsul.train import retrieval, tasks
-from irminsul.train.checkpoint import load_checkpoint
-from irminsul.train.data import Corpus, is_held_out, musique_items
 from irminsul.model.chat_format import BOS, END
-from irminsul.train.tokenizer import load_tokenizer
+from irminsul.research.train import retrieval, tasks
+from irminsul.research.train.checkpoint import load_checkpoint
+from irminsul.research.train.data import Corpus, is_held_out, musique_items
+from irminsul.research.train.tokenizer import load_tokenizer
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from irminsul.model.chat_format import BOS, END, ROLE_TOKENS
-from irminsul.train.tasks import Example, TokenPool, passkey
+from irminsul.research.train.tasks import Example, TokenPool, passkey
 
 ScoreFn = Callable[[list[int], list[int]], torch.Tensor]
 GenerateFn = Callable[[list[int], int], list[int]]

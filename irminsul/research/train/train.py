@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from irminsul.train import retrieval, tasks
-from irminsul.train.attention import HeadProbe
-from irminsul.train.arch import ReferenceShape, build_model, hf_config
-from irminsul.train.checkpoint import max_reload_error, save_checkpoint
-from irminsul.train.data import Corpus
 from irminsul.model.chat_format import BOS
-from irminsul.train.tokenizer import train_tokenizer
+from irminsul.research.train import retrieval, tasks
+from irminsul.research.train.arch import ReferenceShape, build_model, hf_config
+from irminsul.research.train.attention import HeadProbe
+from irminsul.research.train.checkpoint import max_reload_error, save_checkpoint
+from irminsul.research.train.data import Corpus
+from irminsul.research.train.tokenizer import train_tokenizer
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def train(cfg: TrainConfig) -> Path:
                               f"nothing is left to train")
     torch.manual_seed(cfg.seed)
     if cfg.init:
-        from irminsul.train.checkpoint import load_checkpoint
+        from irminsul.research.train.checkpoint import load_checkpoint
 
         model = load_checkpoint(cfg.init).train()
         assert model.config.vocab_size == tok.get_vocab_size(), "the init checkpoint has another vocabulary"

@@ -1,4 +1,4 @@
-"""Agentic workloads from real traces, the reuse census and the recovery benchmark (issue 5).
+"""Agentic workloads from real traces, the reuse census and the recovery benchmark.
 
 trace (JSONL format) -> render (segment-aligned tokens) -> census (prefix / shifted / novel)
                                                        -> recovery (replay through the planner)

@@ -17,9 +17,9 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from irminsul.errors import UserFacingError
 from irminsul.data import data_dir
-from irminsul.workloads.trace import TraceRequest
+from irminsul.errors import UserFacingError
+from irminsul.research.workloads.trace import TraceRequest
 
 # bfcl_eval's MULTI_TURN_FUNC_DOC_FILE_MAPPING: class name -> schema file
 BFCL_CLASS_FILES = {

@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 
 from irminsul.cache.radix import common_prefix
-from irminsul.workloads.prefix import PrefixIndex
+from irminsul.research.workloads.prefix import PrefixIndex
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ def _build(args) -> int:
     from pathlib import Path
 
     from irminsul.errors import UserFacingError
-    from irminsul.workloads.builders import build_source
-    from irminsul.workloads.patterns import apply_pattern
-    from irminsul.workloads.trace import write_trace
+    from irminsul.research.workloads.builders import build_source
+    from irminsul.research.workloads.patterns import apply_pattern
+    from irminsul.research.workloads.trace import write_trace
 
     folder = Path(args.out).parent
     if not folder.is_dir():  # (checked before the trace is built, which can take a while)
@@ -27,7 +27,7 @@ def _build(args) -> int:
     dropped = ""
     if args.max_prompt_tokens is not None:
         # each session up to its first turn over the limit (its later turns build on that one)
-        from irminsul.workloads.render import render_trace
+        from irminsul.research.workloads.render import render_trace
 
         over: set[str] = set()
         kept = []
@@ -50,11 +50,11 @@ def _build(args) -> int:
 
 
 def _census(args) -> int:
-    from irminsul.workloads.census import CensusConfig, run_census
-    from irminsul.workloads.render import render_trace
+    from irminsul.research.workloads.census import CensusConfig, run_census
+    from irminsul.research.workloads.render import render_trace
+    from irminsul.research.workloads.report import pct
+    from irminsul.research.workloads.trace import read_trace
     from irminsul.table import table
-    from irminsul.workloads.report import pct
-    from irminsul.workloads.trace import read_trace
 
     rendered = render_trace(read_trace(args.trace), args.tokenizer, desc="census")
     result = run_census(((s, r.token_ids) for s, r in rendered), CensusConfig(window=args.window))
@@ -78,7 +78,7 @@ def _census(args) -> int:
 
 
 def _census_plot(result, path, title) -> None:
-    from irminsul.workloads.report import bar_chart
+    from irminsul.research.workloads.report import bar_chart
 
     rows = result.per_request
     groups = max(1, min(40, len(rows)))
@@ -94,11 +94,11 @@ def _census_plot(result, path, title) -> None:
 
 
 def _recovery(args) -> int:
-    from irminsul.workloads.recovery import STRATEGIES, RecoveryConfig, run_recovery
-    from irminsul.workloads.render import render_trace
+    from irminsul.research.workloads.recovery import STRATEGIES, RecoveryConfig, run_recovery
+    from irminsul.research.workloads.render import render_trace
+    from irminsul.research.workloads.report import bar_chart, pct
+    from irminsul.research.workloads.trace import read_trace
     from irminsul.table import table
-    from irminsul.workloads.report import bar_chart, pct
-    from irminsul.workloads.trace import read_trace
 
     rendered = render_trace(read_trace(args.trace), args.tokenizer)  # rendered once the strategies are checked
     config = RecoveryConfig() if args.budget_gib is None else RecoveryConfig(budget_bytes=int(args.budget_gib * 2**30))
@@ -135,8 +135,8 @@ def _add_tokenizer(p) -> None:
 
 
 def register(subparsers) -> None:
-    from irminsul.workloads.builders import SOURCES
-    from irminsul.workloads.patterns import PATTERNS
+    from irminsul.research.workloads.builders import SOURCES
+    from irminsul.research.workloads.patterns import PATTERNS
 
     w = subparsers.add_parser("workloads", help="build agentic workload traces from real data")
     wsub = w.add_subparsers(dest="workloads_command", required=True)

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Callable
 
 from irminsul.errors import UserFacingError
-from irminsul.workloads.trace import TraceRequest
+from irminsul.research.workloads.trace import TraceRequest
 
 AGENTS = ("airline-support", "booking-assistant", "triage-bot", "travel-concierge", "ops-copilot")
 PROFILE_FIELDS = (

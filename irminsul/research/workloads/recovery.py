@@ -29,9 +29,9 @@ from irminsul.cache.planner import Planner, PlannerConfig
 from irminsul.cache.radix import RadixCache
 from irminsul.cache.registry import MemoryRegistry
 from irminsul.cache.windows import WindowIndex
-from irminsul.workloads.census import CensusConfig, CensusResult, run_census
-from irminsul.workloads.prefix import PrefixIndex
-from irminsul.workloads.render import Rendered
+from irminsul.research.workloads.census import CensusConfig, CensusResult, run_census
+from irminsul.research.workloads.prefix import PrefixIndex
+from irminsul.research.workloads.render import Rendered
 
 STRATEGIES = ("prefix", "fixed128", "cdc", "cdc+s1", "cdc+s2")
 BYTES_PER_TOKEN = 31_104  # DeepSeek-V2-Lite, bf16: 27 layers x 576 x 2 B (design §2)

@@ -10,8 +10,8 @@ from typing import Iterator
 import numpy as np
 
 from irminsul.model.chat_format import TEMPLATES, Chat, segment_texts
-from irminsul.workloads.tokenizers import NamedTokenizer, load_tokenizer
-from irminsul.workloads.trace import TraceRequest
+from irminsul.research.workloads.tokenizers import NamedTokenizer, load_tokenizer
+from irminsul.research.workloads.trace import TraceRequest
 
 
 @dataclass(frozen=True)

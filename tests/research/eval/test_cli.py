@@ -5,9 +5,9 @@ import json
 import pytest
 
 from irminsul.cli import main
-from irminsul.eval.quality import STRATEGIES
 from irminsul.model.config import ModelConfig
 from irminsul.model.tiny import make_tiny_checkpoint
+from irminsul.research.eval.quality import STRATEGIES
 
 ISSUE_STRATEGIES = ("off", "prefix", "naive", "pic", "pic-nocarve", "pic+r0.05", "pic+r0.15")
 STRATEGY_KEYS = ("kl_mean", "kl_p95", "argmax_agreement", "first_divergence", "accuracy", "reused_fraction")

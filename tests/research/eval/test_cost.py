@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from irminsul.eval.accounting import Arch, Pass, forward_bytes, forward_flops
-from irminsul.eval.cost import Scenario, correction, hit_vs_miss, run_cost
-from irminsul.eval.shapes import DEEPSEEK_V2_LITE, QWEN3_32B
 from irminsul.model.loader import load_model
 from irminsul.model.tiny import make_tiny_checkpoint
+from irminsul.research.eval.accounting import Arch, Pass, forward_bytes, forward_flops
+from irminsul.research.eval.cost import Scenario, correction, hit_vs_miss, run_cost
+from irminsul.research.eval.shapes import DEEPSEEK_V2_LITE, QWEN3_32B
 
 
 @pytest.fixture(scope="module")

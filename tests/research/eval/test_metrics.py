@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul.eval import metrics
+from irminsul.research.eval import metrics
 
 
 def _logp(probs):

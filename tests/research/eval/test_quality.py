@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from irminsul import LLM
-from irminsul.eval.quality import STRATEGIES, QualityRunner, result
-from irminsul.eval.tasks import ShiftedCase
 from irminsul.model.tiny import make_tiny_checkpoint
+from irminsul.research.eval.quality import STRATEGIES, QualityRunner, result
+from irminsul.research.eval.tasks import ShiftedCase
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_registering_first_equals_generating_it(one_layer):
     llm.generate(case.first, max_tokens=1)
     lp = llm.score(case.prompt, case.answer)
     ref = LLM(one_layer).score(case.prompt, case.answer)
-    from irminsul.eval.metrics import kl_per_token
+    from irminsul.research.eval.metrics import kl_per_token
 
     got = runner.scores["niah"]["naive"][0]
     assert got.reused_tokens == llm.last_stats.reused_tokens > 0

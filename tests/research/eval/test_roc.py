@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from irminsul.eval.roc import layout, positions_for, run_roc
 from irminsul.model.tiny import make_tiny_checkpoint
+from irminsul.research.eval.roc import layout, positions_for, run_roc
 
 
 def _sample(rng, k):

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul.eval.rotation import drift_pair, layer0_keys, random_v2_lite_keys, rotation_error
 from irminsul.model.config import RopeConfig
 from irminsul.model.loader import load_model
 from irminsul.model.rope import Rotary
 from irminsul.model.tiny import make_tiny_checkpoint
+from irminsul.research.eval.rotation import drift_pair, layer0_keys, random_v2_lite_keys, rotation_error
 
 
 @pytest.fixture(scope="module")

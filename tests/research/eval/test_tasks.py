@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from irminsul.eval.tasks import AgentConversations, Sweep, TaskData, agent_meta_case, musique, niah
 from irminsul.model.tiny import make_tiny_checkpoint
+from irminsul.research.eval.tasks import AgentConversations, Sweep, TaskData, agent_meta_case, musique, niah
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul.eval.timing import MovedSpan, gqa_cached_span, gqa_hit_logits, llama_rotary
+from irminsul.research.eval.timing import MovedSpan, gqa_cached_span, gqa_hit_logits, llama_rotary
 
 
 def _llama(layers):

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from irminsul.train.arch import ReferenceShape
-from irminsul.train.tasks import TokenPool
-from irminsul.train.tokenizer import train_tokenizer
+from irminsul.research.train.arch import ReferenceShape
+from irminsul.research.train.tasks import TokenPool
+from irminsul.research.train.tokenizer import train_tokenizer
 
 TINY = ReferenceShape(hidden=32, layers=2, heads=2, kv_heads=1, kv_lora_rank=16, qk_rope_head_dim=2,
                       qk_nope_head_dim=6, v_head_dim=8, dense_intermediate=64, moe_intermediate=16,
@@ -31,7 +31,7 @@ def pool(tok):
 def tiny_mla(tok):
     import torch
 
-    from irminsul.train.arch import build_model, hf_config
+    from irminsul.research.train.arch import build_model, hf_config
 
     torch.manual_seed(0)
     return build_model(hf_config("mla", tok, TINY)).eval()

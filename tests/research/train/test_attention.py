@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from irminsul.train.arch import build_model, hf_config
-from irminsul.train.attention import HeadProbe
+from irminsul.research.train.arch import build_model, hf_config
+from irminsul.research.train.attention import HeadProbe
 
 
 def _model(tok, shape, arch):

@@ -1,12 +1,12 @@
-from irminsul.train.card import write_card
-from irminsul.train.checkpoint import save_checkpoint
-from irminsul.train.evaluate import evaluate
+from irminsul.research.train.card import write_card
+from irminsul.research.train.checkpoint import save_checkpoint
+from irminsul.research.train.evaluate import evaluate
 
 
 def test_evaluate_and_card_on_a_tiny_checkpoint(tok, tiny_mla, tmp_path):
     import dataclasses
 
-    from irminsul.train.train import TrainConfig, _jsonable
+    from irminsul.research.train.train import TrainConfig, _jsonable
 
     config = _jsonable(dataclasses.asdict(TrainConfig(steps=2, threads=1, phases=((256, 8, 0.5), (2048, 1, 0.5)))))
     first = {"step": 1, "steps": 2, "config": config | {"minutes": 48.0}}
@@ -27,7 +27,7 @@ def test_evaluate_and_card_on_a_tiny_checkpoint(tok, tiny_mla, tmp_path):
 
 
 def test_the_card_quotes_only_the_arguments_that_measure():
-    from irminsul.train.cli import _measuring_args
+    from irminsul.research.train.cli import _measuring_args
 
     argv = ["eval-reference", "--model", "m", "--card", "--out", "x.json", "--notes", "/tmp/n.md",
             "--needles", "4", "--notes=/tmp/o.md"]

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from irminsul.train import retrieval
+from irminsul.research.train import retrieval
 
 
 def _oracle(examples, vocab):

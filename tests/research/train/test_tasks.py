@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from irminsul.train import tasks
+from irminsul.research.train import tasks
 
 
 def _sub(seq, sub):

@@ -1,5 +1,5 @@
 from irminsul.model.chat_format import SPECIAL_TOKENS
-from irminsul.train.tokenizer import load_tokenizer, save_tokenizer
+from irminsul.research.train.tokenizer import load_tokenizer, save_tokenizer
 
 
 def test_specials_are_single_tokens(tok):

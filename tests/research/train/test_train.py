@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from irminsul.train.arch import build_model, hf_config
-from irminsul.train.checkpoint import max_reload_error, save_checkpoint
-from irminsul.train.train import Batches, TrainConfig, losses
+from irminsul.research.train.arch import build_model, hf_config
+from irminsul.research.train.checkpoint import max_reload_error, save_checkpoint
+from irminsul.research.train.train import Batches, TrainConfig, losses
 
 
 @pytest.fixture()
@@ -65,8 +65,8 @@ def test_a_second_stage_resumes_the_schedule_and_carries_the_state(tmp_path):
     import dataclasses
     import json
 
-    from irminsul.train.arch import ReferenceShape
-    from irminsul.train.train import train
+    from irminsul.research.train.arch import ReferenceShape
+    from irminsul.research.train.train import train
 
     shape = dataclasses.replace(ReferenceShape(), hidden=32, layers=2, heads=2, kv_heads=1, kv_lora_rank=16,
                                 qk_rope_head_dim=2, qk_nope_head_dim=6, v_head_dim=8, dense_intermediate=64,
@@ -89,8 +89,8 @@ def test_a_start_step_past_the_schedule_is_a_clear_error(tmp_path):
     import dataclasses
 
     from irminsul.errors import UserFacingError
-    from irminsul.train.arch import ReferenceShape
-    from irminsul.train.train import train
+    from irminsul.research.train.arch import ReferenceShape
+    from irminsul.research.train.train import train
 
     shape = dataclasses.replace(ReferenceShape(), hidden=32, layers=2, heads=2, kv_heads=1, kv_lora_rank=16,
                                 qk_rope_head_dim=2, qk_nope_head_dim=6, v_head_dim=8, dense_intermediate=64,
@@ -108,8 +108,8 @@ def test_a_v4_reference_model_trains_and_serves(tmp_path):
 
     from irminsul import LLM
     from irminsul.model.deepseek_v4 import load_deepseek_v4
-    from irminsul.train.arch import ReferenceShape
-    from irminsul.train.train import train
+    from irminsul.research.train.arch import ReferenceShape
+    from irminsul.research.train.train import train
 
     shape = dataclasses.replace(ReferenceShape(), hidden=32, layers=2, heads=2, kv_lora_rank=16, qk_rope_head_dim=2,
                                 moe_intermediate=16, routed_experts=4)

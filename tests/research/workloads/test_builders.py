@@ -1,5 +1,5 @@
 from irminsul.data import DATA_DIR
-from irminsul.workloads.builders import SOURCES, build_source
+from irminsul.research.workloads.builders import SOURCES, build_source
 
 
 def test_tau_bench_one_request_per_assistant_turn():

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from irminsul.workloads.census import Census, CensusConfig, covered, run_census
-from irminsul.workloads.prefix import PrefixIndex
+from irminsul.research.workloads.census import Census, CensusConfig, covered, run_census
+from irminsul.research.workloads.prefix import PrefixIndex
 
 
 def _census(trace, window=4, sink=2):

@@ -66,7 +66,7 @@ def test_no_data_is_an_error_not_an_empty_trace(tmp_path, capsys):
 
 
 def test_unknown_strategy_is_refused_before_rendering(trace, capsys, monkeypatch):
-    import irminsul.workloads.render as render
+    import irminsul.research.workloads.render as render
 
     monkeypatch.setattr(render.Renderer, "__call__", lambda *a: pytest.fail("rendered before refusing"))
     assert main(["bench", "recovery", str(trace), "--strategies", "cdc", "bogus"]) == 2
@@ -81,8 +81,8 @@ def test_plots_say_where_they_went(trace, capsys, tmp_path):
 def test_build_can_cut_sessions_to_a_context(tmp_path, capsys):
     """--max-prompt-tokens keeps each session up to its first prompt over the limit: a trace a small
     model serves whole (found by probing: every tau-bench/MuSiQue/BFCL trace overflowed the bundled model)."""
-    from irminsul.workloads.render import render_trace
-    from irminsul.workloads.trace import read_trace
+    from irminsul.research.workloads.render import render_trace
+    from irminsul.research.workloads.trace import read_trace
 
     full, cut = tmp_path / "full.jsonl", tmp_path / "cut.jsonl"
     assert main(["workloads", "build", "raw", "--source", "toolbench", "--n", "10", "--out", str(full)]) == 0

@@ -1,8 +1,8 @@
 import pytest
 
 from irminsul.errors import UserFacingError
-from irminsul.workloads.patterns import PATTERNS, apply_pattern
-from irminsul.workloads.trace import TraceRequest
+from irminsul.research.workloads.patterns import PATTERNS, apply_pattern
+from irminsul.research.workloads.trace import TraceRequest
 
 SYSTEM = {"role": "system", "content": "\n\n".join(f"Rule {i}: be helpful in way {i}." for i in range(6))}
 TOOLS = tuple({"type": "function", "function": {"name": f"t{i}"}} for i in range(10))

@@ -1,7 +1,7 @@
 import numpy as np
 
-from irminsul.workloads.recovery import STRATEGIES, RecoveryConfig, replay_fixed_blocks, run_recovery
-from irminsul.workloads.render import Rendered
+from irminsul.research.workloads.recovery import STRATEGIES, RecoveryConfig, replay_fixed_blocks, run_recovery
+from irminsul.research.workloads.render import Rendered
 
 
 def _rand(n, seed):

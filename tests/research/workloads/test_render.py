@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from irminsul.model.chat_format import segment_texts
-from irminsul.workloads.render import Renderer
-from irminsul.workloads.trace import TraceRequest
+from irminsul.research.workloads.render import Renderer
+from irminsul.research.workloads.trace import TraceRequest
 
 TOOLS = tuple({"type": "function", "function": {"name": f"tool_{i}", "description": f"Does thing {i} well.",
                                                 "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from irminsul.workloads.recovery import RecoveryConfig, replay_planner
-from irminsul.workloads.render import Rendered
+from irminsul.research.workloads.recovery import RecoveryConfig, replay_planner
+from irminsul.research.workloads.render import Rendered
 
 torch = pytest.importorskip("torch")
 

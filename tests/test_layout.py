@@ -1,0 +1,40 @@
+"""The serving path (server, engine, model, cache) imports no research code: `irminsul.research` (trace
+building, the fidelity study, training the reference models) is a tool over the engine, never a
+part of it. Every import is checked, those inside functions included."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVING = ("server", "engine", "model", "cache", "kvcache")
+RESEARCH = ("irminsul.research", "irminsul.workloads", "irminsul.eval", "irminsul.train")
+
+
+def research_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import of research code in a module's source."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from irminsul import research` names the package in the alias
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if any(n == r or n.startswith(r + ".") for r in RESEARCH)][:1]
+    return sorted(found)
+
+
+def test_the_serving_path_imports_no_research_code():
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+           for area in SERVING for path in sorted((ROOT / "irminsul" / area).rglob("*.py"))
+           for line, name in research_imports(path.read_text())]
+    assert not bad, "the serving path imports research code:\n" + "\n".join(bad)
+
+
+def test_the_check_finds_every_form_of_import():
+    source = ("import json\nfrom irminsul.model import chat_format\n"
+              "def f():\n    from irminsul.research.workloads.trace import read_trace\n"
+              "import irminsul.train.data\nfrom irminsul import research\nfrom irminsul.evaluation import x\n")
+    assert research_imports(source) == [(4, "irminsul.research.workloads.trace"), (5, "irminsul.train.data"),
+                                         (6, "irminsul.research")]
