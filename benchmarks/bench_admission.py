@@ -28,7 +28,7 @@ import torch
 from irminsul import LLM
 from irminsul.cli import run_for_people
 from irminsul.engine.sampling import SamplingParams
-from irminsul.engine.scheduler import Scheduler
+from irminsul.engine.engine import Engine
 from irminsul.machine import describe
 
 WARM = 20
@@ -36,15 +36,14 @@ WARM = 20
 
 def run(llm: LLM, slowdown: float | None, streams: int, burst: int, burst_len: int, window: int | None) -> dict:
     """window None: with the burst, until its last first token; else: that many steps, no burst."""
-    engine = llm.engine
-    engine.close()
-    sched = Scheduler(engine, decode_slowdown=slowdown)
+    llm.engine.close()
+    engine = Engine(llm.model, llm.tokenizer, reuse=llm.reuse, pool=llm.engine.pool, decode_slowdown=slowdown)
     rng = np.random.default_rng(0)
     vocab = llm.model.config.vocab_size
     params = SamplingParams(max_tokens=100_000, ignore_eos=True)
     running = [engine.new_sequence(rng.integers(10, vocab, 100).tolist(), params) for _ in range(streams)]
     for seq in running:
-        sched.add(seq)
+        engine.add_request(seq)
     ids = {seq.id for seq in running}
     last: dict[int, float] = {}
     gaps, ttft, arrivals = [], {}, {}
@@ -54,8 +53,8 @@ def run(llm: LLM, slowdown: float | None, streams: int, burst: int, burst_len: i
             for _ in range(burst):
                 seq = engine.new_sequence(rng.integers(10, vocab, burst_len).tolist(), SamplingParams(max_tokens=1))
                 arrivals[seq.id] = time.perf_counter()
-                sched.add(seq)
-        outs = sched.step()
+                engine.add_request(seq)
+        outs = engine.step()
         now = time.perf_counter()
         step += 1
         for out in outs:
@@ -70,8 +69,9 @@ def run(llm: LLM, slowdown: float | None, streams: int, burst: int, burst_len: i
                 last[sid] = now
         if (window is None and len(ttft) == burst) or (window is not None and step >= WARM + window):
             break
-    for seq in list(sched.running) + list(sched.waiting):
-        sched.abort(seq)
+    for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.abort(seq)
+    engine.close()
     out = {"steps": step - WARM, "p50": np.percentile(gaps, 50), "p99": np.percentile(gaps, 99)}
     if ttft:
         out |= {"ttft_p50": np.percentile(list(ttft.values()), 50), "ttft_max": max(ttft.values())}

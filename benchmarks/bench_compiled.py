@@ -46,7 +46,7 @@ def main() -> int:
     t = time.perf_counter()
     compiled = LLM(model, compile_decode=True)
     print(f"compiled at startup in {time.perf_counter() - t:.1f} s (torch's on-disk caches make later starts faster)")
-    if compiled.engine._compiled is None:
+    if compiled.engine.runner.compiled is None:
         raise UserFacingError("the compiled step is not available here")
     eager = LLM(model, compile_decode=False)
     vocab = eager.model.config.vocab_size

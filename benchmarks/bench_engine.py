@@ -36,17 +36,17 @@ def engine_prefill_decode(llm: LLM, long: list[int], new: int) -> tuple[float, f
     def prefill():
         seq = engine.add(long, SamplingParams(max_tokens=1, ignore_eos=True))
         while seq.in_prefill:
-            engine.forward([seq])
+            engine.execute([seq])
         engine.finish(seq)
 
     def decode():
         seq = engine.add(long, SamplingParams(max_tokens=new + 1, ignore_eos=True))
         engine.reserve([seq])
-        engine.step([seq])  # the prefill and the first token
+        engine.execute([seq])  # the prefill and the first token
         t = time.perf_counter()
         while not seq.finished:
             engine.reserve([seq])
-            engine.step([seq])
+            engine.execute([seq])
         elapsed = time.perf_counter() - t
         engine.finish(seq)
         return elapsed

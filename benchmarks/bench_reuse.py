@@ -38,7 +38,7 @@ def ttft(llm: LLM, tokens: list[int], segments=None) -> tuple[float, float, obje
     t = time.perf_counter()
     seq = engine.add(tokens, SamplingParams(max_tokens=1), segments)
     while not seq.finished:
-        engine.step([seq])
+        engine.execute([seq])
     elapsed = time.perf_counter() - t
     engine.finish(seq)
     return elapsed, time.perf_counter() - t, seq.stats

@@ -33,7 +33,6 @@ import torch
 from irminsul.data import data_file
 from irminsul.engine.engine import Engine
 from irminsul.engine.sampling import SamplingParams
-from irminsul.engine.scheduler import Scheduler
 from irminsul.machine import describe
 from irminsul.model.config import ModelConfig
 from irminsul.model.deepseek import DeepseekModel
@@ -114,13 +113,13 @@ def build(raw: dict, device: str, dtype: torch.dtype, backend: str, reuse: str, 
 
 def generate(engine: Engine, prompts: list[list[int]], new: int) -> float:
     """Seconds for the scheduler to run every prompt to `new` tokens, all admitted together."""
-    sched = Scheduler(engine, max_running_requests=len(prompts))
+    assert len(prompts) <= engine.scheduler.max_running_requests  # all admitted together
     for p in prompts:
-        sched.add(engine.new_sequence(p, SamplingParams(max_tokens=new, ignore_eos=True)))
+        engine.add_request(engine.new_sequence(p, SamplingParams(max_tokens=new, ignore_eos=True)))
     sync()
     t = time.perf_counter()
-    while sched.has_work:
-        sched.step()
+    while engine.has_work:
+        engine.step()
     sync()
     return time.perf_counter() - t
 
@@ -167,7 +166,7 @@ def ttft(engine: Engine, tokens: list[int], energy: Energy) -> tuple[float, floa
     e0, t = energy.read(), time.perf_counter()
     seq = engine.add(tokens, SamplingParams(max_tokens=1))
     while not seq.finished:
-        engine.step([seq])
+        engine.execute([seq])
     sync()
     elapsed, e1 = time.perf_counter() - t, energy.read()
     engine.finish(seq)
@@ -195,7 +194,7 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = build(raw, device, dtype, "triton", "off", kv_gib, compile_decode=True)
     params = sum(p.numel() for p in engine.model.parameters())
-    print(f"built {params / 1e9:.2f} B parameters and captured {len(engine._graphs.graphs)} decode graphs in "
+    print(f"built {params / 1e9:.2f} B parameters and captured {len(engine.runner.graphs.graphs)} decode graphs in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     eager = build(raw, device, dtype, "triton", "off", kv_gib, weights_of=engine, compile_decode=False)
     res["parameters"] = params

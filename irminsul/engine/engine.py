@@ -211,13 +211,23 @@ class Engine:
         raise PoolFull(f"the KV pool ({self.pool.describe()}) cannot hold this request even "
                        f"after evicting every cached row; raise kv_cache_gib or shorten the prompt")
 
+    def reserve(self, seqs: list[Sequence]) -> bool:
+        """A slot for each decoding sequence's newest token (before `execute`); False if the pool
+        cannot give them all."""
+        return self.scheduler.reserve(seqs)
+
+    def execute(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[int | None]:
+        """One forward + sample over admitted sequences, outside the scheduler's loop (benchmarks,
+        one request alone); the token each produced (None: still in prefill)."""
+        return self._execute(self.scheduler.batch(seqs, prefill_budget))
+
     def run(self, seq: Sequence) -> Sequence:
         """Generate until an admitted sequence is done, alone; its rows then go to the cache."""
         while not seq.finished:
-            if not self.scheduler.reserve([seq]):
+            if not self.reserve([seq]):
                 self.finish(seq)
                 raise PoolFull(f"the KV pool ({self.pool.describe()}) is full; raise kv_cache_gib")
-            self._execute(self.scheduler.batch([seq]))
+            self.execute([seq])
         self.finish(seq)
         return seq
 

@@ -40,8 +40,8 @@ from irminsul.model.attention import EMPTY_SLOT
 MODES = ("off", "prefix", "naive", "pic")
 UNBOUNDED = 2**62  # the tree's and the registry's own byte budgets: the pool is the one budget
 # an eviction takes at least this many rows (or a 32nd of the pool, if less): decoding on a full pool
-# then walks the caches once every few steps, not on every step
-MIN_EVICTION = 64
+# then walks the caches once every few steps, not on every step (`python benchmarks/bench_eviction.py`)
+MIN_EVICTION = 256
 
 
 class PoolFull(RequestError):
@@ -72,6 +72,7 @@ class KVCacheManager:
         self.recompute_ratio, self.check_layer = (recompute_ratio, check_layer) if mode != "off" else (0.0, 1)
         self.order = EvictionOrder(pool.n_slots)
         self.inflight: dict[int, int] = {}  # fingerprint -> running sequences that will compute it
+        self.evicted_rows = 0  # rows eviction has freed, in all
         self.registry: Registry | None = None
         self.radix: RadixCache | None = None
         self.namespaces: Namespaces | None = None
@@ -246,7 +247,7 @@ class KVCacheManager:
         return self._evict(n, protected)
 
     def _evict(self, n: int, protected: np.ndarray) -> bool:
-        need = n - self.pool.free
+        need, free = n - self.pool.free, self.pool.free
         candidates = self.order.evictable(self.pool.refs, protected)
         if len(candidates) < need:
             return False
@@ -260,9 +261,12 @@ class KVCacheManager:
 
         self.radix.cut(first_gone)
         memory = self._memory
-        for e in memory.entries():
-            if gone[np.asarray(e.payload, np.int64)].any():
-                memory.discard(e.fingerprint)
+        if entries := [e for e in memory.entries() if len(e.payload)]:
+            starts = np.cumsum([0] + [len(e.payload) for e in entries[:-1]])
+            named = np.add.reduceat(gone[np.concatenate([e.payload for e in entries])].astype(np.int32), starts)
+            for i in np.flatnonzero(named):
+                memory.discard(entries[i].fingerprint)
+        self.evicted_rows += self.pool.free - free
         return self.pool.free >= n
 
     def _in_planning(self) -> np.ndarray:

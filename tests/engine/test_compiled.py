@@ -20,7 +20,7 @@ def test_compiled_decode_gives_the_engines_tokens_and_logprobs(tmp_path, variant
     path = make_tiny_checkpoint(tmp_path / variant, variant, yarn=variant == "v3", **extra)
     eager, compiled = LLM(path), LLM(path, compile_decode=True)
     graphs = counters["stats"]["unique_graphs"]  # compiled at warm-up, on scratch rows
-    step = compiled.engine._compiled
+    step = compiled.engine.runner.compiled
     calls = {"one": 0, "batch": 0}
 
     def counted(name, fn):
@@ -62,9 +62,9 @@ def test_a_content_hit_decodes_through_the_gathered_step(tiny_dir):
         llm.generate(first + body, max_tokens=1)
         if compile_decode:
             seq = llm.engine.new_sequence(second + body, SamplingParams())
-            assert llm.engine.admit(seq) and not consecutive(seq.slots)  # the hit's rows: another run of slots
+            assert llm.engine.scheduler.admit(seq) and not consecutive(seq.slots)  # the hit's rows: another run of slots
             llm.engine.finish(seq)
-            step, calls = llm.engine._compiled, []
+            step, calls = llm.engine.runner.compiled, []
             real = step._batch_fn
             step._batch_fn = lambda *a: calls.append(1) or real(*a)
         runs[name] = llm.generate(second + body, max_tokens=8, ignore_eos=True, logprobs=1)
@@ -93,18 +93,18 @@ def test_serve_flag_reaches_the_engine():
     assert config().compile_decode is None
     assert config("--compile-decode").compile_decode is True
     assert config("--no-compile-decode").compile_decode is False
-    assert ServerState(config("--compile-decode")).client.engine._compiled is not None
-    assert ServerState(config()).client.engine._compiled is None
+    assert ServerState(config("--compile-decode")).client.engine.runner.compiled is not None
+    assert ServerState(config()).client.engine.runner.compiled is None
 
 
 def test_compiled_by_default_where_available_once_per_model(tmp_path, monkeypatch):
     monkeypatch.delenv("IRMINSUL_COMPILE_DECODE")
     path = make_tiny_checkpoint(tmp_path / "v2", "v2")
     llm = LLM(path)
-    assert llm.engine._compiled is not None  # built (and compiled) with the engine
+    assert llm.engine.runner.compiled is not None  # built (and compiled) with the engine
     from irminsul.engine.engine import Engine
 
     other = Engine(llm.model, llm.tokenizer, reuse="pic", pool=llm.engine.pool)
-    assert other._compiled is llm.engine._compiled  # one per model, shared by its engines
-    assert Engine(llm.model, llm.tokenizer, compile_decode=False)._compiled is None
-    assert LLM(make_tiny_checkpoint(tmp_path / "v32", "v32")).engine._compiled is None  # not covered: eager
+    assert other.runner.compiled is llm.engine.runner.compiled  # one per model, shared by its engines
+    assert Engine(llm.model, llm.tokenizer, compile_decode=False).runner.compiled is None
+    assert LLM(make_tiny_checkpoint(tmp_path / "v32", "v32")).engine.runner.compiled is None  # not covered: eager

@@ -30,7 +30,7 @@ def _llm(path, compile_decode, **kw):
 def _counted(llm, splits=3):
     """Count the engine's captured-step calls; on a CPU, cut every size's keys into `splits` runs
     (the SM-based count is 1 at most sizes here; a GPU captured its own counts already)."""
-    graphs = llm.engine._graphs
+    graphs = llm.engine.runner.graphs
     if not graphs.capture:
         graphs.splits = {s: splits for s in graphs.sizes}
     calls = []
@@ -63,7 +63,7 @@ def test_a_padded_batch_decodes_as_the_eager_step(tmp_path, variant):
     path = make_tiny_checkpoint(tmp_path / variant, variant, yarn=variant == "v3",
                                 **({"q_lora_rank": 24} if variant == "v3" else {}))
     eager, graph = _llm(path, False), _llm(path, True)
-    assert eager.engine._graphs is None and graph.engine._graphs.capture == (DEVICE == "cuda")
+    assert eager.engine.runner.graphs is None and graph.engine.runner.graphs.capture == (DEVICE == "cuda")
     calls = _counted(graph)
     prompts = [_rand(70, 2), _rand(9, 3), _rand(33, 4)]
     _same(eager.generate(prompts, **KW), graph.generate(prompts, **KW))
@@ -88,7 +88,7 @@ def test_a_content_hit_and_the_fallbacks(tiny_dir):
     assert calls == [1] * 4
     small = DecodeGraphs(graph.engine.model, graph.engine.pool.rows, max_batch=2, max_len=40)
     small.capture_all()
-    graph.engine._graphs = small
+    graph.engine.runner.graphs = small
     calls = _counted(graph)
     prompts = [_rand(12, 9), _rand(14, 10), _rand(30, 11)]
     _same(eager.generate(prompts, **KW), graph.generate(prompts, **KW))
@@ -104,7 +104,7 @@ def test_the_static_step_reads_nothing_back_on_the_host(tiny_dir):
     """The step a graph captures, run on a loaded batch under HostReads: no read. The check can fail:
     the torch backend's MoE reads its busiest expert's count on the host, and HostReads finds it."""
     llm = _llm(tiny_dir, True)
-    graphs = llm.engine._graphs
+    graphs = llm.engine.runner.graphs
     llm.generate([_rand(30, 13), _rand(20, 14)], max_tokens=2, ignore_eos=True)
     lengths = np.array([5, 3])
     graphs._load(np.array([7, 8]), lengths, [np.arange(1, 6), np.arange(6, 9)])
@@ -143,9 +143,9 @@ def test_resolve_where_and_when(tmp_path, tiny_dir, monkeypatch):
     IRMINSUL_COMPILE_DECODE=0 turns auto off; a model the graphs do not cover is an error when
     required (DeepSeek-V3.2's indexer, LongCat-Flash's host-side expert loop)."""
     monkeypatch.delenv("IRMINSUL_COMPILE_DECODE", raising=False)
-    assert (_llm(tiny_dir, None).engine._graphs is not None) == (DEVICE == "cuda")
+    assert (_llm(tiny_dir, None).engine.runner.graphs is not None) == (DEVICE == "cuda")
     monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "0")
-    assert _llm(tiny_dir, None).engine._graphs is None
+    assert _llm(tiny_dir, None).engine.runner.graphs is None
     for variant, why in (("v32", "indexer"), ("longcat", "LongCat")):
         with pytest.raises(RequestError, match=why):
             _llm(make_tiny_checkpoint(tmp_path / variant, variant), True)
