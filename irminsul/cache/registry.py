@@ -18,8 +18,12 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def namespace_id(model_id: str, tenant: str) -> str:
@@ -34,7 +38,9 @@ class Entry:
     fingerprint: int
     token_ids: np.ndarray  # [len] int32/int64: the chunk's ids, compared on every hit
     base_pos: int  # absolute position of token_ids[0] when its rows were computed
-    payload: object  # opaque rows; the engine stores [n_layers, len, row_width], replay stores None
+    # what holds the chunk's rows: the engine's memory tier names pool slots ([len] int64), the disk
+    # and Redis tiers hold the rows themselves ([n_layers, len, row_width] tensor), replays hold None
+    payload: np.ndarray | torch.Tensor | None
     nbytes: int  # bytes charged against the budget
     namespace: str = ""  # namespace_id of the tenant that wrote it, compared on every hit
 

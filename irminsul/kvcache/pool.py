@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from irminsul.cache.store.codec import row_bytes
 from irminsul.model.attention import EMPTY_SLOT
 from irminsul.model.config import ModelConfig
 
@@ -34,7 +35,7 @@ class LatentPool:
         # step's padding rows write theirs there (model/graphs.py): finite, and never attended to.
         self.rows = torch.empty(cfg.num_hidden_layers, n_slots, cfg.row_width, dtype=dtype, device=device)
         self.rows[:, EMPTY_SLOT] = 0
-        self.bytes_per_slot = cfg.num_hidden_layers * cfg.row_width * self.rows.element_size()
+        self.bytes_per_slot = row_bytes(cfg.num_hidden_layers, cfg.row_width, dtype)
         self.refs = np.zeros(n_slots, np.int32)
         self.refs[EMPTY_SLOT] = 1  # never freed
         self.computed_at = np.zeros(n_slots, np.int64)
@@ -47,8 +48,7 @@ class LatentPool:
 
     @classmethod
     def sized(cls, cfg: ModelConfig, nbytes: int, dtype: torch.dtype, device="cpu") -> "LatentPool":
-        per_slot = cfg.num_hidden_layers * cfg.row_width * torch.finfo(dtype).bits // 8
-        return cls(cfg, max(2, nbytes // per_slot), dtype, device)
+        return cls(cfg, max(2, nbytes // row_bytes(cfg.num_hidden_layers, cfg.row_width, dtype)), dtype, device)
 
     def describe(self) -> str:
         """Its size for people: rows (tokens) and MiB."""

@@ -45,6 +45,11 @@ class ForeignEntry(CorruptEntry):
     one found at our key was put there by someone without our secret)."""
 
 
+def row_bytes(n_layers: int, row_width: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's rows: every layer's [c_KV | k_r] (the pool's slot, a stored entry's token)."""
+    return n_layers * row_width * torch.finfo(dtype).bits // 8
+
+
 @dataclass(frozen=True)
 class RowLayout:
     """What every entry of one model's namespace must look like."""
@@ -62,7 +67,7 @@ class RowLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.n_layers * self.row_width * torch.finfo(self.dtype).bits // 8
+        return row_bytes(self.n_layers, self.row_width, self.dtype)
 
     @property
     def key_id(self) -> str:
