@@ -1,6 +1,7 @@
 """The HTTP server: an OpenAI-compatible API over one engine, plus health, metrics and publishing.
 
-    POST /v1/chat/completions, /v1/completions   (completions.py)
+    POST /v1/chat/completions, /v1/completions   (serving_chat.py, serving_completion.py)
+    POST /v1/responses                            (serving_responses.py)
     POST /v1/cache/chunks                         publish a document to the shared namespace
     POST /tokenize, /detokenize                   vLLM's tokenizer endpoints
     GET  /v1/models, /v1/models/{id}, /health, /metrics
@@ -24,6 +25,9 @@ from fastapi.responses import JSONResponse, Response
 
 from irminsul.server.config import ServerConfig
 from irminsul.server.protocol import APIError
+from irminsul.server.serving_chat import OpenAIServingChat
+from irminsul.server.serving_completion import OpenAIServingCompletion
+from irminsul.server.serving_responses import OpenAIServingResponses
 
 log = logging.getLogger("irminsul.server")
 
@@ -145,6 +149,9 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
             state = await asyncio.to_thread(ServerState, config)
         state.client.start()
         app.state.irminsul = state
+        app.state.serving_chat = OpenAIServingChat(state)
+        app.state.serving_completion = OpenAIServingCompletion(state)
+        app.state.serving_responses = OpenAIServingResponses(state)
         log.info("serving %s (reuse=%s) on http://%s:%d", state.model_name, config.reuse, config.host, config.port)
         yield
         state.close()
@@ -190,47 +197,41 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
     def state_of(request: Request) -> ServerState:
         return request.app.state.irminsul
 
-    from irminsul.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PublishRequest,
-                                          TokenizeRequest, body_schema, read_body)
-    from irminsul.server.responses import ResponsesRequest
+    from irminsul.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                          ModelList, PublishRequest, ResponsesRequest, TokenizeRequest, body_schema,
+                                          read_body)
 
     # NOTE: bodies are read and parsed by the handlers (size limit first, parsing off the event loop);
     # their models are declared here so /openapi.json describes them.
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        from irminsul.server.completions import handle
-
-        return await handle(state_of(request), request, chat=True)
+        return await request.app.state.serving_chat.create(request)
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request):
-        from irminsul.server.completions import handle
-
-        return await handle(state_of(request), request, chat=False)
+        return await request.app.state.serving_completion.create(request)
 
     @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def responses(request: Request):
-        from irminsul.server.responses import handle
-
-        return await handle(state_of(request), request)
+        return await request.app.state.serving_responses.create(request)
 
     @app.post("/v1/cache/chunks", openapi_extra=body_schema(PublishRequest))
     async def publish(request: Request):
         return await _publish(state_of(request), request)
 
-    def model_card(s: ServerState) -> dict:
-        return {"id": s.model_name, "object": "model", "created": int(s.started), "owned_by": "irminsul",
-                "max_model_len": s.context, "irminsul": {"reuse": s.client.reuse, "store": list(s.config.store.specs)}}
+    def model_card(s: ServerState) -> ModelCard:
+        return ModelCard(id=s.model_name, created=int(s.started), max_model_len=s.context,
+                         irminsul={"reuse": s.client.reuse, "store": list(s.config.store.specs)})
 
     @app.get("/v1/models")
     async def models(request: Request):
-        return {"object": "list", "data": [model_card(state_of(request))]}
+        return ModelList(data=[model_card(state_of(request))]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         s = state_of(request)
         s.check_model(model_id)
-        return model_card(s)
+        return model_card(s).model_dump()
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(request: Request):
@@ -285,8 +286,8 @@ class _OneFraming:
 
 
 def _tokenize(state: ServerState, raw: bytes) -> dict:
-    from irminsul.server.completions import text_chars
-    from irminsul.server.protocol import TokenizeRequest, parse_body
+    from irminsul.server.protocol import TokenizeRequest, TokenizeResponse, parse_body
+    from irminsul.server.serving_base import text_chars
 
     req = parse_body(raw, TokenizeRequest)
     state.check_model(req.model)
@@ -302,25 +303,25 @@ def _tokenize(state: ServerState, raw: bytes) -> dict:
                                         req.continue_final_message, req.chat_template_kwargs).token_ids
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-    return {"count": len(ids), "max_model_len": state.context, "tokens": ids}
+    return TokenizeResponse(count=len(ids), max_model_len=state.context, tokens=ids).model_dump()
 
 
 def _detokenize(state: ServerState, raw: bytes) -> dict:
-    from irminsul.server.protocol import DetokenizeRequest, parse_body
+    from irminsul.server.protocol import DetokenizeRequest, DetokenizeResponse, parse_body
 
     req = parse_body(raw, DetokenizeRequest)
     state.check_model(req.model)
     vocab = state.client.vocab_size
     if bad := [t for t in req.tokens if not 0 <= t < vocab]:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
-    return {"prompt": state.tokenizer.decode(req.tokens, False)}
+    return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens, False)).model_dump()
 
 
 async def _publish(state: ServerState, request: Request) -> dict:
     """{"text": str} or {"token_ids": [int]}: precompute in a trusted context and share with all tenants."""
     from irminsul.errors import RequestError
     from irminsul.server.engine_client import Busy
-    from irminsul.server.protocol import read_body
+    from irminsul.server.protocol import PublishResponse, read_body
 
     state.check_admin(request)
     raw = await read_body(request, state.config.max_request_bytes)
@@ -331,37 +332,25 @@ async def _publish(state: ServerState, request: Request) -> dict:
         raise APIError(503, str(e)) from None
     except RequestError as e:
         raise APIError(400, str(e), param=param) from None
-    return {"object": "cache.chunks", "tokens": len(tokens), "entries": done.entries,
-            "stored_tokens": done.tokens, "skipped": done.skipped, "rejected": done.rejected}
+    return PublishResponse(tokens=len(tokens), entries=done.entries, stored_tokens=done.tokens, skipped=done.skipped,
+                           rejected=done.rejected).model_dump()
 
 
 def _publish_tokens(state: ServerState, raw: bytes) -> tuple[list[int], str]:
     """A publish body's document as token ids, and the field it came in (on a worker thread)."""
-    import json
+    from irminsul.server.protocol import PublishRequest, parse_body
 
-    from irminsul.server.protocol import check_values
-
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON ({e})") from None
-    if not isinstance(body, dict) or ("text" in body) == ("token_ids" in body):
-        raise APIError(400, "send exactly one of 'text' (a string) or 'token_ids' (a list of ints)")
-    check_values(body)  # lone surrogates, deep nesting: as every other endpoint
-    state.check_model(body.get("model"))
+    req = parse_body(raw, PublishRequest)
+    state.check_model(req.model)
     if state.client.reuse not in ("pic", "naive"):
         raise APIError(400, f"publishing needs content reuse (--reuse pic or naive); this server runs "
                             f"--reuse {state.client.reuse}")
-    param = "text" if "text" in body else "token_ids"
-    if "text" in body:
-        if not isinstance(body["text"], str) or not body["text"]:
-            raise APIError(400, "'text' must be a non-empty string", param="text")
-        state.check_text(len(body["text"]), "text", "text")
-        tokens = state.tokenizer.encode(body["text"], add_bos=False)
+    if req.text is not None:
+        param = "text"
+        state.check_text(len(req.text), "text", "text")
+        tokens = state.tokenizer.encode(req.text, add_bos=False)
     else:
-        tokens = body["token_ids"]
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise APIError(400, "'token_ids' must be a list of integers", param="token_ids")
+        param, tokens = "token_ids", req.token_ids
     try:
         state.client.validate(tokens, room=0)
     except ValueError as e:

@@ -1,19 +1,21 @@
-"""The OpenAI wire format: request models, validation into engine parameters, errors, usage.
+"""The OpenAI wire format: request and response models, validation into engine parameters, errors, usage.
 
 Behaviour follows OpenAI's API and vLLM's server where they agree: unknown fields are ignored
 (agent frameworks send many), but a field we know and cannot honour (``best_of``, ``suffix``,
 ``chat_template_kwargs`` ...) is a 400 that names it. Errors use OpenAI's body:
 ``{"error": {"message", "type", "param", "code"}}``.
+
+Responses are built from the models below and sent as ``model_dump()`` gives them: a field is
+null when OpenAI's API sends null, and absent when it leaves the field out (a model's
+``absent_if_none`` names those: a delta's unset parts, a message without tool calls).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
-from typing import Annotated
-
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_serializer, model_validator
 from starlette.requests import ClientDisconnect
 
 from irminsul.engine.grammar import Constraint
@@ -33,7 +35,8 @@ class APIError(Exception):
                              503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
 
 
 def _no_bool(value):
@@ -114,6 +117,31 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_logprobs: Int | None = None
+    include: list[str] | None = None
+    text: dict | None = None
+    stream: bool = False
+    metadata: dict | None = None
+    store: bool | None = None  # accepted; nothing is stored (the response says store: false)
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    reasoning: dict | None = None
+    truncation: str | None = None
+
+
 MAX_DEPTH = 64  # nesting of JSON arrays and objects a request may use
 # Each is far beyond what a client needs and bounds the work one request can make for everyone
 # (a million stop strings once slowed every request 25x: they are checked at every token).
@@ -166,7 +194,20 @@ class PublishRequest(BaseModel):
 
     model: str | None = None
     text: str | None = None
-    token_ids: IntList | None = None
+    token_ids: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_document(cls, data):
+        if not isinstance(data, dict) or ("text" in data) == ("token_ids" in data):
+            raise APIError(400, "send exactly one of 'text' (a string) or 'token_ids' (a list of ints)")
+        if "text" in data and (not isinstance(data["text"], str) or not data["text"]):
+            raise APIError(400, "'text' must be a non-empty string", param="text")
+        ids = data.get("token_ids")
+        if "token_ids" in data and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                      for t in ids)):
+            raise APIError(400, "'token_ids' must be a list of integers", param="token_ids")
+        return data
 
 
 class TokenizeRequest(BaseModel):
@@ -227,8 +268,8 @@ def validated(model: type[BaseModel], data: dict):
         raise APIError(400, f"{loc}: {err['msg']}{more}", param=loc) from None
 
 
-def check_supported(req: _Common) -> None:
-    """Refuse parameters we know and cannot honour."""
+def check_supported(req: _Common, messages: str = "messages") -> None:
+    """Refuse parameters we know and cannot honour (`messages`: what the request calls a chat's messages)."""
     refuse = [
         ("n", not 1 <= req.n <= MAX_CHOICES, f"n={req.n} must be in [1, {MAX_CHOICES}]"),
         ("best_of", req.best_of not in (None, 1), "best_of is not supported"),
@@ -256,11 +297,11 @@ def check_supported(req: _Common) -> None:
         raise APIError(400, f"stop_token_ids takes at most {MAX_STOP} ids", param="stop_token_ids")
     if isinstance(req, ChatCompletionRequest):
         if len(req.messages) > MAX_MESSAGES:
-            raise APIError(400, f"at most {MAX_MESSAGES} messages per request", param="messages")
+            raise APIError(400, f"at most {MAX_MESSAGES} messages per request", param=messages)
         if sum(len(m["content"]) for m in req.messages
                if isinstance(m, dict) and isinstance(m.get("content"), list)) > MAX_PARTS:
             raise APIError(400, f"at most {MAX_PARTS} content parts per request (in all its messages)",
-                           param="messages")
+                           param=messages)
         if len(req.tools or []) > MAX_TOOLS:
             raise APIError(400, f"at most {MAX_TOOLS} tools per request", param="tools")
     if req.cache_salt is not None and not (0 < len(req.cache_salt) <= 256):
@@ -295,24 +336,25 @@ def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def constraint_of(req: _Common) -> tuple[Constraint | None, str | None]:
-    """The structured-output constraint a request asks for, and the field that asked (for errors)."""
+def constraint_of(req: _Common, response_format: str = "response_format") -> tuple[Constraint | None, str | None]:
+    """The structured-output constraint a request asks for, and the field that asked (for errors;
+    `response_format`: what the request calls that field)."""
     asked = []
     rf = req.response_format
     if rf is not None:
         kind = rf.get("type", "text")
         if kind == "json_object":
-            asked.append(("response_format", lambda: Constraint.json_schema(None)))
+            asked.append((response_format, lambda: Constraint.json_schema(None)))
         elif kind == "json_schema":
             spec = rf.get("json_schema")
             schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
             if not isinstance(schema, (dict, bool)):
-                raise APIError(400, "response_format type 'json_schema' needs json_schema.schema, a JSON schema object",
-                               param="response_format")
-            asked.append(("response_format", lambda: Constraint.json_schema(schema)))
+                raise APIError(400, f"{response_format} type 'json_schema' needs json_schema.schema, a JSON schema "
+                                    f"object", param=response_format)
+            asked.append((response_format, lambda: Constraint.json_schema(schema)))
         elif kind != "text":
-            raise APIError(400, f"response_format type {kind!r} must be one of 'text', 'json_object', 'json_schema'",
-                           param="response_format")
+            raise APIError(400, f"{response_format} type {kind!r} must be one of 'text', 'json_object', "
+                                f"'json_schema'", param=response_format)
     so = req.structured_outputs or {}
     if not isinstance(so, dict):
         raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
@@ -416,29 +458,380 @@ def sampling_params(req: _Common, max_tokens: int, constraint: Constraint | None
         raise APIError(400, str(e), param=name if name.isidentifier() else None) from None
 
 
-def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int, default: int) -> int:
-    """vLLM's rule: an explicit max_tokens must fit the context; a missing one is capped by it."""
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int, default: int,
+                       name: str = "max_tokens") -> int:
+    """vLLM's rule: an explicit max_tokens (the request's field `name`) must fit the context; a
+    missing one is capped by it."""
     room = context - prompt_tokens
     if requested is None:
         return max(1, min(default, room))
     if requested < 1:
-        raise APIError(400, f"max_tokens={requested} must be at least 1", param="max_tokens")
+        raise APIError(400, f"{name}={requested} must be at least 1", param=name)
     if requested > room:
-        raise APIError(400, f"max_tokens={requested} is too large: the prompt has {prompt_tokens} tokens and the "
+        raise APIError(400, f"{name}={requested} is too large: the prompt has {prompt_tokens} tokens and the "
                             f"model's context is {context}, so at most {room} tokens can be generated",
-                       param="max_tokens")
+                       param=name)
     return requested
 
 
-def usage(stats: RequestStats, completion_tokens: int) -> dict:
+def usage(stats: RequestStats, completion_tokens: int) -> UsageInfo:
     """OpenAI usage; cached_tokens = prefix + reused, split in the ``irminsul`` block."""
-    cached = stats.prefix_tokens + stats.reused_tokens
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": stats.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "irminsul": {"prefix_tokens": stats.prefix_tokens, "reused_tokens": stats.reused_tokens,
-                     "carve_out_tokens": stats.carve_out_tokens, "computed_tokens": stats.computed_tokens,
-                     "s1_tokens": stats.s1_tokens},
-    }
+    return UsageInfo(
+        prompt_tokens=stats.prompt_tokens, completion_tokens=completion_tokens,
+        total_tokens=stats.prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.prefix_tokens + stats.reused_tokens),
+        irminsul=IrminsulUsage(prefix_tokens=stats.prefix_tokens, reused_tokens=stats.reused_tokens,
+                               carve_out_tokens=stats.carve_out_tokens, computed_tokens=stats.computed_tokens,
+                               s1_tokens=stats.s1_tokens))
+
+
+def summed_usage(parts: list[UsageInfo]) -> UsageInfo:
+    """Field by field sum of usage objects (nested blocks too)."""
+    def add(values: list[dict]) -> dict:
+        return {k: add([v[k] for v in values]) if isinstance(x, dict) else sum(v[k] for v in values)
+                for k, x in values[0].items()}
+
+    return UsageInfo.model_validate(add([p.model_dump() for p in parts]))
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class _Wire(BaseModel):
+    absent_if_none: ClassVar[tuple[str, ...]] = ()  # fields left out of the body when None (not null)
+
+    @model_serializer(mode="wrap")
+    def _leave_out(self, handler):
+        out = handler(self)
+        for name in self.absent_if_none:
+            if out.get(name, 0) is None:
+                del out[name]
+        return out
+
+
+class ErrorInfo(_Wire):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Wire):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(_Wire):
+    cached_tokens: int
+
+
+class IrminsulUsage(_Wire):
+    """Where the prompt's rows came from: a prefix hit, reused chunks (their carve-out and S1
+    tokens recomputed), or computed."""
+
+    prefix_tokens: int
+    reused_tokens: int
+    carve_out_tokens: int
+    computed_tokens: int
+    s1_tokens: int
+
+
+class UsageInfo(_Wire):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    irminsul: IrminsulUsage
+
+
+class TopLogprob(_Wire):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Wire):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(_Wire):
+    """The legacy completions' parallel lists (an echoed prompt's first token has no log-prob)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class FunctionCall(_Wire):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Wire):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Wire):
+    absent_if_none = ("tool_calls",)
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatCompletionChoice(_Wire):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Wire):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaFunctionCall(_Wire):
+    absent_if_none = ("name",)
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(_Wire):
+    """A call's first delta names it (id, type, name); the ones after carry its arguments."""
+
+    absent_if_none = ("id", "type")
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_Wire):
+    absent_if_none = ("role", "content", "tool_calls")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionStreamChoice(_Wire):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Wire):
+    """`usage` is null on every chunk but the last when the client asked for it (stream_options),
+    absent when it did not: the serving code leaves it out then."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(_Wire):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Wire):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(_Wire):
+    """As ChatCompletionChunk: `usage` is left out unless the client asked for it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenizeResponse(_Wire):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Wire):
+    prompt: str
+
+
+class PublishResponse(_Wire):
+    object: Literal["cache.chunks"] = "cache.chunks"
+    tokens: int  # of the document
+    entries: int  # chunk entries stored
+    stored_tokens: int
+    skipped: int
+    rejected: int
+
+
+class ModelCard(_Wire):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "irminsul"
+    max_model_len: int
+    irminsul: dict  # {"reuse": mode, "store": [tier specs]}
+
+
+class ModelList(_Wire):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- the Responses API ---------------------------------------------------------------------------
+
+
+class OutputText(_Wire):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ResponseMessage(_Wire):
+    type: Literal["message"] = "message"
+    id: str
+    status: str
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class ResponseFunctionCall(_Wire):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+OutputItem = Annotated[ResponseMessage | ResponseFunctionCall, Field(discriminator="type")]
+
+
+class OutputTokensDetails(_Wire):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(_Wire):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+    irminsul: IrminsulUsage
+
+    @classmethod
+    def of(cls, u: UsageInfo) -> ResponseUsage:
+        return cls(input_tokens=u.prompt_tokens, input_tokens_details=u.prompt_tokens_details,
+                   output_tokens=u.completion_tokens, total_tokens=u.total_tokens, irminsul=u.irminsul)
+
+
+class IncompleteDetails(_Wire):
+    reason: str
+
+
+class ResponseObject(_Wire):
+    """A response as the stateless server gives it (store false, no previous response)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: str  # in_progress, completed, incomplete
+    model: str
+    output: list[OutputItem]
+    error: None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict
+    parallel_tool_calls: bool
+    temperature: float
+    top_p: float
+    tools: list
+    tool_choice: str | dict
+    text: dict
+    store: bool = False
+    previous_response_id: None = None
+    reasoning: None = None
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+
+
+class ResponseEvent(_Wire):
+    type: str
+    sequence_number: int
+
+
+class ResponseLifecycleEvent(ResponseEvent):  # response.created, .in_progress, .completed, .incomplete
+    response: ResponseObject
+
+
+class OutputItemEvent(ResponseEvent):  # response.output_item.added, .done
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartEvent(ResponseEvent):  # response.content_part.added, .done
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDeltaEvent(ResponseEvent):  # response.output_text.delta
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[ChatTokenLogprob]
+
+
+class OutputTextDoneEvent(ResponseEvent):  # response.output_text.done
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[ChatTokenLogprob]
+
+
+class ArgumentsDeltaEvent(ResponseEvent):  # response.function_call_arguments.delta
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDoneEvent(ResponseEvent):  # response.function_call_arguments.done
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ErrorEvent(ResponseEvent):  # error
+    code: str | None = None
+    message: str
+    param: str | None = None

@@ -16,44 +16,20 @@ references are refused with a 400 that says so; send the whole conversation as `
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict
 
-from irminsul.server.completions import _Channel, _Format, _tool_format, answer_one, json_response, prepare, submit_one
-from irminsul.server.protocol import (APIError, ChatCompletionRequest, Float, Int, _Common, parse_body, read_body,
-                                      usage, validated)
-from irminsul.server.engine_client import Delta, Finished
-from irminsul.server.tools import ToolCallParser
-
-
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    input: str | list[Any]
-    instructions: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: Int | None = None
-    temperature: Float | None = None
-    top_p: Float | None = None
-    top_logprobs: Int | None = None
-    include: list[str] | None = None
-    text: dict | None = None
-    stream: bool = False
-    metadata: dict | None = None
-    store: bool | None = None  # accepted; nothing is stored (the response says store: false)
-    previous_response_id: str | None = None
-    conversation: Any = None
-    background: bool | None = None
-    reasoning: dict | None = None
-    truncation: str | None = None
+from irminsul.server.engine_client import Delta, Finished, Job
+from irminsul.server.protocol import (APIError, ArgumentsDeltaEvent, ArgumentsDoneEvent, ChatCompletionRequest,
+                                      ChatTokenLogprob, ContentPartEvent, ErrorEvent, IncompleteDetails,
+                                      OutputItemEvent, OutputText, OutputTextDeltaEvent, OutputTextDoneEvent,
+                                      ResponseEvent, ResponseFunctionCall, ResponseLifecycleEvent, ResponseMessage,
+                                      ResponseObject, ResponsesRequest, ResponseUsage, _Common, usage, validated)
+from irminsul.server.serving_base import FieldNames
+from irminsul.server.serving_chat import ChatFormat, OpenAIServingChat, call_id
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -187,106 +163,101 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     return validated(ChatCompletionRequest, body)  # (a passed-through chat field may be bad: a 400)
 
 
-class _Builder:
+class ResponsesBuilder:
     """The response object and its stream of events, built from the chat path's events."""
 
-    def __init__(self, req: ResponsesRequest, fmt: _Format, model: str):
+    def __init__(self, req: ResponsesRequest, fmt: ChatFormat, model: str):
         self.req, self.fmt, self.model = req, fmt, model
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
-        self.output: list[dict] = []
+        self.output: list = []
         self.seq = 0
-        self.open: dict | None = None  # the item being streamed
+        self.open: ResponseMessage | ResponseFunctionCall | None = None  # the item being streamed
 
-    def response(self, status: str, finished: Finished | None = None) -> dict:
+    def response(self, status: str, finished: Finished | None = None) -> ResponseObject:
         req = self.req
-        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-               "model": self.model, "output": self.output, "error": None, "incomplete_details": None,
-               "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-               "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
-               "temperature": 1.0 if req.temperature is None else req.temperature,
-               "top_p": 1.0 if req.top_p is None else req.top_p, "tools": req.tools or [],
-               "tool_choice": req.tool_choice or "auto", "text": req.text or {"format": {"type": "text"}},
-               "store": False, "previous_response_id": None, "reasoning": None, "truncation": "disabled",
-               "usage": None}
-        if status == "incomplete":
-            out["incomplete_details"] = {"reason": "max_output_tokens"}
-        if finished is not None:
-            u = usage(finished.stats, finished.completion_tokens)
-            out["usage"] = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
-                            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                            "total_tokens": u["total_tokens"], "irminsul": u["irminsul"]}
-        return out
+        return ResponseObject(
+            id=self.id, created_at=self.created, status=status, model=self.model, output=self.output,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, metadata=req.metadata or {},
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, tools=req.tools or [],
+            tool_choice=req.tool_choice or "auto", text=req.text or {"format": {"type": "text"}},
+            usage=None if finished is None else ResponseUsage.of(usage(finished.stats, finished.completion_tokens)))
 
-    def status(self, finished: Finished) -> str:
+    @staticmethod
+    def status(finished: Finished) -> str:
         return "incomplete" if finished.finish_reason == "length" else "completed"
 
     # -- whole ------------------------------------------------------------------------------
 
-    def whole(self, finished: Finished) -> dict:
+    def whole(self, finished: Finished) -> ResponseObject:
         message, _ = self.fmt.message(finished)
-        logprobs = self._logprobs(finished.logprobs)
-        if message.get("content"):
-            self.output.append(self._message(message["content"], "completed", logprobs))
-        for call in message.get("tool_calls", []):
-            self.output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                                "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                                "status": "completed"})
+        if message.content:
+            self.output.append(self._message(message.content, "completed", self.logprobs(finished.logprobs)))
+        for call in message.tool_calls or ():
+            self.output.append(ResponseFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=call.id,
+                                                    name=call.function.name, arguments=call.function.arguments,
+                                                    status="completed"))
         if self.output:  # the item being written when max_output_tokens cut it off (OpenAI marks it so)
-            self.output[-1]["status"] = self.status(finished)
+            self.output[-1].status = self.status(finished)
         return self.response(self.status(finished), finished)
 
-    def _logprobs(self, entries) -> list[dict]:
+    def logprobs(self, entries) -> list[ChatTokenLogprob]:
         lp = self.fmt.logprobs(entries) if entries else None
-        return lp["content"] if lp else []
+        return lp.content if lp else []
 
     @staticmethod
-    def _message(text: str, status: str, logprobs: list[dict]) -> dict:
-        return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+    def _message(text: str, status: str, logprobs: list) -> ResponseMessage:
+        return ResponseMessage(id=f"msg_{uuid.uuid4().hex}", status=status,
+                               content=[OutputText(text=text, logprobs=logprobs)])
 
     # -- streamed ---------------------------------------------------------------------------
 
-    def event(self, kind: str, **fields) -> str:
-        body = {"type": kind, "sequence_number": self.seq, **fields}
+    def event(self, kind: type[ResponseEvent], type: str, **fields) -> str:
+        body = kind(type=type, sequence_number=self.seq, **fields)
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"event: {type}\ndata: {json.dumps(body.model_dump(), ensure_ascii=False)}\n\n"
 
     def start(self) -> list[str]:
         r = self.response("in_progress")
-        return [self.event("response.created", response=r), self.event("response.in_progress", response=r)]
+        return [self.event(ResponseLifecycleEvent, "response.created", response=r),
+                self.event(ResponseLifecycleEvent, "response.in_progress", response=r)]
 
-    def piece(self, event: tuple, logprobs: list[dict]) -> list[str]:
+    def piece(self, event: tuple, logprobs: list) -> list[str]:
         """Events for one ToolCallParser event: ("content", text), ("name", i, name), ("arguments", i, text)."""
         if event[0] == "content":
             return self.text(event[1], logprobs) if event[1] else []
         return self.call(event[2]) if event[0] == "name" else self.arguments(event[2])
 
-    def text(self, piece: str, logprobs: list[dict]) -> list[str]:
-        out = []
-        if self.open is None or self.open["type"] != "message":  # (events are serialized as they are made)
+    def text(self, piece: str, logprobs: list) -> list[str]:
+        out, index = [], len(self.output)
+        if not isinstance(self.open, ResponseMessage):  # (events are serialized as they are made)
             out += self.close()
+            index = len(self.output)
             self.open = self._message("", "in_progress", [])
-            out.append(self.event("response.output_item.added", output_index=len(self.output),
-                                  item={**self.open, "content": []}))
-            out.append(self.event("response.content_part.added", item_id=self.open["id"],
-                                  output_index=len(self.output), content_index=0, part=self.open["content"][0]))
-        part = self.open["content"][0]
-        part["text"] += piece
-        part["logprobs"] += logprobs
-        out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
-                              content_index=0, delta=piece, logprobs=logprobs))
+            out.append(self.event(OutputItemEvent, "response.output_item.added", output_index=index,
+                                  item=self.open.model_copy(update={"content": []})))
+            out.append(self.event(ContentPartEvent, "response.content_part.added", item_id=self.open.id,
+                                  output_index=index, content_index=0, part=self.open.content[0]))
+        part = self.open.content[0]
+        part.text += piece
+        part.logprobs = part.logprobs + list(logprobs)
+        out.append(self.event(OutputTextDeltaEvent, "response.output_text.delta", item_id=self.open.id,
+                              output_index=index, content_index=0, delta=piece, logprobs=logprobs))
         return out
 
     def call(self, name: str) -> list[str]:
         out = self.close()
-        self.open = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
-                     "name": name, "arguments": "", "status": "in_progress"}
-        out.append(self.event("response.output_item.added", output_index=len(self.output), item=self.open))
+        self.open = ResponseFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=call_id(), name=name, arguments="",
+                                         status="in_progress")
+        out.append(self.event(OutputItemEvent, "response.output_item.added", output_index=len(self.output),
+                              item=self.open))
         return out
 
     def arguments(self, piece: str) -> list[str]:
-        self.open["arguments"] += piece
-        return [self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+        self.open.arguments += piece
+        return [self.event(ArgumentsDeltaEvent, "response.function_call_arguments.delta", item_id=self.open.id,
                            output_index=len(self.output), delta=piece)]
 
     def close(self, status: str = "completed") -> list[str]:
@@ -295,17 +266,17 @@ class _Builder:
         if item is None:
             return []
         index, out = len(self.output), []
-        item["status"] = status
-        if item["type"] == "message":
-            part = item["content"][0]
-            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=part["text"], logprobs=part["logprobs"]))
-            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
-                                  content_index=0, part=part))
+        item.status = status
+        if isinstance(item, ResponseMessage):
+            part = item.content[0]
+            out.append(self.event(OutputTextDoneEvent, "response.output_text.done", item_id=item.id,
+                                  output_index=index, content_index=0, text=part.text, logprobs=part.logprobs))
+            out.append(self.event(ContentPartEvent, "response.content_part.done", item_id=item.id,
+                                  output_index=index, content_index=0, part=part))
         else:
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=item["name"], arguments=item["arguments"]))
-        out.append(self.event("response.output_item.done", output_index=index, item=item))
+            out.append(self.event(ArgumentsDoneEvent, "response.function_call_arguments.done", item_id=item.id,
+                                  output_index=index, name=item.name, arguments=item.arguments))
+        out.append(self.event(OutputItemEvent, "response.output_item.done", output_index=index, item=item))
         self.output.append(item)
         return out
 
@@ -313,74 +284,65 @@ class _Builder:
         status = self.status(finished)
         out = self.close(status)
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        return out + [self.event(kind, response=self.response(status, finished))]
+        return out + [self.event(ResponseLifecycleEvent, kind, response=self.response(status, finished))]
 
 
-# the chat request's fields, as a Responses request calls them (for error messages)
-_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-          "response_format": "text.format"}
+class OpenAIServingResponses(OpenAIServingChat):
+    """The Responses API on the chat path: the request becomes a chat request, its jobs are the chat
+    path's (with errors in the Responses API's field names), its events become Responses objects."""
 
+    request_model = ResponsesRequest
+    names = FieldNames(prompt="input", max_tokens="max_output_tokens", response_format="text.format")
 
-def _renamed(e: APIError) -> APIError:
-    """A chat-path error in the Responses API's terms."""
-    swap = lambda text: re.sub(r"\b(" + "|".join(_NAMES) + r")\b", lambda m: _NAMES[m.group(1)], text)  # noqa: E731
-    return APIError(e.status, swap(e.message), swap(e.param) if e.param else None, e.code, e.type)
-
-
-async def handle(state, request: Request):
-    state.key_tenant(request)  # (a 401 before the body is read)
-    body = await read_body(request, state.config.max_request_bytes)
-    req = await state.prepare(request, parse_body, body, ResponsesRequest)
-    try:
+    async def create(self, request: Request):
+        state = self.state
+        req = await self.parsed(request)
         chat = to_chat(req)
-        (job,) = await state.prepare(request, prepare, state, request, chat, True)
-    except APIError as e:
-        raise _renamed(e) from None
-    channel = await submit_one(state, job)
-    fmt = _Format(True, state.model_name, chat, state.tokenizer, _tool_format(state, chat, True))
-    build = _Builder(req, fmt, state.model_name)
-    stream = (lambda first: _stream(state, job, channel, build, first)) if req.stream else None
-    return await answer_one(state, request, job, channel, stream,
-                            lambda finished: json_response(state, request, build.whole, finished))
+        (job,) = await state.prepare(request, self.prepare, request, chat, self.names)
+        channel = await self.submit(job)
+        build = ResponsesBuilder(req, ChatFormat(state.model_name, chat, state.tokenizer, state.renderer),
+                                 state.model_name)
+        stream = (lambda first: self._stream(job, channel, build, first)) if req.stream else None
+        return await self.answer_one(request, job, channel, stream,
+                                     lambda finished: self.json_response(request, build.whole, finished))
 
+    async def _stream(self, job: Job, channel, build: ResponsesBuilder, first):
+        parser = build.fmt.parser()
+        done = False
+        # log-probs of text not yet sent: they go with the text, not with calls, and the tool-call
+        # parser may hold text back until it knows which it is
+        pending: list = []
 
-async def _stream(state, job, channel: _Channel, build: _Builder, first):
-    fmt = build.fmt
-    parser = ToolCallParser(fmt.tool_format, fmt.tool_names, fmt.max_calls) if fmt.tool_format is not None else None
-    done = False
-    # log-probs of text not yet sent: they go with the text, not with calls, and the tool-call parser
-    # may hold text back until it knows which it is (once dropped there: found by probing)
-    pending: list[dict] = []
+        def pieces_out(pieces):
+            nonlocal pending
+            for piece in pieces:
+                lines = build.piece(piece, pending if piece[0] == "content" else [])
+                if lines:
+                    pending = []  # sent with the text, or the text was a call's
+                yield from lines
 
-    def pieces_out(pieces):
-        nonlocal pending
-        for piece in pieces:
-            lines = build.piece(piece, pending if piece[0] == "content" else [])
-            if lines:
-                pending = []  # sent with the text, or the text was a call's
-            yield from lines
-
-    try:
-        for line in build.start():
-            yield line
-        event = first
-        while True:
-            if isinstance(event, Delta):
-                pending = pending + build._logprobs(event.logprobs)
-                for line in pieces_out(parser.feed(event.text) if parser is not None else [("content", event.text)]):
-                    yield line
-            elif isinstance(event, Finished):
-                for line in pieces_out(parser.finish() if parser is not None else []):
-                    yield line
-                for line in build.end(event):
-                    yield line
-                break
-            else:
-                err = APIError(event.status, event.message)
-                yield build.event("error", code=err.code, message=err.message, param=err.param)
-                break
-            event = await channel.queue.get()
-        done = True
-    finally:
-        if not done:
-            state.client.abort(job)
+        try:
+            for line in build.start():
+                yield line
+            event = first
+            while True:
+                if isinstance(event, Delta):
+                    pending = pending + build.logprobs(event.logprobs)
+                    for line in pieces_out(parser.feed(event.text) if parser is not None
+                                           else [("content", event.text)]):
+                        yield line
+                elif isinstance(event, Finished):
+                    for line in pieces_out(parser.finish() if parser is not None else []):
+                        yield line
+                    for line in build.end(event):
+                        yield line
+                    break
+                else:
+                    err = APIError(event.status, event.message)
+                    yield build.event(ErrorEvent, "error", code=err.code, message=err.message, param=err.param)
+                    break
+                _, event = await channel.get()
+            done = True
+        finally:
+            if not done:
+                self.client.abort(job)

@@ -124,12 +124,12 @@ def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(ke
 def test_one_tenant_holds_at_most_its_share_of_the_preparation_threads(keyed, monkeypatch):
     """Tenant a's preparations block (as a huge constraint's compile would); tenant b's request is
     still prepared and answered, and a never holds more than its two threads."""
-    import irminsul.server.completions as completions
+    from irminsul.server.serving_completion import OpenAIServingCompletion
 
-    real, release = completions.prepare, threading.Event()
+    real, release = OpenAIServingCompletion.prepare, threading.Event()
     held, most, lock = [0], [0], threading.Lock()
 
-    def prepare(state, request, req, chat):
+    def prepare(self, request, req):
         if request.headers.get("authorization") == KEY_A["Authorization"]:
             with lock:
                 held[0] += 1
@@ -139,9 +139,9 @@ def test_one_tenant_holds_at_most_its_share_of_the_preparation_threads(keyed, mo
             finally:
                 with lock:
                     held[0] -= 1
-        return real(state, request, req, chat)
+        return real(self, request, req)
 
-    monkeypatch.setattr(completions, "prepare", prepare)
+    monkeypatch.setattr(OpenAIServingCompletion, "prepare", prepare)
     body = {"prompt": "hi", "max_tokens": 2}
 
     async def run():
@@ -188,11 +188,11 @@ def test_calls_on_the_engine_thread_take_turns_with_steps(keyed):
 
 
 def test_a_large_response_is_built_off_the_event_loop(keyed, monkeypatch):
-    import irminsul.server.completions as completions
+    from irminsul.server.serving_completion import CompletionFormat
 
     where = []
-    real = completions._Format.response
-    monkeypatch.setattr(completions._Format, "response",
+    real = CompletionFormat.response
+    monkeypatch.setattr(CompletionFormat, "response",
                         lambda self, *a: where.append(threading.current_thread().name) or real(self, *a))
     r = httpx.post(keyed.url + "/v1/completions", headers=KEY_A, timeout=60,
                    json={"prompt": ["hello there", "and here"], "echo": True, "logprobs": 5, "max_tokens": 2})

@@ -166,7 +166,7 @@ def test_a_disk_that_turns_read_only_mid_run_costs_no_request(tiny_dir, tmp_path
         before = [stream_chat(s.url, turn(f"before {i}", doc)) for i, doc in enumerate(docs)]
         state = s.app.state.irminsul
         assert state.client.registry.flush()
-        state.client.call(state.client.engine.cache.clear).result(10)  # memory forgets: the disk must answer
+        state.client.call(state.client.engine.kv.clear).result(10)  # memory forgets: the disk must answer
         DiskFaults(monkeypatch, tmp_path).mode = "read-only"
         prompts = [turn(f"before {i}", doc) for i, doc in enumerate(docs)] + \
                   [turn(f"new {i}", text(100, 400 + i)) for i in range(3)]
