@@ -4,7 +4,7 @@
 GQA). `forward_flops` counts every matmul of the forward (2 FLOPs per multiply-add), layer by
 layer, as the code runs it: MLA in the absorbed form of `irminsul/model/attention.py` (DeepSeek-V3
 `inference/model.py`), GQA as transformers' Llama. Elementwise work (norms, RoPE, softmax, SiLU)
-is left out, as torch's FlopCounterMode does; tests/eval check the count against it.
+is left out, as torch's FlopCounterMode does; tests/research/eval check the count against it.
 
 `forward_bytes` is a traffic model, with its assumptions in the names:
   weights   every weight read once per pass; MoE experts touched by >= 1 token, routing uniform;

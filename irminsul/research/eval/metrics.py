@@ -1,4 +1,4 @@
-"""The metrics of the evaluation suite, each checked on cases with a known answer (tests/eval).
+"""The metrics of the evaluation suite, each checked on cases with a known answer (tests/research/eval).
 
 - `kl_per_token`: KL(reference ‖ candidate) per teacher-forced position, from log-probabilities
   (the paper's fidelity measure: full prefill is the reference).

@@ -4,7 +4,7 @@ MLA runs through the engine: a miss is `reuse="off"` prefill of the request; a h
 after the shared content was cached behind another header (copy, δ-rotate, compute the rest).
 GQA runs through transformers, doing what a position-independent GQA cache must: compute the
 header, append the cached K/V of the shared span with the *whole* K rotated by δ, compute the
-tail. `gqa_hit_logits` is checked against full prefill on a one-layer model in tests/eval.
+tail. `gqa_hit_logits` is checked against full prefill on a one-layer model in tests/research/eval.
 """
 
 from __future__ import annotations
