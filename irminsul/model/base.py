@@ -11,7 +11,8 @@ A runner holds a `Model` and calls only this:
 - `model(batch)`: a `ForwardBatch` (tokens, positions, the pool, the slots the computed rows go to, that
   plan) -> final hidden states [N, hidden]; every computed token's rows are written to the pool;
 - `logits(hidden)`: [N, hidden] -> float32 logits [N, vocab];
-- `fresh_rows(batch, layer)`: where `capabilities.fresh_rows`, the rows [N, row_width] pool layer `layer`
+- `fresh_rows(batch, layer)`: only where `capabilities.fresh_rows` (a family without it has no such
+  method), the rows [N, row_width] pool layer `layer`
   would store for the batch in its current context (pic+r's check of reused rows); the pool is untouched
   beyond the batch's own write slots of the layers before `layer`;
 - `decode_step(pool_rows, compile_decode)`: the family's compiled or captured decode step over the pool
@@ -82,8 +83,6 @@ class Model(Protocol):
     def __call__(self, batch) -> torch.Tensor: ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def fresh_rows(self, batch, layer: int) -> torch.Tensor: ...
 
     def decode_step(self, pool_rows: torch.Tensor, compile_decode: bool | None) -> DecodeStep | None: ...
 

@@ -88,8 +88,8 @@ class Rotary:
         `cos_sin(positions)` when encoding several tensors at the same positions."""
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         # (inductor generates no code for complex operators: a compiled graph takes the pairwise form)
-        if self.in_layout == self.out_layout == "interleaved" and _complex_view_ok(x) \
-                and not torch.compiler.is_compiling():
+        if self.in_layout == self.out_layout == "interleaved" and not torch.compiler.is_compiling() \
+                and _complex_view_ok(x):
             shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
             return _complex_rotate(x, cos.reshape(shape), sin.reshape(shape))
         return self._rotate(x, cos, sin, self.in_layout)

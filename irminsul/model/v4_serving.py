@@ -120,9 +120,6 @@ class V4Model(nn.Module):
             raise ValueError("a compiled decode step needs an MLA model (DeepSeek-V4 decodes eagerly for now)")
         return None
 
-    def fresh_rows(self, batch, layer: int) -> torch.Tensor:
-        raise ConfigError("recompute_ratio (pic+r) is not available for deepseek_v4 yet")
-
     @torch.inference_mode()
     def forward(self, batch) -> torch.Tensor:
         """A ForwardBatch whose plan is a V4Plan -> final hidden states [N, hidden]; every computed
