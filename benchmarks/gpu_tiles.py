@@ -5,7 +5,7 @@ run, and its output checked against the default's, per shape.
     python benchmarks/gpu_tiles.py --tiny     # on a CPU, TRITON_INTERPRET=1: tiny shapes, a few candidates
                                               # (checks the script and the candidates' outputs, times nothing useful)
 
-- attention (`triton_attention.mla_attention`): decode rows of B sequences over T keys each, and one
+- attention (`model/attention/triton.py: mla_attention`): decode rows of B sequences over T keys each, and one
   sequence's prefill span (causal); candidates: keys per inner step (block_t) x warps;
 - routed experts (`triton_moe.fused_experts`): n tokens, each routed to k of E experts; candidates:
   `MoeTiles` (rows per block, columns, inner step, warps, stages).
@@ -74,7 +74,7 @@ def sweep(name: str, default: dict, candidates: list[dict], run) -> dict:
 
 def attention_cases(cfg: ModelConfig, device, dtype, tiny: bool):
     """(name, run(block_t, num_warps)) per shape: decode of B x T keys, and a prefill span."""
-    from irminsul.model.triton_attention import TritonAttention, mla_attention
+    from irminsul.model.attention.triton import TritonAttention, mla_attention
 
     rotary = Rotary(cfg.rope, device)
     backend = TritonAttention(cfg, rotary)
