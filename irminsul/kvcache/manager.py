@@ -33,6 +33,7 @@ from irminsul.cache.registry import Entry, MemoryRegistry, Registry
 from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
 from irminsul.kvcache.eviction import EvictionOrder
+from irminsul.kvcache.journal import ChunkJournal
 from irminsul.kvcache.namespaces import SHARED, Namespaces, owner_of
 from irminsul.kvcache.pool import LatentPool
 from irminsul.model.attention import EMPTY_SLOT
@@ -74,6 +75,7 @@ class KVCacheManager:
         self.inflight: dict[int, int] = {}  # fingerprint -> running sequences that will compute it
         self.evicted_rows = 0  # rows eviction has freed, in all
         self.registry: Registry | None = None
+        self.journal: ChunkJournal | None = None
         self.radix: RadixCache | None = None
         self.namespaces: Namespaces | None = None
         if mode == "off":  # cache options are accepted and ignored: nothing is cached
@@ -82,6 +84,9 @@ class KVCacheManager:
         self.registry = registry if registry is not None else MemoryRegistry(UNBOUNDED)
         self.registry.on_store.append(lambda entry: self._hold(entry.payload))
         self.registry.on_evict.append(lambda entry: self._unhold(entry.payload))
+        self.journal = ChunkJournal()  # the chunks the pool holds, for a fleet router to follow
+        self.registry.on_store.append(lambda entry: self.journal.added(entry.fingerprint))
+        self.registry.on_evict.append(lambda entry: self.journal.removed(entry.fingerprint))
         if hasattr(self.registry, "bind"):  # store tiers below memory hold rows, memory holds slots
             self.registry.bind(self._promote, self._to_lower)
         self.radix = RadixCache(UNBOUNDED, pool.bytes_per_slot, on_store=self._hold, on_evict=self._unhold)

@@ -97,3 +97,5 @@ def test_the_oldest_cache_only_rows_go_first_and_the_books_balance(ops, mode):
                 assert len(kv.cached_slots) == cached  # refused: nothing evicted
         assert (kv.pool.refs == holders(kv)).all()
         assert kv.pool.free == int((kv.pool.refs[1:] == 0).sum())
+        # the journal a fleet router follows names exactly the registry's resident chunks
+        assert set(kv.journal.since(None).added.tolist()) == {e.fingerprint for e in kv.registry.entries()}
