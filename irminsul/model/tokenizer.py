@@ -35,6 +35,11 @@ def _token_text(value) -> str | None:
 
 
 class Tokenizer:
+    """A checkpoint's tokenizer as serving uses it: BOS from its config, client text encoded so it cannot
+    forge control tokens, streaming decode, token bytes. (Traces are tokenised by family, without a
+    checkpoint: `irminsul.research.workloads.tokenizers`; training builds its own BPE:
+    `irminsul.research.train.tokenizer`.)"""
+
     def __init__(self, path: str | Path):
         path = Path(path)
         file = path / "tokenizer.json"

@@ -8,7 +8,7 @@ correction cost, quality) differ only in attention and FFN. MLA numbers follow D
 
 from dataclasses import dataclass
 
-from irminsul.model.chat_format import BOS, END
+from irminsul.model.chat_format import BOS, END, PAD
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def hf_config(arch: str, tok, shape: ReferenceShape = ReferenceShape()):
         tie_word_embeddings=shape.tie_embeddings,
         bos_token_id=tok.token_to_id(BOS),
         eos_token_id=tok.token_to_id(END),
-        pad_token_id=tok.token_to_id("<|pad|>"),
+        pad_token_id=tok.token_to_id(PAD),
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     if arch == "mla":
@@ -111,7 +111,7 @@ def _v4_config(tok, shape: ReferenceShape):
         moe_intermediate_size=shape.moe_intermediate, max_position_embeddings=shape.max_positions,
         rms_norm_eps=1e-6, initializer_range=0.02,
         bos_token_id=tok.token_to_id(BOS), eos_token_id=tok.token_to_id(END),
-        pad_token_id=tok.token_to_id("<|pad|>"), architectures=["DeepseekV4ForCausalLM"],
+        pad_token_id=tok.token_to_id(PAD), architectures=["DeepseekV4ForCausalLM"],
     )
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from irminsul.model.chat_format import EOS
 from irminsul.research.train.tokenizer import save_tokenizer
 
 SAVE_DTYPE = torch.bfloat16  # 8.7 M params: ~17 MB in bf16; fp32 would exceed the 30 MB budget
@@ -18,7 +19,7 @@ def save_checkpoint(model, tok, out: Path, state: dict | None = None) -> Path:
     m = copy.deepcopy(model).to(SAVE_DTYPE)
     m.config.use_cache = True
     m.generation_config.bos_token_id = model.config.bos_token_id
-    m.generation_config.eos_token_id = [model.config.eos_token_id, tok.token_to_id("<|eos|>")]
+    m.generation_config.eos_token_id = [model.config.eos_token_id, tok.token_to_id(EOS)]
     m.generation_config.pad_token_id = model.config.pad_token_id
     m.save_pretrained(out, safe_serialization=True)
     save_tokenizer(tok, out, model.config.max_position_embeddings)

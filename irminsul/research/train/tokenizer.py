@@ -57,10 +57,13 @@ def save_tokenizer(tok: Tokenizer, out: Path, model_max_length: int) -> None:
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     specials = {"bos_token": BOS, "eos_token": END, "pad_token": PAD,
-                "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, END, "<|pad|>")]}
+                "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, END, PAD)]}
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
+    """The trained tokenizer as the `tokenizers` library's own object, not the serving
+    `irminsul.model.tokenizer.Tokenizer`: training and its evals use that library's API (encode_batch,
+    get_vocab, Encoding.ids) on a file that may not sit in a checkpoint yet."""
     path = Path(path)
     return Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))

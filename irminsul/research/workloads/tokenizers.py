@@ -30,6 +30,11 @@ QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 151643, 
 
 @dataclass(frozen=True)
 class NamedTokenizer:
+    """A vocabulary by name, with the chat format family it renders in. Apart from the serving
+    `irminsul.model.tokenizer.Tokenizer` because a trace is tokenised for a model family, not a
+    checkpoint: `deepseek` and `qwen2` come from a package and from bare vocab.json + merges.txt,
+    with no tokenizer_config.json to read specials or a template from."""
+
     name: str  # "deepseek", "qwen2" or a path
     family: str  # which chat template applies: "deepseek" or "qwen2"
     tokenizer: Tokenizer
