@@ -1,4 +1,4 @@
-"""FLOPs and bytes of one forward pass, counted by walking a model's config (issue 6, item 4).
+"""FLOPs and bytes of one forward pass, counted by walking a model's config.
 
 `Arch.from_config` reads an HF `config.json` dict (DeepSeek-V2/V3 -> MLA, Llama/Qwen/Mistral ->
 GQA). `forward_flops` counts every matmul of the forward (2 FLOPs per multiply-add), layer by

@@ -1,4 +1,4 @@
-"""`irminsul eval quality|rotation|roc|cost`: the fidelity and cost evaluations (issue 6).
+"""`irminsul eval quality|rotation|roc|cost`: the fidelity and cost evaluations.
 
 Each prints a table (or, with --json, one JSON object), writes <out>/<name>.{json,md,png} with the
 command, seed and model recorded, and shows progress on stderr.

@@ -1,4 +1,4 @@
-"""What a cache hit saves, per request, against a miss (issue 6, item 4; paper: prefill energy
+"""What a cache hit saves, per request, against a miss (paper: prefill energy
 saved per hit, NVML-measured: GQA 86%, MLA 63%).
 
 A request of N tokens is a header (different in each request: computed), a shared span (the hit:

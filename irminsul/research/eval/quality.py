@@ -1,4 +1,4 @@
-"""Does shifted reuse keep the reference's answers? (issue 6, item 1; paper, Quality)
+"""Does shifted reuse keep the reference's answers? (paper, Quality)
 
 For each case (`eval/tasks.py`) the first context is prefilled once and registered into an
 empty cache of every strategy, exactly as `LLM.generate(first)` would (with an empty cache every

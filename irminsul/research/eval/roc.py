@@ -1,4 +1,4 @@
-"""Position invariance of cached vectors: the paper's ROC test (issue 6, item 3; paper §ROC).
+"""Position invariance of cached vectors: the paper's ROC test (paper §ROC).
 
 Content blocks are placed at the positions {0, 512, 1024, 2048, 3584} (scaled to the model's
 context), each time after different text. For every token of a block and every layer, the

@@ -1,4 +1,4 @@
-"""How exact is the δ-rotation of a cached `k_r`? (issue 6, item 2; docs/design.md §2)
+"""How exact is the δ-rotation of a cached `k_r`? (docs/design.md §2)
 
 RoPE composes, so `R(δ)·k_r(p)` equals `k_r(p + δ)` up to rounding (paper: relative L2 error
 4.7e-3 in bf16). Two questions, measured on the engine's own code path (`Rotary.apply` to cache,

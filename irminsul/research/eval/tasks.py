@@ -1,4 +1,4 @@
-"""Shifted-reuse cases for the quality evaluation (issue 6, item 1).
+"""Shifted-reuse cases for the quality evaluation.
 
 Each case holds shared content that is first cached in one context (`first`) and then requested
 at another position after different content (`prompt`), with a reference `answer` to score.

@@ -1,5 +1,5 @@
 """HF configs of the two reference models: DeepSeek-V2 (MLA + MoE) and its Llama (GQA) twin; and of a
-DeepSeek-V4 of the same width and depth (issue 17).
+DeepSeek-V4 of the same width and depth.
 
 Same width, depth, vocabulary and context for both, so architecture comparisons (ROC invariance,
 correction cost, quality) differ only in attention and FFN. MLA numbers follow DeepSeek-V2
@@ -30,7 +30,7 @@ class ReferenceShape:
     shared_experts: int = 1
     max_positions: int = 2048
     # tied input/output embeddings: copying a token then needs no per-token output map, only
-    # an attention head whose value/output path roughly preserves the embedding (issue 4)
+    # an attention head whose value/output path roughly preserves the embedding
     tie_embeddings: bool = True
 
     def __post_init__(self):
@@ -93,7 +93,7 @@ def hf_config(arch: str, tok, shape: ReferenceShape = ReferenceShape()):
 
 
 def _v4_config(tok, shape: ReferenceShape):
-    """A DeepSeek-V4 of the reference width and depth (issue 17: reuse under compressed attention): a
+    """A DeepSeek-V4 of the reference width and depth (reuse under compressed attention): a
     64-token window, so that what lies further back is read through compressed entries (CSA every 4
     tokens, HCA every 32), one layer of each kind and a last CSA layer, hash routing in the first."""
     from transformers import DeepseekV4Config

@@ -9,7 +9,7 @@ at the positions that predict an answer token:
 - copy: the probe heads' summed output, read through the final norm and the LM head ("logit
   lens"), must predict the answer token (the value/output circuit gets a direct gradient).
 
-Under the answer loss alone retrieval did not emerge within the CPU budget (issue 4): the signal
+Under the answer loss alone retrieval did not emerge within the CPU budget: the signal
 through a flat attention pattern is too weak. With the attention loss alone the heads found the
 source within 400 steps but the answer stayed at chance, which is what the copy loss is for.
 Both are losses only: the saved checkpoint is a plain HF model and evaluation sees none of it.

@@ -1,4 +1,4 @@
-"""`irminsul train-reference`: train a bundled reference model (issue 4)."""
+"""`irminsul train-reference`: train a bundled reference model."""
 
 import dataclasses
 

@@ -2,7 +2,7 @@
 
 Every number is computed through the callables of `retrieval.py`, once with transformers and,
 with `engine=True`, once more with our engine (`irminsul.LLM`, reuse off), so that a decoding bug
-cannot pass for a model that failed to learn (issue 4, second pitfall).
+cannot pass for a model that failed to learn.
 """
 
 import json

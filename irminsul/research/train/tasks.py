@@ -2,8 +2,8 @@
 
 Every task returns an `Example`: `prompt_ids` (BOS, user turn with the haystack and the question,
 assistant turn up to the answer) and `answer_ids` (the tokens to copy, then `<|end|>`). Question
-and answer ids are built separately and concatenated, so the answer length is known exactly
-(issue 4, first pitfall). The same builders make the training data and the evaluation probes;
+and answer ids are built separately and concatenated, so the answer length is known exactly.
+The same builders make the training data and the evaluation probes;
 only the token pools differ (train vs held-out).
 
 The needle is a clean key -> value lookup ("The passkey is 48213.") inside real filler, asked for

@@ -3,7 +3,7 @@
 Each sequence of length L is either plain text (next-token loss on every token) or retrieval
 examples packed back to back (loss on the answer tokens only), topped up with text. The losses are
 averaged separately and added, so a few answer tokens weigh as much as thousands of text tokens
-(issue 4 calibration: with the loss on every token, retrieval stayed at chance while the model
+(calibration: with the loss on every token, retrieval stayed at chance while the model
 memorised the filler). Attention supervision (`attention.py`) adds two losses on a few heads at
 the answer positions. Contexts grow 256 -> 2048 over the run; the schedule is a function of the
 step, so `--seed` and `--steps` reproduce a run. The defaults are the bundled models' recipe;

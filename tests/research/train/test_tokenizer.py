@@ -8,7 +8,7 @@ def test_specials_are_single_tokens(tok):
 
 
 def test_a_number_tokenises_differently_after_a_space(tok):
-    # why tasks encode " <value>" once and reuse the ids (issue 4, pitfall 1)
+    # why tasks encode " <value>" once and reuse the ids
     assert tok.decode(tok.encode(" 48213").ids) == " 48213"
     assert tok.encode(" 48213").ids != tok.encode("48213").ids
 
