@@ -1,0 +1,1 @@
+"""Replicas of the engine and the router that sends each request where its content already is."""

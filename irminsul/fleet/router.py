@@ -1,0 +1,274 @@
+"""The content-aware router: send each request to the replica where its chunks already are.
+
+The router chunks a prompt exactly as a replica's KV manager does (the same content-defined
+chunker, the same namespace seed, so the same xxHash64 fingerprints) and scores every replica by
+the prompt tokens it would not have to compute there:
+
+- chunks resident in its pool: what its chunk journal (`irminsul/kvcache/journal.py`) says its
+  registry holds, plus the chunks this router sent it in the last `assignment_ttl_s` (`record`),
+  so a burst of requests for a new document converges on one replica instead of computing the
+  document once per replica before any poll shows it;
+- a smaller credit (`store_credit`) for chunks only in the store every replica shares (Redis): a
+  miss there is loaded, not computed, but loading is not free;
+- as the planner counts them (`irminsul/cache/planner.py`): rows at target positions below the
+  sink are computed (the carve-out), and the last prompt token is always computed.
+
+Its cost, lowest wins:
+
+    cost = compute * tokens_to_compute + queued * queued_prefill_tokens + running * running_sequences
+
+with tokens_to_compute = prompt - resident - store_credit * in_store. It is the shape of NVIDIA
+Dynamo's KV router cost (`overlap_score_weight * prefill blocks to compute + decode blocks`), with
+the overlap taken over content chunks at any offset instead of over a prefix. Every router a fleet
+can pick today scores the prefix only: Dynamo's radix indexer and llm-d's precise prefix scorer
+match chained block hashes from the first block, Ray Serve's `PrefixCacheAffinityRouter` and
+SGLang's router match the longest prefix of the prompt text against a tree of routed prompts (above
+a share of the prompt: Ray 0.1, SGLang 0.3, else least loaded). A document behind a new header
+matches none of them past the header; here it matches the replica holding it.
+
+What the router cannot see, so does not count: the replica's exact-prefix tree (its prefix rows
+are in the registry as chunks too, and are counted as chunks, less the sink), S1 window recovery
+inside chunks that missed, and a source-side carve-out (a chunk first stored at position 0 reused
+further in) — each the same on every replica that holds the chunk, so the choice barely moves.
+
+Requests the router sent a replica since that replica's last load report count as running
+sequences on it: an unrelated burst spreads by count between reports, and a burst for one new
+document stays together while its reuse outweighs them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from irminsul.cache.chunker import ChunkerConfig, as_tokens, chunk, fingerprint, namespace_seed
+from irminsul.cache.planner import PlannerConfig
+from irminsul.fleet.fingerprints import FingerprintSet
+from irminsul.kvcache.journal import JournalDelta
+from irminsul.kvcache.namespaces import SHARED
+
+
+@dataclass(frozen=True)
+class RouterWeights:
+    # a prompt token the replica would compute: the unit every other weight is measured in
+    compute: float = 1.0
+    # a chunk only in the shared store is loaded, not computed: a Redis read of its rows (~31 KB a
+    # token for DeepSeek-V2-Lite) plus the copy into the pool costs, at a few GB/s, the same order
+    # as computing it on a busy GPU; half is a middle guess that still prefers a replica holding it
+    store_credit: float = 0.5
+    # a running sequence shares every step of a new prompt's prefill: it adds about one token of
+    # compute per step, so over a prefill of a few thousand tokens at a 128-512-token step budget,
+    # some 8-32 prompt tokens. 32, the high end: many decoding sequences lose ties, yet one reused
+    # chunk of min_len (32) tokens outweighs one more running sequence
+    running: float = 32.0
+    # a queued prefill token is computed before this prompt's: a whole token of wait
+    queued: float = 1.0
+
+    def __post_init__(self):
+        for name in ("compute", "store_credit", "running", "queued"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RouterWeights.{name}={getattr(self, name)} must be >= 0")
+        if self.store_credit > 1:
+            raise ValueError(f"RouterWeights.store_credit={self.store_credit} is a share of a chunk's tokens: "
+                             "at most 1")
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    running: int = 0  # sequences decoding (or prefilling) now
+    waiting: int = 0  # requests queued for admission
+    queued_prefill_tokens: int = 0  # prompt tokens the queue will compute before a new request
+
+
+class ReplicaView:
+    """What the router knows of one replica: the chunks its journal says it holds, and its load."""
+
+    def __init__(self, replica_id: str):
+        self.replica_id = replica_id
+        self.seq: int | None = None  # the journal number to ask `since` next (None: never polled)
+        self.chunks = FingerprintSet()
+        self._load = ReplicaLoad()
+        self.load_reports = 0  # load reports so far: the router counts what it sent since the last
+
+    def apply(self, delta: JournalDelta) -> None:
+        """Follow the replica's chunk journal: `delta` is its `since(self.seq)`."""
+        if delta.full:
+            self.chunks.replace(delta.added)
+        else:
+            self.chunks.remove(delta.removed)
+            self.chunks.add(delta.added)
+        self.seq = delta.seq
+
+    @property
+    def load(self) -> ReplicaLoad:
+        return self._load
+
+    @load.setter
+    def load(self, load: ReplicaLoad) -> None:
+        self._load = load
+        self.load_reports += 1
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: str
+    costs: dict[str, float]  # per replica id
+    cached_tokens: dict[str, int]  # prompt tokens each replica would not compute (pool and store)
+    explanation: str  # one line, for a debug response header
+
+
+@dataclass(frozen=True)
+class PromptChunks:
+    """A prompt as the replicas' registries key it."""
+    n_tokens: int
+    fingerprints: np.ndarray  # [k] uint64, the tenant's namespace
+    shared: np.ndarray  # [k] uint64, the same chunks in the operator's shared namespace
+    useful: np.ndarray  # [k] int64: a chunk's tokens a hit saves (outside the sink, not the last token)
+
+
+class NoReplicas(RuntimeError):
+    """There is no replica to route to (all died or none started yet)."""
+
+
+@dataclass(frozen=True)
+class _Sent:
+    replica: str
+    expires: float
+    fingerprints: np.ndarray = field(repr=False)
+
+
+class ContentRouter:
+    def __init__(self, model_id: str, chunker: ChunkerConfig = ChunkerConfig(),
+                 weights: RouterWeights = RouterWeights(), assignment_ttl_s: float = 30.0, clock=time.monotonic,
+                 sink: int = PlannerConfig().sink):
+        """`model_id`, `chunker` and `sink`: the replicas' own (`KVCacheManager(model_id=...)` and its
+        planner's), or the fingerprints and the counts differ from theirs."""
+        if assignment_ttl_s < 0:
+            raise ValueError(f"assignment_ttl_s={assignment_ttl_s} must be >= 0")
+        self.model_id, self.chunker, self.weights, self.sink = model_id, chunker, weights, sink
+        self.assignment_ttl_s, self.clock = assignment_ttl_s, clock
+        self._seeds: dict[str, tuple[int, int]] = {}  # tenant -> (its seed, the shared namespace's)
+        # the chunks sent to each replica and not yet expired: fingerprint -> expiry
+        self._assigned: dict[str, dict[int, float]] = {}
+        self._sent: deque[_Sent] = deque()  # in the order sent, so expired ones leave from the left
+        # per replica: (its load_reports when the router last sent it a request, expiry of each
+        # request sent since that report): the requests its reported load does not show yet
+        self._unreported: dict[str, tuple[int, deque[float]]] = {}
+        self._reports_seen: dict[str, int] = {}  # per replica: its load_reports at the last choose
+        self._last: tuple[Decision, PromptChunks] | None = None  # choose's chunks, for record
+
+    # -- chunks -------------------------------------------------------------------------
+
+    def chunks(self, token_ids, segment_starts=None, tenant: str = "") -> PromptChunks:
+        """The prompt cut and fingerprinted as a replica's planner does for `tenant`."""
+        if tenant not in self._seeds:
+            self._seeds[tenant] = namespace_seed(self.model_id, tenant), namespace_seed(self.model_id, SHARED)
+        seed, shared_seed = self._seeds[tenant]
+        ids = as_tokens(token_ids)
+        n = len(ids)
+        cut = chunk(ids, self.chunker, seed, segment_starts)
+        starts, ends = np.array([c.start for c in cut], np.int64), np.array([c.end for c in cut], np.int64)
+        fps = np.array([c.fingerprint for c in cut], np.uint64)
+        shared = np.array([fingerprint(ids[c.start:c.end], shared_seed) for c in cut], np.uint64)
+        useful = np.maximum(0, np.minimum(ends, n - 1) - np.maximum(starts, self.sink))
+        return PromptChunks(n, fps, shared, useful.astype(np.int64))
+
+    # -- choosing -----------------------------------------------------------------------
+
+    def choose(self, token_ids, replicas: Mapping[str, ReplicaView], segment_starts=None, tenant: str = "",
+               store: Container[int] | None = None) -> Decision:
+        if not replicas:
+            raise NoReplicas("no replica to route to: none has started, or every one has left the fleet")
+        self._expire()
+        prompt = self.chunks(token_ids, segment_starts, tenant)
+        in_store = (np.zeros(len(prompt.useful), bool) if store is None else
+                    np.array([int(a) in store or int(b) in store
+                              for a, b in zip(prompt.fingerprints, prompt.shared)], bool))
+        w = self.weights
+        costs, cached, notes = {}, {}, {}
+        k, listed = len(prompt.useful), prompt.fingerprints.tolist()
+        both = np.concatenate([prompt.fingerprints, prompt.shared])
+        for rid, view in replicas.items():
+            found = view.chunks.contains(both)
+            held = found[:k] | found[k:]
+            assigned = self._assigned.get(rid)
+            if assigned and not assigned.keys().isdisjoint(listed):
+                held |= np.fromiter((f in assigned for f in listed), bool, k)
+            resident = int(prompt.useful[held].sum())
+            stored = int(prompt.useful[in_store & ~held].sum())
+            self._reports_seen[rid] = view.load_reports
+            sent = self._sent_since_report(rid, view.load_reports)
+            running = view.load.running + sent
+            to_compute = prompt.n_tokens - resident - w.store_credit * stored
+            costs[rid] = (w.compute * to_compute + w.queued * view.load.queued_prefill_tokens
+                          + w.running * running)
+            cached[rid] = resident + stored
+            notes[rid] = (f"{rid}: cost {costs[rid]:.0f} (reuse {resident}/{prompt.n_tokens}"
+                          + (f", store {stored}" if stored else "")
+                          + (f", queued {view.load.queued_prefill_tokens}" if view.load.queued_prefill_tokens else "")
+                          + f", running {running})")
+        # ties: the less loaded, then the replica id, so the same state always gives the same choice
+        order = sorted(replicas, key=lambda r: (costs[r], replicas[r].load.running + replicas[r].load.waiting, r))
+        shown = " < ".join(notes[r] for r in order[:3]) + (f" < {len(order) - 3} more" if len(order) > 3 else "")
+        decision = Decision(order[0], costs, cached, shown)
+        self._last = decision, prompt
+        return decision
+
+    def record(self, decision: Decision, token_ids, segment_starts=None, tenant: str = "") -> None:
+        """The router just sent this prompt to `decision.replica`: count its chunks as resident there
+        for `assignment_ttl_s`, and the request as running there until the replica's next load
+        report (or for `assignment_ttl_s`, if none comes)."""
+        if self._last is not None and self._last[0] is decision and self._last[1].n_tokens == len(token_ids):
+            prompt = self._last[1]
+        else:
+            prompt = self.chunks(token_ids, segment_starts, tenant)
+        expires = self.clock() + self.assignment_ttl_s
+        assigned = self._assigned.setdefault(decision.replica, {})
+        for f in prompt.fingerprints.tolist():
+            assigned[f] = expires
+        self._sent.append(_Sent(decision.replica, expires, prompt.fingerprints))
+        reports = self._reports_seen.get(decision.replica, 0)
+        pending = self._unreported.get(decision.replica)
+        if pending is None or pending[0] != reports:
+            pending = self._unreported[decision.replica] = reports, deque()
+        pending[1].append(expires)
+
+    def forget(self, replica_id: str) -> None:
+        """A replica died or left: drop what the router sent it (its view is the caller's to drop)."""
+        self._assigned.pop(replica_id, None)
+        self._sent = deque(s for s in self._sent if s.replica != replica_id)
+        self._unreported.pop(replica_id, None)
+        self._reports_seen.pop(replica_id, None)
+        if self._last is not None and self._last[0].replica == replica_id:
+            self._last = None
+
+    def assigned(self, replica_id: str) -> int:
+        """Chunks the router sent the replica that have not expired yet."""
+        self._expire()
+        return len(self._assigned.get(replica_id, ()))
+
+    def _sent_since_report(self, replica_id: str, reports: int) -> int:
+        """Requests sent to the replica since its load report number `reports` (and not expired)."""
+        pending = self._unreported.get(replica_id)
+        if pending is None or pending[0] != reports:
+            return 0
+        now, expiries = self.clock(), pending[1]
+        while expiries and expiries[0] <= now:
+            expiries.popleft()
+        return len(expiries)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._sent and self._sent[0].expires <= now:
+            sent = self._sent.popleft()
+            assigned = self._assigned.get(sent.replica, {})
+            for f in sent.fingerprints.tolist():
+                if assigned.get(f, now + 1) <= now:  # (a later send of the same chunk keeps it)
+                    del assigned[f]
