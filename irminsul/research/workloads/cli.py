@@ -162,6 +162,8 @@ def register(subparsers) -> None:
 
 
 def register_bench(bench_subparsers) -> None:
+    from irminsul.research.fleet_cli import register_bench as fleet_bench
+
     r = bench_subparsers.add_parser("recovery", help="replay a trace through the planner, per strategy")
     r.add_argument("trace")
     r.add_argument("--strategies", nargs="+", default=None, help="a subset of the strategies")
@@ -169,3 +171,4 @@ def register_bench(bench_subparsers) -> None:
                    help="content store budget per strategy in GiB at 31,104 B/token (default: unbounded)")
     _add_tokenizer(r)
     r.set_defaults(func=_recovery)
+    fleet_bench(bench_subparsers)

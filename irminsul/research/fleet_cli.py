@@ -1,0 +1,73 @@
+"""`irminsul bench fleet`: the fleet simulator's table, per routing policy and fleet size."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from irminsul.cli import at_least
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"{text!r}: give fleet sizes as positive integers, e.g. 1,2,4,8")
+    return sizes
+
+
+def _fleet(args) -> int:
+    from irminsul.fleet.router import RouterWeights
+    from irminsul.research.fleet import POLICIES, FleetConfig, reference, run_fleet
+    from irminsul.research.workloads.render import render_trace
+    from irminsul.research.workloads.report import pct
+    from irminsul.research.workloads.trace import read_trace
+    from irminsul.table import table
+
+    policies = args.policies or list(POLICIES)
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        from irminsul.errors import UserFacingError
+
+        raise UserFacingError(f"unknown policies {sorted(unknown)}: use {', '.join(POLICIES)}")
+    trace = list(render_trace(read_trace(args.trace), args.tokenizer))
+    weights = RouterWeights(queued=args.queued_weight, running=args.running_weight)
+    config = FleetConfig(pool_tokens=1, offered_load=args.offered_load, weights=weights)
+    ref = reference(trace, config)
+    pool = args.pool_tokens or max(1, ref.distinct_tokens // 2)
+    config = dataclasses.replace(config, pool_tokens=pool)
+    results = run_fleet(trace, args.replicas, policies, config, ref, progress=True)
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), "pool_tokens": pool, "distinct_tokens": ref.distinct_tokens,
+                          "offered_load": args.offered_load, "weights": dataclasses.asdict(weights),
+                          "results": [{**dataclasses.asdict(r), "reuse": r.reuse, "max_share": r.max_share}
+                                      for r in results]}))
+        return 0
+    prompt = results[0].prompt_tokens if results else 0
+    print(f"{args.trace}: {len(trace)} requests, {prompt} prompt tokens, {ref.distinct_tokens} distinct "
+          f"content tokens; pool {pool} tokens per replica; offered load {args.offered_load}")
+    rows = [(r.replicas, r.policy, pct(r.reuse), r.computed_tokens,
+             "-" if r.policy == "perfect" else pct(r.max_share), f"{r.seconds:.1f}") for r in results]
+    print(table(("replicas", "policy", "reuse", "computed tokens", "max share", "seconds"), rows))
+    return 0
+
+
+def register_bench(bench_subparsers) -> None:
+    f = bench_subparsers.add_parser("fleet", help="simulate a fleet of replicas per routing policy, model-free")
+    f.add_argument("trace")
+    f.add_argument("--replicas", type=_sizes, default=[1, 2, 4, 8, 16, 32, 64], metavar="N,N,...",
+                   help="fleet sizes (default 1,2,4,8,16,32,64)")
+    f.add_argument("--pool-tokens", type=at_least(1), default=None, metavar="N",
+                   help="each replica's pool in tokens (default: half the trace's distinct content)")
+    f.add_argument("--policies", nargs="+", default=None, help="a subset of the policies (default: all)")
+    f.add_argument("--offered-load", type=float, default=0.5,
+                   help="arrivals keep the fleet this busy at the best reuse (default 0.5)")
+    f.add_argument("--queued-weight", type=float, default=1.0, help="the content router's queued weight")
+    f.add_argument("--running-weight", type=float, default=32.0, help="the content router's running weight")
+    f.add_argument("--tokenizer", default="deepseek", help="deepseek (default), qwen2 or a tokenizer directory")
+    f.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    f.set_defaults(func=_fleet)
