@@ -211,6 +211,12 @@ class Engine:
         raise PoolFull(f"the KV pool ({self.pool.describe()}) cannot hold this request even "
                        f"after evicting every cached row; raise kv_cache_gib or shorten the prompt")
 
+    def prefill(self, seq: Sequence) -> None:
+        """Compute an admitted sequence's pending prompt rows, sampling nothing."""
+        while seq.in_prefill:
+            self.runner.forward([seq], [seq.take_pending(self.max_prefill_tokens)], stale_keys=self.kv.mode == "naive")
+            self.kv.computed(seq)
+
     def reserve(self, seqs: list[Sequence]) -> bool:
         """A slot for each decoding sequence's newest token (before `execute`); False if the pool
         cannot give them all."""

@@ -340,34 +340,40 @@ class KVCacheManager:
 
     def free(self, seq: Sequence, cache: bool = True) -> None:
         """The sequence gives its rows back. With `cache` (and a sequence that did not abort), its
-        chunks (prompt and output) go to the registry and its tokens to the tree first, which take
-        their own references. Its plan's in-flight claims end either way."""
+        chunks and tokens are offered to the cache first (`offer`). Its plan's in-flight claims end
+        either way."""
         try:
-            if self.caching:
-                self._cache(seq, cache and seq.finish_reason != "abort")
+            if self.caching and cache and seq.finish_reason != "abort":
+                self.offer(seq)
         finally:
+            self._end_claims(seq)
             self.pool.release(seq.slots)
             seq.release()
 
-    def _cache(self, seq: Sequence, keep: bool) -> None:
+    def offer(self, seq: Sequence) -> None:
+        """Register every chunk of the sequence's computed rows (prompt and output) and insert its
+        tokens into the tree; both take their own references, the sequence keeps its own. (A
+        sequence in another engine over the same pool may be offered too: the evaluations share
+        one computed prompt between strategies.)"""
+        if not self.caching or not (n := seq.filled):
+            return
         planner = self.planner(seq.tenant)
-        try:
-            n = seq.filled
-            if keep and n:
-                tokens = np.asarray(seq.tokens[:n], dtype=np.int64)
-                slots = seq.slots[:n]
-                if self.content_reuse:
-                    self._register(planner, tokens, slots, segment_starts=seq.segment_starts)
-                planner.radix.insert(tokens, slots)
-                self.order.touch(slots[slots != EMPTY_SLOT])
-        finally:
-            plan = seq.reuse_plan
-            if plan is not None:
-                for c in plan.chunks:
-                    if c.fingerprint in self.inflight:
-                        self.inflight[c.fingerprint] -= 1
-                        if self.inflight[c.fingerprint] <= 0:
-                            del self.inflight[c.fingerprint]
+        tokens = np.asarray(seq.tokens[:n], dtype=np.int64)
+        slots = seq.slots[:n]
+        if self.content_reuse:
+            self._register(planner, tokens, slots, segment_starts=seq.segment_starts)
+        planner.radix.insert(tokens, slots)
+        self.order.touch(slots[slots != EMPTY_SLOT])
+
+    def _end_claims(self, seq: Sequence) -> None:
+        plan = seq.reuse_plan
+        if plan is None:
+            return
+        for c in plan.chunks:
+            if c.fingerprint in self.inflight:
+                self.inflight[c.fingerprint] -= 1
+                if self.inflight[c.fingerprint] <= 0:
+                    del self.inflight[c.fingerprint]
 
     def publish(self, tokens: np.ndarray, slots: np.ndarray, segment_starts=None):
         """Chunks of a document computed in the trusted publishing context, into the shared namespace."""

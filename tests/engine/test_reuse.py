@@ -75,8 +75,7 @@ def test_reused_rows_are_shared_and_equal_rows_computed_in_place(one_layer):
     first, second = _shifted_case(5)
     off = LLM(one_layer, reuse="off")
     ref_seq = off.engine.add(second, _params())
-    while ref_seq.in_prefill:
-        off.engine.runner.execute(off.engine.scheduler.batch([ref_seq]))
+    off.engine.prefill(ref_seq)
     ref_rows = off.engine.pool.read(ref_seq.slots)
     off.engine.finish(ref_seq)
     pic = LLM(one_layer, reuse="pic")

@@ -56,7 +56,7 @@ def tiny_fingerprints(monkeypatch, bits=6):
     """Fingerprints of the content alone, in 2**bits values: every tenant's copy of a chunk lands on
     the same fingerprint, and different chunks collide too."""
     from irminsul.cache import planner
-    from irminsul.engine import reuse
+    from irminsul.kvcache import manager
 
     def fp(ids, seed):
         return chunker.fingerprint(ids, 0) & ((1 << bits) - 1)
@@ -64,7 +64,7 @@ def tiny_fingerprints(monkeypatch, bits=6):
     def chunk(tokens, cfg, seed, segment_starts=None, fingerprint_fn=None):
         return chunker.chunk(tokens, cfg, seed, segment_starts, fp)
 
-    for module in (planner, reuse):
+    for module in (planner, manager):
         monkeypatch.setattr(module, "chunk", chunk)
     monkeypatch.setattr(planner, "fingerprint", fp)
 
@@ -131,11 +131,11 @@ def test_exact_prefixes_stay_apart_when_the_namespace_seeds_collide(tiny_dir, mo
     """The radix tree's tenant salt comes from the BLAKE2b namespace digest: a tenant that finds a
     cache_salt whose 64-bit xxHash seed equals another tenant's (forced here: every seed is one
     value) still matches none of that tenant's prefixes."""
-    from irminsul.engine import reuse
     from irminsul.engine.llm import LLM
+    from irminsul.kvcache import namespaces
     from irminsul.engine.sampling import SamplingParams
 
-    monkeypatch.setattr(reuse, "namespace_seed", lambda model_id, tenant="": 0x5EED)
+    monkeypatch.setattr(namespaces, "namespace_seed", lambda model_id, tenant="": 0x5EED)
     engine = LLM(tiny_dir, reuse="prefix", compile_decode=False).engine
     params = SamplingParams(max_tokens=1)
     prompt = _rand(300, 300)

@@ -109,8 +109,7 @@ class QualityRunner:
         # The first request, computed once; its rows stay in the shared pool while every strategy's
         # cache registers them, as generate(first) would.
         first = self.off.add(case.first, SamplingParams(max_tokens=1), fs)
-        while first.in_prefill:
-            self.off.forward([first])
+        self.off.prefill(first)
         first.finish_reason = "length"
         n = len(case.prompt)
         out = {}
@@ -121,7 +120,7 @@ class QualityRunner:
                                             n, answer_logprob=_answer_logprob(case, ref_lp))
                     continue
                 eng = s.engine(self.llm, self.pool)
-                eng.cache.finish(first)  # what generate(first) registers
+                eng.kv.offer(first)  # what generate(first) registers
                 lp, seq = eng.score(case.prompt, case.answer, ps)
                 st = seq.stats
                 div = metrics.first_divergence(g, eng.score(case.prompt, g, ps)[0]) if g else 0
