@@ -57,7 +57,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.decode_slowdown = decode_slowdown
         self.choose_recompute = choose_recompute
-        self.on_admit: Callable[[Sequence], None] | None = None  # told of every admission (again after preemption)
+        self.on_admit: list[Callable[[Sequence], None]] = []  # told of every admission (again after preemption)
         self._decode_s: float | None = None  # moving average of a decode-only step's seconds
         self._chunk = 64.0  # prompt positions a step beside decoding carries (adapted, see step 3)
         self._steps = 0
@@ -194,8 +194,8 @@ class Scheduler:
             if self.admit(seq):
                 self.waiting.popleft()
                 self.running.append(seq)
-                if self.on_admit is not None:
-                    self.on_admit(seq)
+                for callback in self.on_admit:
+                    callback(seq)
                 continue
             if self.running:
                 break  # NOTE: strict arrival order, so a large request is never starved by small ones

@@ -119,13 +119,11 @@ class Published(NamedTuple):
 
 
 class EngineClient:
-    def __init__(self, engine: Engine, max_running_requests: int, max_queued_requests: int, metrics=None,
-                 registry=None):
+    def __init__(self, engine: Engine, max_queued_requests: int, metrics=None, registry=None):
         """`registry`: the chunk store the engine's cache was built over (closed with the client)."""
         self.engine, self.metrics, self.registry = engine, metrics, registry
         self.scheduler = engine.scheduler  # (its queues, read for the job bookkeeping)
-        self.scheduler.max_running_requests = max_running_requests
-        self.scheduler.on_admit = self._admitted
+        self.scheduler.on_admit.append(self._admitted)
         self.max_queued_requests = max_queued_requests
         self.reuse: str = engine.reuse  # the reuse mode (off, prefix, naive, pic)
         self.vocab_size: int = engine.config.vocab_size
@@ -158,14 +156,15 @@ class EngineClient:
                             "(/metrics: irminsul_store_available)", getattr(tier, "url", type(tier).__name__))
         try:
             engine = Engine(model, tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
-                            kv_cache_gib=pool_gib, compile_decode=config.compile_decode, model_id=model_id,
+                            kv_cache_gib=pool_gib, compile_decode=config.compile_decode,
+                            max_running_requests=config.max_running_requests, model_id=model_id,
                             registry=registry,
                             **({"tenant_share": config.tenant_cache_share} if config.tenant_cache_share else {}))
         except BaseException:
             if hasattr(registry, "close"):
                 registry.close()
             raise
-        return cls(engine, config.max_running_requests, config.max_queued_requests, metrics, registry)
+        return cls(engine, config.max_queued_requests, metrics, registry)
 
     # -- any thread ----------------------------------------------------------------------
 
