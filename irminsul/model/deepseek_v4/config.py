@@ -69,9 +69,6 @@ class V4Config:
             if rope.dim > min(self.head_dim, self.index_head_dim):
                 raise ConfigError(f"the rotary dim {rope.dim} exceeds head_dim or index_head_dim")
 
-    def compress_rate(self, layer: int) -> int:
-        return {CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[layer]]
-
     @classmethod
     def from_dict(cls, raw: dict) -> "V4Config":
         """config.json as transformers' `DeepseekV4Config` reads it, legacy keys included."""
