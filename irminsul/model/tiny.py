@@ -14,10 +14,12 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from irminsul.model.chat_format import BOS, EOS, END, ROLE_TOKENS
 from irminsul.model.config import ModelConfig
 from irminsul.model.deepseek import DeepseekModel
 
-SPECIALS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
+# the bundled chat format's tokens, in the tiny tokenizers' id order (no pad token)
+SPECIALS = [BOS, EOS, *ROLE_TOKENS.values(), END]
 
 BASE = dict(
     vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -93,7 +95,7 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     from irminsul.model.chat_format import IRMINSUL_CHAT_TEMPLATE
 
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "add_bos_token": True,
+        {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True,
          "chat_template": IRMINSUL_CHAT_TEMPLATE}, indent=1))
 
 
