@@ -14,7 +14,7 @@ from irminsul.server.protocol import (APIError, ChatCompletionChoice, ChatComple
                                       ToolCall, TopLogprob, check_supported, constraint_of, tool_functions)
 from irminsul.server.serving_base import FieldNames, Merged, OpenAIServing, Prompts, ResponseHead, sse, text_chars, \
     usage_of
-from irminsul.server.tools import ToolCallParser, forcing_constraint, parse_all
+from irminsul.server.tools import CallStart, Content, ToolCallParser, ToolEvent, forcing_constraint, parse_all
 
 
 def with_calls(reason: str, calls) -> str:
@@ -94,14 +94,15 @@ class ChatFormat:
     # -- streamed (serving_base.OpenAIServing.stream's ChunkWriter) -------------------------
 
     @staticmethod
-    def tool_delta(event: tuple) -> DeltaMessage:
+    def tool_delta(event: ToolEvent) -> DeltaMessage:
         """A ToolCallParser event as a delta: content, a call's start (id, name), its arguments."""
-        if event[0] == "content":
-            return DeltaMessage(content=event[1])
-        if event[0] == "name":
-            return DeltaMessage(tool_calls=[DeltaToolCall(index=event[1], id=call_id(), type="function",
-                                                          function=DeltaFunctionCall(name=event[2], arguments=""))])
-        return DeltaMessage(tool_calls=[DeltaToolCall(index=event[1], function=DeltaFunctionCall(arguments=event[2]))])
+        if isinstance(event, Content):
+            return DeltaMessage(content=event.text)
+        if isinstance(event, CallStart):
+            return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, id=call_id(), type="function",
+                                                          function=DeltaFunctionCall(name=event.name, arguments=""))])
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index,
+                                                      function=DeltaFunctionCall(arguments=event.text))])
 
     def _chunk(self, delta: DeltaMessage, index: int, finish_reason: str | None = None, logprobs=()) -> str:
         choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=self.logprobs(logprobs),

@@ -30,6 +30,7 @@ from irminsul.server.protocol import (APIError, ArgumentsDeltaEvent, ArgumentsDo
                                       ResponseObject, ResponsesRequest, ResponseUsage, _Common, usage, validated)
 from irminsul.server.serving_base import FieldNames
 from irminsul.server.serving_chat import ChatFormat, OpenAIServingChat, call_id
+from irminsul.server.tools import CallStart, Content, ToolEvent
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -224,11 +225,11 @@ class ResponsesBuilder:
         return [self.event(ResponseLifecycleEvent, "response.created", response=r),
                 self.event(ResponseLifecycleEvent, "response.in_progress", response=r)]
 
-    def piece(self, event: tuple, logprobs: list) -> list[str]:
-        """Events for one ToolCallParser event: ("content", text), ("name", i, name), ("arguments", i, text)."""
-        if event[0] == "content":
-            return self.text(event[1], logprobs) if event[1] else []
-        return self.call(event[2]) if event[0] == "name" else self.arguments(event[2])
+    def piece(self, event: ToolEvent, logprobs: list) -> list[str]:
+        """Events for one ToolCallParser event: text, a call's start, its arguments."""
+        if isinstance(event, Content):
+            return self.text(event.text, logprobs) if event.text else []
+        return self.call(event.name) if isinstance(event, CallStart) else self.arguments(event.text)
 
     def text(self, piece: str, logprobs: list) -> list[str]:
         out, index = [], len(self.output)
@@ -316,7 +317,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         def pieces_out(pieces):
             nonlocal pending
             for piece in pieces:
-                lines = build.piece(piece, pending if piece[0] == "content" else [])
+                lines = build.piece(piece, pending if isinstance(piece, Content) else [])
                 if lines:
                     pending = []  # sent with the text, or the text was a call's
                 yield from lines
@@ -329,7 +330,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 if isinstance(event, Delta):
                     pending = pending + build.logprobs(event.logprobs)
                     for line in pieces_out(parser.feed(event.text) if parser is not None
-                                           else [("content", event.text)]):
+                                           else [Content(event.text)]):
                         yield line
                 elif isinstance(event, Finished):
                     for line in pieces_out(parser.finish() if parser is not None else []):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import regex
 
@@ -109,9 +110,32 @@ class Call:
     arguments: str = ""
 
 
+class Content(NamedTuple):
+    """Output text that is not a tool call."""
+
+    text: str
+
+
+class CallStart(NamedTuple):
+    """Call number `index` begins: the function's name is known."""
+
+    index: int
+    name: str
+
+
+class CallArguments(NamedTuple):
+    """More of call number `index`'s arguments (JSON text, in order)."""
+
+    index: int
+    text: str
+
+
+ToolEvent = Content | CallStart | CallArguments
+
+
 @dataclass
 class ToolCallParser:
-    """Output text in, events out: ("content", text), ("name", index, name), ("arguments", index, text).
+    """Output text in, events out (`ToolEvent`: Content, CallStart, CallArguments).
     `names`: the functions the request declared; a call to another one stays content. `max_calls`:
     calls after that many are read but not reported (parallel_tool_calls=false keeps the first, as
     vLLM does)."""
@@ -130,21 +154,21 @@ class ToolCallParser:
     _string_value: bool = False  # the arguments are a JSON string (decoded when complete)
     _value: str = ""
 
-    def feed(self, text: str) -> list[tuple]:
+    def feed(self, text: str) -> list[ToolEvent]:
         self._buf += text
-        out: list[tuple] = []
+        out: list[ToolEvent] = []
         while self._step(out, final=False):
             pass
         return self._kept(out)
 
-    def _kept(self, events: list[tuple]) -> list[tuple]:
+    def _kept(self, events: list[ToolEvent]) -> list[ToolEvent]:
         if self.max_calls is None:
             return events
-        return [e for e in events if e[0] == "content" or e[1] < self.max_calls]
+        return [e for e in events if isinstance(e, Content) or e.index < self.max_calls]
 
-    def finish(self) -> list[tuple]:
+    def finish(self) -> list[ToolEvent]:
         """The events the end of the output releases (held-back text, an unfinished call's text)."""
-        out: list[tuple] = []
+        out: list[ToolEvent] = []
         while self._step(out, final=True):
             pass
         if self._mode in ("header", "raw"):  # a call that never took shape: it was text after all
@@ -155,7 +179,7 @@ class ToolCallParser:
             self._emit_args(out, self._value)  # cut off: the raw text so far
         self._buf, self._mode = "", "text"
         if self._ws and not self.calls:
-            out.append(("content", self._ws))
+            out.append(Content(self._ws))
         self._ws = ""
         return self._kept(out)
 
@@ -170,7 +194,7 @@ class ToolCallParser:
         stripped = text.rstrip()
         self._ws = text[len(stripped):]
         if stripped:
-            out.append(("content", stripped))
+            out.append(Content(stripped))
             self._after_call = False
 
     def _step(self, out: list, final: bool) -> bool:
@@ -208,7 +232,7 @@ class ToolCallParser:
                 self._buf, self._mode = buf[m.end():], "text"
                 return True
             self.calls.append(Call(name))
-            out.append(("name", len(self.calls) - 1, self.calls[-1].name))
+            out.append(CallStart(len(self.calls) - 1, self.calls[-1].name))
             self._buf = buf[m.end():]
             self._mode, self._depth, self._in_string, self._escape, self._value = "arguments", 0, False, False, ""
             self._string_value = False
@@ -227,7 +251,7 @@ class ToolCallParser:
                 self._content(out, fmt.opener + body + fmt.closer)
             else:
                 self.calls.append(Call(call[0]))
-                out.append(("name", len(self.calls) - 1, call[0]))
+                out.append(CallStart(len(self.calls) - 1, call[0]))
                 self._emit_args(out, call[1])
                 self._after_call, self._ws = True, ""
             return True
@@ -292,7 +316,7 @@ class ToolCallParser:
     def _emit_args(self, out: list, text: str) -> None:
         if text:
             self.calls[-1].arguments += text
-            out.append(("arguments", len(self.calls) - 1, text))
+            out.append(CallArguments(len(self.calls) - 1, text))
 
 
 def _partial_suffix(text: str, markers) -> int:
@@ -321,5 +345,5 @@ def parse_all(fmt: ToolFormat, text: str, names=None, max_calls: int | None = No
     """The whole output -> (content or None, calls): what a non-streamed response carries."""
     parser = ToolCallParser(fmt, names, max_calls)
     events = parser.feed(text) + parser.finish()
-    content = "".join(e[1] for e in events if e[0] == "content")
+    content = "".join(e.text for e in events if isinstance(e, Content))
     return (content or None) if parser.calls else content, parser.calls[:max_calls]

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from irminsul.server.tools import DEEPSEEK, HERMES, IRMINSUL, ToolCallParser, parse_all
+from irminsul.server.tools import DEEPSEEK, HERMES, IRMINSUL, CallArguments, CallStart, Content, ToolCallParser, parse_all
 
 CASES = [
     (IRMINSUL, 'Sure.{"name": "get_weather", "arguments": {"city": "Paris \\"x\\" }", "n": [1, {"a": 2}]}}'
@@ -47,12 +47,13 @@ def test_whole_and_streamed_parses_agree(fmt, text, content, calls):
         pieces = [rng.randint(1, 6) for _ in range(len(text))]
         events, streamed_calls = _feed(fmt, text, pieces)
         assert streamed_calls == calls
-        assert ("".join(e[1] for e in events if e[0] == "content") or None if calls else
-                "".join(e[1] for e in events if e[0] == "content")) == content
+        assert ("".join(e.text for e in events if isinstance(e, Content)) or None if calls else
+                "".join(e.text for e in events if isinstance(e, Content))) == content
         # a call's name comes before its arguments, which arrive in order
         for i, (name, args) in enumerate(calls):
-            mine = [e for e in events if e[0] != "content" and e[1] == i]
-            assert mine[0] == ("name", i, name) and "".join(e[2] for e in mine[1:]) == args
+            mine = [e for e in events if not isinstance(e, Content) and e.index == i]
+            assert mine[0] == CallStart(i, name) and all(isinstance(e, CallArguments) for e in mine[1:])
+            assert "".join(e.text for e in mine[1:]) == args
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
@@ -116,7 +117,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1})]
     parser = ToolCallParser(IRMINSUL, frozenset({"a", "b"}), max_calls=1)
     events = [e for k in range(0, len(two), 5) for e in parser.feed(two[k:k + 5])] + parser.finish()
-    assert {e[1] for e in events if e[0] != "content"} == {0} and len(parser.calls) == 2
+    assert {e.index for e in events if not isinstance(e, Content)} == {0} and len(parser.calls) == 2
 
 
 @pytest.mark.parametrize("tool, says", [
