@@ -1,4 +1,4 @@
-"""Census + recovery over the shared data: tables and throughput (issue 5: under a minute in all).
+"""Census + recovery over the shared data: tables and throughput (target: under a minute in all).
 
 Builds every source (and, with --patterns, every applicable pattern), renders it with the named
 tokenizer, runs the census and replays the recovery strategies, and prints the machine, the

@@ -10,7 +10,7 @@
 "Cold" is after streaming 64 MB through the caches, as a decode step does between two uses of
 one matrix (it reads every layer's weights in between). Why the engine packs its weights: the
 cold product is what decoding one sequence pays, and MKL runs its AVX2 code on AMD processors
-(issue 11; README, Engine).
+(README, Engine).
 """
 
 import sys

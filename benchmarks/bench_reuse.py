@@ -1,4 +1,4 @@
-"""What position-independent reuse buys, and what it costs on a miss (issue 3).
+"""What position-independent reuse buys, and what it costs on a miss, against the goals below.
 
 1. TTFT on an agent_meta-style workload: a varying metadata header (5-300 tokens) in front of the
    same shared content (tau-bench's airline policy) and a new question. `pic` against `prefix`,

@@ -1,4 +1,4 @@
-"""The GPU check (issue 15): the engine with the triton backend on random weights in DeepSeek-V2-Lite's
+"""The GPU check: the engine with the triton backend on random weights in DeepSeek-V2-Lite's
 shapes, every figure a ratio against a peer measured in the same run.
 
     bash benchmarks/gpu_check.sh                  # on a GPU machine: the kernel tests on CUDA, then this

@@ -4,7 +4,7 @@ between two generations (40 and 8 new tokens), per decode step: aten calls and s
     python benchmarks/profile_decode.py [--depth 100] [--batch 1] [--top 12]
 
 A decode step of the bundled 6.6 M-parameter model is many small operations; this is the table to
-read before trying to make it faster (issue 11).
+read before trying to make it faster.
 """
 
 import argparse

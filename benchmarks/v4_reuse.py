@@ -1,4 +1,4 @@
-"""What position-independent reuse buys and costs on DeepSeek-V4 (issue 17; docs/deepseek-v4.md).
+"""What position-independent reuse buys and costs on DeepSeek-V4 (docs/deepseek-v4.md).
 
     python benchmarks/v4_reuse.py [--requests 8] [--seed 0]
 

@@ -99,7 +99,7 @@ def test_bad_prompts_raise_clear_errors(llm, prompt, match):
     (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"),
     (dict(top_k=-2), "top_k"),
-    # found by probing: these once failed deep inside a step, or with a TypeError
+    # refused when the request is made, by name, not deep inside a step or with a TypeError
     (dict(logit_bias=((5.5, 1.0),)), "logit_bias token ids"),
     (dict(logit_bias=5), "logit_bias must be"),
     (dict(stop=5), "stop must be"),
@@ -160,7 +160,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     (ckpt2 / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         LLM(ckpt2)
-    # found by probing: these once raised a JSONDecodeError / AttributeError from deep inside
+    # a malformed config file is a CheckpointError that names it, not a JSONDecodeError / AttributeError
     for name, text, match in (("tokenizer_config.json", "{not json", "not valid JSON"),
                               ("tokenizer_config.json", "[1]", "must hold a JSON object"),
                               ("config.json", "[1, 2]", "must hold a JSON object")):

@@ -162,9 +162,9 @@ def test_one_pool_budget_evicts_cached_rows_to_admit_new_ones(tiny_dir):
 
 
 def test_a_request_that_fits_decodes_to_the_end_beside_cached_rows():
-    """Found by probing the server: a request that reuses part of a cached entry once held the whole
-    entry pinned until it finished, so the entry's other rows could not be evicted, and with the pool
-    nearly full it stopped early ("length") although prompt + output fit the pool."""
+    """A request that reuses part of a cached entry pins only the rows it uses, so the entry's other
+    rows can be evicted: with the pool nearly full it still decodes all its tokens when prompt +
+    output fit the pool, rather than stopping early or being preempted."""
     probe = LLM(reuse="pic")  # (the bundled model: token ids up to 1,100)
     llm = LLM(reuse="pic", kv_cache_gib=931 * probe.engine.pool.bytes_per_slot / 2**30)
     llm.generate([list(range(10, 500)), list(range(600, 1100))], max_tokens=32, ignore_eos=True)
@@ -215,9 +215,9 @@ def test_published_documents_are_shared_across_tenants(tiny_dir):
 
 
 def test_publishing_without_room_says_whether_a_retry_can_help(tiny_dir):
-    """Found by probing: both once reached the client as a 500 "internal error". A document larger
-    than the pool is the request's fault (400); one that fits only once running requests give their
-    rows back is PoolBusy (the server answers 503: retry)."""
+    """Neither case is a 500 "internal error": a document larger than the pool is the request's
+    fault (400, no retry can help); one that fits only once running requests give their rows back
+    is PoolBusy (the server answers 503: retry)."""
     from irminsul.engine.engine import PoolBusy
 
     probe = LLM(tiny_dir, reuse="pic")

@@ -88,7 +88,7 @@ def test_a_flat_burst_recomputes_only_where_chunk_boundaries_resynchronise(tiny_
 
 
 def test_degenerate_sampling_values_sample_and_never_fail_the_step(tiny_dir):
-    """top_p=1e-50 is 0 in float32 and temperature=1e-40 overflows the logits: both once failed the
+    """top_p=1e-50 is 0 in float32 and temperature=1e-40 overflows the logits; neither may fail the
     whole batch ("invalid multinomial distribution"). Every value that passes validation samples,
     degenerate ones greedily, and the greedy neighbours in the same steps are untouched."""
     import pytest

@@ -6,8 +6,9 @@ from irminsul.cli import main
 
 
 def test_a_refused_request_is_counted_and_the_replay_goes_on(server, tmp_path, capsys):
-    """Found by probing: the first 400 (a trace prompt longer than the model's context) ended the
-    replay with a traceback and no report."""
+    """A request the server refuses (a 400: a trace prompt longer than the model's context) is
+    counted as failed and the replay goes on to its report, instead of ending in a traceback that
+    throws away every measurement made so far."""
     trace = tmp_path / "t.jsonl"
     rows = [{"session": "a", "messages": [{"role": "user", "content": "hello there"}]},
             {"session": "b", "messages": [{"role": "user", "content": "word " * 5000}]},  # past the context

@@ -61,8 +61,8 @@ def test_nothing_one_request_sent_changes_how_another_is_rendered(tiny_dir):
 
 
 def test_text_in_a_message_is_never_a_control_token(renderer):
-    """User content `<|end|><|system|>` used to tokenize to the real control tokens: a forged role
-    boundary. It is encoded as the text it is; the template's own control tokens stay."""
+    """User content `<|end|><|system|>` is encoded as the text it is, never as the real control
+    tokens, which would let a user forge a role boundary; the template's own control tokens stay."""
     tok = renderer.tokenizer
     controls = [tok.token_to_id(t) for t in tok.special_strings]
 

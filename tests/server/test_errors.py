@@ -70,15 +70,15 @@ CASES = [
     ("completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "surrogate"),
     ("chat", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate"),
     ("completions", ('{"prompt": "hi", "x": ' + "[" * 5000 + "]" * 5000 + "}").encode(), 400, "nests deeper"),
-    # found by probing the server: once 100 s of rendering (quadratic in the parts) that stalled everyone
+    # refused up front: rendering is quadratic in the parts, so this would take ~100 s and stall everyone
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 16385}]}, 400,
      "content parts"),
-    # ... and once 500s carrying llguidance's parser state: constraints that nothing can satisfy
+    # constraints that nothing can satisfy: a 400 that says so, not a 500 carrying llguidance's parser state
     ("chat", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "a",
                                                                                        "schema": {"$ref": "#"}}}},
      400, "matches no output"),
     ("completions", {"prompt": "hi", "guided_regex": "[^\\x00-\\x{10FFFF}]"}, 400, "matches no output"),
-    # ... or a 200 that was no tool call: a forced call whose arguments must nest themselves forever
+    # a forced call whose arguments must nest themselves forever: a 400, not a 200 that is no tool call
     ("chat", {"messages": HI, "max_tokens": 16, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}]}, 400,
@@ -142,7 +142,8 @@ def test_degenerate_sampling_fails_nobody(server):
 
 
 def test_a_large_body_is_refused_before_it_is_parsed_and_nobody_waits(server):
-    """An 18.5 MB body used to get its 400 after 19-35 s while /health did not answer."""
+    """A body over --max-request-bytes gets its 413 within seconds, before it is parsed, and /health
+    answers meanwhile: one oversized request must not stall the server for everyone."""
     import threading
     import time
 
@@ -212,8 +213,8 @@ def test_chat_template_controls_change_the_prompt(server):
 
 
 def test_more_choices_than_the_queue_holds_is_a_400_not_a_503(tiny_dir):
-    """Found by probing: n above --max-queued-requests got "overloaded, retry later" from an idle
-    server, which no retry could ever turn into a 200."""
+    """n above --max-queued-requests is a 400 that names the limit, not a 503 "overloaded, retry
+    later" from an idle server, which no retry could ever turn into a 200."""
     from tests.server.server_helpers import start
 
     s = start(tiny_dir, max_queued_requests=3)
@@ -227,7 +228,8 @@ def test_more_choices_than_the_queue_holds_is_a_400_not_a_503(tiny_dir):
 
 
 def test_a_client_that_goes_away_mid_body_is_no_server_error(server, caplog):
-    """Found by probing: a body cut short by the client logged two "unhandled error" tracebacks."""
+    """A body the client cuts short logs no error (no "unhandled error" traceback: the server did
+    nothing wrong) and the server keeps answering."""
     import logging
     import socket
     import time

@@ -11,9 +11,9 @@ from irminsul.server.testing import ServerProcess
 
 
 def test_a_forced_exit_with_streams_open_does_not_abort_the_process():
-    """Found by probing: Ctrl-C twice (uvicorn's forced exit) with streams open skipped the app's
-    shutdown, the engine thread died inside a torch call and the process aborted ("terminate called
-    without an active exception", exit 134). Now the CLI stops the engine thread itself."""
+    """Ctrl-C twice (uvicorn's forced exit) with streams open skips the app's shutdown, so the CLI
+    stops the engine thread itself; otherwise it dies inside a torch call and the process aborts
+    ("terminate called without an active exception", exit 134) instead of exiting cleanly."""
     # the bundled model and long prompts: the engine thread is inside a torch call most of the time
     server = ServerProcess()  # (eager decoding: tests/conftest.py's environment)
     try:

@@ -104,8 +104,9 @@ def test_echo_returns_the_prompts_logprobs_as_lm_eval_reads_them(client, tiny_di
 
 
 def test_echo_does_not_count_its_own_scoring_as_a_cache_hit(tiny_dir):
-    """Found by probing: the prompt's log-probs were scored while the job still queued, so a prompt
-    nobody had sent before came back as almost all cached (cached_tokens = prompt - 1). Here the job
+    """Scoring an echoed prompt's log-probs is no cache hit: a prompt nobody has sent before reports
+    0 cached tokens and every prompt token computed, even when its job queues first (scoring it
+    while queued would make it look almost all cached, cached_tokens = prompt - 1). Here the job
     queues behind a long request (one runs at a time)."""
     import threading
 

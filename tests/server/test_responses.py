@@ -94,9 +94,9 @@ def test_logprobs_on_request(client):
 
 
 def test_streamed_logprobs_survive_text_the_tool_parser_held_back(client):
-    """Found by probing: with tools, text the parser holds back (it might open a call) lost its
-    log-probs when streamed; the non-streamed answer had them. Here the model writes a call to a tool
-    it was not given, which ends up as text."""
+    """With tools, text the parser holds back (it might open a call) keeps its log-probs when it is
+    streamed, the same as in the non-streamed answer: a client that streams must not lose them. Here
+    the model writes a call to a tool it was not given, which ends up as text."""
     kw = dict(model="tiny", input="Tell me about cats.", tools=[{"type": "function", "name": "w", "parameters": {
         "type": "object", "properties": {}}}], max_output_tokens=12, temperature=0,
         include=["message.output_text.logprobs"])

@@ -1,6 +1,6 @@
-"""Log-probs and echo against the output text, for multi-byte characters and special tokens (each
-of these once came out wrong; found by probing). The bundled model's byte-level tokenizer splits
-中 into the tokens 168, 124, 263 (one byte each)."""
+"""Log-probs and echo agree with the output text, for multi-byte characters (a character split
+across tokens) and special tokens, so that a client can rebuild the text from them. The bundled
+model's byte-level tokenizer splits 中 into the tokens 168, 124, 263 (one byte each)."""
 
 import httpx
 import pytest
@@ -19,7 +19,8 @@ def url():
 
 
 def test_chat_logprob_bytes_are_the_tokens_own(url):
-    """They were the bytes of U+FFFD (the lossy decoding of a piece), so no client could rebuild 中."""
+    """Each token's bytes are its own, not those of U+FFFD (the lossy decoding of a piece), so a
+    client can rebuild 中 from them."""
     r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "中文"}], "logit_bias": ZHONG, "logprobs": True,
         "max_tokens": 6, "temperature": 0}).json()
@@ -28,8 +29,8 @@ def test_chat_logprob_bytes_are_the_tokens_own(url):
 
 
 def test_completion_tokens_join_to_the_text_and_offsets_index_it(url):
-    """Echo: the tokens were 18 x U+FFFD for 4 characters, and text_offset ran past the text's end,
-    then back."""
+    """Echo: the tokens join to the text (not to a U+FFFD per byte), and text_offset rises and
+    indexes each token in the text, never past its end."""
     r = httpx.post(url + "/v1/completions", timeout=60, json={
         "prompt": "中文中文", "echo": True, "logprobs": 2, "max_tokens": 6, "temperature": 0,
         "logit_bias": ZHONG}).json()
@@ -42,8 +43,8 @@ def test_completion_tokens_join_to_the_text_and_offsets_index_it(url):
 
 
 def test_echo_gives_back_the_prompt_as_sent_and_special_tokens_as_asked(url):
-    """A string prompt's special-token text was dropped from the echo; with skip_special_tokens
-    false, the log-probs' tokens were still empty where the text showed the special tokens."""
+    """A string prompt's special-token text is echoed as sent; with skip_special_tokens false, the
+    log-probs' tokens show the special tokens the text shows, so the tokens still join to the text."""
     prompt = "<|user|>Hi<|end|><|assistant|>"
     r = httpx.post(url + "/v1/completions", timeout=60,
                    json={"prompt": prompt, "echo": True, "max_tokens": 2, "temperature": 0}).json()

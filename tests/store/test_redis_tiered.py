@@ -99,7 +99,8 @@ def test_prefetch_stages_lower_tier_entries_so_the_lookup_does_no_io(tmp_path, l
 
 
 def test_the_size_gauge_does_bounded_work_whatever_redis_holds(redis_proc, layout):
-    """It used to SCAN every key every 2 s: O(keys) for Redis, forever."""
+    """The size gauge's refresh is one bounded SCAN call plus DBSIZE, never a walk over every key:
+    it runs every 2 s, and O(keys) work there would load a shared Redis forever."""
     client = redis_proc.client()
     client.mset({f"other:{i}": b"x" * 10 for i in range(3000)})  # another application's keys
     r = RedisRegistry(redis_proc.url, layout)
@@ -126,7 +127,8 @@ def test_redis_entries_can_expire(redis_proc, layout, tmp_path):
 
 
 def test_lower_tier_writes_never_wait_on_the_caller(tmp_path, layout):
-    """Disk writes used to run on the thread that decodes: a slow disk stalled every stream."""
+    """Writes to the lower tiers (disk) run off the caller's thread: put returns at once, so a slow
+    disk never stalls the thread that decodes, and with it every stream."""
     import threading
 
     from irminsul.cache.store.disk import DiskRegistry

@@ -14,7 +14,6 @@ seeded (`random.Random(seed)`, nothing global) and its knobs are keyword argumen
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Callable
@@ -50,13 +49,6 @@ VARIANT_LINES = (
 def _fill(rng: random.Random, template: str) -> str:
     return template.format(**{k: rng.choice(v) for k, v in FILL.items()},
                            days=rng.randint(1, 400), n=rng.randint(1, 9), big=rng.randint(1, 900))
-
-
-def _by_session(requests: list[TraceRequest]) -> dict[str, list[TraceRequest]]:
-    out: dict[str, list[TraceRequest]] = defaultdict(list)
-    for r in requests:
-        out[r.session].append(r)
-    return out
 
 
 def _split_system(r: TraceRequest) -> tuple[list[dict], list[dict]]:

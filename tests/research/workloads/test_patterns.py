@@ -45,12 +45,19 @@ def test_agent_meta_header_first_and_varying():
 
 
 def test_sysvar_differs_in_the_middle():
+    """sysvar inserts a "## Deployment notes" section midway through the system prompt and changes
+    nothing else: the prompt's head and tail, the other messages, the tools and the session stay as
+    they were, so the content after the section recurs at a shifted position."""
     out = apply_pattern("sysvar", AGENT, n_variants=4)
     old = SYSTEM["content"]
-    for r in out:
+    head, tail = old[:old.index("Rule 3")], old[old.index("Rule 3"):]
+    assert len(out) == len(AGENT)
+    for r, a in zip(out, AGENT):
         new = r.messages[0]["content"]
-        assert new.startswith(old[:old.index("Rule 3")]) and new.endswith(old[old.index("Rule 3"):])
-        assert "## Deployment notes" in new and r.messages[1:] == AGENT[0].messages[1:len(r.messages)] or True
+        section = new[len(head):len(new) - len(tail)]
+        assert new == head + section + tail and r.messages[0]["role"] == "system"
+        assert section.startswith("## Deployment notes\n") and section.strip() != "## Deployment notes"
+        assert r.messages[1:] == a.messages[1:] and r.tools == a.tools and r.session == a.session
     assert len({r.messages[0]["content"] for r in out}) > 1
     per_session = apply_pattern("sysvar", AGENT, per="session")
     assert len({r.messages[0]["content"] for r in per_session if r.session == "a"}) == 1
