@@ -161,16 +161,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path} is missing: a checkpoint directory needs config.json") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object (a model config), not a {type(raw).__name__}")
-        return _parse(raw)
+        return _parse(read_json_config(Path(path)))
 
 
 def _req(raw: dict, name: str, kind=int):
@@ -180,6 +171,19 @@ def _req(raw: dict, name: str, kind=int):
     if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ConfigError(f"config.json: {name}={value!r} must be a positive integer")
     return value
+
+
+def read_json_config(file: Path) -> dict:
+    """A checkpoint's config.json as a dict, else a ConfigError that says what is wrong with it."""
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{file} is missing: a checkpoint directory needs config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file} must hold a JSON object (a model config), not a {type(raw).__name__}")
+    return raw
 
 
 def _rope(raw: dict, model_type: str) -> RopeConfig:

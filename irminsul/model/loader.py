@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from irminsul.errors import CheckpointError, ConfigError, RequestError
-from irminsul.model.config import ModelConfig
+from irminsul.errors import CheckpointError, RequestError
+from irminsul.model.config import ModelConfig, read_json_config
 from irminsul.model.registry import model_class
 from irminsul.model.rope import Rotary
 
@@ -95,16 +95,7 @@ def check_device(device) -> None:
 
 def read_config(path: Path) -> dict:
     """The checkpoint's config.json as a dict, else a ConfigError that says what is wrong with it."""
-    file = path / "config.json"
-    try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{file} is missing: a checkpoint directory needs config.json") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{file} must hold a JSON object (a model config), not a {type(raw).__name__}")
-    return raw
+    return read_json_config(path / "config.json")
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu", pack: bool = True):
