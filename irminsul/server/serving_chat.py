@@ -14,7 +14,7 @@ from irminsul.server.protocol import (APIError, ChatCompletionChoice, ChatComple
                                       ToolCall, TopLogprob, check_supported, constraint_of, tool_functions)
 from irminsul.server.serving_base import FieldNames, Merged, OpenAIServing, Prompts, ResponseHead, sse, text_chars, \
     usage_of
-from irminsul.server.tools import CallStart, Content, ToolCallParser, ToolEvent, forcing_constraint, parse_all
+from irminsul.server.tools import CallStart, Content, ToolCallParser, ToolEvent, parse_all, tool_constraint
 
 
 def with_calls(reason: str, calls) -> str:
@@ -163,14 +163,20 @@ class OpenAIServingChat(OpenAIServing):
         state.check_model(req.model)
         constraint, asked_by = constraint_of(req, names.response_format)
         functions = tool_functions(req)
-        forced = forcing_constraint(state.renderer.tool_format, functions, req.tool_choice,
-                                    state.tokenizer.added_token_id, parallel=req.parallel_tool_calls is not False
-                                    ) if state.renderer.tool_format else None
-        if forced is not None:
-            if constraint is not None:
-                raise APIError(400, f"tool_choice={req.tool_choice!r} and {asked_by} both constrain the output; "
-                                    f"set only one", param=asked_by)
-            constraint, asked_by = forced, "tool_choice"
+        tool_format, forced = state.renderer.tool_format, req.tool_choice not in (None, "auto", "none")
+        if tool_format and functions and req.tool_choice != "none":
+            parallel = req.parallel_tool_calls is not False
+            if asked_by == names.response_format:  # a format for text turns: calls stay possible
+                constraint = tool_constraint(tool_format, functions, req.tool_choice, state.tokenizer.added_token_id,
+                                             parallel, text=constraint)
+            elif forced:  # (vLLM's guided_* fields constrain the whole output, as a forced call does)
+                if constraint is not None:
+                    raise APIError(400, f"tool_choice={req.tool_choice!r} and {asked_by} both constrain the output; "
+                                        f"set only one", param=asked_by)
+                constraint = tool_constraint(tool_format, functions, req.tool_choice, state.tokenizer.added_token_id,
+                                             parallel)
+            if forced:
+                asked_by = "tool_choice"
         state.check_text(text_chars(req.messages), names.prompt, names.prompt)
         try:
             rendered = state.renderer.render(req.messages, req.tools, req.add_generation_prompt,

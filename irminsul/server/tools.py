@@ -13,9 +13,10 @@ parser fed the whole text, so streamed and non-streamed answers agree by constru
 are the model's own JSON text of the value (a string value is decoded: some models write the
 arguments JSON-encoded). A call that does not parse stays in the content.
 
-`forcing_grammar` builds the Lark grammar (llguidance, with inline JSON schemas) for
-`tool_choice="required"` or a named function: the output is then one or more calls (one for a
-named function) whose arguments validate against the function's `parameters` schema.
+`tool_constraint` builds the Lark grammar (llguidance, with inline JSON schemas) of a turn with
+tools: for `tool_choice="required"` or a named function the output is one or more calls (one for
+a named function) whose arguments validate against the function's `parameters` schema; for
+`"auto"` with a response format, a call or text in that format.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ class ToolFormat:
     raw_json: bool = False  # a call whose header does not match may still be one JSON object (keys in any order)
 
     def grammar(self, tools: list[dict], named: str | None, added_token_id=lambda text: None,
-                single: bool = False) -> str:
+                single: bool = False, text: str | None = None) -> str:
         """Lark for one call (to `named`, or to any of `tools` if `single`) or one or more (to any
-        of `tools`). `added_token_id`: a marker that is one added token is written as that token
-        (llguidance does not match added tokens by their text)."""
+        of `tools`); `text`, a Lark expression: or else output that matches it. `added_token_id`: a
+        marker that is one added token is written as that token (llguidance does not match added
+        tokens by their text)."""
         markers = [m for m in (self.opener, self.closer, *self.drop, "<｜tool▁sep｜>") if added_token_id(m) is not None]
 
         def lit(text: str) -> str:
@@ -73,6 +75,8 @@ class ToolFormat:
             names.append(f"call_{i}")
         calls = "call" if named is not None or single else f"call ({lit(self.sep)} call)*" if self.sep else "call+"
         start = f"{lit(self.drop[0])} {calls} {lit(self.drop[1])}" if self.drop else calls
+        if text is not None:
+            start = f"{start} | {text}"
         return "\n".join([f"start: {start}", f"call: {' | '.join(names)}", *rules])
 
 
@@ -90,18 +94,38 @@ DEEPSEEK = ToolFormat(
 FORMATS = {f.name: f for f in (IRMINSUL, HERMES, DEEPSEEK)}
 
 
-def forcing_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, added_token_id=lambda text: None,
-                       parallel: bool = True):
-    """The grammar for tool_choice "required" or {"type": "function", "function": {"name": ...}};
-    None for "auto" / "none". `tools` are the functions ({"name", "parameters", ...}); `parallel`
-    False: exactly one call."""
-    if tool_choice in (None, "auto", "none"):
-        return None
+def tool_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, added_token_id=lambda text: None,
+                    parallel: bool = True, text: Constraint | None = None) -> Constraint | None:
+    """The output constraint of a turn with tools. `tools` are the functions ({"name",
+    "parameters", ...}); `parallel` False: at most one call; `text`: the JSON schema constraint of
+    the request's response format, which applies to text turns.
+
+    - tool_choice "required" or {"type": "function", "function": {"name": ...}}: the call is the
+      output, so the grammar is the call's and `text` does not apply (OpenAI accepts the pair;
+      vLLM decodes the forced tool's schema).
+    - "auto" (or unset) with `text`: one or more calls, or text that matches `text`, as one
+      grammar, so an agent with an output type can still call its tools.
+    - otherwise `text` (None: nothing constrains the output)."""
+    if tool_choice == "none" or (tool_choice in (None, "auto") and text is None):
+        return text
     named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    alternative = None
+    if tool_choice in (None, "auto"):
+        alternative = _inline_json(text)
+        if alternative is None:
+            return text
     try:
-        return Constraint.lark(fmt.grammar(tools, named, added_token_id, single=not parallel))
+        return Constraint.lark(fmt.grammar(tools, named, added_token_id, single=not parallel, text=alternative))
     except RequestError as e:  # (a function's parameters too big or too deep to compile)
         raise APIError(400, f"tools: {e}", param="tools") from None
+
+
+def _inline_json(constraint: Constraint) -> str | None:
+    """A JSON schema constraint as a Lark expression (None: not one, or the schema `false`)."""
+    schema = json.loads(constraint.spec) if constraint.kind == "json_schema" else None
+    if schema is True:
+        schema = {}
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}" if isinstance(schema, dict) else None
 
 
 @dataclass

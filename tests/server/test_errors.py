@@ -25,7 +25,7 @@ CASES = [
     ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
      "not among the tools"),
     ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": "always"}, 400, "tool_choice must be"),
-    ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+    ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": "required", "guided_json": {"type": "object"}},
      400, "set only one"),
     ("chat", {"messages": HI, "response_format": {"type": "xml"}}, 400, "response_format type 'xml'"),
     ("chat", {"messages": HI, "response_format": {"type": "json_schema"}}, 400, "json_schema.schema"),

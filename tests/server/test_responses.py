@@ -85,6 +85,36 @@ def test_named_tool_choice_and_structured_text(client):
     jsonschema.validate(json.loads(r.output_text), schema)
 
 
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"]}
+ANSWER_FORMAT = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_a_forced_call_with_text_format_is_the_call(client, choice):
+    """text.format applies to text turns: with a forced call the output is the call."""
+    r = client.responses.create(model="tiny", input="What is the weather in Paris?", tools=TOOLS, tool_choice=choice,
+                                text=ANSWER_FORMAT, max_output_tokens=60, temperature=0)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), CITY)
+
+
+def test_auto_with_text_format_is_a_call_or_text_in_the_format(client):
+    """tool_choice=auto + text.format: calls or the format's JSON (greedy, the bundled model calls;
+    with its answer's first token biased up, it answers in the format)."""
+    from irminsul.model.tokenizer import Tokenizer
+
+    token = Tokenizer(bundled_model("mla")).encode('{"answer', add_bos=False)[1]
+    kw = dict(model="tiny", input="What is the weather in Paris?", tools=TOOLS, text=ANSWER_FORMAT,
+              max_output_tokens=60, temperature=0)
+    r = client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["function_call"]
+    jsonschema.validate(json.loads(r.output[0].arguments), CITY)
+    r = client.responses.create(**kw, extra_body={"logit_bias": {str(token): 100}})
+    assert [o.type for o in r.output] == ["message"] and r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), ANSWER)
+
+
 def test_logprobs_on_request(client):
     r = client.responses.create(model="tiny", input="Hello", max_output_tokens=4, temperature=0, top_logprobs=2,
                                 include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})

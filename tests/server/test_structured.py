@@ -165,3 +165,57 @@ def test_grammars_too_big_to_compile_safely_are_a_400_and_the_server_lives_on(bu
     assert says in r.json()["error"]["message"]
     ok = httpx.post(bundled.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"]}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+
+
+def _answer_token(bundled) -> int:
+    """The token the text branch's JSON starts its key with (`{"` then `ans`): biased up, the
+    model leaves the calls it prefers for the response format."""
+    from irminsul.model.tokenizer import Tokenizer
+
+    return Tokenizer(bundled_model("mla")).encode('{"answer', add_bos=False)[1]
+
+
+def _call_or_answer(choice) -> str:
+    """'call' or 'text'; either way what it carries validates."""
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        _check_calls(choice.message.tool_calls)
+        return "call"
+    jsonschema.validate(json.loads(choice.message.content), ANSWER)
+    return "text"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book_flight"}}])
+def test_a_forced_call_with_a_response_format_is_the_call(client, choice):
+    """A forced call is the output; the response format applies to text turns (OpenAI accepts the
+    pair, as the Agents SDK sends it for an agent with an output type)."""
+    out = client.chat.completions.create(model=_model(client), messages=ASK, tools=TOOLS, tool_choice=choice,
+                                         response_format=ANSWER_FORMAT, max_tokens=120, temperature=0)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    _check_calls(c.message.tool_calls, None if choice == "required" else {"book_flight"})
+
+
+def test_auto_with_a_response_format_is_a_call_or_text_in_the_format(client, bundled):
+    """tool_choice=auto + response_format: one grammar of both, so the output is calls or the
+    format's JSON. Greedy, the bundled model calls; with its answer's first token biased up it
+    answers; sampled, both happen, and each parses."""
+    kw = dict(model=_model(client), messages=ASK, tools=TOOLS, response_format=ANSWER_FORMAT, max_tokens=120)
+    assert _call_or_answer(client.chat.completions.create(**kw, temperature=0).choices[0]) == "call"
+    token = str(_answer_token(bundled))
+    answered = client.chat.completions.create(**kw, temperature=0, logit_bias={token: 100}).choices[0]
+    assert _call_or_answer(answered) == "text" and answered.finish_reason == "stop"
+    sampled = client.chat.completions.create(**kw, temperature=1.0, seed=1, n=16, logit_bias={token: 12})
+    kinds = [_call_or_answer(c) for c in sampled.choices if c.finish_reason != "length"]
+    assert set(kinds) == {"call", "text"}, kinds
+
+
+def test_a_forced_call_with_a_guided_field_is_still_refused(client):
+    """vLLM's guided_* fields constrain the whole output, as a forced call does: the pair is a 400."""
+    with pytest.raises(openai.BadRequestError, match="set only one"):
+        client.chat.completions.create(model=_model(client), messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=8, extra_body={"guided_regex": "a+"})

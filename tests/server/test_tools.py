@@ -74,9 +74,9 @@ def _tokenizer(name):
 
 
 @pytest.mark.parametrize("fmt, tokenizer", [(HERMES, "qwen2"), (DEEPSEEK, "deepseek"), (IRMINSUL, "qwen2")])
-def test_forcing_grammar_takes_the_formats_own_calls_and_nothing_else(fmt, tokenizer):
-    from irminsul.engine.grammar import Grammars
-    from irminsul.server.tools import forcing_constraint
+def test_tool_grammar_takes_the_formats_own_calls_and_nothing_else(fmt, tokenizer):
+    from irminsul.engine.grammar import Constraint, Grammars
+    from irminsul.server.tools import tool_constraint
 
     tok = _tokenizer(tokenizer)
     grammars = Grammars(tok.to_json(), tok.vocab_size, {0})
@@ -90,8 +90,9 @@ def test_forcing_grammar_takes_the_formats_own_calls_and_nothing_else(fmt, token
         text = fmt.sep.join(calls)
         return f"{fmt.drop[0]}{text}{fmt.drop[1]}" if fmt.drop else text
 
-    def accepts(choice, text, parallel=True):
-        m = grammars.matcher(forcing_constraint(fmt, FUNCTIONS, choice, tok.added_token_id, parallel=parallel))
+    def accepts(choice, text, parallel=True, response_format=None):
+        m = grammars.matcher(tool_constraint(fmt, FUNCTIONS, choice, tok.added_token_id, parallel=parallel,
+                                             text=response_format))
         ok = all(m.consume_token(t) for t in tok.encode(text, add_bos=False))
         return ok and m.is_accepting()
 
@@ -107,6 +108,19 @@ def test_forcing_grammar_takes_the_formats_own_calls_and_nothing_else(fmt, token
     assert not accepts("required", wrap([call("get_weather", '{"city": "Paris", "unit": "C", "x": 1}')]))  # closed
     assert not accepts("required", wrap([call("get_time", "{}")]))  # undeclared
     assert not accepts("required", "I will not call anything.")
+    # with a response format: a forced call is still the call alone; auto takes calls or the format's JSON
+    answer = Constraint.json_schema({"type": "object", "properties": {"answer": {"type": "string"}},
+                                     "required": ["answer"]})
+    assert accepts("required", two, response_format=answer) and not accepts("required", '{"answer": "x"}',
+                                                                            response_format=answer)
+    assert accepts(named, wrap([good]), response_format=answer)
+    for choice in ("auto", None):
+        assert accepts(choice, wrap([good]), response_format=answer) and accepts(choice, two, response_format=answer)
+        assert accepts(choice, '{"answer": "x"}', response_format=answer)
+        assert not accepts(choice, '{"answer": 3}', response_format=answer)
+        assert not accepts(choice, "I will not call anything.", response_format=answer)
+    assert tool_constraint(fmt, FUNCTIONS, "auto") is None and tool_constraint(fmt, FUNCTIONS, "none", text=answer) \
+        is answer
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
