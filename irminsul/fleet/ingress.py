@@ -1,0 +1,185 @@
+"""The fleet's one OpenAI-compatible front: reads each request, renders its prompt, forwards it by content.
+
+The ingress serves every path `irminsul serve` has by forwarding the request's bytes (method,
+path, headers, body) to a replica, which answers with the single server's own handlers
+(`replica.py`), so parsing, errors, streaming, tenants and keys behave exactly as they do there.
+What the ingress adds: the API key is checked before the body is read (a 401 costs no body), the
+body is read within `--max-request-bytes`, the prompt is rendered on a worker thread for the router
+(`prompt.py`), and a replica that dies before it sent anything is replaced by another:
+
+- an answer that is not a stream is buffered whole, so it is retried on another replica until it is
+  complete;
+- a stream is retried until its first chunk arrives; once the client has seen output, a replica that
+  dies ends the stream with an error event (as the server ends a failed stream) and `[DONE]`.
+
+`/health` is 200 while any replica's engine runs; `/metrics` is every replica's exposition, each
+sample labelled with `replica="<id>"` (per replica, not summed: a histogram's buckets and a gauge of
+the pool are a replica's own).
+"""
+
+# NOTE: no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request)
+import asyncio
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from irminsul.fleet.asgi import Forwarded
+from irminsul.fleet.metrics import labelled
+from irminsul.fleet.prompt import PromptReader
+from irminsul.fleet.ray_router import fleet_view
+from irminsul.fleet.replica import Head
+from irminsul.server.config import ServerConfig
+from irminsul.server.protocol import APIError, read_body
+from irminsul.server.serving_base import sse
+
+log = logging.getLogger("irminsul.fleet")
+
+ROUTED = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/cache/chunks"}
+KEYED = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"}
+ATTEMPTS = 3  # replicas one request may be tried on
+TARGETED_TIMEOUT_S = 10.0  # a call to one named replica (metrics, health, a snapshot)
+_DROPPED = {b"content-length", b"transfer-encoding", b"connection"}
+_REPLICA_GONE = (RayActorError, ActorUnavailableError)
+
+api = FastAPI(title="Irminsul fleet", openapi_url=None, docs_url=None, redoc_url=None)
+
+
+class _ReplicaGone(Exception):
+    pass
+
+
+@serve.ingress(api)
+class FleetIngress:
+    async def __init__(self, replicas, config: ServerConfig, replica_deployment: str = "IrminsulReplica"):
+        from irminsul.bundled import bundled_model
+        from irminsul.model.tokenizer import Tokenizer
+        from irminsul.server.chat import ChatRenderer
+
+        tokenizer = await asyncio.to_thread(Tokenizer, config.model or bundled_model("mla"))
+        self.reader = PromptReader(config, tokenizer, ChatRenderer(tokenizer))
+        self.config, self.replicas = config, replicas
+        self.fleet = fleet_view(replica_deployment, serve.get_replica_context().app_name)
+        self._snapshots = asyncio.ensure_future(self._fetch_snapshots())
+
+    # -- the fleet's own endpoints --------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self):
+        states = await self._each("healthy")
+        body = {"status": "ok" if any(v is True for v in states.values()) else "no replica is serving",
+                "replicas": {rid: "ok" if v is True else "down" for rid, v in states.items()}}
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @api.get("/metrics")
+    async def metrics(self):
+        texts = {rid: t for rid, t in (await self._each("prometheus")).items() if isinstance(t, str)}
+        return Response(labelled(texts), media_type="text/plain; version=0.0.4")
+
+    async def _each(self, method: str) -> dict:
+        """`method` called on every replica the router knows (an exception in place of an answer that
+        failed or took longer than TARGETED_TIMEOUT_S)."""
+        if not self.fleet.replicas:  # (the router starts with the handle's first call)
+            await self._targeted("healthy", None)
+        answers = {}
+        # NOTE: one after another: Serve gives the calls one request makes the same internal request
+        # id, and its router matches a routed replica to a pending call by that id (concurrent calls
+        # of one request would wait on each other forever)
+        for rid in self.fleet.replicas:
+            try:
+                answers[rid] = await self._targeted(method, rid)
+            except Exception as e:
+                answers[rid] = e
+        return answers
+
+    async def _targeted(self, method: str, replica_id: str | None):
+        response = self.replicas.options(method_name=method).remote(target=replica_id)
+        try:
+            return await asyncio.wait_for(response, TARGETED_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise
+
+    async def _fetch_snapshots(self) -> None:
+        """The whole chunk set of each replica whose periods the router's view cannot continue
+        (a new router, a replica it never saw, or one it fell behind on)."""
+        while True:
+            await asyncio.sleep(0.25)
+            for rid in list(self.fleet.stale):
+                try:
+                    self.fleet.restore(rid, await self._targeted("journal_snapshot", rid))
+                except Exception as e:  # (gone, or slow: the next round tries again)
+                    log.debug("no snapshot from replica %s: %s", rid, e)
+
+    # -- everything else: forwarded -------------------------------------------------------
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
+    async def forward(self, request: Request, path: str):
+        path = "/" + path
+        try:
+            if path in KEYED:
+                self.reader.key_tenant(request)  # (a 401 before the body is read)
+            body = await read_body(request, self.config.max_request_bytes)
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        route = None
+        if path in ROUTED:
+            self.reader.max_chars = self.fleet.meta.get("max_prompt_chars", self.reader.max_chars)
+            route = await asyncio.to_thread(self.reader.route_key, path, request, body)
+        headers = tuple((k.lower(), v) for k, v in request.headers.raw)
+        client = (request.client.host, request.client.port) if request.client else None
+        forwarded = Forwarded(request.method, path, request.url.query.encode(), headers, body, client)
+        for attempt in range(ATTEMPTS):
+            try:
+                return await self._answer(forwarded, route)
+            except _ReplicaGone as e:
+                log.warning("a replica stopped before answering %s (%s); trying another", path, e)
+                await asyncio.sleep(0.2 * (attempt + 1))  # (Serve drops the dead replica meanwhile)
+        e = APIError(503, f"{ATTEMPTS} replicas stopped before answering this request; retry later")
+        return JSONResponse(e.body(), status_code=503)
+
+    async def _answer(self, forwarded: Forwarded, route) -> Response:
+        stream = self.replicas.options(stream=True).http.remote(forwarded, route=route)
+        handed_over = False
+        try:
+            head = await self._next(stream)
+            if not isinstance(head, Head):
+                raise _ReplicaGone("it answered nothing")
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers if k not in _DROPPED}
+            if not headers.get("content-type", "").startswith("text/event-stream"):
+                chunks = []
+                while (chunk := await self._next(stream)) is not None:
+                    chunks.append(chunk)
+                return Response(b"".join(chunks), status_code=head.status, headers=headers)
+            first = await self._next(stream)  # (the client has seen nothing until this arrives)
+            handed_over = True
+            return StreamingResponse(self._rest(stream, first), status_code=head.status, headers=headers)
+        finally:
+            if not handed_over:
+                stream.cancel()
+
+    @staticmethod
+    async def _next(stream):
+        """The next item of a replica's answer, None at its end; _ReplicaGone if the replica died."""
+        try:
+            return await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        except _REPLICA_GONE as e:
+            raise _ReplicaGone(type(e).__name__) from None
+
+    async def _rest(self, stream, first):
+        try:
+            if first is not None:
+                yield first
+            while (chunk := await self._next(stream)) is not None:
+                yield chunk
+        except _ReplicaGone:
+            e = APIError(502, "the replica serving this stream stopped; the output above is incomplete",
+                         type="server_error")
+            yield sse(e.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()

@@ -1,0 +1,105 @@
+"""A request's prompt as a replica will see it, for the router: its token ids, segment starts and tenant.
+
+The fleet's ingress reads each body once, on a worker thread, and hands the router a `RouteKey`:
+chat and Responses bodies rendered by the server's own `ChatRenderer` (the Responses API through
+`to_chat`, as the replica converts it), completion prompts encoded by the same tokenizer, a
+document to publish as the shared namespace's. The tenant is decided by the server's own
+`ServerState.tenant_of` / `key_tenant` (the API key's tenant, subdivided by `cache_salt`), so a
+chunk is fingerprinted in the namespace the replica will store it in.
+
+Whatever the router cannot read (a body the replica will refuse) routes without a key, by load: the
+replica answers the error, as a single server would.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from irminsul.server.app import ServerState
+from irminsul.server.config import ServerConfig
+from irminsul.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, PublishRequest,
+                                      ResponsesRequest, parse_body)
+from irminsul.server.serving_base import text_chars
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """What the content router chooses by; it travels to the replica beside the request."""
+
+    token_ids: np.ndarray = field(repr=False)  # [n] int32 (4 bytes a token on the wire)
+    segment_starts: tuple[int, ...] | None
+    tenant: str | None  # the replica's namespace name; None: its default
+    explanation: str = ""  # the router's choice, set when it routes (the x-irminsul-route header)
+
+
+class _Tenants:
+    """ServerState's request policies without a model: the same methods, over the same config."""
+
+    _bearer = ServerState._bearer
+    key_tenant = ServerState.key_tenant
+    tenant_of = ServerState.tenant_of
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+
+
+class PromptReader:
+    def __init__(self, config: ServerConfig, tokenizer, renderer):
+        self.tenants = _Tenants(config)
+        self.tokenizer, self.renderer = tokenizer, renderer
+        # texts longer than this are left unread: the replica refuses them before it tokenizes them
+        # (the context times the most bytes one token stands for); the replicas' metadata says it
+        self.max_chars = config.max_request_bytes
+
+    def key_tenant(self, request) -> str | None:
+        """A 401 (APIError) when the fleet has keys and the request brings none of them."""
+        return self.tenants.key_tenant(request)
+
+    def route_key(self, path: str, request, body: bytes) -> RouteKey | None:
+        """The prompt of a body sent to `path` (None when it has none, or the replica will refuse it)."""
+        try:
+            return self._read(path, request, body)
+        except (APIError, ValueError, TypeError, KeyError, json.JSONDecodeError):
+            return None
+
+    def _read(self, path: str, request, body: bytes) -> RouteKey | None:
+        if path == "/v1/chat/completions":
+            req = parse_body(body, ChatCompletionRequest)
+        elif path == "/v1/responses":
+            from irminsul.server.serving_responses import to_chat
+
+            req = to_chat(parse_body(body, ResponsesRequest))
+        elif path == "/v1/completions":
+            req = parse_body(body, CompletionRequest)
+            prompt = req.prompt
+            batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+            if sum(len(p) for p in batch if isinstance(p, str)) > self.max_chars:
+                return None
+            ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+            # a batch routes as one prompt: chunking restarts at each prompt's start, so its chunks
+            # are each prompt's own
+            starts = tuple(int(s) for s in np.cumsum([0] + [len(p) for p in ids[:-1]])) if len(ids) > 1 else None
+            return self._key(sum(ids, []), starts, self.tenants.tenant_of(request, req.cache_salt))
+        elif path == "/v1/cache/chunks":
+            from irminsul.kvcache.namespaces import SHARED
+
+            req = parse_body(body, PublishRequest)
+            if req.text is not None and len(req.text) > self.max_chars:
+                return None
+            tokens = self.tokenizer.encode(req.text, add_bos=False) if req.text is not None else req.token_ids
+            return self._key(tokens, None, SHARED)
+        else:
+            return None
+        if text_chars(req.messages) > self.max_chars:
+            return None
+        rendered = self.renderer.render(req.messages, req.tools, req.add_generation_prompt,
+                                        req.continue_final_message, req.chat_template_kwargs)
+        return self._key(rendered.token_ids, tuple(rendered.segment_starts),
+                         self.tenants.tenant_of(request, req.cache_salt))
+
+    @staticmethod
+    def _key(tokens, starts, tenant) -> RouteKey | None:
+        return RouteKey(np.asarray(tokens, np.int32), starts, tenant) if len(tokens) else None

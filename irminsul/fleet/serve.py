@@ -1,0 +1,121 @@
+"""Irminsul replicas on Ray Serve behind one OpenAI-compatible ingress, routed by content.
+
+    Serve's HTTP proxy -> FleetIngress (1 replica, no CPU of its own: reads, renders, forwards)
+                       -> IrminsulReplica x N (one engine each, its own threads or device)
+                          routed by ContentRequestRouter, which runs in the ingress's process
+
+`irminsul serve --replicas N` runs it on this host (`run_fleet`). On a cluster: `ray start --head`
+on one node and `ray start --address HEAD:6379` on the others, then
+`serve run irminsul/fleet/fleet.yaml` (or `serve run irminsul.fleet.serve:app_builder model=PATH
+replicas=8 device=cuda ...`: the keys are `irminsul serve`'s flags, `_` or `-` alike, a comma
+between the values of a flag that repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from irminsul.server.config import ServerConfig
+
+ROUTER = "irminsul.fleet.ray_router.ContentRequestRouter"
+REPLICA, INGRESS = "IrminsulReplica", "FleetIngress"
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    replicas: int = 2
+    threads: int = 1  # each replica's torch / OpenMP threads (and the Ray CPUs it reserves)
+    gpus: float = 0  # each replica's devices: 1 for one replica per GPU
+    stats_period_s: float = 1.0  # how often Serve polls each replica's load and chunk journal
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ValueError(f"--replicas {self.replicas}: a fleet needs at least one replica")
+        if self.threads < 1:
+            raise ValueError(f"--replica-threads {self.threads} must be at least 1")
+        if self.stats_period_s <= 0:
+            raise ValueError(f"--stats-period {self.stats_period_s} must be positive")
+
+
+def build(config: ServerConfig, fleet: FleetConfig):
+    """The Serve application: the ingress bound to the replica deployment."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from irminsul.fleet.ingress import FleetIngress
+    from irminsul.fleet.replica import IrminsulReplica
+
+    replica = serve.deployment(IrminsulReplica, name=REPLICA).options(
+        num_replicas=fleet.replicas,
+        # the engine queues and batches; Serve's own cap only has to stay out of its way
+        max_ongoing_requests=config.max_queued_requests + 16,
+        ray_actor_options={"num_cpus": fleet.threads, "num_gpus": fleet.gpus,
+                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}}},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER,
+                                                  request_routing_stats_period_s=fleet.stats_period_s,
+                                                  request_routing_stats_timeout_s=max(5.0, 4 * fleet.stats_period_s)),
+        health_check_period_s=2.0, graceful_shutdown_timeout_s=10.0)
+    ingress = serve.deployment(FleetIngress, name=INGRESS).options(
+        num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(config, fleet.threads), config, REPLICA)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, FleetConfig]:
+    from irminsul.server.cli import config_from_args
+    from irminsul.server.config import ServerConfigError
+
+    try:
+        fleet = FleetConfig(args.replicas or 1, args.replica_threads, args.replica_gpus, args.stats_period)
+    except ValueError as e:
+        raise ServerConfigError(str(e)) from None
+    return config_from_args(args), fleet
+
+
+def app_builder(args: dict):
+    """`serve run irminsul.fleet.serve:app_builder key=value ...`: `irminsul serve`'s flags as keys."""
+    from irminsul.cli import build_parser
+
+    argv = ["serve"]
+    for key, value in args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+            on = value if isinstance(value, bool) else str(value).lower() == "true"
+            argv.append(flag if on else "--no-" + flag[2:])
+            continue
+        for item in (value if isinstance(value, list) else str(value).split(",")):
+            argv += [flag, str(item)]
+    parsed = build_parser().parse_args(argv)
+    return build(*configs_from_args(parsed))
+
+
+def run_fleet(config: ServerConfig, fleet: FleetConfig, log_level: str = "info") -> int:
+    """The fleet on this host until Ctrl-C: a local Ray, Serve's proxy on the server's host and port."""
+    import logging
+    import os
+    import time
+
+    import ray
+    from ray import serve
+
+    log = logging.getLogger("irminsul.fleet")
+    cpus = max(os.cpu_count() or 1, fleet.replicas * fleet.threads)
+    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=log_level.upper(),
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}})
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port,
+                                  "keep_alive_timeout_s": config.timeout_keep_alive})
+        serve.run(build(config, fleet), name="irminsul", route_prefix="/")
+        log.info("serving a fleet of %d replicas on http://%s:%d (Ctrl-C stops it)", fleet.replicas, config.host,
+                 config.port)
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
