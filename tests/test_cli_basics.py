@@ -31,3 +31,23 @@ def test_serve_help_shows_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())  # (argparse wraps lines)
     assert "port to listen on (default: 8000)" in out and "(default: pic)" in out
     assert "(default: None)" not in out  # an option without a default says what happens instead
+
+
+def test_demo_sizes_its_warm_up_starts_empty_and_explains_its_columns(capsys):
+    """A longer document than the default fits (the warm-up is the measured prompts' size); the
+    first request of each mode finds nothing in the cache; every column is explained under the table."""
+    assert main(["demo", "--doc-chars", "4000", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    header, rows = cells[0], [r for r in cells if r[0] in ("prefix", "pic")]
+    assert len(rows) == 4
+    for row in rows:
+        cells = dict(zip(header, row))
+        computed, prompt = map(int, cells["computed / prompt"].split(" / "))
+        assert int(cells["prefix rows"]) + int(cells["reused rows"]) + computed == prompt
+        if cells["request"] == "1":
+            assert cells["prefix rows"] == cells["reused rows"] == cells["carve-out"] == "0" and computed == prompt
+    pic_2 = dict(zip(header, rows[3]))
+    assert int(pic_2["reused rows"]) > 0
+    for column in set(header) - {"mode", "request", "answer"}:  # (those name themselves)
+        assert any(line.startswith(column + " ") for line in out.splitlines()), column
