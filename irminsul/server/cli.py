@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from irminsul.cache.store import StoreConfig
 from irminsul.cli import DefaultsHelpFormatter
+from irminsul.kvcache.manager import MODES
+from irminsul.server.config import ServerConfig
+
+DEFAULTS = ServerConfig()  # every default is the config's: the flags only name them
 
 
 def register(sub) -> None:
@@ -12,13 +17,13 @@ def register(sub) -> None:
                        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled MLA model)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--reuse", default="pic", choices=["off", "prefix", "naive", "pic"],
+    p.add_argument("--host", default=DEFAULTS.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=DEFAULTS.port, help="port to listen on")
+    p.add_argument("--reuse", default=DEFAULTS.reuse, choices=MODES,
                    help="how cached content is reused (off: full prefill; prefix: exact prefix only)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=["float32", "bfloat16"], help="the model's dtype")
+    p.add_argument("--device", default=DEFAULTS.device, help="torch device: cpu, cuda, cuda:1, ...")
+    p.add_argument("--attention-backend", default=DEFAULTS.attention_backend, choices=["torch", "triton"],
                    help="triton: Triton kernels over the pool (a GPU, or TRITON_INTERPRET=1 for its CPU interpreter)")
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps run compiled, built at startup: torch.compile'd graphs (fp32 MLA on a CPU "
@@ -32,37 +37,37 @@ def register(sub) -> None:
     p.add_argument("--tenant-cache-share", type=float, default=None, metavar="SHARE",
                    help="keep each API key's cached rows, up to this share of the pool (0-1], from other keys' "
                         "admissions (default: one least-recently-used order for everyone)")
-    p.add_argument("--disk-budget", default="8GiB", help="disk tier budget")
+    p.add_argument("--disk-budget", default=f"{StoreConfig().disk_bytes / 2**30:g}GiB", help="disk tier budget")
     p.add_argument("--redis-ttl", type=int, default=None, metavar="SECONDS",
                    help="expire Redis entries after this long (default: never; Redis's maxmemory policy bounds it)")
-    p.add_argument("--max-running-requests", type=int, default=64,
+    p.add_argument("--max-running-requests", type=int, default=DEFAULTS.max_running_requests,
                    help="requests the engine runs at once; the rest wait")
-    p.add_argument("--max-queued-requests", type=int, default=1024,
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULTS.max_queued_requests,
                    help="requests admitted and not yet finished; more get a 503")
-    p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill tokens per engine step")
-    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sends none")
-    p.add_argument("--max-request-bytes", default="8MiB", help="larger request bodies get a 413 before they are read")
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULTS.max_prefill_tokens, help="prefill tokens per engine step")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULTS.default_max_tokens, help="max_tokens of a request that sends none")
+    p.add_argument("--max-request-bytes", default=f"{DEFAULTS.max_request_bytes / 2**20:g}MiB", help="larger request bodies get a 413 before they are read")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
                    help="accept this bearer key as this tenant (repeat, or @FILE with one per line)")
     p.add_argument("--admin-key", default=None, help="bearer key that may publish shared chunks")
     p.add_argument("--store-secret", default=None,
                    help="key of the MAC that authenticates disk and Redis entries (default: the "
                         "IRMINSUL_STORE_SECRET environment variable; without one, entries are only checksummed)")
-    p.add_argument("--timeout-header", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--timeout-header", type=float, default=DEFAULTS.timeout_header, metavar="SECONDS",
                    help="a request's headers must arrive within this long of their first byte, or the connection "
                         "gets a 408 and is closed")
-    p.add_argument("--timeout-body", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--timeout-body", type=float, default=DEFAULTS.timeout_body, metavar="SECONDS",
                    help="a request's body must arrive within this long of its headers (408 and closed otherwise)")
-    p.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--timeout-keep-alive", type=float, default=DEFAULTS.timeout_keep_alive, metavar="SECONDS",
                    help="an idle connection is closed after this long")
     p.add_argument("--max-connections", type=int, default=None,
                    help="open connections at once; more get a 503 and are closed (default: half the open-file "
                         "limit, at most 4096)")
-    p.add_argument("--prep-threads", type=int, default=8,
+    p.add_argument("--prep-threads", type=int, default=DEFAULTS.prep_threads,
                    help="threads that parse, render, tokenize and compile constraints for requests")
-    p.add_argument("--prep-threads-per-tenant", type=int, default=2,
+    p.add_argument("--prep-threads-per-tenant", type=int, default=DEFAULTS.prep_threads_per_tenant,
                    help="of those, how many one tenant (API key; without keys, client address) may hold at once")
-    p.add_argument("--log-repeats", type=int, default=10, metavar="N",
+    p.add_argument("--log-repeats", type=int, default=DEFAULTS.log_repeats, metavar="N",
                    help="log a repeated warning or error at most N times a minute (then say how many were left out)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="the least severe log level printed")
@@ -83,7 +88,6 @@ def register(sub) -> None:
 def config_from_args(args):
     import os
 
-    from irminsul.cache.store import StoreConfig
     from irminsul.server.config import ServerConfig, ServerConfigError, parse_api_keys, parse_bytes
 
     disk_bytes = parse_bytes(args.disk_budget, "--disk-budget")
