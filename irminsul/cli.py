@@ -11,7 +11,8 @@ import importlib.metadata
 import sys
 
 AREAS = ("irminsul.engine.cli", "irminsul.research.train.cli", "irminsul.research.workloads.cli",
-         "irminsul.research.eval.cli", "irminsul.server.cli", "irminsul.research.bench_serve")
+         "irminsul.research.eval.cli", "irminsul.server.cli", "irminsul.research.bench_serve",
+         "irminsul.model.random_checkpoint")
 
 
 def _area_modules():
