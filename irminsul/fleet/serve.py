@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 from irminsul.server.config import ServerConfig
 
-ROUTER = "irminsul.fleet.ray_router.ContentRequestRouter"
+# `--router`: the content router; Ray Serve's prefix-affinity and power-of-two routers, to compare against
+ROUTERS = {"content": "irminsul.fleet.ray_router.ContentRequestRouter",
+           "prefix": "irminsul.fleet.prefix_router.PrefixAffinityRequestRouter",
+           "pow2": "irminsul.fleet.prefix_router.PowerOfTwoRequestRouter"}
 REPLICA, INGRESS = "IrminsulReplica", "FleetIngress"
 
 
@@ -28,6 +31,7 @@ class FleetConfig:
     threads: int = 1  # each replica's torch / OpenMP threads (and the Ray CPUs it reserves)
     gpus: float = 0  # each replica's devices: 1 for one replica per GPU
     stats_period_s: float = 1.0  # how often Serve polls each replica's load and chunk journal
+    router: str = "content"  # a key of ROUTERS
 
     def __post_init__(self):
         if self.replicas < 1:
@@ -36,6 +40,8 @@ class FleetConfig:
             raise ValueError(f"--replica-threads {self.threads} must be at least 1")
         if self.stats_period_s <= 0:
             raise ValueError(f"--stats-period {self.stats_period_s} must be positive")
+        if self.router not in ROUTERS:
+            raise ValueError(f"--router {self.router!r}: choose one of {', '.join(ROUTERS)}")
 
 
 def build(config: ServerConfig, fleet: FleetConfig):
@@ -52,7 +58,7 @@ def build(config: ServerConfig, fleet: FleetConfig):
         max_ongoing_requests=config.max_queued_requests + 16,
         ray_actor_options={"num_cpus": fleet.threads, "num_gpus": fleet.gpus,
                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}}},
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[fleet.router],
                                                   request_routing_stats_period_s=fleet.stats_period_s,
                                                   request_routing_stats_timeout_s=max(5.0, 4 * fleet.stats_period_s)),
         health_check_period_s=2.0, graceful_shutdown_timeout_s=10.0)
@@ -66,7 +72,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, FleetConf
     from irminsul.server.config import ServerConfigError
 
     try:
-        fleet = FleetConfig(args.replicas or 1, args.replica_threads, args.replica_gpus, args.stats_period)
+        fleet = FleetConfig(args.replicas or 1, args.replica_threads, args.replica_gpus, args.stats_period,
+                            args.router)
     except ValueError as e:
         raise ServerConfigError(str(e)) from None
     return config_from_args(args), fleet
@@ -99,7 +106,8 @@ def run_fleet(config: ServerConfig, fleet: FleetConfig, log_level: str = "info")
     from ray import serve
 
     log = logging.getLogger("irminsul.fleet")
-    cpus = max(os.cpu_count() or 1, fleet.replicas * fleet.threads)
+    # (Ray's prefix router keeps its tree in an actor that needs a CPU to be placed)
+    cpus = max(os.cpu_count() or 1, fleet.replicas * fleet.threads + (fleet.router == "prefix"))
     ray.init(num_cpus=cpus, include_dashboard=False, logging_level=log_level.upper(),
              runtime_env={"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}})
     try:

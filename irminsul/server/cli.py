@@ -76,6 +76,9 @@ def register(sub) -> None:
     fleet.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="run N replicas on a local Ray (each its own process, with the options above; the "
                             "ingress listens on --host/--port); default: one engine in this process")
+    fleet.add_argument("--router", choices=("content", "prefix", "pow2"), default="content",
+                       help="how the fleet routes: by content (default), or Ray Serve's prefix-affinity or "
+                            "power-of-two router, to compare against")
     fleet.add_argument("--replica-threads", type=int, default=1, metavar="N",
                        help="torch / OpenMP threads (and Ray CPUs) of each replica")
     fleet.add_argument("--replica-gpus", type=float, default=0, metavar="N",

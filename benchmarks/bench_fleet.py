@@ -1,0 +1,222 @@
+"""Fleet benchmark: two replicas on Ray Serve, the content router against Ray Serve's own routers.
+
+    python benchmarks/bench_fleet.py [--requests 150] [--concurrency 4] [--model DIR] [--skip-sim]
+
+For each trace (agent_meta from tau_bench, rerank from musique, each cut to its first `--requests`),
+and each router (`content`; Ray Serve LLM's `PrefixCacheAffinityRouter` as `prefix`,
+`irminsul/fleet/prefix_router.py`; Serve's default power of two as `pow2`), a fresh fleet starts
+(`irminsul/fleet/serve.py`, one thread a replica, every pool empty, no shared store) and the trace is
+replayed by `irminsul bench serve`'s client. Each replica's pool holds half the trace's distinct content
+(the simulator's `reference`: the content tokens one unbounded replica ends up holding). The figures:
+TTFT p50/p95, throughput, the prompt tokens the fleet computed (every replica's
+`irminsul_computed_tokens_total`, from the fleet's /metrics) and each replica's requests
+(`irminsul_requests_total`); then the ratios the fleet issue sets targets for, and the simulator's
+table (`irminsul bench fleet`, same code) on the same requests for N = 2 ... 64.
+
+The model is `benchmarks/bench_serve.py`'s, a tiny random DeepSeek-V2 with Qwen2's tokenizer and a 64k
+context (agent_meta prompts are 4-12 k tokens; its quality is irrelevant to TTFT and reuse), rendering
+with the Qwen2.5-like format the simulator renders with (`fleet_model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from irminsul.cli import main as irminsul
+from irminsul.cli import run_for_people
+from irminsul.errors import UserFacingError
+from irminsul.machine import describe
+from irminsul.research.bench_serve import BenchResult, replay, summarise
+from irminsul.research.fleet import FleetConfig as SimConfig
+from irminsul.research.fleet import reference
+from irminsul.research.workloads.render import render_trace
+from irminsul.research.workloads.trace import read_trace
+from irminsul.table import table
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_serve import default_model  # noqa: E402
+
+TRACES = {"agent_meta": "tau_bench", "rerank": "musique"}
+ROUTERS = ("content", "prefix", "pow2")
+TOKENIZER = "qwen2"  # the model's: the trace's distinct content counted in its tokens
+
+
+@dataclass(frozen=True)
+class Run:
+    router: str
+    result: BenchResult
+    computed_tokens: int  # summed over the replicas' counters
+    per_replica: tuple[int, ...]  # requests each replica finished, most first
+
+    @property
+    def max_share(self) -> float:
+        return self.per_replica[0] / max(1, sum(self.per_replica))
+
+
+def fleet_model() -> Path:
+    """bench_serve.py's tiny checkpoint without its Jinja `chat_template` (Qwen2's plain template, which
+    renders the first system message only and no tools), so replicas render with the hand-written
+    Qwen2.5-like format: token-identical to the simulator's `render_trace(..., "qwen2")`."""
+    src = default_model()
+    dst = src.with_name(src.name + "-fleet")
+    dst.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "tokenizer_config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return dst
+
+
+def fleet_counters(url: str) -> tuple[int, tuple[int, ...]]:
+    """(prompt tokens computed fleet-wide, requests finished per replica) from the fleet's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    computed, requests = 0.0, defaultdict(float)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text):
+        for s in family.samples:
+            if s.name == "irminsul_computed_tokens_total":
+                computed += s.value
+            elif s.name == "irminsul_requests_total":
+                requests[s.labels["replica"]] += s.value
+    return int(computed), tuple(sorted((int(v) for v in requests.values()), reverse=True))
+
+
+def run_fleet(router: str, requests, model: Path, kv_cache_gib: float, replicas: int, concurrency: int,
+              max_tokens: int) -> Run:
+    import httpx
+    import ray
+    from ray import serve
+
+    from irminsul.fleet.serve import FleetConfig, build
+    from irminsul.server.config import ServerConfig
+    from irminsul.server.testing import free_port, wait_for
+
+    env = {"OMP_NUM_THREADS": "1", "IRMINSUL_COMPILE_DECODE": "0"}
+    # one CPU a replica, and one for Ray's prefix tree actor (the ingress and Serve's own take none)
+    ray.init(num_cpus=replicas + 1, include_dashboard=False, logging_level="error", log_to_driver=False,
+             runtime_env={"env_vars": env})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = ServerConfig(model=str(model), kv_cache_gib=kv_cache_gib, compile_decode=False)
+        serve.run(build(config, FleetConfig(replicas=replicas, threads=1, router=router)), name="irminsul",
+                  route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: len(httpx.get(url + "/health", timeout=60).json()["replicas"]) == replicas, 180,
+                 f"{replicas} replicas")
+        samples, duration, card, failures = asyncio.run(replay(url, requests, concurrency, max_tokens,
+                                                               progress=False))
+        if failures:  # the routers must serve the same requests for their figures to compare
+            raise UserFacingError(f"{router}: {len(failures)} requests failed; the first: {failures[0]}")
+        def counted():
+            counters = fleet_counters(url)
+            return counters if sum(counters[1]) >= len(samples) else None
+
+        computed, per_replica = wait_for(counted, 30, "every replica's counters", interval=0.5)
+        return Run(router, summarise(url, samples, duration, card, concurrency), computed, per_replica)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def report(name: str, runs: dict[str, Run]) -> None:
+    first = next(iter(runs.values())).result
+    rows = [(r.router, f"{r.result.ttft_p50_s * 1e3:.0f} ms", f"{r.result.ttft_p95_s * 1e3:.0f} ms",
+             f"{r.result.requests_per_s:.2f}", f"{r.result.prompt_tokens_per_s:,.0f}", f"{r.computed_tokens:,}",
+             f"{r.computed_tokens / first.prompt_tokens:.1%}", " / ".join(str(n) for n in r.per_replica),
+             f"{r.max_share:.1%}") for r in runs.values()]
+    print(f"\n**{name}: {first.requests} requests, {first.sessions} sessions, {first.prompt_tokens:,} prompt tokens "
+          f"(as the replicas count them), concurrency {first.concurrency}**\n")
+    print(table(("router", "TTFT p50", "TTFT p95", "req/s", "prompt tok/s", "computed tokens", "computed share",
+                 "requests per replica", "max share"), rows))
+    if "content" in runs:
+        c = runs["content"]
+        for other in (r for r in ROUTERS[1:] if r in runs):
+            o = runs[other]
+            print(f"content / {other}: computed tokens {c.computed_tokens / max(1, o.computed_tokens):.2f}x, "
+                  f"TTFT p50 {other} / content {o.result.ttft_p50_s / c.result.ttft_p50_s:.2f}x, "
+                  f"p95 {o.result.ttft_p95_s / c.result.ttft_p95_s:.2f}x, throughput content / {other} "
+                  f"{c.result.requests_per_s / o.result.requests_per_s:.2f}x")
+        if "prefix" in runs:
+            p = runs["prefix"]
+            ratio, speedup = c.computed_tokens / max(1, p.computed_tokens), p.result.ttft_p50_s / c.result.ttft_p50_s
+            print(f"targets: content computes <= 60% of prefix's tokens: {ratio:.1%} "
+                  f"({'met' if ratio <= 0.6 else 'not met'}); TTFT p50 >= 2x lower: {speedup:.2f}x "
+                  f"({'met' if speedup >= 2 else 'not met'}); no replica > 65% of requests: {c.max_share:.1%} "
+                  f"({'met' if c.max_share <= 0.65 else 'not met'})")
+
+
+def main(argv=None) -> int:
+    from tqdm import tqdm
+
+    from irminsul import LLM
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=150, help="replay each trace's first N requests (default 150)")
+    p.add_argument("--concurrency", type=int, default=4, help="sessions replayed at once (default 4)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--model", default=None, help="a checkpoint directory (default: bench_serve.py's tiny Qwen2)")
+    p.add_argument("--traces", default=",".join(TRACES), help="agent_meta,rerank (default both)")
+    p.add_argument("--routers", default=",".join(ROUTERS), help="content,prefix,pow2 (default all)")
+    p.add_argument("--sim-replicas", default="2,4,8,16,32,64", help="the simulator's fleet sizes")
+    p.add_argument("--skip-sim", action="store_true", help="no simulator table")
+    args = p.parse_args(argv)
+    names, routers = args.traces.split(","), args.routers.split(",")
+    unknown = (set(names) - set(TRACES)) | (set(routers) - set(ROUTERS))
+    if unknown:
+        raise UserFacingError(f"unknown traces or routers {sorted(unknown)}: traces {', '.join(TRACES)}; "
+                              f"routers {', '.join(ROUTERS)}")
+    model = Path(args.model) if args.model else fleet_model()
+    bytes_per_row = LLM(str(model), reuse="off", compile_decode=False).engine.pool.bytes_per_slot
+    print(f"machine  {describe()}")
+    print(f"model    {model} ({bytes_per_row} bytes a pool row); {args.replicas} replicas, 1 thread each, "
+          f"no shared store; max_tokens {args.max_tokens}")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths, plans = {}, {}
+        for name in names:
+            full, paths[name] = Path(tmp) / f"{name}.full.jsonl", Path(tmp) / f"{name}.jsonl"
+            irminsul(["workloads", "build", name, "--source", TRACES[name], "--out", str(full)])
+            lines = full.read_text().splitlines(keepends=True)[: args.requests]
+            paths[name].write_text("".join(lines))
+            ref = reference(list(render_trace(read_trace(paths[name]), TOKENIZER)), SimConfig(pool_tokens=1))
+            rows = max(1, ref.distinct_tokens // 2)
+            plans[name] = (read_trace(paths[name]), rows * bytes_per_row / 2**30)
+            print(f"{name} ({TRACES[name]}): first {len(lines)} requests, {ref.distinct_tokens:,} distinct content "
+                  f"tokens; each pool {rows:,} rows (--kv-cache-gib {plans[name][1]:.4f})")
+        grid = [(n, r) for n in names for r in routers]
+        runs: dict[str, dict[str, Run]] = defaultdict(dict)
+        for name, router in tqdm(grid, desc="fleets", file=sys.stderr):
+            requests, gib = plans[name]
+            runs[name][router] = run_fleet(router, requests, model, gib, args.replicas, args.concurrency,
+                                           args.max_tokens)
+            tqdm.write(f"{name} / {router}: {runs[name][router].result.duration_s:.0f} s", file=sys.stderr)
+        print("\nPrefix router: Ray Serve LLM's PrefixCacheAffinityRouter itself (ray 2.60, ray/llm/_internal/serve/"
+              "routing_policies/prefix_aware/prefix_aware_router.py), fed the request's messages text; pow2: Serve's "
+              "PowerOfTwoChoicesRequestRouter. Computed tokens: every replica's irminsul_computed_tokens_total.")
+        for name in names:
+            report(f"{name} ({TRACES[name]})", runs[name])
+        fleet_s = time.perf_counter() - started
+        if not args.skip_sim:
+            for name in names:
+                print(f"\n## simulator: {name} ({TRACES[name]}), the same {args.requests} requests\n", flush=True)
+                irminsul(["bench", "fleet", str(paths[name]), "--replicas", args.sim_replicas,
+                          "--tokenizer", TOKENIZER])
+    print(f"\nfleets {fleet_s:.0f} s, total {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_for_people(main, Path(__file__).name))
