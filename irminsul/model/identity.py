@@ -20,7 +20,7 @@ from pathlib import Path
 
 import xxhash
 
-ROW_FORMAT = "irminsul-rows-v2"  # c_KV and un-rotated k_r per token and layer (see engine/pool.py)
+ROW_FORMAT = "irminsul-rows-v2"  # c_KV and un-rotated k_r per token and layer (see kvcache/pool.py)
 
 
 def _memo_file() -> Path:
