@@ -105,6 +105,11 @@ class Engine:
         return self.kv.mode
 
     @property
+    def stale_keys(self) -> bool:
+        """`naive` reads each key at the position it was computed at (the paper's stale-`k_r` baseline)."""
+        return self.kv.mode == "naive"
+
+    @property
     def max_prefill_tokens(self) -> int:
         return self.scheduler.max_prefill_tokens
 
@@ -192,7 +197,7 @@ class Engine:
 
     def _execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Forward + sample over a batch; appends the new token to each sequence that produced one."""
-        logits = self.runner.execute(batch, stale_keys=self.kv.mode == "naive")
+        logits = self.runner.execute(batch, stale_keys=self.stale_keys)
         for seq, take in zip(batch.seqs, batch.takes):
             if take is not None:
                 self.kv.computed(seq)  # in-flight reuse: chunks whose rows now exist
@@ -214,7 +219,7 @@ class Engine:
     def prefill(self, seq: Sequence) -> None:
         """Compute an admitted sequence's pending prompt rows, sampling nothing."""
         while seq.in_prefill:
-            self.runner.forward([seq], [seq.take_pending(self.max_prefill_tokens)], stale_keys=self.kv.mode == "naive")
+            self.runner.forward([seq], [seq.take_pending(self.max_prefill_tokens)], stale_keys=self.stale_keys)
             self.kv.computed(seq)
 
     def reserve(self, seqs: list[Sequence]) -> bool:
@@ -271,7 +276,7 @@ class Engine:
         pieces = []
         while seq.in_prefill:
             take = seq.take_pending(self.max_prefill_tokens)
-            hidden, _ = self.runner.forward([seq], [take], stale_keys=self.kv.mode == "naive")
+            hidden, _ = self.runner.forward([seq], [take], stale_keys=self.stale_keys)
             self.kv.computed(seq)
             pieces.append(self.runner.logits(hidden[torch.as_tensor(take >= n - 1)]))
         seq.tokens = tokens
