@@ -218,9 +218,17 @@ class Engine:
 
     def prefill(self, seq: Sequence) -> None:
         """Compute an admitted sequence's pending prompt rows, sampling nothing."""
+        for _ in self._pending_pieces(seq):
+            pass
+
+    def _pending_pieces(self, seq: Sequence):
+        """Compute a sequence's pending rows alone, at most max_prefill_tokens a pass; yields each
+        pass's positions and final hidden states [len(positions), H]."""
         while seq.in_prefill:
-            self.runner.forward([seq], [seq.take_pending(self.max_prefill_tokens)], stale_keys=self.stale_keys)
-            self.kv.computed(seq)
+            take = seq.take_pending(self.max_prefill_tokens)
+            hidden, _ = self.runner.forward([seq], [take], stale_keys=self.stale_keys)
+            self.kv.computed(seq)  # in-flight reuse: chunks whose rows now exist
+            yield take, hidden
 
     def reserve(self, seqs: list[Sequence]) -> bool:
         """A slot for each decoding sequence's newest token (before `execute`); False if the pool
@@ -273,12 +281,8 @@ class Engine:
             self.finish(seq)
             raise PoolFull("the KV pool cannot hold the continuation; raise kv_cache_gib")
         seq.extend_pending(extra)
-        pieces = []
-        while seq.in_prefill:
-            take = seq.take_pending(self.max_prefill_tokens)
-            hidden, _ = self.runner.forward([seq], [take], stale_keys=self.stale_keys)
-            self.kv.computed(seq)
-            pieces.append(self.runner.logits(hidden[torch.as_tensor(take >= n - 1)]))
+        pieces = [self.runner.logits(hidden[torch.as_tensor(take >= n - 1)])
+                  for take, hidden in self._pending_pieces(seq)]
         seq.tokens = tokens
         seq.finish_reason = "stop"
         self.finish(seq)  # registers the rows that exist: every token but the last
@@ -301,9 +305,8 @@ class Engine:
             positions = np.arange(len(ids))
             self.pool.computed_at[slots] = positions
             doc = Sequence(tokens=ids, prompt_len=len(ids), params=SamplingParams(max_tokens=1))
-            doc.admit(slots, np.zeros(0, np.int64), None, {})
-            for start in range(0, len(ids), self.max_prefill_tokens):
-                self.runner.forward([doc], [positions[start : start + self.max_prefill_tokens]])
+            doc.admit(slots, positions, None, {})
+            self.prefill(doc)
             return self.kv.publish(np.asarray(ids, np.int64), slots, segment_starts)
         finally:
             self.pool.release(slots)

@@ -86,11 +86,16 @@ class ModelRunner:
                        else np.asarray(seq.tokens)[take])
             offsets.append(offsets[-1] + len(take))
         write = np.concatenate([seq.slots[take] for seq, take in zip(seqs, takes)])
+        return self.model(self._batch(np.concatenate(ids), np.concatenate(takes), write, specs, offsets)), offsets
+
+    def _batch(self, token_ids: np.ndarray, positions: np.ndarray, write: np.ndarray, specs: list[SeqAttention],
+               offsets: list[int]) -> ForwardBatch:
+        """The model's batch on its device: tokens at positions, rows written to `write`, attention
+        over the slots each spec names."""
         dev = self.device
-        batch = ForwardBatch(torch.as_tensor(np.concatenate(ids), device=dev),
-                             torch.as_tensor(np.concatenate(takes), device=dev), self.pool.rows,
-                             torch.as_tensor(write, device=dev), self.model.attention.plan(specs, offsets, dev))
-        return self.model(batch), offsets
+        return ForwardBatch(torch.as_tensor(token_ids, device=dev), torch.as_tensor(positions, device=dev),
+                            self.pool.rows, torch.as_tensor(write, device=dev),
+                            self.model.attention.plan(specs, offsets, dev))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
@@ -135,9 +140,5 @@ class ModelRunner:
         """pic+r's check: layers [0, layer) over positions `run` of `tokens`, their rows written to
         the scratch slots `write`, each attending to the rows `table` names; the latent c_KV
         [len(run), kv_lora_rank] the context gives them at `layer`."""
-        dev = self.device
-        spec = SeqAttention(run, table[: int(run[-1]) + 1])
-        batch = ForwardBatch(torch.as_tensor(tokens[run], device=dev), torch.as_tensor(run, device=dev),
-                             self.pool.rows, torch.as_tensor(write, device=dev),
-                             self.model.attention.plan([spec], [0, len(run)], dev))
+        batch = self._batch(tokens[run], run, write, [SeqAttention(run, table[: int(run[-1]) + 1])], [0, len(run)])
         return self.model.fresh_rows(batch, layer)[:, : self.model.config.kv_lora_rank]

@@ -270,8 +270,7 @@ class EngineClient:
 
     def _snapshot(self) -> EngineStats:
         s = self.engine.stats()
-        cache = self.engine.kv
-        radix = getattr(cache, "radix", None)
+        radix = self.engine.kv.radix  # (None when nothing is cached)
         prefix = None if radix is None else PrefixCacheStats(radix.stats.bytes, radix.stats.budget_bytes,
                                                              radix.stats.nodes)
         return EngineStats(s["kv_pool_bytes_used"], s["kv_pool_bytes_capacity"], s["cached_bytes"],
