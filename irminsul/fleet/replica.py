@@ -33,9 +33,10 @@ class Head:
 
 def _load(client) -> ReplicaLoad:
     """(On the engine thread.) Requests admitted and running; queued ones, and the prompt tokens
-    the engine will compute before a new request's."""
+    the engine will compute before a new request's (a chunk several queued requests share, once)."""
     scheduler = client.scheduler
-    queued = sum(s.prompt_len for s in scheduler.waiting) + sum(len(s.pending) for s in scheduler.running)
+    queued = (client.engine.kv.queued_tokens(list(scheduler.waiting))
+              + sum(len(s.pending) for s in scheduler.running))
     return ReplicaLoad(len(scheduler.running), client.queued, queued)
 
 

@@ -31,6 +31,11 @@ are in the registry as chunks too, and are counted as chunks, less the sink), S1
 inside chunks that missed, and a source-side carve-out (a chunk first stored at position 0 reused
 further in) — each the same on every replica that holds the chunk, so the choice barely moves.
 
+Queued prefill tokens are the replica's own count, each chunk its queue shares once
+(`KVCacheManager.queued_tokens`), less the tokens of this prompt's chunks the router sent there and
+its journal does not show yet: the queue computing them is the wait this prompt shares, and they
+are counted as reuse already.
+
 Requests the router sent a replica since that replica's last load report count as running
 sequences on it: an unrelated burst spreads by count between reports, and a burst for one new
 document stays together while its reuse outweighs them.
@@ -199,20 +204,25 @@ class ContentRouter:
             found = view.chunks.contains(both)
             held = found[:k] | found[k:]
             assigned = self._assigned.get(rid)
+            on_the_way = 0  # tokens of chunks sent there that its journal does not show yet
             if assigned and not assigned.keys().isdisjoint(listed):
-                held |= np.fromiter((f in assigned for f in listed), bool, k)
+                sent_there = np.fromiter((f in assigned for f in listed), bool, k)
+                on_the_way = int(prompt.useful[sent_there & ~held].sum())
+                held |= sent_there
             resident = int(prompt.useful[held].sum())
+            # the replica's queue computing this prompt's own chunks is no wait beyond what computing
+            # them here would take, and they are counted as reuse already: not a second time
+            queued = max(0, view.load.queued_prefill_tokens - on_the_way)
             stored = int(prompt.useful[in_store & ~held].sum())
             self._reports_seen[rid] = view.load_reports
             sent = self._sent_since_report(rid, view.load_reports)
             running = view.load.running + sent
             to_compute = prompt.n_tokens - resident - w.store_credit * stored
-            costs[rid] = (w.compute * to_compute + w.queued * view.load.queued_prefill_tokens
-                          + w.running * running)
+            costs[rid] = w.compute * to_compute + w.queued * queued + w.running * running
             cached[rid] = resident + stored
             notes[rid] = (f"{rid}: cost {costs[rid]:.0f} (reuse {resident}/{prompt.n_tokens}"
                           + (f", store {stored}" if stored else "")
-                          + (f", queued {view.load.queued_prefill_tokens}" if view.load.queued_prefill_tokens else "")
+                          + (f", queued {queued}" if queued else "")
                           + f", running {running})")
         # ties: the less loaded, then the replica id, so the same state always gives the same choice
         order = sorted(replicas, key=lambda r: (costs[r], replicas[r].load.running + replicas[r].load.waiting, r))

@@ -143,6 +143,24 @@ class KVCacheManager:
         return any(c.fingerprint in self.inflight and c.fingerprint not in self.registry
                    for c in self.planner(seq.tenant).chunk(np.asarray(seq.tokens, np.int64), seq.segment_starts))
 
+    def queued_tokens(self, waiting) -> int:
+        """Prompt tokens these queued sequences will compute, in order: a chunk the registry holds,
+        a running sequence is computing (in-flight reuse) or an earlier one in the queue computes is
+        counted once, not once per request, so a burst of requests for one document reads as one
+        document's work and its headers. Rows below the sink count for each (they are computed)."""
+        if not self.content_reuse:
+            return sum(seq.prompt_len for seq in waiting)
+        sink, seen, total = self.planner_config.sink, set(), 0
+        for seq in waiting:
+            cut = self.planner(seq.tenant).chunk(np.asarray(seq.tokens, np.int64), seq.segment_starts)
+            for c in cut:  # (a chunk repeated within one prompt is computed each time: both count)
+                if c.fingerprint in seen or c.fingerprint in self.inflight or c.fingerprint in self.registry:
+                    total += max(0, min(c.end, sink) - c.start)
+                else:
+                    total += c.end - c.start
+            seen.update(c.fingerprint for c in cut)
+        return total
+
     def plan(self, seq: Sequence) -> None:
         """Plan the prompt and point the slot table at the rows it reuses (one reference each); the
         positions left to compute become the sequence's pending work."""

@@ -246,3 +246,21 @@ def test_costs_and_reuse_stay_in_range(n, held, running):
     assert all(0 <= d.cached_tokens[r] <= max(0, n - 1 - 32) for r in replicas)
     assert d.costs[d.replica] == min(d.costs.values())
     assert d.costs["r0"] == n
+
+
+def test_a_queue_computing_the_prompts_own_document_does_not_push_the_burst_away():
+    # the first request of a burst went to r0, whose next report shows it computing the document:
+    # the rest of the burst still goes there (it waits for those rows, then reuses them)
+    router, replicas = ContentRouter(MODEL), fleet(2)
+    burst = [tokens(50 + i, 20) + DOC for i in range(4)]
+    first = router.choose(burst[0], replicas)
+    router.record(first, burst[0])
+    replicas[first.replica].load = ReplicaLoad(running=1, queued_prefill_tokens=len(burst[0]))
+    for prompt in burst[1:]:
+        decision = router.choose(prompt, replicas)
+        assert decision.replica == first.replica, decision.explanation
+        router.record(decision, prompt)
+    # once the journal shows the document there, the queue's count stands as the replica gave it
+    replicas[first.replica].chunks.add(router.chunks(burst[1]).fingerprints)
+    decision = router.choose(burst[1], replicas)
+    assert f"queued {len(burst[0])}" in decision.explanation

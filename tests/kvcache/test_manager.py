@@ -99,3 +99,19 @@ def test_the_oldest_cache_only_rows_go_first_and_the_books_balance(ops, mode):
         assert kv.pool.free == int((kv.pool.refs[1:] == 0).sum())
         # the journal a fleet router follows names exactly the registry's resident chunks
         assert set(kv.journal.since(None).added.tolist()) == {e.fingerprint for e in kv.registry.entries()}
+
+
+def test_a_queue_of_requests_for_one_document_counts_the_document_once():
+    kv = manager("pic", 3000)
+    doc = np.random.default_rng(7).integers(5, 250, 1440).tolist()  # no one has computed it yet
+    queue = [Sequence(tokens=[9, 8, 7 + i] * 10 + doc, prompt_len=30 + len(doc), params=SamplingParams(max_tokens=1))
+             for i in range(5)]
+    alone = kv.queued_tokens(queue[:1])
+    assert alone == 30 + len(doc)
+    # each later request adds its header and the chunk its header runs into (at most max_len), not
+    # the whole document again
+    per_request = 30 + kv.planner_config.chunker.max_len
+    assert alone < kv.queued_tokens(queue) <= alone + 4 * per_request
+    serve(kv, [1, 2, 3] * 10 + doc)  # the registry holds the document now
+    assert kv.queued_tokens(queue) <= 5 * per_request
+    assert manager("prefix", 3000).queued_tokens(queue) == 5 * (30 + len(doc))  # no content reuse: every token
