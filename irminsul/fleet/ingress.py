@@ -12,6 +12,10 @@ body is read within `--max-request-bytes`, the prompt is rendered on a worker th
 - a stream is retried until its first chunk arrives; once the client has seen output, a replica that
   dies ends the stream with an error event (as the server ends a failed stream) and `[DONE]`.
 
+A retried answer carries `x-irminsul-attempts: N`; `/metrics` counts retries, requests no replica
+answered and streams cut, under `replica="ingress"`. With a Redis tier, the ingress also asks the
+store which of the prompt's chunks it holds (`store_keys.py`), for the router's store credit.
+
 `/health` is 200 while any replica's engine runs; `/metrics` is every replica's exposition, each
 sample labelled with `replica="<id>"` (per replica, not summed: a histogram's buckets and a gauge of
 the pool are a replica's own).
@@ -19,6 +23,7 @@ the pool are a replica's own).
 
 # NOTE: no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request)
 import asyncio
+import dataclasses
 import logging
 
 from fastapi import FastAPI, Request
@@ -31,6 +36,7 @@ from irminsul.fleet.metrics import labelled
 from irminsul.fleet.prompt import PromptReader
 from irminsul.fleet.ray_router import fleet_view
 from irminsul.fleet.replica import Head
+from irminsul.fleet.store_keys import StoreKeys
 from irminsul.server.config import ServerConfig
 from irminsul.server.protocol import APIError, read_body
 from irminsul.server.serving_base import sse
@@ -62,6 +68,8 @@ class FleetIngress:
         self.reader = PromptReader(config, tokenizer, ChatRenderer(tokenizer))
         self.config, self.replicas = config, replicas
         self.fleet = fleet_view(replica_deployment, serve.get_replica_context().app_name)
+        self._store: StoreKeys | None = None
+        self.retries = self.unanswered = self.streams_cut = 0  # the ingress's own counters (/metrics)
         self._snapshots = asyncio.ensure_future(self._fetch_snapshots())
 
     # -- the fleet's own endpoints --------------------------------------------------------
@@ -76,7 +84,20 @@ class FleetIngress:
     @api.get("/metrics")
     async def metrics(self):
         texts = {rid: t for rid, t in (await self._each("prometheus")).items() if isinstance(t, str)}
+        texts["ingress"] = self._own_metrics()
         return Response(labelled(texts), media_type="text/plain; version=0.0.4")
+
+    def _own_metrics(self) -> str:
+        lines = []
+        for name, value, what in (
+                ("irminsul_fleet_retries_total", self.retries,
+                 "requests sent to another replica because the one answering stopped before the client saw output"),
+                ("irminsul_fleet_unanswered_total", self.unanswered,
+                 f"requests answered 503 after {ATTEMPTS} replicas stopped before answering"),
+                ("irminsul_fleet_streams_cut_total", self.streams_cut,
+                 "streams ended with an error event because their replica stopped after output was sent")):
+            lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {value}"]
+        return "\n".join(lines) + "\n"
 
     async def _each(self, method: str) -> dict:
         """`method` called on every replica the router knows (an exception in place of an answer that
@@ -115,6 +136,21 @@ class FleetIngress:
 
     # -- everything else: forwarded -------------------------------------------------------
 
+    def _route_key(self, path: str, request, body: bytes):
+        """(On a worker thread.) The prompt for the router, with the chunks the shared store holds."""
+        route = self.reader.route_key(path, request, body)
+        store = self._store_keys()
+        if route is None or store is None:
+            return route
+        return dataclasses.replace(route, stored=store.found(self.fleet.fingerprints(route)))
+
+    def _store_keys(self) -> StoreKeys | None:
+        """The shared store's keys, once a replica said their prefix (None without a Redis tier)."""
+        prefix, url = self.fleet.meta.get("store_prefix"), self.config.store.redis_url
+        if self._store is None and prefix and url:
+            self._store = StoreKeys(url, prefix)
+        return self._store
+
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
     async def forward(self, request: Request, path: str):
         path = "/" + path
@@ -127,16 +163,23 @@ class FleetIngress:
         route = None
         if path in ROUTED:
             self.reader.max_chars = self.fleet.meta.get("max_prompt_chars", self.reader.max_chars)
-            route = await asyncio.to_thread(self.reader.route_key, path, request, body)
+            route = await asyncio.to_thread(self._route_key, path, request, body)
         headers = tuple((k.lower(), v) for k, v in request.headers.raw)
         client = (request.client.host, request.client.port) if request.client else None
         forwarded = Forwarded(request.method, path, request.url.query.encode(), headers, body, client)
         for attempt in range(ATTEMPTS):
             try:
-                return await self._answer(forwarded, route)
+                answer = await self._answer(forwarded, route)
             except _ReplicaGone as e:
                 log.warning("a replica stopped before answering %s (%s); trying another", path, e)
                 await asyncio.sleep(0.2 * (attempt + 1))  # (Serve drops the dead replica meanwhile)
+                if attempt + 1 < ATTEMPTS:
+                    self.retries += 1
+                continue
+            if attempt:  # (a retried answer says so: the replicas it was tried on)
+                answer.headers["x-irminsul-attempts"] = str(attempt + 1)
+            return answer
+        self.unanswered += 1
         e = APIError(503, f"{ATTEMPTS} replicas stopped before answering this request; retry later")
         return JSONResponse(e.body(), status_code=503)
 
@@ -177,6 +220,7 @@ class FleetIngress:
             while (chunk := await self._next(stream)) is not None:
                 yield chunk
         except _ReplicaGone:
+            self.streams_cut += 1
             e = APIError(502, "the replica serving this stream stopped; the output above is incomplete",
                          type="server_error")
             yield sse(e.body())

@@ -32,6 +32,7 @@ class RouteKey:
     token_ids: np.ndarray = field(repr=False)  # [n] int32 (4 bytes a token on the wire)
     segment_starts: tuple[int, ...] | None
     tenant: str | None  # the replica's namespace name; None: its default
+    stored: frozenset[int] = frozenset()  # the prompt's chunk fingerprints the shared store holds
     explanation: str = ""  # the router's choice, set when it routes (the x-irminsul-route header)
 
 

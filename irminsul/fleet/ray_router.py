@@ -99,12 +99,22 @@ class FleetView:
         self.default_tenant = meta.get("default_tenant", "")
         self.meta = dict(meta)
 
+    def fingerprints(self, route: RouteKey) -> list[int]:
+        """The prompt's chunk fingerprints in its tenant's namespace and the shared one (the keys
+        the shared store would hold them under); none before the first replica's metadata."""
+        router = self.router
+        if router is None:
+            return []
+        prompt = router.chunks(route.token_ids, route.segment_starts, self._tenant(route))
+        return [*prompt.fingerprints.tolist(), *prompt.shared.tolist()]
+
     def choose(self, replica_ids: list[str], route: RouteKey) -> Decision | None:
         with self._lock:
             if self.router is None:
                 return None
             views = {rid: self.views.setdefault(rid, ReplicaView(rid)) for rid in replica_ids}
-            return self.router.choose(route.token_ids, views, route.segment_starts, self._tenant(route))
+            return self.router.choose(route.token_ids, views, route.segment_starts, self._tenant(route),
+                                      store=route.stored or None)
 
     def record(self, decision: Decision, route: RouteKey) -> None:
         with self._lock:

@@ -62,9 +62,11 @@ class IrminsulReplica:
         if kv.namespaces is None:  # reuse off: nothing is cached, nothing to fingerprint
             return {}
         planner = kv.planner_config
+        # the shared store's key prefix (not a secret: the model and the secret's id), for store credit
+        store = next((t.prefix for t in getattr(kv.registry, "lower", ()) if hasattr(t, "prefix")), None)
         return {"model_id": kv.namespaces.model_id, "default_tenant": kv.namespaces.default_tenant,
                 "marker": list(planner.chunker.marker) if planner.chunker.marker else None, "sink": planner.sink,
-                "max_prompt_chars": self.state.context * self.state.max_token_bytes}
+                "max_prompt_chars": self.state.context * self.state.max_token_bytes, "store_prefix": store}
 
     async def record_routing_stats(self) -> dict:
         try:
@@ -102,4 +104,6 @@ class IrminsulReplica:
                 yield message["body"]
 
     async def __del__(self):
-        await self.app.stop()
+        app = getattr(self, "app", None)  # (None: it stopped before it started, e.g. at a fleet's shutdown)
+        if app is not None:
+            await app.stop()

@@ -116,6 +116,11 @@ def computed(url: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith("irminsul_computed_tokens_total{"))
 
 
+def ingress_counter(url: str, name: str) -> float:
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name + '{replica="ingress"}'))
+
+
 def test_the_openai_client_drives_chat_streams_and_completions(fleet):
     import openai
 
@@ -156,6 +161,11 @@ def test_a_document_behind_a_new_header_goes_where_it_is_and_is_reused_there(fle
     assert usage["irminsul"]["reused_tokens"] > 0.7 * tokens, (usage, tokens)
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["irminsul"]["reused_tokens"]
     assert redis.client().dbsize() > 0  # the shared tier holds the chunks for every replica
+    # the other replica does not hold the document, but the store does: the router credits it there
+    time.sleep(1.0)  # (the replica's writes to Redis are asynchronous)
+    third = post(url, turn("session 3 at 09:07", doc, "And my seat?"))
+    other = next(note for note in third.headers["x-irminsul-route"].split(" < ") if not note.startswith(holder))
+    assert ", store " in other, third.headers["x-irminsul-route"]
 
 
 def test_a_burst_for_a_new_document_computes_it_about_once_fleet_wide(fleet):
@@ -182,8 +192,10 @@ def test_killing_a_replica_fails_no_request_that_had_not_started_streaming_on_it
     url, _ = fleet
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "IrminsulReplica" in a["name"]]
     assert len(names) == 2, names
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 1500,
+    doc = text(400, 93)  # the stream's document: the router sends the requests sharing it to the victim
+    body = {"model": MODEL, "messages": turn("a story", doc, "Tell me a long story."), "max_tokens": 1500,
             "ignore_eos": True, "temperature": 1.0, "seed": 3, "stream": True}
+    retries_before = ingress_counter(url, "irminsul_fleet_retries_total")
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(6) as pool, \
             httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as streamed:
@@ -191,12 +203,18 @@ def test_killing_a_replica_fails_no_request_that_had_not_started_streaming_on_it
         victim = streamed.headers["x-irminsul-replica"]
         lines = streamed.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        # requests the victim may hold but has not answered: each must still get its answer
-        whole = [pool.submit(post, url, [{"role": "user", "content": f"Question {i}?"}], 40) for i in range(6)]
+        # requests the victim holds and has not answered (long, so still running when it dies): each
+        # must still get its answer, from the other replica
+        whole = [pool.submit(post, url, turn(f"question {i}", doc, f"Question {i}?"), 300, ignore_eos=True)
+                 for i in range(6)]
         time.sleep(0.3)
         ray.kill(ray.get_actor(next(n for n in names if n.endswith(victim)), namespace="serve"))
         rest = [first, *(line for line in lines if line)]
         answered = [f.result(timeout=150) for f in whole]  # (post asserts each is a 200)
+    retried = [a for a in answered if "x-irminsul-attempts" in a.headers]
+    assert retried, [a.headers.get("x-irminsul-route") for a in answered]  # the retries did run
+    assert all(a.headers["x-irminsul-replica"] != victim for a in retried)
+    assert ingress_counter(url, "irminsul_fleet_retries_total") - retries_before >= len(retried)
     # the stream had shown output: it ends with an error event the client can read, then [DONE]
     assert rest[-1] == "data: [DONE]", rest[-3:]
     events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
@@ -204,5 +222,6 @@ def test_killing_a_replica_fails_no_request_that_had_not_started_streaming_on_it
     assert all(a.json()["choices"][0]["message"]["content"] is not None for a in answered)
     after = post(url, [{"role": "user", "content": "Still there?"}])
     assert after.headers["x-irminsul-replica"] != victim
-    print(f"\nkilled replica {victim} mid-stream: {len(answered)} answers, the stream cut with an error event, "
+    print(f"\nkilled replica {victim} mid-stream: {len(answered)} answers ({len(retried)} retried on the other "
+          f"replica), the stream cut with an error event, "
           f"in {time.monotonic() - started:.1f} s; answered by {sorted(a.headers['x-irminsul-replica'] for a in answered)}")
