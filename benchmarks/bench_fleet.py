@@ -130,7 +130,19 @@ def run_fleet(router: str, requests, model: Path, kv_cache_gib: float, replicas:
         ray.shutdown()
 
 
-def report(name: str, runs: dict[str, Run]) -> None:
+def ceiling(rendered, rows: int, replicas: int) -> float:
+    """What perfect routing (one replica with the fleet's whole pool) computes, as a share of what the
+    simulator's prefix policy (Ray's) makes the fleet compute, on the same requests and pools."""
+    from irminsul.research.fleet import simulate
+
+    config = SimConfig(pool_tokens=rows)
+    ref = reference(rendered, SimConfig(pool_tokens=1))
+    interval = ref.interval_s(len(rendered), replicas, config)
+    perfect, prefix = (simulate(rendered, p, replicas, config, interval) for p in ("perfect", "prefix"))
+    return perfect.computed_tokens / max(1, prefix.computed_tokens)
+
+
+def report(name: str, runs: dict[str, Run], bound: float | None = None) -> None:
     first = next(iter(runs.values())).result
     rows = [(r.router, f"{r.result.ttft_p50_s * 1e3:.0f} ms", f"{r.result.ttft_p95_s * 1e3:.0f} ms",
              f"{r.result.requests_per_s:.2f}", f"{r.result.prompt_tokens_per_s:,.0f}", f"{r.computed_tokens:,}",
@@ -155,6 +167,9 @@ def report(name: str, runs: dict[str, Run]) -> None:
                   f"({'met' if ratio <= 0.6 else 'not met'}); TTFT p50 >= 2x lower: {speedup:.2f}x "
                   f"({'met' if speedup >= 2 else 'not met'}); no replica > 65% of requests: {c.max_share:.1%} "
                   f"({'met' if c.max_share <= 0.65 else 'not met'})")
+        if bound is not None:
+            print(f"ceiling: in the simulator, perfect routing computes {bound:.1%} of the prefix policy's tokens "
+                  "on these requests and pools: no router can compute less than that share here")
 
 
 def main(argv=None) -> int:
@@ -185,15 +200,17 @@ def main(argv=None) -> int:
           f"no shared store; max_tokens {args.max_tokens}")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        paths, plans = {}, {}
+        paths, plans, bounds = {}, {}, {}
         for name in names:
             full, paths[name] = Path(tmp) / f"{name}.full.jsonl", Path(tmp) / f"{name}.jsonl"
             irminsul(["workloads", "build", name, "--source", TRACES[name], "--out", str(full)])
             lines = full.read_text().splitlines(keepends=True)[: args.requests]
             paths[name].write_text("".join(lines))
-            ref = reference(list(render_trace(read_trace(paths[name]), TOKENIZER)), SimConfig(pool_tokens=1))
+            rendered = list(render_trace(read_trace(paths[name]), TOKENIZER))
+            ref = reference(rendered, SimConfig(pool_tokens=1))
             rows = max(1, ref.distinct_tokens // 2)
             plans[name] = (read_trace(paths[name]), rows * bytes_per_row / 2**30)
+            bounds[name] = ceiling(rendered, rows, args.replicas)
             print(f"{name} ({TRACES[name]}): first {len(lines)} requests, {ref.distinct_tokens:,} distinct content "
                   f"tokens; each pool {rows:,} rows (--kv-cache-gib {plans[name][1]:.4f})")
         grid = [(n, r) for n in names for r in routers]
@@ -207,7 +224,7 @@ def main(argv=None) -> int:
               "routing_policies/prefix_aware/prefix_aware_router.py), fed the request's messages text; pow2: Serve's "
               "PowerOfTwoChoicesRequestRouter. Computed tokens: every replica's irminsul_computed_tokens_total.")
         for name in names:
-            report(f"{name} ({TRACES[name]})", runs[name])
+            report(f"{name} ({TRACES[name]})", runs[name], bounds[name])
         fleet_s = time.perf_counter() - started
         if not args.skip_sim:
             for name in names:
