@@ -23,6 +23,9 @@ VARIANT = {"deepseek_v2": "v2", "deepseek_v3": "v3", "deepseek_v32": "v32", "glm
 V4_LAYER_CYCLE = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                   "compressed_sparse_attention")  # TINY_V4's layer kinds, repeated for more layers
 V4_HASH_LAYERS = 2  # TINY_V4's first two MoE layers route by token id
+# option -> the MLA config key it sets (MLA families only)
+_MLA_HEAD_OPTIONS = {"kv_lora_rank": "kv_lora_rank", "rope_head_dim": "qk_rope_head_dim",
+                     "nope_head_dim": "qk_nope_head_dim", "v_head_dim": "v_head_dim"}
 
 
 def register(sub) -> None:
@@ -42,6 +45,10 @@ def register(sub) -> None:
                    help="vocabulary size (at least the byte tokenizer's 256 bytes + special tokens)")
     r.add_argument("--experts", type=at_least(1), help="routed experts per MoE layer")
     r.add_argument("--kv-lora-rank", type=at_least(1), help="the cached latent's width (MLA families)")
+    r.add_argument("--rope-head-dim", type=at_least(2),
+                   help="qk_rope_head_dim: the RoPE key's width, k_r (MLA families; even)")
+    r.add_argument("--nope-head-dim", type=at_least(1), help="qk_nope_head_dim (MLA families)")
+    r.add_argument("--v-head-dim", type=at_least(1), help="v_head_dim (MLA families)")
     r.add_argument("--context", type=at_least(1), help="max_position_embeddings")
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the stored weights")
     r.add_argument("--shards", type=at_least(1), default=1, help="safetensors files (more than 1 adds the index)")
@@ -93,17 +100,23 @@ def random_config(args: argparse.Namespace) -> dict:
             raise UserFacingError(f"--vocab {args.vocab}: the byte-level tokenizer needs at least "
                                   f"{256 + len(SPECIALS)} ids (256 bytes and {len(SPECIALS)} special tokens)")
     if family == "deepseek_v4":
-        if args.kv_lora_rank is not None:
-            raise UserFacingError("--kv-lora-rank does not apply to deepseek_v4: it is not MLA (one shared "
-                                  "key/value head per layer)")
+        for option in _MLA_HEAD_OPTIONS:
+            if getattr(args, option, None) is not None:
+                flag = "--" + option.replace("_", "-")
+                raise UserFacingError(f"{flag} does not apply to deepseek_v4: it is not MLA (one shared "
+                                      "key/value head per layer)")
         if args.layers is not None:
             n = args.layers
             o.update(num_hidden_layers=n, layer_types=[V4_LAYER_CYCLE[i % len(V4_LAYER_CYCLE)] for i in range(n)],
                      mlp_layer_types=["hash_moe" if i < V4_HASH_LAYERS else "moe" for i in range(n)])
         _check_v4(o)
         return o
-    if args.kv_lora_rank is not None:
-        o["kv_lora_rank"] = args.kv_lora_rank
+    for option, key in _MLA_HEAD_OPTIONS.items():
+        if getattr(args, option, None) is not None:  # (getattr: callers' Namespaces may predate an option)
+            o[key] = getattr(args, option)
+    if getattr(args, "rope_head_dim", None) is not None:
+        if args.rope_head_dim % 2:
+            raise UserFacingError(f"--rope-head-dim {args.rope_head_dim}: RoPE rotates pairs, so it must be even")
     if args.layers is not None:
         o["num_layers" if family == "longcat_flash" else "num_hidden_layers"] = args.layers
         if family != "longcat_flash" and args.layers < 2:
