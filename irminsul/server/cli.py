@@ -38,6 +38,9 @@ def register(sub) -> None:
                    help="keep each API key's cached rows, up to this share of the pool (0-1], from other keys' "
                         "admissions (default: one least-recently-used order for everyone)")
     p.add_argument("--disk-budget", default=f"{StoreConfig().disk_bytes / 2**30:g}GiB", help="disk tier budget")
+    p.add_argument("--start-redis", action="store_true",
+                   help="start a redis-server for the shared tier at the --store redis://127.0.0.1:PORT/0 address "
+                        "(no persistence, LRU within 2 GB), stopped with the server or the fleet")
     p.add_argument("--redis-ttl", type=int, default=None, metavar="SECONDS",
                    help="expire Redis entries after this long (default: never; Redis's maxmemory policy bounds it)")
     p.add_argument("--max-running-requests", type=int, default=DEFAULTS.max_running_requests,
@@ -150,6 +153,24 @@ def check_port(host: str, port: int) -> None:
 
 
 def serve(args) -> int:
+    if not args.start_redis:
+        return serve_one_or_fleet(args)
+    from irminsul.server.local_redis import LocalRedis
+    from irminsul.server.config import ServerConfigError
+
+    url = next((s for s in args.store or () if s.startswith("redis://")), None)
+    if url is None:
+        raise ServerConfigError("--start-redis needs the address to start it at: --store redis://127.0.0.1:PORT/0")
+    redis = LocalRedis(url)
+    print(f"started redis-server on {redis.host}:{redis.port} for the shared tier (stopped with the server)",
+          flush=True)
+    try:
+        return serve_one_or_fleet(args)
+    finally:
+        redis.stop()
+
+
+def serve_one_or_fleet(args) -> int:
     import logging
 
     if args.replicas is not None:
