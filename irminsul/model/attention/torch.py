@@ -71,6 +71,13 @@ class TorchAttention(AttentionBackend):
     """The reference backend: plain torch ops, any device torch runs on."""
 
     name = "torch"
+    # Expanded prefill on a CPU pads the narrower of the q·k and v widths with zeros (exact: zero
+    # v columns give zero output columns, dropped; zero q·k columns add nothing to a score), because
+    # SDPA's CPU flash kernel wants the two equal: MLA's are 192 and 128, and unequal widths fall to
+    # the math kernel, which materialises every [M, T] score matrix of every head (docs/performance.md,
+    # Prefill attention). The flash kernel streams keys in blocks (memory linear in T, explicit masks
+    # included). False: the unpadded call (the old path, for benchmarks/bench_long_prefill.py).
+    EQUAL_WIDTHS = True
 
     # -- once per forward pass -----------------------------------------------------------
 
@@ -229,13 +236,27 @@ class TorchAttention(AttentionBackend):
             g = dataclasses.replace(g, mask=self._selected(index, idx_keys, g), causal=False)
         kv = attn.kv_b_proj(keys[..., :r]).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, keys[:, :, None, r:].expand(b, t, h, cfg.qk_rope_head_dim)], dim=-1)
         q = _grid(torch.cat([q_nope, q_pe], dim=-1), g)  # [B, M, H, qk]
+        width = cfg.qk_head_dim
+        if self.EQUAL_WIDTHS and q.device.type == "cpu":
+            width = max(cfg.qk_head_dim, cfg.v_head_dim)
+            v = _widen(v, width)
+            q = _widen(q, width)  # (zeros beyond the qk width add nothing to a score)
+        k = k_nope.new_empty(b, t, h, width)  # [k_nope | k_r | zeros]: every head's k_r the shared one
+        k[..., : cfg.qk_nope_head_dim] = k_nope
+        k[..., cfg.qk_nope_head_dim : cfg.qk_head_dim] = keys[:, :, None, r:]
+        k[..., cfg.qk_head_dim :] = 0
         # NOTE: causal: padded keys (beyond a shorter sequence) are seen only by its padded queries
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=None if g.causal else g.mask[:, None],
                                            is_causal=g.causal, scale=cfg.softmax_scale)
-        return _rows(o.transpose(1, 2).reshape(b * m, h, cfg.v_head_dim), g)
+        o = o.transpose(1, 2)[..., : cfg.v_head_dim]  # (any zero columns of a widened v dropped)
+        return _rows(o.reshape(b * m, h, cfg.v_head_dim), g)
+
+
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., w] with zero columns appended up to `width` (x itself when it is that wide)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def _buckets(ids: list[int], seqs: list[SeqAttention]) -> list[list[int]]:
