@@ -1,0 +1,90 @@
+"""The moved document, run in vLLM alone, in vLLM + Irminsul, and in Irminsul's own engine.
+
+A document seen once behind one header comes back behind another (the paper's case; issue 29). The
+helpers here build the prompts, run them in an in-process vLLM engine and read back the first
+generated tokens' log-probabilities, the wall time of the moved request (one token: its TTFT) and
+the connector's counts. Shared by tests/integrations and benchmarks/bench_vllm.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class MovedPrompts:
+    first: list[int]  # header A + document + question
+    moved: list[int]  # header B + document + question
+    doc_start: int  # where the document starts in `moved`
+    doc_len: int
+
+
+def moved_prompts(header_a: int = 40, header_b: int = 75, doc: int = 600, question: int = 8,
+                  seed: int = 0, vocab: int = 256) -> MovedPrompts:
+    """Random byte-token prompts (ids < vocab: the random checkpoints' byte tokens)."""
+    rng = np.random.default_rng(seed)
+    ids = lambda n: rng.integers(0, vocab, n).tolist()  # noqa: E731
+    ha, hb, d, q = ids(header_a), ids(header_b), ids(doc), ids(question)
+    return MovedPrompts(ha + d + q, hb + d + q, header_b, doc)
+
+
+@dataclass
+class VllmRun:
+    logprobs: list[dict[int, float]]  # per generated token: token id -> log-probability (top-k)
+    token_ids: list[int]
+    seconds: float  # wall time of the moved request
+    stats: object | None  # the connector's RequestStats of the moved request (with Irminsul)
+    worker_loaded_rows: int = 0
+
+
+def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: int = 4096):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: counters readable
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for these prompts
+    from vllm import LLM
+
+    options = {}
+    if irminsul:
+        from vllm.config import KVTransferConfig
+
+        from irminsul.integrations.vllm import CONNECTOR, SCHEDULER
+
+        options = dict(kv_transfer_config=KVTransferConfig(**CONNECTOR), scheduler_cls=SCHEDULER)
+    return LLM(path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, max_num_seqs=4,
+               async_scheduling=False, max_logprobs=20, seed=0, gpu_memory_utilization=0.15, **options)
+
+
+def run_vllm(llm, prompts: MovedPrompts, max_tokens: int = 4, logprobs: int = 20, warm: bool = True) -> VllmRun:
+    from vllm import SamplingParams
+
+    from irminsul.integrations.vllm.connector import INSTANCES
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+    if warm:  # the first request pays one-time costs (kernels, allocations); not what is measured
+        llm.generate([{"prompt_token_ids": list(range(1, 65))}], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": prompts.first}], params, use_tqdm=False)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    timed = llm.generate([{"prompt_token_ids": prompts.moved}], one, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    sched = INSTANCES["scheduler"][-1] if INSTANCES["scheduler"] else None
+    stats = None
+    if sched is not None:  # (the engine's own id carries a suffix after the caller's: "2-a9a8ecad")
+        stats = next((v for k, v in sched.stats.items() if k.split("-")[0] == timed[0].request_id), None)
+    out = llm.generate([{"prompt_token_ids": prompts.moved}], params, use_tqdm=False)[0].outputs[0]
+    lps = [{tid: lp.logprob for tid, lp in step.items()} for step in out.logprobs]
+    worker = INSTANCES["worker"][-1].loaded_rows if INSTANCES["worker"] else 0
+    return VllmRun(lps, list(out.token_ids), seconds, stats, worker)
+
+
+def irminsul_logprobs(path: str, prompts: MovedPrompts, continuation: list[int], reuse: str = "pic"):
+    """Irminsul's own engine: the first prompt, then the moved one scored on `continuation`."""
+    from irminsul import LLM
+
+    llm = LLM(path, reuse=reuse, compile_decode=False)
+    llm.generate([prompts.first], max_tokens=1)
+    lp = llm.score(prompts.moved, continuation)
+    return lp, llm.last_stats
