@@ -117,6 +117,10 @@ def random_config(args: argparse.Namespace) -> dict:
     if getattr(args, "rope_head_dim", None) is not None:
         if args.rope_head_dim % 2:
             raise UserFacingError(f"--rope-head-dim {args.rope_head_dim}: RoPE rotates pairs, so it must be even")
+    if family in ("deepseek_v3", "deepseek_v32"):
+        # written out, as DeepSeek-V3's own config.json does: readers that do not infer it from the
+        # model type (vLLM's DeepSeek MoE defaults to softmax) then route as Irminsul and HF do
+        o["scoring_func"] = "sigmoid"
     if args.layers is not None:
         o["num_layers" if family == "longcat_flash" else "num_hidden_layers"] = args.layers
         if family != "longcat_flash" and args.layers < 2:
