@@ -88,3 +88,38 @@ def irminsul_logprobs(path: str, prompts: MovedPrompts, continuation: list[int],
     llm.generate([prompts.first], max_tokens=1)
     lp = llm.score(prompts.moved, continuation)
     return lp, llm.last_stats
+
+
+def main(argv=None) -> int:
+    """`python -m irminsul.integrations.vllm.moved CKPT --mode alone|irminsul`: one engine, one JSON line."""
+    import argparse
+    import dataclasses
+    import json
+
+    import torch
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("checkpoint")
+    p.add_argument("--mode", choices=["alone", "irminsul"], required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--header-a", type=int, default=40)
+    p.add_argument("--header-b", type=int, default=75)
+    p.add_argument("--doc", type=int, default=600)
+    p.add_argument("--question", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=1, help="time the moved request this many times (fresh documents)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    llm = make_vllm(args.checkpoint, irminsul=args.mode == "irminsul", dtype=args.dtype)
+    runs = []
+    for i in range(args.repeat):
+        prompts = moved_prompts(args.header_a, args.header_b, args.doc, args.question, seed=i)
+        r = run_vllm(llm, prompts, warm=i == 0)
+        runs.append({"token_ids": r.token_ids, "seconds": r.seconds,
+                     "logprobs": [{str(k): v for k, v in step.items()} for step in r.logprobs],
+                     "stats": dataclasses.asdict(r.stats) if r.stats is not None else None})
+    print("RESULT " + json.dumps({"mode": args.mode, "runs": runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
