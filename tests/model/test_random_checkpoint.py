@@ -115,3 +115,15 @@ def test_the_checkpoint_pages_commands_run(tmp_path, monkeypatch, capsys):
         assert answer["usage"]["completion_tokens"] >= 1
     finally:
         server.stop()
+
+
+def test_mla_head_sizes_and_v3_scoring(tmp_path):
+    """vLLM-loadable MLA widths (kv_lora 512 + rope 64, docs/vllm.md); V3 writes its routing's scoring."""
+    out = tmp_path / "v3"
+    assert main(["checkpoint", "random", str(out), "--family", "deepseek_v3", "--layers", "2", "--hidden", "64",
+                 "--kv-lora-rank", "512", "--rope-head-dim", "64", "--nope-head-dim", "32", "--v-head-dim", "32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["v_head_dim"]) == \
+        (512, 64, 32, 32)
+    assert config["scoring_func"] == "sigmoid"
+    _generates(out)
