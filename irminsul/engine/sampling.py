@@ -150,6 +150,13 @@ def uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tens
     NOTE: the interval is open (`unit_interval`). The top 23 bits plus one half, over 2^23, are
     exact in float32 (largest 1 - 2^-24, smallest 2^-24); with 24 bits the largest value rounds
     to 1.0, whose exponential is 0, and the race then divides by zero."""
+    if seeds.device.type == "cpu":
+        return _uniforms_blocked(seeds, steps, vocab)
+    return _uniforms_whole(seeds, steps, vocab)
+
+
+def _uniforms_whole(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`uniforms` over the whole [B, vocab] at once: one kernel a pass (an accelerator's way)."""
     x = seeds[:, None] * _GOLDEN + steps[:, None] * _MIX2 + torch.arange(vocab, device=seeds.device)[None, :]
     for _ in range(2):
         x = x + _GOLDEN
@@ -157,6 +164,41 @@ def uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tens
         x = (x ^ _shr(x, 27)) * _MIX2
         x = x ^ _shr(x, 31)
     return unit_interval(x)
+
+
+_BLOCK = 1 << 16  # int64 counters hashed at once on a CPU: 512 KiB, two buffers within a core's L2
+
+
+def _uniforms_blocked(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`uniforms` on a CPU, the same numbers: in place, about `_BLOCK` counters at a time (a few
+    rows of a small vocabulary, or a slice of one row of a large one), so the hash's dozen passes
+    stay in cache. The whole [B, vocab] at once spilled it: 128 rows x 129,280 took 3.8 s against
+    0.18 s this way (1 thread, AMD EPYC)."""
+    base = (seeds * _GOLDEN + steps * _MIX2)[:, None]
+    columns = torch.arange(vocab)[None, :]
+    out = torch.empty(len(seeds), vocab, dtype=torch.float32)
+    rows, width = max(1, _BLOCK // vocab), min(vocab, _BLOCK)
+    x, tmp = torch.empty(rows, width, dtype=torch.long), torch.empty(rows, width, dtype=torch.long)
+
+    def shr(v: torch.Tensor, t: torch.Tensor, k: int) -> torch.Tensor:
+        torch.bitwise_right_shift(v, k, out=t)
+        return t.bitwise_and_((1 << (64 - k)) - 1)
+
+    for r in range(0, len(seeds), rows):
+        r_end = min(len(seeds), r + rows)
+        for c in range(0, vocab, width):
+            c_end = min(vocab, c + width)
+            v, t = x[: r_end - r, : c_end - c], tmp[: r_end - r, : c_end - c]
+            torch.add(columns[:, c:c_end], base[r:r_end], out=v)
+            for _ in range(2):
+                v.add_(_GOLDEN)
+                v.bitwise_xor_(shr(v, t, 30)).mul_(_MIX1)
+                v.bitwise_xor_(shr(v, t, 27)).mul_(_MIX2)
+                v.bitwise_xor_(shr(v, t, 31))
+            o = out[r:r_end, c:c_end]
+            o.copy_(shr(v, t, 64 - _UNIFORM_BITS))
+            o.add_(0.5).div_(float(1 << _UNIFORM_BITS))
+    return out
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:
@@ -178,9 +220,18 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     token's score is -inf."""
     dev, vocab = logits.device, logits.shape[-1]
     logits = logits.float()
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
-    temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-    x = logits / temp[:, None]
+    chosen = logits.argmax(-1)
+    # only the sampled rows race (the host knows which: no synchronisation); greedy rows take the argmax
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return chosen
+    if len(rows) < len(params):
+        params, seeds, steps = [params[i] for i in rows], [seeds[i] for i in rows], [steps[i] for i in rows]
+        sampled = logits[torch.tensor(rows, device=dev)]
+    else:
+        sampled = logits
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    x = sampled / temp[:, None]
     if any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy):
         # a top_k past the vocabulary keeps everything (any size is valid; int64 holds the clamp)
         top_k = torch.tensor([min(p.top_k, vocab) or vocab for p in params], device=dev)
@@ -197,7 +248,10 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     exp = -torch.log(uniforms(torch.tensor(seeds, device=dev), torch.tensor(steps, device=dev), vocab))  # > 0
     race = torch.where(probs > 0, probs.log() - exp.log(), float("-inf"))
     bad = ~torch.isfinite(probs).all(-1) | (probs.sum(-1) <= 0)
-    return torch.where(greedy | bad, logits.argmax(-1), race.argmax(-1))
+    won = torch.where(bad, sampled.argmax(-1), race.argmax(-1))
+    if len(rows) == len(chosen):
+        return won
+    return chosen.index_copy(0, torch.tensor(rows, device=dev), won)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int | None = None, step: int = 0) -> int:

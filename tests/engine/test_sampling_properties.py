@@ -7,11 +7,12 @@ top-p, min-p), and sampled frequencies match the distribution (chi-square over 1
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from irminsul.engine.sampling import SamplingParams, sample_batch, uniforms, unit_interval
+from irminsul.engine.sampling import SamplingParams, _uniforms_blocked, _uniforms_whole, sample_batch, uniforms, unit_interval
 
 DEEPSEEK_VOCAB = 129_280
 
@@ -32,6 +33,14 @@ def test_every_hash_value_maps_inside_the_open_unit_interval():
     e = -torch.log(u)
     assert bool((e > 0).all()) and bool(torch.isfinite(e).all())
     assert torch.unique(u).numel() == 1 << 23  # no two patterns collapse onto one float
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, DEEPSEEK_VOCAB), (3, 70_000), (5, 1), (1000, 100), (20_000, 12),
+                                         (2, (1 << 16) + 1)])
+def test_the_cpu_hash_in_blocks_gives_the_same_numbers_as_the_whole_at_once(rows, vocab):
+    seeds = torch.arange(rows) * 7919 - 2**61  # negative seeds and wrapping products too
+    steps = torch.arange(rows) * 3 + 2**40
+    assert torch.equal(_uniforms_blocked(seeds, steps, vocab), _uniforms_whole(seeds, steps, vocab))
 
 
 def test_uniforms_at_a_deepseek_vocabulary_are_uniform():
