@@ -1,101 +1,118 @@
-"""The products a packed model runs, against the bundled model's weight shapes:
+"""The linear products a packed model runs, timed the way `DeepseekModel.pack` times them to choose
+(model/kernel_choice.py), for a model's own shapes, with the choice made from the times:
 
-1. one row (a decode step's), hot and cold, with nn.Linear's [out, in] layout and the input-major
-   [in, out] one that `DeepseekModel.pack` stores; and how many weight bytes one decode token reads;
-2. several rows (a batch of decode steps, a prefill), torch's own product (MKL's GEMM) against
-   oneDNN's over the weight blocked once (`layers.dnn_weight`), in GFLOP/s.
+  out    torch's product over the weight stored [out, in] (nn.Linear's layout; F.linear)
+  in     the same over the weight stored input-major [in, out] (x @ W)
+  dnn    oneDNN's over a copy of the weight blocked for that many rows (8, 32, 256)
+  fixed  the earlier fixed rule's `dnn_linear` (input-major, copies for 256, 32 and 8 rows of every
+         float32 weight large enough), at that row count
 
-    python benchmarks/bench_gemv_layout.py
+    python benchmarks/bench_gemv_layout.py [--model DIR | --real] [--dtype float32|bfloat16] [--repeat 3]
 
-"Cold" is after streaming 64 MB through the caches, as a decode step does between two uses of
-one matrix (it reads every layer's weights in between). Why the engine packs its weights: the
-cold product is what decoding one sequence pays, and MKL runs its AVX2 code on AMD processors
-(README, Engine).
+Microseconds per call, the middle of --repeat measurements (each already the median of several
+interleaved samples): these machines are shared and noisy. One-row and eight-row products are timed
+over rotating copies adding up to what the model reads per decode token (as far from the core as its
+weights come); larger weights on a slice of their rows, scaled. --real uses a realistic checkpoint's
+shapes without one (DeepSeek-V3 at hidden 2048: 16 heads, kv_lora 512 + rope 64, MoE 2048 x 1408,
+dense MLP 2048 x 10944, 129,280-token vocabulary).
 """
 
+import argparse
+import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from irminsul import bundled_model
 from irminsul.cli import run_for_people
 from irminsul.machine import describe
+from irminsul.model import kernel_choice
+from irminsul.model.kernel_choice import Product
 from irminsul.model.layers import dnn_linear, dnn_weight
 from irminsul.model.loader import load_model
 
-FLUSH = torch.empty(64 * 2**20 // 4)
+REAL = {"lm_head": (129280, 2048), "q|kv_a": (16 * 192 + 576, 2048), "kv_b": (16 * 256, 512),
+        "o_proj": (2048, 16 * 128), "dense gate|up": (2 * 10944, 2048), "dense down": (2048, 10944),
+        "expert gate|up": (2 * 1408, 2048), "expert down": (2048, 1408)}
+REAL_DECODE_BYTES = 2**30  # (far beyond any cache: every weight cold)
 
 
-def timed(fn, cold: bool, n: int = 30) -> float:
-    """Median microseconds of fn(), each call after a cache flush (cold) or repeated (hot)."""
-    out = []
-    for _ in range(n + 3):
-        if cold:
-            FLUSH.add_(1.0)
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return sorted(out[3:])[n // 2] * 1e6
+def fixed_times(out: int, inp: int, dtype: torch.dtype, streamed: int) -> dict[int, float]:
+    """The fixed rule's dnn_linear (its three copies) at 8, 32 and 256 rows, seconds, timed as `measure`
+    times the candidates (8 rows over rotating copies; a slice, scaled)."""
+    blocks = kernel_choice.fixed_choice(out, inp, dtype).blocks
+    if not blocks:
+        return {}
+    got = {}
+    for rows in (8, 32, 256):
+        streams = rows <= kernel_choice.STREAM_ROWS
+        sub = kernel_choice.measured_rows(out, inp, dtype, None if streams else kernel_choice.COMPUTE_SLICE_BYTES)
+        w = (torch.randn(sub, inp) / inp**0.5).to(dtype)
+        size = sub * inp * w.element_size()
+        n = max(1, min(kernel_choice.MAX_COPIES, -(-streamed // size))) if streams else 1
+        pairs = [(c, dnn_weight(c, blocks=blocks)) for c in (w.clone() for _ in range(n))]
+        x = torch.randn(rows, inp).to(dtype)
+        at = [0]
 
+        def call():
+            c, copy = pairs[at[0]]
+            at[0] = (at[0] + 1) % len(pairs)
+            return dnn_linear(x, copy, c, None)
 
-def decode_bytes(model) -> int:
-    """Weight bytes one decode token reads: everything but the experts not routed to (k of them
-    per MoE layer) and the embedding table (one row)."""
-    cfg = model.config
-    total = 0
-    for name, p in model.named_parameters(remove_duplicate=True):
-        if "embed_tokens" in name and not cfg.tie_word_embeddings:
-            continue
-        if ".experts." in name:
-            total += p.numel() * p.element_size() * cfg.num_experts_per_tok // cfg.n_routed_experts
-        else:
-            total += p.numel() * p.element_size()
-    return total
+        got[rows] = kernel_choice._time({"fixed": call})["fixed"] * out / sub
+    return got
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled MLA model)")
+    ap.add_argument("--real", action="store_true", help="a realistic checkpoint's shapes (no checkpoint needed)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
     torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
     print(f"machine: {describe()}")
-    model = load_model(bundled_model("mla"))
-    print(f"weights one decode token reads: {decode_bytes(model) / 2**20:.1f} MiB (fp32)")
-    cfg = model.config
-    shapes = {"lm_head": (cfg.vocab_size, cfg.hidden_size),
-              "q|kv_a": (model.model.layers[0].self_attn.in_proj[0].shape[1], cfg.hidden_size),
-              "gate|up (dense)": (2 * cfg.intermediate_size, cfg.hidden_size),
-              "expert gate|up": (2 * cfg.moe_intermediate_size, cfg.hidden_size),
-              "o_proj": (cfg.hidden_size, cfg.num_attention_heads * cfg.v_head_dim),
-              "expert down": (cfg.hidden_size, cfg.moe_intermediate_size)}
-    print(f"{'product':18s} {'[out, in]':>12s} {'hot [out,in]':>13s} {'hot [in,out]':>13s} "
-          f"{'cold [out,in]':>14s} {'cold [in,out]':>14s} {'cold ratio':>10s}")
-    g = torch.Generator().manual_seed(0)
-    for name, (out_f, in_f) in shapes.items():
-        w = torch.randn(out_f, in_f, generator=g)
-        w_in = w.t().contiguous().t()  # the same matrix, stored input-major (a view of [in, out])
-        x = torch.randn(1, in_f, generator=g)
-        row = [timed(lambda: F.linear(x, w), False), timed(lambda: F.linear(x, w_in), False),
-               timed(lambda: F.linear(x, w), True), timed(lambda: F.linear(x, w_in), True)]
-        print(f"{name:18s} {str([out_f, in_f]):>12s} {row[0]:11.1f}us {row[1]:11.1f}us {row[2]:12.1f}us "
-              f"{row[3]:12.1f}us {row[2] / row[3]:9.2f}x")
-    print("\nseveral rows, hot, GFLOP/s: torch's product (F.linear: MKL), oneDNN's over the weight blocked for\n"
-          "these rows, and the engine's `dnn_linear` (blocks of 256 and 32 rows; a short tail through MKL)")
-    print(f"{'product':18s} {'rows':>6s} {'F.linear':>9s} {'oneDNN':>9s} {'ratio':>7s} {'engine':>9s} {'ratio':>7s}")
-    for name, (out_f, in_f) in shapes.items():
-        w = torch.randn(out_f, in_f, generator=g)
-        dnn = dnn_weight(w)
-        for rows in (4, 32, 3200):
-            x = torch.randn(rows, in_f, generator=g)
-            dnn_any = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-            n = max(3, 30_000_000 // (rows * in_f * out_f))
-            flop = 2e-3 * rows * in_f * out_f  # per microsecond -> GFLOP/s
-            a = flop / timed(lambda: F.linear(x, w), False, n)
-            b = flop / timed(lambda: torch.ops.mkldnn._linear_pointwise(x, dnn_any, None, "none", [], ""), False, n)
-            if dnn is not None:
-                c = flop / timed(lambda: dnn_linear(x, dnn, w, None), False, n)
-            print(f"{name:18s} {rows:6d} {a:9.0f} {b:9.0f} {b / a:6.2f}x "
-                  + (f"{c:9.0f} {c / a:6.2f}x" if dnn is not None else f"{'(MKL: too small to pay)':>26s}"))
+    if args.real:
+        products = [Product(o, i, dtype, 1, 1.0) for o, i in REAL.values()]
+        names = list(REAL)
+        model_bytes = decode_bytes = REAL_DECODE_BYTES
+    else:
+        model = load_model(args.model or bundled_model("mla"), dtype=args.dtype, pack=False)
+        products = kernel_choice._merged(model.products())
+        names = [f"[{p.out}, {p.inp}]" + (" (own)" if p.layout else "") for p in products]
+        model_bytes, decode_bytes = model._weight_bytes()
+    streamed = kernel_choice.stream_bytes(decode_bytes)
+    print(f"dtype {args.dtype}; timed over {streamed / 2**20:.0f} MiB of copies at 1 and 8 rows; "
+          f"oneDNN a candidate: {kernel_choice.dnn_applies(dtype)}\n")
+    print(f"{'product':22s} {'rows':>5s} {'out':>10s} {'in':>10s} {'dnn':>10s} {'fixed':>10s}  "
+          f"{'best/out':>8s}  one row GB/s (out, in)")
+    all_times = {}
+    for name, p in zip(names, products):
+        runs = [kernel_choice.measure(p.out, p.inp, p.dtype, streamed, kernel_choice.dnn_applies(dtype))
+                for _ in range(args.repeat)]
+        times = {r: {c: statistics.median(run[r][c] for run in runs) for c in runs[0][r]} for r in runs[0]}
+        all_times[p.key] = times
+        fixed = fixed_times(p.out, p.inp, dtype, streamed) if dtype == torch.float32 else {}
+        for rows in kernel_choice.ROWS:
+            t = times[str(rows)]
+            best = min(t.values())
+            cell = lambda c: f"{t[c] * 1e6:10.1f}" if c in t else f"{'':>10s}"  # noqa: E731
+            fx = f"{fixed[rows] * 1e6:10.1f}" if rows in fixed else f"{'':>10s}"
+            gbs = ""
+            if rows == 1:
+                size = p.out * p.inp * kernel_choice._itemsize(dtype) / 1e9
+                gbs = f"  {size / t['out']:5.1f}, {size / t['in']:5.1f}"
+            print(f"{name if rows == 1 else '':22s} {rows:5d} {cell('out')} {cell('in')} {cell('dnn')} {fx}  "
+                  f"{t['out'] / best:7.2f}x{gbs}")
+    # the choice these times make (the model's copy budget, its counts and uses)
+    kernel_choice._memory.update({kernel_choice.entry_key(p.out, p.inp, p.dtype, streamed): all_times[p.key]
+                                  for p in products})
+    plan = kernel_choice.plan(products, model_bytes, decode_bytes, kernels="measured", progress=False)
+    print("\nchosen (" + ("one of each shape" if args.real else "this model's counts") + "):")
+    for line in kernel_choice.describe(plan):
+        print("  ", line)
     return 0
 
 

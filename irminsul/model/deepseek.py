@@ -127,21 +127,77 @@ class DeepseekModel(nn.Module):
             elif isinstance(module, MoE):
                 module.kernel = kernel
 
-    def pack(self) -> "DeepseekModel":
+    def pack(self, kernels=None) -> "DeepseekModel":
         """Lay the weights out for inference, once, after loading (the parameters become views, state
         dicts are unchanged): the products that read one input fused (q|kv_a, gate|up, the stacked
-        experts) and stored input-major, the LM head too; on a CPU in float32 each product also gets
-        oneDNN's blocked copy of its weight for several rows at once (`layers.dnn_weight`)."""
-        for module in self.modules():  # (an MoE before its experts: they are packed into its stack)
-            if module is not self and hasattr(module, "pack"):
-                module.pack()
-        with torch.no_grad():
-            head = nn.Parameter(self.lm_head.weight.t().contiguous().t(), requires_grad=False)
-        self.lm_head.weight = head
-        if self.config.tie_word_embeddings:
-            self.model.embed_tokens.weight = head
-        self.lm_head.pack_dnn()
+        experts), each product's weight held once in the layout, and with the oneDNN blocked copy (if
+        any), that `kernel_choice.plan` measured fastest for its shape on this machine (cached per CPU
+        model; `kernel_choice`). kernels="fixed" (or IRMINSUL_KERNEL_CHOICE=fixed): the earlier fixed
+        rule instead, input-major with oneDNN copies for 256, 32 and 8 rows of each float32 weight;
+        a `kernel_choice.Plan`: that plan. The plan is kept as `kernel_plan`."""
+        from irminsul.model import kernel_choice
+        from irminsul.model.layers import laid_out, planned_layout
+
+        plan = kernel_choice.plan(self.products(), *self._weight_bytes(), device=self.device, kernels=kernels)
+        with kernel_choice.active(plan):
+            for module in self.modules():  # (an MoE before its experts: they are packed into its stack)
+                if module is not self and hasattr(module, "pack"):
+                    module.pack()
+            with torch.no_grad():
+                w = self.lm_head.weight
+                head = nn.Parameter(laid_out(w, planned_layout(*w.shape, w.dtype, w.device)), requires_grad=False)
+            self.lm_head.weight = head
+            if self.config.tie_word_embeddings:
+                self.model.embed_tokens.weight = head
+            self.lm_head.pack_dnn(layout=None)
+        self.kernel_plan = plan
+        if plan.seconds > 0.05:
+            kernel_choice.log.info("linear kernels measured in %.1f s: %s", plan.seconds,
+                                   "; ".join(kernel_choice.describe(plan)))
         return self
+
+    def products(self) -> list:
+        """The linear products `pack` lays out, as `kernel_choice.Product`s (with how many calls per
+        token each weight gets: a routed expert's share of the tokens)."""
+        from irminsul.model.kernel_choice import Product
+
+        experts = set()
+        found = []
+        for module in self.modules():
+            if isinstance(module, (MoE, LongcatMoE)):
+                experts.update(id(e) for e in module.experts)
+                if isinstance(module, MoE):
+                    found += module.products()
+                else:  # (its zero-computation experts take a share of the tokens too)
+                    share = self.config.num_experts_per_tok / (len(module.experts) + self.config.zero_expert_num)
+                    found += [p for e in module.experts for p in e.products(share)]
+        for module in self.modules():
+            if isinstance(module, MLP) and id(module) not in experts:
+                found += module.products()
+            elif isinstance(module, MLAttention):
+                q_in, kv_a = module._q_in(), module.kv_a_proj_with_mqa
+                found.append(Product(q_in.out_features + kv_a.out_features, kv_a.in_features, kv_a.weight.dtype, 1, 1.0))
+                for lin in (module.kv_b_proj, module.o_proj) + ((module.q_b_proj,) if module.cfg.q_lora_rank else ()):
+                    found.append(Product(*lin.weight.shape, lin.weight.dtype, 1, 1.0, "out"))
+        w = self.lm_head.weight
+        found.append(Product(*w.shape, w.dtype, 1, 1.0))
+        return found
+
+    def _weight_bytes(self) -> tuple[int, int]:
+        """(all the weights' bytes, those one decode token reads: not the routed experts it is not routed
+        to, nor the embedding table beyond its row)."""
+        cfg = self.config
+        total = decode = 0
+        routed = {id(p): len(m.experts) for m in self.modules() if isinstance(m, (MoE, LongcatMoE))
+                  for e in m.experts for p in e.parameters()}
+        for name, p in self.named_parameters():
+            size = p.numel() * p.element_size()
+            total += size
+            if id(p) in routed:
+                decode += size * cfg.num_experts_per_tok // routed[id(p)]
+            elif not ("embed_tokens" in name and not cfg.tie_word_embeddings):
+                decode += size
+        return total, decode
 
     @property
     def dtype(self) -> torch.dtype:

@@ -44,23 +44,34 @@ DNN_BLOCKS = (256, 32, 8)
 DNN_MIN_MACS = 1_500_000
 
 
-def dnn_weight(w: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
+def dnn_weight(w: torch.Tensor, blocks: tuple[int, ...] | None = None,
+               layout: str | None = None) -> tuple[torch.Tensor | None, ...] | None:
     """oneDNN's blocked copies of a weight [out, in] for blocks of 256, 32 and 8 rows (None for a block
-    that does not pay; `dnn_linear`), or None where none pays or applies (not a CPU, not float32, no
-    oneDNN in this torch).
+    not kept; `dnn_linear`), or None where none is kept or applies (not a CPU, no oneDNN in this
+    torch, bfloat16 on a CPU without bf16 instructions).
 
-    torch's CPU GEMM is MKL's, and MKL runs its AVX2 code on AMD processors: on this project's EPYC
-    it reaches ~115 GFLOP/s where oneDNN's product over a pre-blocked weight reaches ~220 at 32 rows
-    and ~260 at 256, and streams the LM head twice as fast at 4 to 8 rows (`python
-    benchmarks/bench_gemv_layout.py`). One row (a decode step) keeps the input-major layout, which
-    streams a cold weight fastest; so a packed model holds these copies beside it.
+    Which blocks: `blocks` when given; else, while `DeepseekModel.pack` packs, the block its plan
+    measured on this machine for this shape, if any (`kernel_choice`: at most one, where it pays and
+    fits the copy budget; `layout`: "out" for a weight that keeps nn.Linear's layout, None for one
+    laid out by the plan); else the fixed rule (float32 only: every block whose rows x weight size
+    reach DNN_MIN_MACS). Each copy is one more copy of the weight.
+
+    torch's CPU GEMM is MKL's, and MKL runs its AVX2 code on AMD processors: on this project's first
+    EPYC oneDNN's product over a pre-blocked weight reached ~220 GFLOP/s at 32 rows where MKL reached
+    ~115; on an Intel Xeon it lost to MKL on most products (`python benchmarks/bench_gemv_layout.py`).
     """
-    if (w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
-            or DNN_BLOCKS[0] * w.numel() < DNN_MIN_MACS):
+    from irminsul.model import kernel_choice
+
+    if blocks is None:
+        plan = kernel_choice.current()
+        choice = (plan.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout) if plan is not None
+                  else kernel_choice.fixed_choice(w.shape[0], w.shape[1], w.dtype, w.device))
+        blocks = choice.blocks
+    if not blocks or not kernel_choice.dnn_applies(w.dtype, w.device):
         return None
     with torch.no_grad():
         w = w.detach().contiguous()
-        return tuple(torch.ops.mkldnn._reorder_linear_weight(w, rows) if rows * w.numel() >= DNN_MIN_MACS else None
+        return tuple(torch.ops.mkldnn._reorder_linear_weight(w, rows) if rows in blocks else None
                      for rows in DNN_BLOCKS)
 
 
@@ -76,10 +87,12 @@ def dnn_linear(x: torch.Tensor, dnn: tuple[torch.Tensor | None, ...], weight: to
     return rows.view(*x.shape[:-1], out)
 
 
-def _dnn_rows(x: torch.Tensor, b256: torch.Tensor, b32: torch.Tensor | None, b8: torch.Tensor | None,
+def _dnn_rows(x: torch.Tensor, b256: torch.Tensor | None, b32: torch.Tensor | None, b8: torch.Tensor | None,
               weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A multiple of 256 rows in one call, then blocks of 32; a rest of 20 or more padded to 32; else
-    blocks of 8 (the last padded from 4 rows); each where the weight has them; the rest through MKL."""
+    """A multiple of 256 rows in one call, then blocks of 32; a rest of 20 or more padded to 32 (16
+    without 8-row blocks); else blocks of 8 (the last padded from 4 rows); each where the weight has
+    them (a rest of 128 or more padded to 256 where it has only those); the rest through torch's own
+    product (`kernel_choice._block_saving` counts the same)."""
     n = x.shape[0]
     y = x.new_empty(n, weight.shape[0])
     at = 0
@@ -92,11 +105,13 @@ def _dnn_rows(x: torch.Tensor, b256: torch.Tensor, b32: torch.Tensor | None, b8:
         y[at : at + take] = torch.ops.mkldnn._linear_pointwise(part.contiguous(), blocked, bias, "none", [], "")[:take]
         at += take
 
-    if n >= 256:  # one call for the bulk: a multiple of 256 rows (at most a step's prefill / 256 kinds)
+    if b256 is not None and n >= 256:  # one call for the bulk: a multiple of 256 rows (at most a step's prefill / 256 kinds)
         run(b256, 256, n // 256 * 256)
+    if b256 is not None and b32 is None and b8 is None and n - at >= 128:
+        run(b256, 256, n - at)
     while b32 is not None and n - at >= 32:
         run(b32, 32, 32)
-    if b32 is not None and n - at >= 20:
+    if b32 is not None and n - at >= (20 if b8 is not None else 16):
         run(b32, 32, n - at)
     elif b8 is not None:
         while n - at >= 4:
@@ -107,6 +122,25 @@ def _dnn_rows(x: torch.Tensor, b256: torch.Tensor, b32: torch.Tensor | None, b8:
 
 
 _dnn_op = torch.library.custom_op("irminsul::dnn_rows", _dnn_rows, mutates_args=())
+
+
+def planned_layout(out: int, inp: int, dtype: torch.dtype, device) -> str:
+    """The dense layout a weight [out, in] is stored in: "in" ([in, out], x @ W) or "out" ([out, in]),
+    as the plan being packed by measured it (`kernel_choice`), else input-major (the fixed rule)."""
+    from irminsul.model import kernel_choice
+
+    plan = kernel_choice.current()
+    if plan is None or plan.kernels == "fixed":
+        return "in"
+    return plan.choice(out, inp, dtype, device).layout
+
+
+def laid_out(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """w [out, in] (any strides) as a [out, in] tensor stored `layout`-major ("in": the transpose of a
+    contiguous [in, out]); w itself where it already is."""
+    if layout == "in":
+        return w if w.t().is_contiguous() else w.t().contiguous().t()
+    return w.contiguous()
 
 
 @_dnn_op.register_fake
@@ -121,13 +155,15 @@ def _(x_shape, b256_shape, b32_shape, b8_shape, weight_shape, bias_shape, **kwar
 
 class Linear(nn.Linear):
     """nn.Linear (the same parameters and state-dict names) that, once packed, computes products of
-    several rows through oneDNN (`dnn_weight`); one row, or unpacked, it is F.linear."""
+    several rows through oneDNN where a copy was kept for it (`dnn_weight`); else F.linear."""
 
     dnn: tuple[torch.Tensor | None, ...] | None = None
 
-    def pack_dnn(self) -> None:
-        """(Named apart from `pack`: a linear fused into another product needs no copy of its own.)"""
-        self.dnn = dnn_weight(self.weight)
+    def pack_dnn(self, layout: str | None = "out") -> None:
+        """(Named apart from `pack`: a linear fused into another product needs no copy of its own.)
+        layout: "out" (the default) for a weight that keeps nn.Linear's layout (others read it as
+        [out, in] views: attention's W_UK / W_UV), None for one laid out by the plan already."""
+        self.dnn = dnn_weight(self.weight, layout=layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dnn is not None and x.numel() > x.shape[-1]:
@@ -135,17 +171,21 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Linears that read the same input, as one product: (weight [in, sum of outs], bias or None).
 
-    The weight is stored input-major (the transpose of nn.Linear's [out, in]) and each linear's
-    weight becomes a view of it, so nothing is held twice and state dicts are unchanged. One
-    product instead of several is fewer calls; input-major is what a CPU's one-row product (a
-    decode step) streams fastest when the weights are not in cache: 2.3x for the 8 MB LM head of
-    the bundled model (`python benchmarks/bench_gemv_layout.py`).
+    The weight is stored in one layout, `layout` or the one the plan being packed by measured for
+    this shape (`planned_layout`; input-major outside a plan): input-major ([in, out] contiguous) or
+    out-major (the returned [in, out] is then the transpose of a contiguous [out, in]; `x @ w` is
+    F.linear's product); each linear's weight becomes a view of it, so nothing is held twice and
+    state dicts are unchanged. One product instead of several is fewer calls.
     """
     with torch.no_grad():
-        w = torch.cat([lin.weight for lin in linears]).t().contiguous()
+        cat = torch.cat([lin.weight for lin in linears])  # [sum of outs, in]
+        if layout is None:
+            layout = planned_layout(cat.shape[0], cat.shape[1], cat.dtype, cat.device)
+        w = cat.t().contiguous() if layout == "in" else cat.contiguous().t()
+        del cat
         biases = [lin.bias for lin in linears]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else w.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
@@ -160,7 +200,7 @@ def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 
 def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
            dnn: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
-    """x [..., in] times an input-major weight [in, out] (`pack_linears`), plus bias; several rows
+    """x [..., in] times a weight [in, out] (`pack_linears`: either layout), plus bias; several rows
     through `dnn`, the same weight's `dnn_weight`, when there is one."""
     if dnn is not None and x.numel() > x.shape[-1]:
         return dnn_linear(x, dnn, w.t(), bias)
@@ -180,10 +220,20 @@ class MLP(nn.Module):
         self.gate_up_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
 
     def pack(self) -> None:
-        if not self.packed:  # (a stacked expert's gate|up is a view of its MoE's stack)
+        stacked = self.packed  # (a stacked expert's gate|up is a view of its MoE's stack, laid out there)
+        if not stacked:
             self.gate_up, _ = pack_linears(self.gate_proj, self.up_proj)
         self.gate_up_dnn = dnn_weight(self.gate_up.t())
-        self.down_proj.pack_dnn()
+        self.down_proj.pack_dnn(layout=None if stacked else "out")
+
+    def products(self, uses: float = 1.0, stacked: bool = False) -> list:
+        """The products `pack` lays out (`kernel_choice.Product`s): gate|up, down; `uses` per token each."""
+        from irminsul.model.kernel_choice import Product
+
+        inner, hidden = self.gate_proj.weight.shape
+        dtype = self.gate_proj.weight.dtype
+        return [Product(2 * inner, hidden, dtype, 1, uses),
+                Product(hidden, inner, dtype, 1, uses, None if stacked else "out")]
 
     @property
     def packed(self) -> bool:
@@ -269,14 +319,27 @@ class MoE(nn.Module):
         self.kernel = None
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate|up [E, H, 2I], down [E, I, H]), input-major as `pack_linears` lays out one linear;
-        built on first use from the loaded weights, the experts' parameters re-pointed at them."""
+        """(gate|up [E, H, 2I], down [E, I, H]), each stored in the layout `pack` chose for an
+        expert's product (`layouts`: input-major, the default and always with the triton kernel, or
+        out-major: the transpose of a contiguous [E, 2I, H] / [E, H, I]); built on first use from the
+        loaded weights, the experts' parameters re-pointed at them."""
         w = self._stacked
-        if w is None or w[0].data_ptr() != self.experts[0].gate_proj.weight.data_ptr():
+        # (the triton kernel reads input-major stacks)
+        gate_up_layout, down_layout = ("in", "in") if self.kernel is not None else self.layouts
+        if (w is None or w[0].data_ptr() != self.experts[0].gate_proj.weight.data_ptr()
+                or (w[0].stride(2) == 1) != (gate_up_layout == "in") or (w[1].stride(2) == 1) != (down_layout == "in")):
             inner = self.experts[0].gate_proj.weight.shape[0]
             with torch.no_grad():
-                gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]).t() for e in self.experts])
-                down = torch.stack([e.down_proj.weight.t() for e in self.experts])
+                # (one copy each: a stack of transposed views is already contiguous input-major)
+                if gate_up_layout == "in":
+                    gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]).t() for e in self.experts])
+                else:
+                    gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
+                                           for e in self.experts]).transpose(1, 2)
+                if down_layout == "in":
+                    down = torch.stack([e.down_proj.weight.t() for e in self.experts])
+                else:
+                    down = torch.stack([e.down_proj.weight for e in self.experts]).transpose(1, 2)
                 for i, e in enumerate(self.experts):  # re-point the experts at the stacked storage
                     e.gate_proj.weight = nn.Parameter(gate_up[i, :, :inner].t(), requires_grad=False)
                     e.up_proj.weight = nn.Parameter(gate_up[i, :, inner:].t(), requires_grad=False)
@@ -285,8 +348,19 @@ class MoE(nn.Module):
             self._stacked = w = (gate_up, down)
         return w
 
+    layouts: tuple[str, str] = ("in", "in")  # the stacked gate|up's and down's (`stacked`), set by `pack`
+
     def pack(self) -> None:
+        inner, hidden = self.experts[0].gate_proj.weight.shape
+        dtype, device = self.experts[0].gate_proj.weight.dtype, self.experts[0].gate_proj.weight.device
+        self.layouts = (planned_layout(2 * inner, hidden, dtype, device), planned_layout(hidden, inner, dtype, device))
+        self._stacked = None
         self.stacked()
+
+    def products(self) -> list:
+        """The routed experts' products (`kernel_choice.Product`s), each expert used by k / E of the tokens."""
+        share = self.gate.cfg.num_experts_per_tok / len(self.experts)
+        return [p for e in self.experts for p in e.products(share, stacked=True)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [n, k]

@@ -1,0 +1,492 @@
+"""Which layout and kernel each of a model's linear products runs: measured on the machine it runs on.
+
+A product x [rows, in] times W [out, in] can run three ways on a CPU, and which is fastest depends on
+the processor, the dtype, the shape and the row count, not on a rule: torch's own product over W
+stored out-major ([out, in], nn.Linear's layout: `F.linear`), the same over W stored input-major
+([in, out]: `x @ W`), or oneDNN's over a copy of W blocked for a given number of rows
+(`layers.dnn_weight`). On this project's first AMD EPYC, input-major and oneDNN streamed fastest for
+float32; on an Intel Xeon with AMX, bfloat16's input-major read the LM head at 5.0 GB/s against 12.9
+for out-major, and oneDNN lost to plain `F.linear` on most products (issue 30).
+
+So `DeepseekModel.pack` asks `plan()` for each distinct product shape the model has: both dense
+layouts are timed at 1, 8, 32 and 256 rows, and oneDNN at 8, 32 and 256 where it applies; each
+candidate's first calls are left out (oneDNN builds its kernel then), the candidates are
+interleaved and the median of the faster half of several samples is kept (these machines are
+shared: a neighbour's burst hits every candidate alike, and only ever adds time). One-row and eight-row products, which stream their weight, are timed over
+enough copies that the weights come from as far as the model's own would (its decode bytes, at most
+a few times the last-level cache), and a weight larger than `SLICE_BYTES` is timed on a slice of its
+output rows (the same per byte, a fraction of the time). The times are cached in a JSON file per
+CPU model and torch version (`cache_path`), so a second load measures nothing.
+
+From the times, per shape:
+- one dense layout, the one with the least total time over the row counts relative to the best
+  (`Choice.layout`); the weight is held once, in it, and its nn.Linear parameters are views of it;
+- at most one oneDNN blocked copy, for the block of rows that saves the most time per row, kept only
+  where it beats the dense product by `MIN_GAIN` at its own block, and only while all copies together
+  stay within `COPY_BUDGET` of the model's weight bytes (the shapes that save the most time per byte
+  held first; a routed expert counts for the share of tokens it sees). So weights are held about once.
+
+`IRMINSUL_KERNEL_CHOICE=fixed` (or `DeepseekModel.pack(kernels="fixed")`) keeps the earlier fixed rule
+instead (input-major everywhere; oneDNN copies for 256, 32 and 8 rows of every float32 weight large
+enough, `layers.DNN_MIN_MACS`), for comparing. `IRMINSUL_KERNEL_CACHE` names the cache file;
+`IRMINSUL_KERNEL_COPIES` the copy budget (a fraction of the weight bytes; 0: no copies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("irminsul.model")
+
+ROWS = (1, 8, 32, 256)  # the row counts timed: a decode step, small and larger batches, a prefill
+BLOCKS = (256, 32, 8)  # the row blocks oneDNN copies are made for (layers.DNN_BLOCKS)
+MIN_GAIN = 1.15  # a blocked copy must be this much faster than the dense product at its own block
+COPY_BUDGET = 1 / 3  # blocked copies may add at most this fraction of the model's weight bytes
+SLICE_BYTES = 32 * 2**20  # larger weights are timed on a slice of their output rows this large...
+COMPUTE_SLICE_BYTES = 8 * 2**20  # ... and this large for products of more than STREAM_ROWS rows
+SAMPLES = 7  # interleaved samples per candidate (`_typical` of them is kept)
+SAMPLE_SECONDS = 0.0005  # a sample runs at least this long (several calls of a small product)
+MAX_COPIES = 64  # at most this many copies (smaller weights are then read a little warmer than the model's)
+STREAM_ROWS = 8  # products of at most these many rows are timed over rotating copies (they stream)
+PROGRESS_AFTER = 1.0  # seconds of measuring expected before a progress bar is shown
+CACHE_VERSION = 3
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one product shape runs: its dense layout ("out": [out, in] as nn.Linear stores it, F.linear;
+    "in": [in, out], x @ W) and the row blocks it keeps oneDNN copies for (none, one, or for the fixed
+    rule all three)."""
+    layout: str
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass
+class Product:
+    """A distinct product shape of a model: `count` weights of it, `uses` calls per token of them all
+    (a routed expert's share: experts_per_token / experts)."""
+    out: int
+    inp: int
+    dtype: torch.dtype
+    count: int = 0
+    uses: float = 0.0
+    layout: str | None = None  # "out": the weight keeps nn.Linear's layout (others read it as [out, in])
+
+    @property
+    def key(self) -> tuple[int, int, torch.dtype, str | None]:
+        return (self.out, self.inp, self.dtype, self.layout)
+
+    def weight_bytes(self) -> int:
+        return self.out * self.inp * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def mode(kernels: str | None = None) -> str:
+    """"measured" or "fixed": the argument when given, else IRMINSUL_KERNEL_CHOICE (default measured)."""
+    value = (kernels or os.environ.get("IRMINSUL_KERNEL_CHOICE") or "measured").strip().lower()
+    if value in ("fixed", "0", "off", "false", "no"):
+        return "fixed"
+    if value in ("measured", "1", "on", "true", "yes", "auto"):
+        return "measured"
+    raise ValueError(f"kernel choice {value!r}: expected 'measured' or 'fixed'")
+
+
+def dnn_applies(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether oneDNN's blocked products are a candidate: a CPU, oneDNN in this torch, float32, or
+    bfloat16 where the CPU has bf16 instructions."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def fixed_choice(out: int, inp: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Choice:
+    """The earlier fixed rule: input-major; oneDNN copies for each block whose rows x weight size reach
+    layers.DNN_MIN_MACS, float32 on a CPU only."""
+    from irminsul.model.layers import DNN_MIN_MACS
+
+    numel = out * inp
+    if (torch.device(device).type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available()
+            or BLOCKS[0] * numel < DNN_MIN_MACS):
+        return Choice("in")
+    return Choice("in", tuple(b for b in BLOCKS if b * numel >= DNN_MIN_MACS))
+
+
+# --- the cache ------------------------------------------------------------------------------------
+
+def cpu_key() -> str:
+    """What the cache is per: the CPU model and torch's version (its kernels change with it)."""
+    from irminsul.machine import cpu_model
+
+    return f"{cpu_model()} | torch {torch.__version__} | mkldnn {torch.backends.mkldnn.is_available()}"
+
+
+def cache_path() -> Path:
+    """IRMINSUL_KERNEL_CACHE, else kernels-<hash of the CPU model>.json in the user's cache directory
+    ($XDG_CACHE_HOME or ~/.cache, then irminsul/)."""
+    named = os.environ.get("IRMINSUL_KERNEL_CACHE")
+    if named:
+        return Path(named).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    digest = hashlib.sha1(cpu_key().encode()).hexdigest()[:12]
+    return base / "irminsul" / f"kernels-{digest}.json"
+
+
+_memory: dict[str, dict[str, dict[str, float]]] = {}  # this process's measurements, by entry key
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or data.get("cpu") != cpu_key():
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(path: Path, new: dict) -> bool:
+    """Merge `new` into the cache file (atomically: a temporary file renamed over it); False, with a
+    debug note, where the directory cannot be written (loading goes on, measuring next time too)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _read_cache(path)
+        entries.update(new)
+        body = json.dumps({"version": CACHE_VERSION, "cpu": cpu_key(), "entries": entries}, indent=1, sort_keys=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return True
+    except OSError as e:
+        log.debug("kernel choice: cache %s not written (%s); measured again next time", path, e)
+        return False
+
+
+# --- measuring --------------------------------------------------------------------------------------
+
+def stream_bytes(model_bytes: int) -> int:
+    """How many weight bytes lie between two uses of one weight when the model decodes: its own decode
+    bytes, at most twice the last-level cache (or 64 MiB where unknown): beyond, a weight is cold."""
+    llc = 0
+    try:
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            size = (index / "size").read_text().strip()
+            llc = max(llc, int(size[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[size[-1]] if size[-1] in "KMG"
+                      else int(size))
+    except (OSError, ValueError, KeyError):
+        llc = 0
+    cap = max(64 * 2**20, 2 * llc)
+    return max(1, min(int(model_bytes), cap))
+
+
+def _bucket(n: int) -> int:
+    """A power of two at or above n (cache entries are shared across nearby model sizes)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def measured_rows(out: int, inp: int, dtype: torch.dtype, limit: int = None) -> int:
+    """The output rows a weight is timed with: all of them, or a slice of `limit` bytes (SLICE_BYTES),
+    of at least 4,096 rows (an input-major slice's rows are as far apart as its width: much narrower
+    than the weight, it is not the same product)."""
+    limit = SLICE_BYTES if limit is None else limit
+    per_row = inp * _itemsize(dtype)
+    if out * per_row <= limit:
+        return out
+    return min(out, max(4096, limit // per_row // 64 * 64))
+
+
+def entry_key(out: int, inp: int, dtype: torch.dtype, streamed: int) -> str:
+    return f"{str(dtype).removeprefix('torch.')}|{out}x{inp}|threads{torch.get_num_threads()}|stream{_bucket(streamed)}"
+
+
+def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool) -> dict[str, Callable[[], object]]:
+    """name -> one call of that candidate on `rows` rows, each call on the next of `copies` copies."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
+    outs = [w.clone() for _ in range(copies)]  # [out, in]
+    ins = [o.t().contiguous() for o in outs]  # [in, out]
+    made = {"out": lambda o: F.linear(x, o), "in": lambda i: torch.matmul(x, i)}
+    pools = {"out": outs, "in": ins}
+    if with_dnn and rows in BLOCKS:
+        pools["dnn"] = [torch.ops.mkldnn._reorder_linear_weight(o, rows) for o in outs]
+        made["dnn"] = lambda b: torch.ops.mkldnn._linear_pointwise(x, b, None, "none", [], "")
+
+    def cycle(fn, pool):
+        state = {"i": 0}
+
+        def call():
+            i = state["i"]
+            state["i"] = (i + 1) % len(pool)
+            return fn(pool[i])
+        return call
+
+    return {name: cycle(made[name], pools[name]) for name in made}
+
+
+def _time(cands: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Seconds per call of each candidate (`_typical` of its samples): two calls left out (oneDNN builds its kernel on the
+    first), then SAMPLES interleaved samples (a different order each round), each of enough calls to
+    last SAMPLE_SECONDS. (Calls rotate through a candidate's copies across samples, so between two
+    uses of one copy all the others are read: a sample need not visit them all.)"""
+    calls = {}
+    longest = 0.0
+    for name, fn in cands.items():
+        fn()
+        t = time.perf_counter()
+        fn()
+        once = max(time.perf_counter() - t, 1e-7)
+        longest = max(longest, once)
+        calls[name] = max(1, math.ceil(SAMPLE_SECONDS / once))
+    got: dict[str, list[float]] = {name: [] for name in cands}
+    names = list(cands)
+    samples = SAMPLES if longest < 0.002 else max(3, SAMPLES - 2)  # (long calls: less noise each)
+    for s in range(samples):
+        for name in names[s % len(names):] + names[: s % len(names)]:
+            fn, n = cands[name], calls[name]
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            got[name].append((time.perf_counter() - t) / n)
+    return {name: _typical(v) for name, v in got.items()}
+
+
+def _typical(samples: list[float]) -> float:
+    """The median of the faster half of the samples: a neighbour's work only ever adds time, and on a
+    busy machine more than half of them can be hit."""
+    fast = sorted(samples)[: (len(samples) + 1) // 2]
+    return statistics.median(fast)
+
+
+def measure(out: int, inp: int, dtype: torch.dtype, streamed: int, with_dnn: bool) -> dict[str, dict[str, float]]:
+    """{rows: {candidate: seconds per call}} for a product [out, in] of `dtype`, scaled to all of its
+    output rows when timed on a slice: products that stream their weight (at most STREAM_ROWS rows) on
+    up to SLICE_BYTES of it, over copies that add up to `streamed` bytes; the others, bound by
+    arithmetic, on up to COMPUTE_SLICE_BYTES, hot."""
+    g = torch.Generator().manual_seed(out * 31 + inp)
+    full = measured_rows(out, inp, dtype)
+    w_full = (torch.randn(full, inp, generator=g) / inp**0.5).to(dtype)
+    result = {}
+    with torch.inference_mode():
+        for rows in ROWS:
+            streams = rows <= STREAM_ROWS
+            sub = full if streams else measured_rows(out, inp, dtype, COMPUTE_SLICE_BYTES)
+            w = w_full[:sub]
+            size = sub * inp * _itemsize(dtype)
+            copies = max(1, min(MAX_COPIES, math.ceil(streamed / size))) if streams else 1
+            cands = _candidates(w, rows, copies, with_dnn)
+            result[str(rows)] = {k: v * out / sub for k, v in _time(cands).items()}
+            del cands
+    return result
+
+
+def estimate_seconds(products: list[Product]) -> float:
+    """A rough guess of how long measuring these takes (to decide on a progress bar): the 256-row
+    products dominate, at ~30 GFLOP/s, each candidate (SAMPLES + 2) times."""
+    flops = sum(2 * 256 * measured_rows(p.out, p.inp, p.dtype, COMPUTE_SLICE_BYTES) * p.inp for p in products)
+    return flops * 3 * (SAMPLES + 2) / 30e9 + len(products) * 0.1
+
+
+# --- choosing ---------------------------------------------------------------------------------------
+
+def _dense_layout(times: dict[str, dict[str, float]]) -> str:
+    """The dense layout with the least total time over the row counts, each relative to the better one
+    (ties: out-major, nn.Linear's own)."""
+    score = {layout: sum(t[layout] / min(t["out"], t["in"]) for t in times.values()) for layout in ("out", "in")}
+    return "in" if score["in"] < score["out"] * 0.98 else "out"
+
+
+def _block_saving(times: dict[str, dict[str, float]], layout: str, block: int) -> float:
+    """Seconds saved per row (summed over the timed row counts of 8 and more) with one oneDNN copy for
+    `block` rows, as layers.dnn_linear runs it alone: blocks of it (a multiple of 256 in one call), a
+    rest of at least half a block padded, the rest dense. Negative where it loses."""
+    t_block = times[str(block)].get("dnn")
+    if t_block is None:
+        return float("-inf")
+    saved = 0.0
+    for rows in (r for r in ROWS if r >= min(BLOCKS)):
+        dense = times[str(rows)][layout]
+        if rows >= block:
+            blocked = rows / block * t_block
+        elif 2 * rows >= block:
+            blocked = t_block
+        else:
+            continue
+        saved += (dense - blocked) / rows
+    return saved
+
+
+@dataclass
+class Plan:
+    """The choice for each product shape of a model (`choice`); shapes it was not made for get the
+    dense layout measured then and no copy (the copy budget was spent on the known ones)."""
+    kernels: str
+    choices: dict[tuple[int, int, torch.dtype, str | None], Choice]
+    streamed: int = 64 * 2**20
+    seconds: float = 0.0  # time spent measuring (0 when every shape was cached)
+    forced: Choice | None = None  # every shape's choice (`Plan.every`), for tests and benchmarks
+
+    @classmethod
+    def every(cls, layout: str, blocks: tuple[int, ...] = ()) -> "Plan":
+        """A plan that gives every shape this layout (where the weight's own may change) and blocks."""
+        return cls("forced", {}, forced=Choice(layout, blocks))
+
+    def choice(self, out: int, inp: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+               layout: str | None = None) -> Choice:
+        """layout="out": a weight that keeps nn.Linear's layout (only its copies are chosen)."""
+        key = (out, inp, dtype, layout)
+        if key in self.choices:
+            return self.choices[key]
+        if self.forced is not None:
+            c = Choice(layout or self.forced.layout, self.forced.blocks)
+        elif self.kernels == "fixed" or torch.device(device).type != "cpu":
+            c = fixed_choice(out, inp, dtype, device)
+        else:
+            times = _times([Product(out, inp, dtype)], self.streamed, progress=False)[key[:3] + (None,)]
+            c = Choice(layout or _dense_layout(times))
+        self.choices[key] = c
+        return c
+
+
+def _times(products: list[Product], streamed: int, progress: bool) -> dict[tuple, dict[str, dict[str, float]]]:
+    """Each product's measured times: from this process's memory, the cache file, or measured now
+    (and written to the cache; a cache that cannot be read or written only means measuring again)."""
+    path = cache_path()
+    stored = None
+    out: dict[tuple, dict[str, dict[str, float]]] = {}
+    todo = []
+    for p in products:
+        key = entry_key(p.out, p.inp, p.dtype, streamed)
+        if key not in _memory:
+            if stored is None:
+                stored = _read_cache(path)
+            if key in stored:
+                _memory[key] = stored[key]
+        if key in _memory:
+            out[p.key] = _memory[key]
+        else:
+            todo.append((p, key))
+    if todo:
+        bar = None
+        if progress and estimate_seconds([p for p, _ in todo]) > PROGRESS_AFTER:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(todo), desc="measuring linear kernels (once per CPU)", unit="shape", leave=False)
+        new = {}
+        for p, key in todo:
+            times = measure(p.out, p.inp, p.dtype, streamed, dnn_applies(p.dtype))
+            _memory[key] = new[key] = out[p.key] = times
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        _write_cache(path, new)
+    return out
+
+
+def _merged(products: list[Product]) -> list[Product]:
+    """One Product per key, counts and uses summed."""
+    merged: dict[tuple, Product] = {}
+    for p in products:
+        if p.key in merged:
+            merged[p.key].count += p.count
+            merged[p.key].uses += p.uses
+        else:
+            merged[p.key] = Product(p.out, p.inp, p.dtype, p.count, p.uses, p.layout)
+    return list(merged.values())
+
+
+def plan(products: list[Product], model_bytes: int, decode_bytes: int | None = None,
+         device: torch.device | str = "cpu", kernels: "str | Plan | None" = None, budget: float | None = None,
+         progress: bool = True) -> Plan:
+    """The choice for each product (`Product`s: the model's distinct shapes with their counts and uses);
+    kernels: "measured" / "fixed" (default IRMINSUL_KERNEL_CHOICE, else measured) or a Plan to use.
+    model_bytes: all the model's weight bytes (the copy budget is a fraction of them); decode_bytes:
+    those one decode token reads (how far a weight is streamed from; default model_bytes)."""
+    if isinstance(kernels, Plan):
+        return kernels
+    how = mode(kernels)
+    if how == "fixed":
+        return Plan("fixed", {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products})
+    products = _merged(products)
+    if torch.device(device).type != "cpu":  # (a GPU: not measured here; the layout its kernels were written for)
+        return Plan("fixed", {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products})
+    streamed = stream_bytes(decode_bytes if decode_bytes is not None else model_bytes)
+    if budget is None:
+        budget = float(os.environ.get("IRMINSUL_KERNEL_COPIES", COPY_BUDGET))
+    start = time.perf_counter()
+    times = _times(products, streamed, progress)
+    seconds = time.perf_counter() - start
+    choices = {}
+    offers = []  # (time saved per token per byte held, product, block)
+    for p in products:
+        t = times[p.key]
+        layout = p.layout or _dense_layout(t)
+        choices[p.key] = Choice(layout)
+        paying = [b for b in BLOCKS if t[str(b)].get("dnn") is not None and t[str(b)][layout] >= MIN_GAIN * t[str(b)]["dnn"]
+                  and _block_saving(t, layout, b) > 0]
+        if paying:
+            best = max(paying, key=lambda b: _block_saving(t, layout, b))
+            offers.append((_block_saving(t, layout, best) * p.uses / (p.weight_bytes() * p.count), p, best))
+    room = budget * model_bytes
+    for _, p, block in sorted(offers, key=lambda o: -o[0]):
+        extra = p.weight_bytes() * p.count
+        if extra <= room:
+            room -= extra
+            choices[p.key] = Choice(choices[p.key].layout, (block,))
+    return Plan(how, choices, streamed, seconds)
+
+
+# --- the plan packing follows -----------------------------------------------------------------------
+
+_active: list[Plan] = []
+
+
+class active:
+    """`with active(plan):` the plan `layers` packs by (pack_linears, dnn_weight, MoE.stacked)."""
+
+    def __init__(self, p: Plan):
+        self.plan = p
+
+    def __enter__(self) -> Plan:
+        _active.append(self.plan)
+        return self.plan
+
+    def __exit__(self, *exc) -> None:
+        _active.pop()
+
+
+def current() -> Plan | None:
+    """The plan being packed by, or None (outside `DeepseekModel.pack`: the fixed rule)."""
+    return _active[-1] if _active else None
+
+
+def describe(p: Plan) -> list[str]:
+    """One line per shape: its choice (for logs and benchmarks)."""
+    lines = []
+    for (out, inp, dtype, _), c in sorted(p.choices.items(), key=lambda kv: (str(kv[0][2]), -kv[0][0] * kv[0][1])):
+        blocks = ", ".join(f"oneDNN x{b}" for b in c.blocks) or "no copy"
+        lines.append(f"[{out}, {inp}] {str(dtype).removeprefix('torch.')}: {c.layout}-major, {blocks}")
+    return lines
