@@ -181,3 +181,19 @@ def test_chunked_batched_prefill_through_the_engine_equals_the_old_math_path(tmp
     assert [o.token_ids for o in new] == [o.token_ids for o in old]
     err = max(abs(a.logprob - b.logprob) for x, y in zip(new, old) for a, b in zip(x.logprobs, y.logprobs))
     assert err < 1e-4, err
+
+
+def test_the_absorbed_or_expanded_rule_counts_the_padded_width(monkeypatch):
+    """At MLA's widths (q·k 192, v 128, r 512) padding v makes expanding dearer: 180 queries over
+    4k keys expand unpadded (from m = 171) and stay absorbed padded (from m = 187)."""
+    from irminsul.model.attention.torch import expand_is_cheaper
+
+    cfg = ModelConfig.from_dict(tiny_config("v3", num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+                                            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+    first = [next(m for m in range(2, 1000) if expand_is_cheaper(cfg, m, 4096, padded)) for padded in (False, True)]
+    assert first == [171, 187]
+    backend = TorchAttention(cfg, Rotary(cfg.rope))
+    seqs = [SeqAttention(np.arange(4096 - 180, 4096), np.arange(1, 4097))]
+    assert not backend.plan(seqs, [0], "cpu")[0].expanded
+    monkeypatch.setattr(TorchAttention, "EQUAL_WIDTHS", False)
+    assert backend.plan(seqs, [0], "cpu")[0].expanded

@@ -57,13 +57,18 @@ class AttentionGroup:
         return self.mask.shape  # (B, M, T)
 
 
-def expand_is_cheaper(cfg: ModelConfig, m: int, length: int) -> bool:
+def expand_is_cheaper(cfg: ModelConfig, m: int, length: int, padded: bool = False) -> bool:
     """Absorbed attention costs ~m·L·H·(2r + rope) multiply-adds; expanding the latent into
-    per-head keys and values costs L·H·r·(nope + v) once, then m·L·H·(nope + rope + v). Prefill
-    (large m) expands, decode (m = 1) absorbs."""
+    per-head keys and values costs L·H·r·(nope + v) once, then m·L·H·(nope + rope + v), with v
+    q·k and v both counted at the wider of the two where the expanded kernel pads them to it
+    (`padded`: `TorchAttention.EQUAL_WIDTHS` on a CPU). Prefill (large m) expands, decode (m = 1)
+    absorbs. At MLA's 192 / 128 widths (r 512) this expands from m = 187 (padded; 171 not); measured
+    on one thread, bf16 and fp32, the two cross between m = 128 and 256 for 2k-8k keys
+    (docs/performance.md, Prefill attention)."""
+    wide = max(cfg.qk_head_dim, cfg.v_head_dim)
+    qk, v = (wide, wide) if padded else (cfg.qk_head_dim, cfg.v_head_dim)
     absorbed = m * length * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    expanded = length * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) + m * length * (
-        cfg.qk_head_dim + cfg.v_head_dim)
+    expanded = length * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) + m * length * (qk + v)
     return expanded < absorbed
 
 
@@ -119,7 +124,11 @@ class TorchAttention(AttentionBackend):
             cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
         return AttentionGroup(torch.from_numpy(np.concatenate(token_index)).to(device),
                               torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin, mask,
-                              m > 1 and expand_is_cheaper(self.cfg, m, t), causal, dense, run)
+                              m > 1 and expand_is_cheaper(self.cfg, m, t, self._pads(device)), causal, dense, run)
+
+    def _pads(self, device) -> bool:
+        """Whether expanded attention on `device` widens the narrower of q·k and v (`EQUAL_WIDTHS`)."""
+        return self.EQUAL_WIDTHS and torch.device(device).type == "cpu"
 
     # -- once per layer --------------------------------------------------------------------
 
@@ -238,7 +247,7 @@ class TorchAttention(AttentionBackend):
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         q = _grid(torch.cat([q_nope, q_pe], dim=-1), g)  # [B, M, H, qk]
         width = cfg.qk_head_dim
-        if self.EQUAL_WIDTHS and q.device.type == "cpu":
+        if self._pads(q.device):
             width = max(cfg.qk_head_dim, cfg.v_head_dim)
             v = _widen(v, width)
             q = _widen(q, width)  # (zeros beyond the qk width add nothing to a score)
