@@ -41,7 +41,7 @@ class VllmRun:
     worker_loaded_rows: int = 0
 
 
-def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: int = 4096):
+def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: int = 4096, **extra):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: counters readable
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for these prompts
     from vllm import LLM
@@ -54,7 +54,7 @@ def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: 
 
         options = dict(kv_transfer_config=KVTransferConfig(**CONNECTOR), scheduler_cls=SCHEDULER)
     return LLM(path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, max_num_seqs=4,
-               async_scheduling=False, max_logprobs=20, seed=0, gpu_memory_utilization=0.15, **options)
+               async_scheduling=False, max_logprobs=20, seed=0, gpu_memory_utilization=0.15, **options, **extra)
 
 
 def run_vllm(llm, prompts: MovedPrompts, max_tokens: int = 4, logprobs: int = 20, warm: bool = True) -> VllmRun:
