@@ -97,7 +97,7 @@ def worker_moved(args) -> dict:
 
 
 def worker_engine(args) -> dict:
-    """Irminsul's own engine on the same checkpoint: the moved document's continuation scored, pic and off."""
+    """Irminsul's own engine on the same checkpoint: the moved document's continuation scored (pic or off)."""
     import torch
 
     from irminsul.integrations.vllm.moved import irminsul_logprobs, moved_prompts
@@ -105,13 +105,9 @@ def worker_engine(args) -> dict:
     torch.set_num_threads(1)
     prompts = moved_prompts(**MOVED, seed=0)
     continuation = json.loads(args.continuation)
-    out = {}
-    for reuse in ("pic", "off"):
-        lp, stats = irminsul_logprobs(args.checkpoint, prompts, continuation, reuse)
-        out[reuse] = {"logprobs": [{str(t): lp[i, t].item() for t in range(lp.shape[1])} for i in range(lp.shape[0])],
-                      "reused_tokens": int(getattr(stats, "reused_tokens", 0))}
-    out["peak_rss_gib"] = peak_rss_gib()
-    return out
+    lp, stats = irminsul_logprobs(args.checkpoint, prompts, continuation, args.reuse)
+    return {"logprobs": [{str(t): lp[i, t].item() for t in range(lp.shape[1])} for i in range(lp.shape[0])],
+            "reused_tokens": int(getattr(stats, "reused_tokens", 0)), "peak_rss_gib": peak_rss_gib()}
 
 
 def replay_prompts(trace: str, n: int, max_prompt: int) -> list[tuple[str, list[int]]]:
@@ -202,7 +198,10 @@ def report_moved(ck: str, repeat: int, timeout: int) -> dict:
     print(f"TTFT ratio vLLM alone / vLLM + Irminsul (medians): {ratio:.2f}x  (target >= 4x: "
           f"{'met' if ratio >= 4 else 'NOT met'})")
     cont = res["irminsul"]["runs"][0]["token_ids"]
-    eng = run_worker(["--worker", "engine", "--checkpoint", ck, "--continuation", json.dumps(cont)], timeout)
+    eng = {reuse: run_worker(["--worker", "engine", "--reuse", reuse, "--checkpoint", ck, "--continuation",
+                              json.dumps(cont)], timeout) for reuse in ("pic", "off")}  # (a process each: RSS)
+    print(f"Irminsul's own engine, peak RSS: pic {eng['pic']['peak_rss_gib']:.2f} GiB, off "
+          f"{eng['off']['peak_rss_gib']:.2f} GiB")
     irm, alone = res["irminsul"]["runs"][0]["logprobs"], res["alone"]["runs"][0]["logprobs"]
     d_irm_pic = _max_diff(irm, eng["pic"]["logprobs"])
     d_alone_off = _max_diff(alone, eng["off"]["logprobs"])
@@ -265,6 +264,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker", choices=["moved", "engine", "replay"], help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["alone", "irminsul"], help=argparse.SUPPRESS)
     p.add_argument("--continuation", help=argparse.SUPPRESS)
+    p.add_argument("--reuse", choices=["pic", "off"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         fn = {"moved": worker_moved, "engine": worker_engine, "replay": worker_replay}[args.worker]

@@ -87,6 +87,15 @@ def _inv_freq(raw: dict) -> torch.Tensor:
     return inv_freq(ModelConfig.from_dict(raw).rope)
 
 
+def _after_load_chunk(vllm_config, extra: dict) -> int:
+    """Tokens a compute span after loaded rows may take per step: 0 (no limit) where the backend prefills
+    after cached rows (chunked prefill on), else `after_load_chunk` (default 256; 1 is one token a step
+    through vLLM's own decode path, without cpu_mla's builder)."""
+    if vllm_config.scheduler_config.enable_chunked_prefill:
+        return 0
+    return max(1, int(extra.get("after_load_chunk", 256)))
+
+
 class IrminsulConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -104,11 +113,17 @@ class IrminsulConnector(KVConnectorBase_V1):
             self.spans: dict[str, RequestSpans] = {}
             self.pending: dict[str, list[Load]] = {}  # loads moved over, waiting for their blocks
             self.stats: dict[str, RequestStats] = {}
-            # the scheduler cannot prefill after cached rows (CPU reference MLA: no chunked context),
-            # so a compute span after a load runs one token per step, through the decode path
-            self.one_token_after_load = not vllm_config.scheduler_config.enable_chunked_prefill
+            # the CPU reference MLA backend cannot prefill after cached rows (no chunked context), so a
+            # compute span after a load goes through its decode kernel, `after_load_chunk` tokens a step
+            # (cpu_mla.py; 0 when the backend has chunked prefill and the span is one chunk)
+            self.after_load_chunk = _after_load_chunk(vllm_config, extra)
             INSTANCES["scheduler"].append(self)
         else:
+            chunk = _after_load_chunk(vllm_config, extra)
+            if chunk > 1:
+                from irminsul.integrations.vllm import cpu_mla
+
+                cpu_mla.enable(chunk)  # (before the worker builds its attention metadata builders)
             self.inv_freq = _inv_freq(raw)
             self.rows: dict[int, torch.Tensor] = {}  # fingerprint -> [layers, len, row_width]
             self.layers: list[torch.Tensor] = []  # each layer's cache viewed as [slots, row_width]
@@ -175,8 +190,8 @@ class IrminsulConnector(KVConnectorBase_V1):
         stop = spans.next_load_start(num_computed_tokens - 1)
         if stop is not None and stop > num_computed_tokens:
             num_new_tokens = min(num_new_tokens, stop - num_computed_tokens)
-        if self.one_token_after_load and num_computed_tokens > spans.loads[0].start:
-            num_new_tokens = min(num_new_tokens, 1)
+        if self.after_load_chunk and num_computed_tokens > spans.loads[0].start:
+            num_new_tokens = min(num_new_tokens, self.after_load_chunk)
         return num_new_tokens
 
     def advance(self, running) -> bool:
