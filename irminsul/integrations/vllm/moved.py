@@ -24,12 +24,14 @@ class MovedPrompts:
 
 
 def moved_prompts(header_a: int = 40, header_b: int = 75, doc: int = 600, question: int = 8,
-                  seed: int = 0, vocab: int = 256) -> MovedPrompts:
-    """Random byte-token prompts (ids < vocab: the random checkpoints' byte tokens)."""
+                  seed: int = 0, vocab: int = 256, new_question: int = 0) -> MovedPrompts:
+    """Random byte-token prompts (ids < vocab: the random checkpoints' byte tokens). `new_question`
+    tokens, never seen before, end the moved prompt (computed after the loaded rows)."""
     rng = np.random.default_rng(seed)
     ids = lambda n: rng.integers(0, vocab, n).tolist()  # noqa: E731
     ha, hb, d, q = ids(header_a), ids(header_b), ids(doc), ids(question)
-    return MovedPrompts(ha + d + q, hb + d + q, header_b, doc)
+    extra = ids(new_question) if new_question else []
+    return MovedPrompts(ha + d + q, hb + d + q + extra, header_b, doc)
 
 
 @dataclass
@@ -106,13 +108,15 @@ def main(argv=None) -> int:
     p.add_argument("--header-b", type=int, default=75)
     p.add_argument("--doc", type=int, default=600)
     p.add_argument("--question", type=int, default=8)
+    p.add_argument("--new-question", type=int, default=0, help="new tokens after the moved document's question")
     p.add_argument("--repeat", type=int, default=1, help="time the moved request this many times (fresh documents)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     llm = make_vllm(args.checkpoint, irminsul=args.mode == "irminsul", dtype=args.dtype)
     runs = []
     for i in range(args.repeat):
-        prompts = moved_prompts(args.header_a, args.header_b, args.doc, args.question, seed=i)
+        prompts = moved_prompts(args.header_a, args.header_b, args.doc, args.question, seed=i,
+                                new_question=args.new_question)
         r = run_vllm(llm, prompts, warm=i == 0)
         runs.append({"token_ids": r.token_ids, "seconds": r.seconds,
                      "logprobs": [{str(k): v for k, v in step.items()} for step in r.logprobs],
