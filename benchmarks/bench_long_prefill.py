@@ -13,7 +13,9 @@ the first chunk causal, the later ones masked), each length and path in a fresh 
 Each process prefills `--repeats` times (the first is also printed on its own: first sight pays
 oneDNN primitive creation) and reports the middle time and its peak RSS (VmHWM), also over the RSS
 after loading. A watchdog ends a process whose RSS passes `--max-rss-gb` (reported as such, not a
-crash of the machine). Also the attention op alone (one 16-head SDPA call, causal and masked).
+crash of the machine). Also the attention op alone (one 16-head SDPA call: n x n causal, by the
+flag and by an explicit mask, and the last 2,048-row chunk of an n-token prompt, masked, as the
+engine's later chunks call it).
 Prints the CPU model and the new/old ratios measured in this run.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_long_prefill.py                 # 1k, 4k, 16k; bf16
@@ -90,12 +92,13 @@ def op_child(args) -> None:
     _watchdog(args.max_rss_gb)
     dt = getattr(torch, args.dtype)
     n, kind = args.child_length, args.op_kind
+    m = min(n, args.max_prefill_tokens) if kind == "chunk" else n  # chunk: the prompt's last m rows
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 16, n, 192, generator=g).to(dt)
+    q = torch.randn(1, 16, m, 192, generator=g).to(dt)
     k = torch.randn(1, 16, n, 192, generator=g).to(dt)
     v = torch.randn(1, 16, n, 128, generator=g).to(dt)
-    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
-    kw = dict(is_causal=True) if kind == "causal" else dict(attn_mask=causal)
+    visible = (torch.arange(n)[None] <= torch.arange(n - m, n)[:, None])[None, None]  # [1, 1, m, n]
+    kw = dict(is_causal=True) if kind == "causal" else dict(attn_mask=visible)
     if args.child_path == "new":
         v = F.pad(v, (0, 64))
     base = _status("VmRSS")
@@ -134,7 +137,7 @@ def make_checkpoint(out: Path, experts: int, layers: int, dtype: str) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096, 16384], help="prompt lengths (none: SDPA alone)")
     ap.add_argument("--paths", nargs="+", default=["new", "old"], choices=["new", "old"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=3)
@@ -143,7 +146,10 @@ def main() -> None:
     ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="the engine's prefill chunk (its default)")
     ap.add_argument("--max-rss-gb", type=float, default=10.0, help="a process past this RSS is stopped")
     ap.add_argument("--checkpoint", help="an existing checkpoint instead of building one")
-    ap.add_argument("--op-lengths", type=int, nargs="*", default=[1500], help="SDPA alone at these lengths")
+    ap.add_argument("--op-lengths", type=int, nargs="*", default=[1500],
+                    help="SDPA alone, n queries over n keys (causal flag, and an explicit causal mask)")
+    ap.add_argument("--chunk-lengths", type=int, nargs="*", default=[16384],
+                    help="SDPA alone, the last prefill chunk of an n-token prompt (masked)")
     ap.add_argument("--child-length", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--child-path", help=argparse.SUPPRESS)
     ap.add_argument("--op-kind", help=argparse.SUPPRESS)
@@ -157,19 +163,22 @@ def main() -> None:
 
     print(f"CPU: {cpu}; torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}); one thread; "
           f"{args.dtype}; times are the middle of {args.repeats}")
-    if args.op_lengths:
-        print("\nSDPA alone, 16 heads, q·k 192, v 128 (new: v padded to 192):")
-        for n in args.op_lengths:
-            for kind in ("causal", "mask"):
-                r = {p: _spawn(args, ["--child-length", str(n), "--child-path", p, "--op-kind", kind])
-                     for p in ("new", "old")}
-                if any("times" not in x for x in r.values()):
-                    print(f"  {n} {kind}: {r}")
-                    continue
-                new, old = (_mid(r[p]["times"]) for p in ("new", "old"))
-                print(f"  {n:>6} {kind:>6}: new {new * 1e3:7.0f} ms, {r['new']['over_gib']:.3f} GiB   "
-                      f"old {old * 1e3:7.0f} ms, {r['old']['over_gib']:.3f} GiB   speed-up {old / new:.2f}x")
+    ops = [(n, kind) for n in args.op_lengths for kind in ("causal", "mask")] + \
+        [(n, "chunk") for n in args.chunk_lengths]
+    if ops:
+        print("\nSDPA alone, 16 heads, q·k 192, v 128 (new: v padded to 192); peak memory over the inputs:")
+        for n, kind in ops:
+            r = {p: _spawn(args, ["--child-length", str(n), "--child-path", p, "--op-kind", kind]) for p in ("new", "old")}
+            what = f"{min(n, args.max_prefill_tokens)} x {n}" if kind == "chunk" else f"{n} x {n}"
+            if any("times" not in x for x in r.values()):
+                print(f"  {what:>13} {kind:>6}: {r}")
+                continue
+            new, old = (_mid(r[p]["times"]) for p in ("new", "old"))
+            print(f"  {what:>13} {kind:>6}: new {new * 1e3:7.0f} ms, {r['new']['over_gib']:.3f} GiB   "
+                  f"old {old * 1e3:7.0f} ms, {r['old']['over_gib']:.3f} GiB   speed-up {old / new:.2f}x", flush=True)
 
+    if not args.lengths:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.checkpoint) if args.checkpoint else make_checkpoint(Path(tmp) / "ckpt", args.experts,
                                                                              args.layers, args.dtype)
