@@ -300,7 +300,8 @@ class MoE(nn.Module):
     ([E, H, 2I] and [E, I, H]; the per-expert parameters become views of them, so nothing is held
     twice and checkpoints load as they are). When fewer than half the experts are hit (a decode step
     of a few sequences: the grouped product would read every expert's weights), or routing is so
-    uneven that padding would more than double the work, it loops over the experts hit.
+    uneven that its padding would cost more than the loop's calls (`_padding_pays`), it loops over
+    the experts hit.
     """
 
     grouped = True  # False: always loop (exact FLOPs: the grouped path also multiplies its padding)
@@ -386,13 +387,33 @@ class MoE(nn.Module):
             # (on a CPU with oneDNN's copies of the experts the loop is faster: its products run at
             # oneDNN's speed, the grouped batched product at MKL's)
             if self.grouped and self.experts[0].gate_up_dnn is None and (
-                    x.is_cuda or 2 * int((counts > 0).sum()) >= experts and cap * experts <= 2 * n * k + 256 * experts):
+                    x.is_cuda or self._padding_pays(n * k, int((counts > 0).sum()), cap)):
                 out = self._grouped(x, weights, flat, counts, cap)
             else:
                 out = expert_loop(x, weights, ids, lambda e, xs: self.experts[e](xs))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    # A CPU's cost of the expert loop's per-expert calls (gather, three products, the scatter back),
+    # and the rate its products multiply at, one thread: measured on an AMD EPYC
+    # (`python benchmarks/bench_moe.py` times both paths and the choice on this machine)
+    LOOP_CALL_S = 60e-6
+    MACS_PER_S = 20e9
+
+    def _padding_pays(self, assignments: int, hit: int, cap: int) -> bool:
+        """On a CPU: the grouped product computes every expert's `cap` rows, the busiest expert's
+        count, so it multiplies (experts x cap - assignments) padding rows; the loop instead pays a
+        call per expert hit. Grouped only when most experts are hit (it reads every expert's weights)
+        and its padding costs less than the loop's calls: on the bundled model's small experts a few
+        dozen rows do; at DeepSeek's sizes (3 x 2048 x 1408 multiply-adds a row) a padding row costs
+        about seven calls, and the padding had been 4-5x the real rows on real text (issue 30)."""
+        experts = len(self.experts)
+        if 2 * hit < experts:
+            return False
+        inner, hidden = self.experts[0].gate_proj.weight.shape
+        padding_s = (experts * cap - assignments) * 3 * inner * hidden / (self.MACS_PER_S * torch.get_num_threads())
+        return padding_s <= hit * self.LOOP_CALL_S
 
     def one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One token's k experts (a single sequence's decode step), each as two products over its own
