@@ -30,6 +30,11 @@ def test_mla_flops_equal_the_flop_counter_in_both_attention_forms(tiny_q_lora, m
     # The grouped expert path pads each expert's batch to the busiest one's; the count is of the
     # useful multiply-adds, which the per-expert path runs exactly.
     monkeypatch.setattr(MoE, "grouped", False)
+    # likewise the CPU's expanded attention pads v to the q·k width for SDPA's flash kernel
+    # (TorchAttention.EQUAL_WIDTHS): those zeros are not counted either
+    from irminsul.model.attention.torch import TorchAttention
+
+    monkeypatch.setattr(TorchAttention, "EQUAL_WIDTHS", False)
     model = load_model(tiny_q_lora)
     arch = Arch.from_config(json.loads((tiny_q_lora / "config.json").read_text()))
     rows = model.new_rows(128)
