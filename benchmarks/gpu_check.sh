@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 15), for a machine with an NVIDIA GPU, in under 10 minutes:
+# The GPU check, for a machine with an NVIDIA GPU, in under 10 minutes:
 #   1. the triton backend's (attention, MoE, CUDA graphs of decode) and the sampler's tests, on CUDA (compiled
 #      kernels, the bf16 tensor-core path, graphs captured and replayed);
 #   2. benchmarks/gpu_check.py: random weights in DeepSeek-V2-Lite's shapes (15.7 B parameters, bf16),

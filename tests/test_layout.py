@@ -1,12 +1,13 @@
-"""The serving path (server, engine, model, cache, fleet) imports no research code: `irminsul.research` (trace
+"""The serving path (server, engine, model, cache, kvcache, fleet, integrations) imports no research code: `irminsul.research` (trace
 building, the fidelity study, training the reference models) is a tool over the engine, never a
 part of it. Every import is checked, those inside functions included."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVING = ("server", "engine", "model", "cache", "kvcache", "fleet")
+SERVING = ("server", "engine", "model", "cache", "kvcache", "fleet", "integrations")
 RESEARCH = ("irminsul.research", "irminsul.workloads", "irminsul.eval", "irminsul.train")
 
 
@@ -38,3 +39,25 @@ def test_the_check_finds_every_form_of_import():
               "import irminsul.train.data\nfrom irminsul import research\nfrom irminsul.evaluation import x\n")
     assert research_imports(source) == [(4, "irminsul.research.workloads.trace"), (5, "irminsul.train.data"),
                                          (6, "irminsul.research")]
+
+
+# A comment, docstring or doc that needs the tracker to be understood: "issue 30", "stop 12", "(#41)".
+TRACKER = re.compile(r"\b[Ii]ssues? #?\d+|\b[Ss]tops? \d+\b|\(#\d+\)|found by probing")
+
+
+def tracker_references(text: str) -> list[int]:
+    return [n for n, line in enumerate(text.splitlines(), 1) if TRACKER.search(line)]
+
+
+def test_comments_and_docs_stand_without_the_tracker():
+    files = [p for area in ("irminsul", "tests", "benchmarks", "docs") for p in sorted((ROOT / area).rglob("*"))
+             if p.suffix in (".py", ".md", ".sh") and "data" not in p.relative_to(ROOT).parts]
+    files.append(ROOT / "README.md")
+    bad = [f"{p.relative_to(ROOT)}:{n}" for p in files if p != Path(__file__)
+           for n in tracker_references(p.read_text())]
+    assert not bad, "these lines name the tracker's history; say what the code does instead:\n" + "\n".join(bad)
+
+
+def test_the_tracker_check_finds_references():
+    assert tracker_references("a\n# see issue 30\nb (#12)\nIssue #4\nstop 23 landed\nissues 3") == [2, 3, 4, 5, 6]
+    assert tracker_references("stop tokens\n3 stops\nissued 30 requests\nthe stop 'x'") == []

@@ -6,7 +6,7 @@ stored out-major ([out, in], nn.Linear's layout: `F.linear`), the same over W st
 ([in, out]: `x @ W`), or oneDNN's over a copy of W blocked for a given number of rows
 (`layers.dnn_weight`). On this project's first AMD EPYC, input-major and oneDNN streamed fastest for
 float32; on an Intel Xeon with AMX, bfloat16's input-major read the LM head at 5.0 GB/s against 12.9
-for out-major, and oneDNN lost to plain `F.linear` on most products (issue 30).
+for out-major, and oneDNN lost to plain `F.linear` on most products.
 
 So `DeepseekModel.pack` asks `plan()` for each distinct product shape the model has: both dense
 layouts are timed at 1, 8, 32 and 256 rows, and oneDNN at 8, 32 and 256 where it applies; each

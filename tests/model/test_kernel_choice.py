@@ -210,4 +210,4 @@ def test_weights_are_held_about_once(tiny_dir, tmp_path, monkeypatch):
     fixed = load_model(tiny_dir, pack=False).pack(kernels="fixed")
     assert fixed.lm_head.dnn is not None and fixed.lm_head.dnn[0] is not None  # (blocks of 256: the tiny sizes)
     assert not fixed.lm_head.weight.is_contiguous()  # input-major, as the rule had it
-    assert _held_bytes(fixed) > 1.3 * params  # (1.4x at these sizes; 3.5x at 2,048 wide, issue 30)
+    assert _held_bytes(fixed) > 1.3 * params  # (1.4x at these sizes; 3.5x at 2,048 wide)

@@ -1,6 +1,6 @@
 """The moved document, run in vLLM alone, in vLLM + Irminsul, and in Irminsul's own engine.
 
-A document seen once behind one header comes back behind another (the paper's case; issue 29). The
+A document seen once behind one header comes back behind another (the paper's case). The
 helpers here build the prompts, run them in an in-process vLLM engine and read back the first
 generated tokens' log-probabilities, the wall time of the moved request (one token: its TTFT) and
 the connector's counts. Shared by tests/integrations and benchmarks/bench_vllm.py.

@@ -85,7 +85,7 @@ def test_a_second_stage_resumes_the_schedule_and_carries_the_state(tmp_path):
 
 
 def test_a_start_step_past_the_schedule_is_a_clear_error(tmp_path):
-    """It used to train nothing and then fail in the final save with a NameError."""
+    """A start step past the schedule is refused before training, not met by a NameError in the final save."""
     import dataclasses
 
     from irminsul.errors import UserFacingError

@@ -80,7 +80,7 @@ def test_plots_say_where_they_went(trace, capsys, tmp_path):
 
 def test_build_can_cut_sessions_to_a_context(tmp_path, capsys):
     """--max-prompt-tokens keeps each session up to its first prompt over the limit: a trace a small
-    model serves whole (found by probing: every tau-bench/MuSiQue/BFCL trace overflowed the bundled model)."""
+    model serves whole (every tau-bench/MuSiQue/BFCL trace uncut overflows the bundled model's context)."""
     from irminsul.research.workloads.render import render_trace
     from irminsul.research.workloads.trace import read_trace
 
