@@ -109,9 +109,9 @@ def main() -> int:
     # the choice these times make (the model's copy budget, its counts and uses)
     kernel_choice._memory.update({kernel_choice.entry_key(p.out, p.inp, p.dtype, streamed): all_times[p.key]
                                   for p in products})
-    plan = kernel_choice.plan(products, model_bytes, decode_bytes, kernels="measured", progress=False)
+    choices = kernel_choice.choose(products, model_bytes, decode_bytes, kernels="measured", progress=False)
     print("\nchosen (" + ("one of each shape" if args.real else "this model's counts") + "):")
-    for line in kernel_choice.describe(plan):
+    for line in kernel_choice.describe(choices):
         print("  ", line)
     return 0
 

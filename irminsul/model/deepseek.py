@@ -131,29 +131,29 @@ class DeepseekModel(nn.Module):
         """Lay the weights out for inference, once, after loading (the parameters become views, state
         dicts are unchanged): the products that read one input fused (q|kv_a, gate|up, the stacked
         experts), each product's weight held once in the layout, and with the oneDNN blocked copy (if
-        any), that `kernel_choice.plan` measured fastest for its shape on this machine (cached per CPU
+        any), that `kernel_choice.choose` measured fastest for its shape on this machine (cached per CPU
         model; `kernel_choice`). kernels="fixed" (or IRMINSUL_KERNEL_CHOICE=fixed): the earlier fixed
         rule instead, input-major with oneDNN copies for 256, 32 and 8 rows of each float32 weight;
-        a `kernel_choice.Plan`: that plan. The plan is kept as `kernel_plan`."""
+        a `kernel_choice.KernelChoices`: those. They are kept as `kernel_choices`."""
         from irminsul.model import kernel_choice
-        from irminsul.model.layers import laid_out, planned_layout
+        from irminsul.model.layers import laid_out, chosen_layout
 
-        plan = kernel_choice.plan(self.products(), *self._weight_bytes(), device=self.device, kernels=kernels)
-        with kernel_choice.active(plan):
+        choices = kernel_choice.choose(self.products(), *self._weight_bytes(), device=self.device, kernels=kernels)
+        with kernel_choice.active(choices):
             for module in self.modules():  # (an MoE before its experts: they are packed into its stack)
                 if module is not self and hasattr(module, "pack"):
                     module.pack()
             with torch.no_grad():
                 w = self.lm_head.weight
-                head = nn.Parameter(laid_out(w, planned_layout(*w.shape, w.dtype, w.device)), requires_grad=False)
+                head = nn.Parameter(laid_out(w, chosen_layout(*w.shape, w.dtype, w.device)), requires_grad=False)
             self.lm_head.weight = head
             if self.config.tie_word_embeddings:
                 self.model.embed_tokens.weight = head
             self.lm_head.pack_dnn(layout=None)
-        self.kernel_plan = plan
-        if plan.seconds > 0.05:
-            kernel_choice.log.info("linear kernels measured in %.1f s: %s", plan.seconds,
-                                   "; ".join(kernel_choice.describe(plan)))
+        self.kernel_choices = choices
+        if choices.seconds > 0.05:
+            kernel_choice.log.info("linear kernels measured in %.1f s: %s", choices.seconds,
+                                   "; ".join(kernel_choice.describe(choices)))
         return self
 
     def products(self) -> list:

@@ -8,7 +8,7 @@ stored out-major ([out, in], nn.Linear's layout: `F.linear`), the same over W st
 float32; on an Intel Xeon with AMX, bfloat16's input-major read the LM head at 5.0 GB/s against 12.9
 for out-major, and oneDNN lost to plain `F.linear` on most products.
 
-So `DeepseekModel.pack` asks `plan()` for each distinct product shape the model has: both dense
+So `DeepseekModel.pack` asks `choose()` for each distinct product shape the model has: both dense
 layouts are timed at 1, 8, 32 and 256 rows, and oneDNN at 8, 32 and 256 where it applies; each
 candidate's first calls are left out (oneDNN builds its kernel then), the candidates are
 interleaved and the median of the faster half of several samples is kept (these machines are
@@ -339,18 +339,18 @@ def _block_saving(times: dict[str, dict[str, float]], layout: str, block: int) -
 
 
 @dataclass
-class Plan:
+class KernelChoices:
     """The choice for each product shape of a model (`choice`); shapes it was not made for get the
     dense layout measured then and no copy (the copy budget was spent on the known ones)."""
     kernels: str
     choices: dict[tuple[int, int, torch.dtype, str | None], Choice]
     streamed: int = 64 * 2**20
     seconds: float = 0.0  # time spent measuring (0 when every shape was cached)
-    forced: Choice | None = None  # every shape's choice (`Plan.every`), for tests and benchmarks
+    forced: Choice | None = None  # every shape's choice (`KernelChoices.every`), for tests and benchmarks
 
     @classmethod
-    def every(cls, layout: str, blocks: tuple[int, ...] = ()) -> "Plan":
-        """A plan that gives every shape this layout (where the weight's own may change) and blocks."""
+    def every(cls, layout: str, blocks: tuple[int, ...] = ()) -> "KernelChoices":
+        """Choices that give every shape this layout (where the weight's own may change) and blocks."""
         return cls("forced", {}, forced=Choice(layout, blocks))
 
     def choice(self, out: int, inp: int, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -418,21 +418,21 @@ def _merged(products: list[Product]) -> list[Product]:
     return list(merged.values())
 
 
-def plan(products: list[Product], model_bytes: int, decode_bytes: int | None = None,
-         device: torch.device | str = "cpu", kernels: "str | Plan | None" = None, budget: float | None = None,
-         progress: bool = True) -> Plan:
+def choose(products: list[Product], model_bytes: int, decode_bytes: int | None = None,
+           device: torch.device | str = "cpu", kernels: "str | KernelChoices | None" = None,
+           budget: float | None = None, progress: bool = True) -> KernelChoices:
     """The choice for each product (`Product`s: the model's distinct shapes with their counts and uses);
-    kernels: "measured" / "fixed" (default IRMINSUL_KERNEL_CHOICE, else measured) or a Plan to use.
+    kernels: "measured" / "fixed" (default IRMINSUL_KERNEL_CHOICE, else measured) or KernelChoices to use.
     model_bytes: all the model's weight bytes (the copy budget is a fraction of them); decode_bytes:
     those one decode token reads (how far a weight is streamed from; default model_bytes)."""
-    if isinstance(kernels, Plan):
+    if isinstance(kernels, KernelChoices):
         return kernels
     how = mode(kernels)
     if how == "fixed":
-        return Plan("fixed", {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products})
+        return KernelChoices("fixed", {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products})
     products = _merged(products)
     if torch.device(device).type != "cpu":  # (a GPU: not measured here; the layout its kernels were written for)
-        return Plan("fixed", {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products})
+        return KernelChoices("fixed", {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products})
     streamed = stream_bytes(decode_bytes if decode_bytes is not None else model_bytes)
     if budget is None:
         budget = float(os.environ.get("IRMINSUL_KERNEL_COPIES", COPY_BUDGET))
@@ -456,34 +456,34 @@ def plan(products: list[Product], model_bytes: int, decode_bytes: int | None = N
         if extra <= room:
             room -= extra
             choices[p.key] = Choice(choices[p.key].layout, (block,))
-    return Plan(how, choices, streamed, seconds)
+    return KernelChoices(how, choices, streamed, seconds)
 
 
-# --- the plan packing follows -----------------------------------------------------------------------
+# --- the choices packing follows -----------------------------------------------------------------------
 
-_active: list[Plan] = []
+_active: list[KernelChoices] = []
 
 
 class active:
-    """`with active(plan):` the plan `layers` packs by (pack_linears, dnn_weight, MoE.stacked)."""
+    """`with active(choices):` the choices `layers` packs by (pack_linears, dnn_weight, MoE.stacked)."""
 
-    def __init__(self, p: Plan):
-        self.plan = p
+    def __init__(self, p: KernelChoices):
+        self.choices = p
 
-    def __enter__(self) -> Plan:
-        _active.append(self.plan)
-        return self.plan
+    def __enter__(self) -> KernelChoices:
+        _active.append(self.choices)
+        return self.choices
 
     def __exit__(self, *exc) -> None:
         _active.pop()
 
 
-def current() -> Plan | None:
-    """The plan being packed by, or None (outside `DeepseekModel.pack`: the fixed rule)."""
+def current() -> KernelChoices | None:
+    """The choices being packed by, or None (outside `DeepseekModel.pack`: the fixed rule)."""
     return _active[-1] if _active else None
 
 
-def describe(p: Plan) -> list[str]:
+def describe(p: KernelChoices) -> list[str]:
     """One line per shape: its choice (for logs and benchmarks)."""
     lines = []
     for (out, inp, dtype, _), c in sorted(p.choices.items(), key=lambda kv: (str(kv[0][2]), -kv[0][0] * kv[0][1])):

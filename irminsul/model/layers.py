@@ -50,10 +50,10 @@ def dnn_weight(w: torch.Tensor, blocks: tuple[int, ...] | None = None,
     not kept; `dnn_linear`), or None where none is kept or applies (not a CPU, no oneDNN in this
     torch, bfloat16 on a CPU without bf16 instructions).
 
-    Which blocks: `blocks` when given; else, while `DeepseekModel.pack` packs, the block its plan
+    Which blocks: `blocks` when given; else, while `DeepseekModel.pack` packs, the block its choices
     measured on this machine for this shape, if any (`kernel_choice`: at most one, where it pays and
     fits the copy budget; `layout`: "out" for a weight that keeps nn.Linear's layout, None for one
-    laid out by the plan); else the fixed rule (float32 only: every block whose rows x weight size
+    laid out by the choices); else the fixed rule (float32 only: every block whose rows x weight size
     reach DNN_MIN_MACS). Each copy is one more copy of the weight.
 
     torch's CPU GEMM is MKL's, and MKL runs its AVX2 code on AMD processors: on this project's first
@@ -63,8 +63,8 @@ def dnn_weight(w: torch.Tensor, blocks: tuple[int, ...] | None = None,
     from irminsul.model import kernel_choice
 
     if blocks is None:
-        plan = kernel_choice.current()
-        choice = (plan.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout) if plan is not None
+        choices = kernel_choice.current()
+        choice = (choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout) if choices is not None
                   else kernel_choice.fixed_choice(w.shape[0], w.shape[1], w.dtype, w.device))
         blocks = choice.blocks
     if not blocks or not kernel_choice.dnn_applies(w.dtype, w.device):
@@ -124,15 +124,15 @@ def _dnn_rows(x: torch.Tensor, b256: torch.Tensor | None, b32: torch.Tensor | No
 _dnn_op = torch.library.custom_op("irminsul::dnn_rows", _dnn_rows, mutates_args=())
 
 
-def planned_layout(out: int, inp: int, dtype: torch.dtype, device) -> str:
+def chosen_layout(out: int, inp: int, dtype: torch.dtype, device) -> str:
     """The dense layout a weight [out, in] is stored in: "in" ([in, out], x @ W) or "out" ([out, in]),
-    as the plan being packed by measured it (`kernel_choice`), else input-major (the fixed rule)."""
+    as the choices being packed by measured it (`kernel_choice`), else input-major (the fixed rule)."""
     from irminsul.model import kernel_choice
 
-    plan = kernel_choice.current()
-    if plan is None or plan.kernels == "fixed":
+    choices = kernel_choice.current()
+    if choices is None or choices.kernels == "fixed":
         return "in"
-    return plan.choice(out, inp, dtype, device).layout
+    return choices.choice(out, inp, dtype, device).layout
 
 
 def laid_out(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -162,7 +162,7 @@ class Linear(nn.Linear):
     def pack_dnn(self, layout: str | None = "out") -> None:
         """(Named apart from `pack`: a linear fused into another product needs no copy of its own.)
         layout: "out" (the default) for a weight that keeps nn.Linear's layout (others read it as
-        [out, in] views: attention's W_UK / W_UV), None for one laid out by the plan already."""
+        [out, in] views: attention's W_UK / W_UV), None for one laid out by the choices already."""
         self.dnn = dnn_weight(self.weight, layout=layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,8 +174,8 @@ class Linear(nn.Linear):
 def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Linears that read the same input, as one product: (weight [in, sum of outs], bias or None).
 
-    The weight is stored in one layout, `layout` or the one the plan being packed by measured for
-    this shape (`planned_layout`; input-major outside a plan): input-major ([in, out] contiguous) or
+    The weight is stored in one layout, `layout` or the one the choices being packed by measured for
+    this shape (`chosen_layout`; input-major outside a pack): input-major ([in, out] contiguous) or
     out-major (the returned [in, out] is then the transpose of a contiguous [out, in]; `x @ w` is
     F.linear's product); each linear's weight becomes a view of it, so nothing is held twice and
     state dicts are unchanged. One product instead of several is fewer calls.
@@ -183,7 +183,7 @@ def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.
     with torch.no_grad():
         cat = torch.cat([lin.weight for lin in linears])  # [sum of outs, in]
         if layout is None:
-            layout = planned_layout(cat.shape[0], cat.shape[1], cat.dtype, cat.device)
+            layout = chosen_layout(cat.shape[0], cat.shape[1], cat.dtype, cat.device)
         w = cat.t().contiguous() if layout == "in" else cat.contiguous().t()
         del cat
         biases = [lin.bias for lin in linears]
@@ -354,7 +354,7 @@ class MoE(nn.Module):
     def pack(self) -> None:
         inner, hidden = self.experts[0].gate_proj.weight.shape
         dtype, device = self.experts[0].gate_proj.weight.dtype, self.experts[0].gate_proj.weight.device
-        self.layouts = (planned_layout(2 * inner, hidden, dtype, device), planned_layout(hidden, inner, dtype, device))
+        self.layouts = (chosen_layout(2 * inner, hidden, dtype, device), chosen_layout(hidden, inner, dtype, device))
         self._stacked = None
         self.stacked()
 

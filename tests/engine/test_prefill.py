@@ -136,6 +136,6 @@ def test_packed_weights_are_views_that_change_nothing(tiny_dir):
     assert attn.in_proj[0].data_ptr() == attn._q_in().weight.data_ptr()
     assert mlp.packed and not plain.model.layers[0].mlp.packed
     head = packed.lm_head.weight  # stored in the layout measured fastest for it here (model/kernel_choice.py)
-    assert head.is_contiguous() == (packed.kernel_plan.choice(*head.shape, head.dtype).layout == "out")
+    assert head.is_contiguous() == (packed.kernel_choices.choice(*head.shape, head.dtype).layout == "out")
     ids = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(8))
     assert (_full_logits(packed, ids) - _full_logits(plain, ids)).abs().max().item() < 1e-5

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from irminsul.model import kernel_choice
-from irminsul.model.kernel_choice import Choice, Plan, Product
+from irminsul.model.kernel_choice import Choice, KernelChoices, Product
 from irminsul.model.layers import MLP, MoE, dnn_linear, dnn_weight, pack_linears, packed
 from irminsul.model.loader import load_model
 
@@ -25,7 +25,7 @@ def _close(got, want, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_f, in_f", [(400, 512), (96, 80), (1030, 136)])
 def test_every_layout_and_block_copy_computes_f_linear(dtype, out_f, in_f):
-    """Out-major, input-major, and oneDNN with each single block copy (as a plan keeps them) and with
+    """Out-major, input-major, and oneDNN with each single block copy (as the choices keep them) and with
     all three (the fixed rule), at row counts below, at and between the blocks: F.linear's product."""
     g = torch.Generator().manual_seed(out_f + in_f)
     w = (torch.randn(out_f, in_f, generator=g) / in_f**0.5).to(dtype)
@@ -86,19 +86,19 @@ def test_moe_stacked_in_either_layout_gives_the_same_experts(layouts):
             assert (dense - want[:n]).abs().max().item() < 1e-5, n
 
 
-@pytest.mark.parametrize("plan", [Plan.every("out", (32,)), Plan.every("in", (8,)), Plan.every("out"),
-                                  Plan.every("in", (256,)), "fixed", "measured"],
+@pytest.mark.parametrize("choices", [KernelChoices.every("out", (32,)), KernelChoices.every("in", (8,)),
+                                     KernelChoices.every("out"), KernelChoices.every("in", (256,)), "fixed", "measured"],
                          ids=["out+dnn32", "in+dnn8", "out", "in+dnn256", "fixed", "measured"])
-def test_a_model_packed_by_any_plan_computes_the_unpacked_models_logits(tiny_dir, plan, tmp_path, monkeypatch):
+def test_a_model_packed_by_any_choices_computes_the_unpacked_models_logits(tiny_dir, choices, tmp_path, monkeypatch):
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     plain = load_model(tiny_dir, pack=False)
-    model = load_model(tiny_dir, pack=False).pack(kernels=plan)
+    model = load_model(tiny_dir, pack=False).pack(kernels=choices)
     a, b = model.state_dict(), plain.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    if isinstance(plan, Plan):  # the layout asked for, where the plan may choose it
-        assert model.lm_head.weight.is_contiguous() == (plan.forced.layout == "out")
+    if isinstance(choices, KernelChoices):  # the layout asked for, where the choices may
+        assert model.lm_head.weight.is_contiguous() == (choices.forced.layout == "out")
         attn = model.model.layers[0].self_attn
-        assert attn.in_proj[0].is_contiguous() == (plan.forced.layout == "in")
+        assert attn.in_proj[0].is_contiguous() == (choices.forced.layout == "in")
         assert attn.o_proj.weight.is_contiguous()  # (a linear of its own keeps nn.Linear's layout)
     ids = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(8)).tolist()
     got = []
@@ -111,7 +111,7 @@ def test_a_model_packed_by_any_plan_computes_the_unpacked_models_logits(tiny_dir
 
 
 def _fake_times(out, inp, dtype, streamed, with_dnn):
-    """Times where input-major wins everywhere and oneDNN wins at 32 rows by 2x (so a plan is known)."""
+    """Times where input-major wins everywhere and oneDNN wins at 32 rows by 2x (so the choices are known)."""
     t = {}
     for rows in kernel_choice.ROWS:
         base = 1e-6 * rows * out * inp / 1e4
@@ -128,7 +128,7 @@ def test_the_times_are_cached_in_a_file_and_reused(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(kernel_choice, "measure", lambda *a: calls.append(a) or _fake_times(*a))
     products = [Product(300, 200, torch.float32, 2, 2.0), Product(64, 200, torch.float32, 1, 1.0, "out")]
-    first = kernel_choice.plan(products, model_bytes=10**9, kernels="measured", progress=False)
+    first = kernel_choice.choose(products, model_bytes=10**9, kernels="measured", progress=False)
     assert len(calls) == 2 and path.exists()
     data = json.loads(path.read_text())
     assert data["cpu"] == kernel_choice.cpu_key() and len(data["entries"]) == 2
@@ -137,10 +137,10 @@ def test_the_times_are_cached_in_a_file_and_reused(tmp_path, monkeypatch):
     # a new process (nothing in memory) reads the file and measures nothing
     monkeypatch.setattr(kernel_choice, "_memory", {})
     monkeypatch.setattr(kernel_choice, "measure", lambda *a: pytest.fail("measured again"))
-    again = kernel_choice.plan(products, model_bytes=10**9, kernels="measured", progress=False)
+    again = kernel_choice.choose(products, model_bytes=10**9, kernels="measured", progress=False)
     assert again.choices == first.choices
     # the fixed rule measures nothing either
-    fixed = kernel_choice.plan(products, model_bytes=10**9, kernels="fixed")
+    fixed = kernel_choice.choose(products, model_bytes=10**9, kernels="fixed")
     assert fixed.choices[(300, 200, torch.float32, None)] == Choice("in", (256, 32))  # 8 x 60k < DNN_MIN_MACS
 
 
@@ -150,9 +150,9 @@ def test_the_copy_budget_bounds_what_is_held(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_choice, "measure", _fake_times)
     products = [Product(300, 200, torch.float32, 4, 4.0), Product(500, 200, torch.float32, 1, 1.0)]
     weights = 4 * 300 * 200 * 4 + 500 * 200 * 4
-    none = kernel_choice.plan(products, weights, kernels="measured", budget=0.0, progress=False)
+    none = kernel_choice.choose(products, weights, kernels="measured", budget=0.0, progress=False)
     assert all(c.blocks == () for c in none.choices.values())
-    some = kernel_choice.plan(products, weights, kernels="measured", budget=0.3, progress=False)
+    some = kernel_choice.choose(products, weights, kernels="measured", budget=0.3, progress=False)
     held = sum(p.weight_bytes() * p.count for p in products if some.choices[p.key].blocks)
     assert 0 < held <= 0.3 * weights
 
@@ -165,7 +165,7 @@ def test_an_unwritable_cache_still_loads(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(blocker / "kernels.json"))
     monkeypatch.setattr(kernel_choice, "_memory", {})
     model = load_model(tiny_dir)
-    assert model.kernel_plan.kernels == "measured" and model.kernel_plan.choices
+    assert model.kernel_choices.kernels == "measured" and model.kernel_choices.choices
     garbage = tmp_path / "garbage.json"
     garbage.write_text("{not json")
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(garbage))
@@ -206,7 +206,7 @@ def test_weights_are_held_about_once(tiny_dir, tmp_path, monkeypatch):
     params = _held_bytes(plain)
     measured = load_model(tiny_dir)
     assert _held_bytes(measured) <= (1 + kernel_choice.COPY_BUDGET) * params * 1.01
-    assert all(len(c.blocks) <= 1 for c in measured.kernel_plan.choices.values())
+    assert all(len(c.blocks) <= 1 for c in measured.kernel_choices.choices.values())
     fixed = load_model(tiny_dir, pack=False).pack(kernels="fixed")
     assert fixed.lm_head.dnn is not None and fixed.lm_head.dnn[0] is not None  # (blocks of 256: the tiny sizes)
     assert not fixed.lm_head.weight.is_contiguous()  # input-major, as the rule had it
