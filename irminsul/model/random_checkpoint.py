@@ -44,6 +44,10 @@ def register(sub) -> None:
     r.add_argument("--vocab", type=at_least(1),
                    help="vocabulary size (at least the byte tokenizer's 256 bytes + special tokens)")
     r.add_argument("--experts", type=at_least(1), help="routed experts per MoE layer")
+    r.add_argument("--experts-per-token", type=at_least(1),
+                   help="routed experts each token is sent to (num_experts_per_tok; longcat_flash: moe_topk)")
+    r.add_argument("--shared-experts", type=at_least(1),
+                   help="shared experts every token runs (n_shared_experts; not longcat_flash or deepseek_v4)")
     r.add_argument("--kv-lora-rank", type=at_least(1), help="the cached latent's width (MLA families)")
     r.add_argument("--rope-head-dim", type=at_least(2),
                    help="qk_rope_head_dim: the RoPE key's width, k_r (MLA families; even)")
@@ -88,9 +92,13 @@ def random_config(args: argparse.Namespace) -> dict:
         if family != "deepseek_v4":
             o["intermediate_size"] = 2 * args.hidden
     for option, key in (("heads", "num_attention_heads"), ("vocab", "vocab_size"), ("experts", "n_routed_experts"),
-                        ("context", "max_position_embeddings")):
-        if getattr(args, option) is not None:
+                        ("context", "max_position_embeddings"), ("experts_per_token", "num_experts_per_tok"),
+                        ("shared_experts", "n_shared_experts")):
+        if getattr(args, option, None) is not None:  # (getattr: callers' Namespaces may predate an option)
             o[key] = getattr(args, option)
+    if "n_shared_experts" in o and family in ("longcat_flash", "deepseek_v4"):
+        raise UserFacingError(f"--shared-experts does not apply to {family}: its shared part is fixed by the "
+                              "architecture (LongCat: identity experts; V4: one shared expert)")
     if args.heads is not None and family != "deepseek_v4":
         o["num_key_value_heads"] = args.heads  # (MLA: as many as the query heads)
     if args.vocab is not None:

@@ -62,6 +62,10 @@ def test_bfloat16_shards(tmp_path, family):
     (["--family", "deepseek_v4", "--experts", "1"], "fewer than the 2 experts each token is routed to"),
     (["--family", "deepseek_v2", "--vocab", "100"], "--vocab 100: the byte-level tokenizer needs at least"),
     (["--family", "deepseek_v4", "--kv-lora-rank", "8"], "--kv-lora-rank does not apply to deepseek_v4"),
+    (["--family", "deepseek_v3", "--experts", "8", "--experts-per-token", "5"],
+     "leaves fewer than the 5 experts each token is routed to"),
+    (["--family", "deepseek_v2", "--experts-per-token", "5"], "num_experts_per_tok=5 exceeds n_routed_experts=4"),
+    (["--family", "longcat_flash", "--shared-experts", "2"], "--shared-experts does not apply to longcat_flash"),
 ])
 def test_impossible_sizes_are_one_line(tmp_path, capsys, args, message):
     assert main(["checkpoint", "random", str(tmp_path / "x"), *args]) == 2
@@ -127,3 +131,22 @@ def test_mla_head_sizes_and_v3_scoring(tmp_path):
         (512, 64, 32, 32)
     assert config["scoring_func"] == "sigmoid"
     _generates(out)
+
+
+def test_experts_per_token_and_shared_experts(tmp_path):
+    """The routing width and the shared experts are the checkpoint's own (config and weights), as
+    DeepSeek-V2-Lite's and Moonlight's top-6 with two shared experts."""
+    from safetensors import safe_open
+
+    out = tmp_path / "v3"
+    assert main(["checkpoint", "random", str(out), "--family", "deepseek_v3", "--layers", "2", "--hidden", "64",
+                 "--experts", "8", "--experts-per-token", "3", "--shared-experts", "2"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["n_routed_experts"], config["num_experts_per_tok"], config["n_shared_experts"]) == (8, 3, 2)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        shape = f.get_slice("model.layers.1.mlp.shared_experts.gate_proj.weight").get_shape()
+    assert shape == [2 * config["moe_intermediate_size"], 64]
+    _generates(out)
+    longcat = tmp_path / "longcat"
+    assert main(["checkpoint", "random", str(longcat), "--family", "longcat_flash", "--experts-per-token", "3"]) == 0
+    assert json.loads((longcat / "config.json").read_text())["moe_topk"] == 3
