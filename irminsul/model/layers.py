@@ -407,7 +407,8 @@ class MoE(nn.Module):
         call per expert hit. Grouped only when most experts are hit (it reads every expert's weights)
         and its padding costs less than the loop's calls: on the bundled model's small experts a few
         dozen rows do; at DeepSeek's sizes (3 x 2048 x 1408 multiply-adds a row) a padding row costs
-        about seven calls, and padding every expert to the busiest one's rows reached 4-5x the real rows on real text."""
+        about seven calls, and padding every expert to the busiest one's rows reached 4-5x the real
+        rows on real text."""
         experts = len(self.experts)
         if 2 * hit < experts:
             return False

@@ -29,7 +29,9 @@ every request on one replica, builds queues); a replica computes its requests' t
 first come first served at `tokens_per_s`, and a request stays in flight until its prefill is done
 plus `decode_s`. A replica's load is its requests in flight and its prefill tokens not yet computed.
 Reuse is decided when a request arrives, as if its rows were computed at once (the replica's cache
-does not wait for the queue).
+does not wait for the queue). A request's TTFT is its wait in that queue plus its own prefill; for
+`perfect` the one replica computes at N x `tokens_per_s` (one queue with the fleet's whole rate: the
+ideal of pooling, for reuse and waiting alike).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class FleetResult:
     computed_tokens: int
     requests_per_replica: tuple[int, ...]  # (perfect: one replica)
     seconds: float
+    ttft_p50_s: float = 0.0  # the load model's TTFT: queue wait + own prefill
+    ttft_p95_s: float = 0.0
 
     @property
     def reuse(self) -> float:
@@ -109,9 +113,10 @@ class FleetResult:
 class SimReplica:
     """One replica's cache, model-free, and its queue."""
 
-    def __init__(self, name: str, pool_tokens: int, config: FleetConfig):
+    def __init__(self, name: str, pool_tokens: int, config: FleetConfig, tokens_per_s: float | None = None):
         budget = pool_tokens * config.bytes_per_token
         self.name, self.config = name, config
+        self.tokens_per_s = tokens_per_s or config.tokens_per_s
         self.registry = MemoryRegistry(budget)
         self.radix = RadixCache(budget, config.bytes_per_token)
         self.planner = Planner(PlannerConfig(chunker=config.chunker, sink=config.sink, window=config.window),
@@ -123,17 +128,19 @@ class SimReplica:
         self.busy_until = 0.0  # its prefill queue is empty from then on
         self._finishes: list[float] = []  # heap: when each request in flight is done
         self.requests = self.computed = 0
+        self.ttfts: list[float] = []  # each request's wait in the queue plus its own prefill
 
     def serve(self, now: float, tokens: np.ndarray, segments) -> int:
         """Plan, register and insert the prompt as the engine does after a request; its computed
-        tokens join the queue. Returns them."""
+        tokens join the queue (its TTFT: when the queue has computed them). Returns them."""
         plan = self.planner.plan(tokens, segments)
         self.planner.register(plan, rows_of=lambda a, b: None,
                               nbytes_of=lambda k: k * self.config.bytes_per_token, segment_starts=segments)
         self.radix.insert(tokens, None)
         self.planner.release(plan)
         computed = plan.stats.computed_tokens
-        self.busy_until = max(now, self.busy_until) + computed / self.config.tokens_per_s
+        self.busy_until = max(now, self.busy_until) + computed / self.tokens_per_s
+        self.ttfts.append(self.busy_until - now)
         heapq.heappush(self._finishes, self.busy_until + self.config.decode_s)
         self.requests, self.computed = self.requests + 1, self.computed + computed
         return computed
@@ -144,7 +151,7 @@ class SimReplica:
         return len(self._finishes)
 
     def load(self, now: float) -> ReplicaLoad:
-        queued = int(max(0.0, self.busy_until - now) * self.config.tokens_per_s)
+        queued = int(max(0.0, self.busy_until - now) * self.tokens_per_s)
         return ReplicaLoad(running=self.in_flight(now), queued_prefill_tokens=queued)
 
 
@@ -211,7 +218,8 @@ def simulate(trace: Sequence[tuple[str, Rendered]], policy: str, replicas: int, 
     perfect = policy == "perfect"
     names = ["r0"] if perfect else [f"r{i}" for i in range(replicas)]
     pool = config.pool_tokens * (replicas if perfect else 1)
-    fleet = {n: SimReplica(n, pool, config) for n in names}
+    rate = config.tokens_per_s * (replicas if perfect else 1)
+    fleet = {n: SimReplica(n, pool, config, rate) for n in names}
     prompt_tokens = sum(len(r.token_ids) for _, r in trace)
     rng = random.Random(config.seed)
     router = views = prefix = None
@@ -248,8 +256,10 @@ def simulate(trace: Sequence[tuple[str, Rendered]], policy: str, replicas: int, 
             else:
                 name = min(names, key=lambda n: (flights[n], fleet[n].load(now).queued_prefill_tokens, n))
         fleet[name].serve(now, tokens, segments)
+    ttfts = np.array([t for f in fleet.values() for t in f.ttfts]) if trace else np.zeros(1)
     return FleetResult(policy, replicas, len(trace), prompt_tokens, sum(f.computed for f in fleet.values()),
-                       tuple(f.requests for f in fleet.values()), time.perf_counter() - start)
+                       tuple(f.requests for f in fleet.values()), time.perf_counter() - start,
+                       float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 95)))
 
 
 def run_fleet(trace: Sequence[tuple[str, Rendered]], replicas: Sequence[int], policies: Sequence[str],

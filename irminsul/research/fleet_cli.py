@@ -51,8 +51,12 @@ def _fleet(args) -> int:
     print(f"{args.trace}: {len(trace)} requests, {prompt} prompt tokens, {ref.distinct_tokens} distinct "
           f"content tokens; pool {pool} tokens per replica; offered load {args.offered_load}")
     rows = [(r.replicas, r.policy, pct(r.reuse), r.computed_tokens,
-             "-" if r.policy == "perfect" else pct(r.max_share), f"{r.seconds:.1f}") for r in results]
-    print(table(("replicas", "policy", "reuse", "computed tokens", "max share", "seconds"), rows))
+             "-" if r.policy == "perfect" else pct(r.max_share), f"{r.ttft_p50_s:.3f}", f"{r.ttft_p95_s:.3f}",
+             f"{r.seconds:.1f}") for r in results]
+    print(table(("replicas", "policy", "reuse", "computed tokens", "max share", "TTFT p50 s", "TTFT p95 s",
+                 "seconds"), rows))
+    print(f"TTFT: the load model's, queue wait + own prefill at {config.tokens_per_s:,.0f} tokens/s a replica "
+          "(perfect: one queue at N x that rate)")
     return 0
 
 

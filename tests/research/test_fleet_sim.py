@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from irminsul.cli import main
-from irminsul.research.fleet import POLICIES, FleetConfig, reference, run_fleet, simulate
+from irminsul.research.fleet import POLICIES, FleetConfig, SimReplica, reference, run_fleet, simulate
 from irminsul.research.workloads.render import Rendered
 
 
@@ -90,3 +90,23 @@ def test_the_cli_prints_the_table_and_json(tmp_path, capsys):
     assert j["pool_tokens"] == 500 and {r["policy"] for r in j["results"]} == set(POLICIES)
     with pytest.raises(SystemExit):
         main(["bench", "fleet", str(path), "--replicas", "0,2"])
+
+
+def test_ttft_is_the_queue_wait_plus_the_own_prefill():
+    """Requests arriving all at once wait for every computed token before theirs; requests far apart
+    wait for none, so each TTFT is its own prefill, at the replica's rate."""
+    config = FleetConfig(pool_tokens=REF.distinct_tokens, tokens_per_s=10_000.0)
+    for interval in (0.0, 1e6):
+        replica = SimReplica("r0", config.pool_tokens, config)
+        computed = [replica.serve(i * interval, t.token_ids.astype(np.int64), t.segment_starts)
+                    for i, (_, t) in enumerate(TRACE[:20])]
+        want = np.cumsum(computed) if interval == 0 else np.array(computed, float)
+        assert np.allclose(replica.ttfts, want / config.tokens_per_s), interval
+    r = simulate(TRACE[:20], "p2c", 1, config, interval_s=0.0)
+    assert np.isclose(r.ttft_p95_s, np.percentile(np.cumsum(computed) / 1e4, 95))
+
+
+def test_perfect_computes_at_the_fleets_rate(results):
+    """perfect is one queue with N replicas' rate: it waits no longer than a fleet of N queues."""
+    for n in (2, 4):
+        assert results[n, "perfect"].ttft_p50_s <= results[n, "p2c"].ttft_p50_s
