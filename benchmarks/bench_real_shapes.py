@@ -298,17 +298,28 @@ def _tool(llama: Path, name: str) -> Path:
 
 
 def _call(cmd: list[str]) -> str:
+    """The tool's stdout. llama.cpp's logger writes from its own thread, and its last line was sometimes
+    lost at exit when the machine was busy (llama-batched-bench's last row, with -npl 1,8: 2 runs in 3
+    under load), so llama-batched-bench runs one cheap configuration after the two it is asked for."""
+    import tempfile
+
     from irminsul.errors import UserFacingError
 
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out.seek(0)
+        text = out.read()
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or ["no output"])[-1]
         raise UserFacingError(f"{Path(cmd[0]).name} failed (exit status {p.returncode}): {last}")
-    return p.stdout
+    return text
 
 
 def llamacpp(llama: Path, gguf: Path, args) -> dict:
     """Per flash-attention setting and shape: first-sight and the median of the next `repeat` runs."""
+    from irminsul.errors import UserFacingError
+
     bench, batched = _tool(llama, "llama-bench"), _tool(llama, "llama-batched-bench")
     fas = args.llama_fa.split(",")
     out: dict[str, dict] = {}
@@ -325,10 +336,15 @@ def llamacpp(llama: Path, gguf: Path, args) -> dict:
             runs: dict[int, list[float]] = {1: [], args.batch: []}
             for _ in range(n):  # one process each: the first process is the first sight
                 text = _call([str(batched), "-m", str(gguf), "-t", "1", "-c", "8192", "-b", "2048", "-ub", "512",
-                              "-npp", str(args.prompt), "-ntg", str(args.new), "-npl", f"1,{args.batch}",
+                              "-npp", str(args.prompt), "-ntg", str(args.new), "-npl", f"1,{args.batch},1",
                               "-fa", fa, "--output-format", "jsonl"])
-                for row in (json.loads(x) for x in text.splitlines() if x.startswith("{")):
-                    runs[row["pl"]].append(row["speed"])
+                rows: dict[int, float] = {}
+                for r in (json.loads(x) for x in text.splitlines() if x.startswith("{")):
+                    rows.setdefault(r["pl"], r["speed"])  # (the trailing third run only guards the logger)
+                if set(rows) != set(runs):
+                    raise UserFacingError(f"llama-batched-bench printed rows for npl {sorted(rows)}, not 1 and {args.batch}")
+                for pl, speed in rows.items():
+                    runs[pl].append(speed)
                 bar.update()
             res["one"], res["batch8"] = _summary(runs[1]), _summary(runs[args.batch])
     best = {}
