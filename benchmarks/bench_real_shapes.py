@@ -153,6 +153,7 @@ def worker_irminsul(args) -> dict:
         return run
 
     fns = {"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)}
+    fns = {k: v for k, v in fns.items() if k in args.shapes.split(",")}
     out = {}
     with _progress(len(fns) * (1 + args.repeat), "irminsul") as bar:
         for shape, fn in fns.items():
@@ -256,6 +257,7 @@ def worker_vllm(args) -> dict:
         return run
 
     fns = {"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)}
+    fns = {k: v for k, v in fns.items() if k in args.shapes.split(",")}
     out = {}
     with _progress(len(fns) * (1 + args.repeat), "vllm") as bar:
         for shape, fn in fns.items():
@@ -275,7 +277,8 @@ def run_worker(python: str, worker: str, args, timeout: int, extra_env: dict | N
 
     cmd = [python, str(Path(__file__).resolve()), "--worker", worker, "--checkpoint", str(args.checkpoint),
            "--depth", str(args.depth), "--new", str(args.new), "--prompt", str(args.prompt),
-           "--batch", str(args.batch), "--repeat", str(args.repeat), *(["--eager"] if args.eager else [])]
+           "--batch", str(args.batch), "--repeat", str(args.repeat), "--shapes", args.shapes,
+           *(["--eager"] if args.eager else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env)
@@ -329,7 +332,7 @@ def llamacpp(llama: Path, gguf: Path, args) -> dict:
             res = out[f"fa {fa}"] = {}
             for shape, extra in (("prefill", ["-p", str(args.depth), "-n", "0"]),
                                  ("decode", ["-p", "0", "-n", str(args.new), "-d", str(args.depth)])):
-                text = _call([str(bench), "-m", str(gguf), "-t", "1", "-fa", "1" if fa == "on" else "0", "-r", str(n),
+                text = _call([str(bench), "-m", str(gguf), "-t", "1", "-fa", fa, "-r", str(n),
                               "--no-warmup", "-o", "json", *extra])
                 res[shape] = _summary([float(x) for x in json.loads(text)[0]["samples_ts"]])
                 bar.update()
@@ -384,13 +387,16 @@ def report(results: dict, args) -> None:
     ours = results.get("irminsul", {}).get("shapes")
     peers = {"llama.cpp": (results["llamacpp"]["best"] if "llamacpp" in results else None, TARGET_LLAMA),
              "vLLM-CPU": (results["vllm"]["shapes"] if "vllm" in results else None, TARGET_VLLM)}
-    print(f"\n## tok/s: first-sight / median of {args.repeat} (the {args.repeat} runs)")
+    print("\n## tok/s: first-sight / median of the runs after it (those runs)")
     print("| shape | Irminsul | llama.cpp | vLLM-CPU |\n|---|---:|---:|---:|")
     for s in SHAPES:
-        cells = [_fmt(ours[s]) if ours else "not run"]
+        cells = [_fmt(ours[s]) if ours and s in ours else "not run"]
         for name, (theirs, _) in peers.items():
-            fa = f" (flash attn {theirs[s]['fa'].split()[-1]})" if theirs and "fa" in theirs[s] else ""
-            cells.append(_fmt(theirs[s]) + fa if theirs else "not run")
+            if not theirs or s not in theirs:
+                cells.append("not run")
+                continue
+            fa = f" (flash attn {theirs[s]['fa'].split()[-1]})" if "fa" in theirs[s] else ""
+            cells.append(_fmt(theirs[s]) + fa)
         print(f"| {labels[s]} | " + " | ".join(cells) + " |")
     if ours:
         print("\n## Irminsul / peer: ratio of the medians (of the first-sight runs), and the target")
@@ -398,7 +404,7 @@ def report(results: dict, args) -> None:
         for s in SHAPES:
             cells = []
             for name, (theirs, targets) in peers.items():
-                if theirs is None:
+                if theirs is None or s not in theirs or s not in ours:
                     cells += ["not run", "-", "-"]
                     continue
                 r, rf, t = ours[s]["median"] / theirs[s]["median"], ours[s]["first"] / theirs[s]["first"], targets.get(s)
@@ -412,7 +418,8 @@ def report(results: dict, args) -> None:
         st = rows[-1]["moved"]
         print(f"\n## Irminsul pic, moved document: a {st['prompt_tokens']}-token prompt (header B {MOVED['header_b']} + "
               f"document {MOVED['doc']} + question {MOVED['question']}), the document seen behind a "
-              f"{MOVED['header_a']}-token header; TTFT (one token), first-sight / median of {args.repeat} documents")
+              f"{MOVED['header_a']}-token header; TTFT (one token), first-sight / median of the {len(rows) - 1} "
+              "documents after it")
         print("| | TTFT s | prefix / reused / computed (carve-out) tokens |\n|---|---:|---|")
         for key, name in (("moved", "moved document, pic"), ("prefix", "ideal: same computed tokens after an exact-prefix hit"),
                           ("alone", "ideal: the computed tokens alone")):
@@ -442,11 +449,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3, help="runs after the first-sight one (the median is reported)")
-    ap.add_argument("--llama-fa", default="off,on", help="llama.cpp flash attention settings to run, the faster kept")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes to run (Irminsul and vLLM)")
+    ap.add_argument("--llama-fa", default="off,on",
+                    help="llama.cpp flash attention settings to run (off, on, auto: its default), the faster kept")
     ap.add_argument("--skip", default="", help="comma-separated parts not to run: irminsul, pic, llamacpp, vllm")
     ap.add_argument("--eager", action="store_true", help="Irminsul: LLM(compile_decode=False)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
     ap.add_argument("--json", type=Path, help="write every measurement here")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --json: keep the parts that file already holds and run only the others")
     ap.add_argument("--worker", choices=["irminsul", "pic", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -480,20 +491,34 @@ def main() -> None:
           f"{cfg['n_shared_experts']} shared, {cfg['num_hidden_layers']} layers ({cfg['first_k_dense_replace']} dense), "
           f"vocab {cfg['vocab_size']}, bf16; 1 thread per engine (OMP_NUM_THREADS=1, llama.cpp -t 1)", flush=True)
     results: dict = {"machine": machine_lines(), "config": cfg, "command": " ".join(sys.argv)}
+    if args.resume and args.json and args.json.exists():
+        earlier = json.loads(args.json.read_text())
+        results.update({k: v for k, v in earlier.items() if k in ("llamacpp", "irminsul", "pic", "vllm")})
+        results["commands"] = earlier.get("commands", [earlier.get("command")]) + [results["command"]]
+        skip |= set(results) & {"irminsul", "pic", "vllm"} | ({"llamacpp"} if "llamacpp" in results else set())
+        print("resumed from " + str(args.json) + ": " + ", ".join(k for k in ("llamacpp", "irminsul", "pic", "vllm")
+                                                                  if k in results))
+
+    def keep():  # after every part: a run cut short keeps what it measured
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
     if "llamacpp" not in skip:
         if not args.gguf.exists():
             convert(args.convert_python, args.llama_cpp, args.checkpoint, args.gguf)
         t = time.perf_counter()
         results["llamacpp"] = llamacpp(args.llama_cpp, args.gguf, args)
         print(f"llama.cpp: {time.perf_counter() - t:.0f} s", flush=True)
+        keep()
     if "irminsul" not in skip:
         t = time.perf_counter()
         results["irminsul"] = run_worker(sys.executable, "irminsul", args, args.timeout)
         r = results["irminsul"]
         print(f"irminsul: {time.perf_counter() - t:.0f} s (load {r['load_s']:.1f} s, compiled decode "
               f"{r['compiled_decode']}, peak RSS {r['peak_rss_gib']:.2f} GiB)", flush=True)
+        keep()
     if "pic" not in skip:
         results["pic"] = run_worker(sys.executable, "pic", args, args.timeout)
+        keep()
     if args.vllm_python and "vllm" not in skip:
         t = time.perf_counter()
         results["vllm"] = run_worker(args.vllm_python, "vllm", args, args.timeout,
@@ -501,10 +526,9 @@ def main() -> None:
         r = results["vllm"]
         print(f"vllm {r['version']} (torch {r['torch']}, {r['threads']} thread): {time.perf_counter() - t:.0f} s (load {r['load_s']:.1f} s, "
               f"peak RSS {r['peak_rss_gib']:.2f} GiB)", flush=True)
+        keep()
     elif "vllm" not in skip:
         print("vLLM-CPU: skipped (no --vllm-python)")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     report(results, args)
     print(f"\n(run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
 
