@@ -59,6 +59,11 @@ SLICE_BYTES = 32 * 2**20  # larger weights are timed on a slice of their output 
 COMPUTE_SLICE_BYTES = 8 * 2**20  # ... and this large for products of more than STREAM_ROWS rows
 SAMPLES = 7  # interleaved samples per candidate (`_typical` of them is kept)
 SAMPLE_SECONDS = 0.0005  # a sample runs at least this long (several calls of a small product)
+# a candidate whose second call takes this many times the fastest one timed before it is not sampled:
+# it cannot be chosen, and on some CPUs it is very slow (torch's bf16 `x @ W` on a CPU without bf16
+# instructions multiplies at ~0.3 GFLOP/s, 30x below F.linear's: sampling it made a realistic model's
+# first load measure for 13 minutes)
+HOPELESS = 8.0
 MAX_COPIES = 64  # at most this many copies (smaller weights are then read a little warmer than the model's)
 STREAM_ROWS = 8  # products of at most these many rows are timed over rotating copies (they stream)
 PROGRESS_AFTER = 1.0  # seconds of measuring expected before a progress bar is shown
@@ -249,19 +254,25 @@ def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool) -> dict
 def _time(cands: dict[str, Callable[[], object]]) -> dict[str, float]:
     """Seconds per call of each candidate (`_typical` of its samples): two calls left out (oneDNN builds its kernel on the
     first), then SAMPLES interleaved samples (a different order each round), each of enough calls to
-    last SAMPLE_SECONDS. (Calls rotate through a candidate's copies across samples, so between two
+    last SAMPLE_SECONDS; a candidate whose second call is HOPELESS times slower than the fastest before
+    it gets that call's time and no samples. (Calls rotate through a candidate's copies across samples, so between two
     uses of one copy all the others are read: a sample need not visit them all.)"""
     calls = {}
     longest = 0.0
+    fastest = float("inf")
+    hopeless: dict[str, float] = {}
     for name, fn in cands.items():
         fn()
         t = time.perf_counter()
         fn()
         once = max(time.perf_counter() - t, 1e-7)
-        longest = max(longest, once)
+        if once > HOPELESS * fastest:  # (its second call: the first may build oneDNN's kernel)
+            hopeless[name] = once
+            continue
+        longest, fastest = max(longest, once), min(fastest, once)
         calls[name] = max(1, math.ceil(SAMPLE_SECONDS / once))
-    got: dict[str, list[float]] = {name: [] for name in cands}
-    names = list(cands)
+    got: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
     samples = SAMPLES if longest < 0.002 else max(3, SAMPLES - 2)  # (long calls: less noise each)
     for s in range(samples):
         for name in names[s % len(names):] + names[: s % len(names)]:
@@ -270,7 +281,7 @@ def _time(cands: dict[str, Callable[[], object]]) -> dict[str, float]:
             for _ in range(n):
                 fn()
             got[name].append((time.perf_counter() - t) / n)
-    return {name: _typical(v) for name, v in got.items()}
+    return {name: _typical(got[name]) if name in got else hopeless[name] for name in cands}
 
 
 def _typical(samples: list[float]) -> float:

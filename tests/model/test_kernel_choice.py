@@ -3,6 +3,7 @@ computes F.linear's product, the times are cached and reused, an unwritable cach
 packed model holds its weights about once."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -211,3 +212,24 @@ def test_weights_are_held_about_once(tiny_dir, tmp_path, monkeypatch):
     assert fixed.lm_head.dnn is not None and fixed.lm_head.dnn[0] is not None  # (blocks of 256: the tiny sizes)
     assert not fixed.lm_head.weight.is_contiguous()  # input-major, as the rule had it
     assert _held_bytes(fixed) > 1.3 * params  # (1.4x at these sizes; 3.5x at 2,048 wide)
+
+
+def test_a_hopeless_candidate_is_called_once_and_never_chosen():
+    """A candidate far slower than one timed before it gets its second call's time, not samples (a
+    CPU's pathological path must not make the first load measure for minutes)."""
+    calls = {"fast": 0, "slow": 0}
+
+    def fast():
+        calls["fast"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.05)
+
+    times = kernel_choice._time({"fast": fast, "slow": slow})
+    assert calls["slow"] == 2 and calls["fast"] > 2
+    assert times["slow"] >= 0.05 > times["fast"]
+    # in the other order both are sampled: the first candidate has nothing to be compared with
+    calls.update(fast=0, slow=0)
+    kernel_choice._time({"slow": slow, "fast": fast})
+    assert calls["slow"] > 2
