@@ -10,7 +10,7 @@ rows it attends to, so its ceiling is the bytes a token reads over the bandwidth
 model's own dtype as large as its LM head, which is what a decode step is made of). Prefill is bound
 by the multiply-adds: the FLOPs per prompt token (`research/eval/accounting.py`, the engine's own
 attention-form rule) over the rate one thread multiplies a [prompt, hidden] x [hidden, hidden]
-product at in that dtype.
+product at in that dtype (the faster of the two weight layouts).
 
 `--measured` takes `bench_real_shapes.py --json`'s output and prints each engine's decode and prefill
 tokens/s as a share of these ceilings.
@@ -60,10 +60,19 @@ def stream_bandwidth(dtype: torch.dtype, hidden: int, vocab: int) -> dict[str, f
     return out
 
 
-def matmul_rate(dtype: torch.dtype, rows: int, hidden: int) -> float:
-    """GFLOP/s of a [rows, hidden] x [hidden, hidden] product, one thread."""
-    a, b = torch.randn(rows, hidden).to(dtype), torch.randn(hidden, hidden).to(dtype)
-    return 2.0 * rows * hidden * hidden / _median_time(lambda: a @ b, repeats=3) / 1e9
+def matmul_rate(dtype: torch.dtype, rows: int, hidden: int) -> dict[str, float]:
+    """GFLOP/s of a [rows, hidden] x [hidden, hidden] product, one thread, with the weight in either
+    layout (`F.linear` on [out, in], `x @ W` on [in, out]): on some CPUs one of them is far slower."""
+    a, w = torch.randn(rows, hidden).to(dtype), torch.randn(hidden, hidden).to(dtype)
+    wt = w.t().contiguous()
+    flops = 2.0 * rows * hidden * hidden
+    rates = {"F.linear": flops / _median_time(lambda: torch.nn.functional.linear(a, w), repeats=3) / 1e9,
+             "x @ W": flops / _median_time(lambda: a @ wt, repeats=3) / 1e9}
+    if dtype != torch.float32:  # the weight kept in its dtype, upcast for each call, multiplied in fp32
+        a32 = a.float()
+        rates["weight upcast per call, then fp32 F.linear"] = flops / _median_time(
+            lambda: torch.nn.functional.linear(a32, w.float()), repeats=3) / 1e9
+    return rates
 
 
 def decode_bytes(arch: Arch, depth: int, dtype_bytes: int) -> dict[str, float]:
@@ -102,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     bw = stream_bandwidth(dtype, arch.hidden, arch.vocab)
     for what, gbs in bw.items():
         print(f"bandwidth, {what}: {gbs:.1f} GB/s")
-    rate = matmul_rate(dtype, args.prompt, arch.hidden)
-    print(f"multiply rate, [{args.prompt}, {arch.hidden}] x [{arch.hidden}, {arch.hidden}] {dtype_name}: "
-          f"{rate:.1f} GFLOP/s\n")
+    rates = matmul_rate(dtype, args.prompt, arch.hidden)
+    for what, gflops in rates.items():
+        print(f"multiply rate, {what}, [{args.prompt}, {arch.hidden}] x [{arch.hidden}, {arch.hidden}] {dtype_name}: "
+              f"{gflops:.1f} GFLOP/s")
+    rate = max(v for k, v in rates.items() if not k.startswith("weight upcast"))  # (what the engine runs today)
+    print()
 
     d = decode_bytes(arch, args.depth, size)
     gemv = max(v for k, v in bw.items() if not k.startswith("sum"))
@@ -119,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefill of {args.prompt}: {per_token / 1e9:.3f} GFLOP a token (in all: linear "
           f"{prefill['linear'] / 1e9:.1f}, attention {prefill['attention'] / 1e9:.1f}, LM head of the last "
           f"token {prefill['lm_head'] / 1e9:.2f} GFLOP)")
-    print(f"  ceiling at {rate:.1f} GFLOP/s: {prefill_ceiling:.0f} tok/s")
+    print(f"  ceiling at the faster product's {rate:.1f} GFLOP/s: {prefill_ceiling:.0f} tok/s")
 
     if args.measured is not None:
         runs = json.loads(args.measured.read_text())
+        engines = {"irminsul": (runs.get("irminsul") or {}).get("shapes", {}),
+                   "llama.cpp": (runs.get("llamacpp") or {}).get("best", {}),
+                   "vllm": (runs.get("vllm") or {}).get("shapes", {})}
         print(f"\nmeasured ({args.measured}), median tok/s as a share of the ceiling:")
-        for engine, shapes in runs.get("engines", {}).items():
+        for engine, shapes in engines.items():
             parts = []
             for shape, ceiling in (("decode", decode_ceiling), ("prefill", prefill_ceiling)):
                 got = (shapes.get(shape) or {}).get("median")
