@@ -116,6 +116,12 @@ def computed(url: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith("irminsul_computed_tokens_total{"))
 
 
+def replica_gauge(url: str, name: str, replica: str) -> float:
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines
+               if line.startswith(name + "{") and f'replica="{replica}"' in line.split("}")[0])
+
+
 def ingress_counter(url: str, name: str) -> float:
     lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
     return sum(float(line.split()[-1]) for line in lines if line.startswith(name + '{replica="ingress"}'))
@@ -207,7 +213,10 @@ def test_killing_a_replica_fails_no_request_that_had_not_started_streaming_on_it
         # must still get its answer, from the other replica
         whole = [pool.submit(post, url, turn(f"question {i}", doc, f"Question {i}?"), 300, ignore_eos=True)
                  for i in range(6)]
-        time.sleep(0.3)
+        # (routed and running there before it dies: on a slow machine the ingress may take longer than
+        # the stream's next tokens to route them)
+        wait_for(lambda: replica_gauge(url, "irminsul_running_requests", victim) >= 2, 60,
+                 "the requests running on the victim")
         ray.kill(ray.get_actor(next(n for n in names if n.endswith(victim)), namespace="serve"))
         rest = [first, *(line for line in lines if line)]
         answered = [f.result(timeout=150) for f in whole]  # (post asserts each is a 200)
