@@ -105,6 +105,20 @@ def _peak_rss_gib() -> float:
 
 
 # --------------------------------------------------------------------------- Irminsul (worker side)
+def _run_shapes(fns: dict, args, desc: str) -> dict:
+    """Each shape asked for (`--shapes`) run 1 + `--repeat` times: {shape: _summary of its runs}."""
+    fns = {k: v for k, v in fns.items() if k in args.shapes.split(",")}
+    out = {}
+    with _progress(len(fns) * (1 + args.repeat), desc) as bar:
+        for shape, fn in fns.items():
+            runs = []
+            for _ in range(1 + args.repeat):
+                runs.append(fn())
+                bar.update()
+            out[shape] = _summary(runs)
+    return out
+
+
 def worker_irminsul(args) -> dict:
     import numpy as np
     import torch
@@ -152,16 +166,8 @@ def worker_irminsul(args) -> dict:
             return b * (p + g) / elapsed
         return run
 
-    fns = {"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)}
-    fns = {k: v for k, v in fns.items() if k in args.shapes.split(",")}
-    out = {}
-    with _progress(len(fns) * (1 + args.repeat), "irminsul") as bar:
-        for shape, fn in fns.items():
-            runs = []
-            for _ in range(1 + args.repeat):
-                runs.append(fn())
-                bar.update()
-            out[shape] = _summary(runs)
+    out = _run_shapes({"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)},
+                      args, "irminsul")
     compiled = getattr(engine.runner, "compiled", None) is not None
     return {"shapes": out, "load_s": load_s, "compiled_decode": compiled, "peak_rss_gib": _peak_rss_gib()}
 
@@ -256,16 +262,8 @@ def worker_vllm(args) -> dict:
             return b * (p + g) / elapsed
         return run
 
-    fns = {"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)}
-    fns = {k: v for k, v in fns.items() if k in args.shapes.split(",")}
-    out = {}
-    with _progress(len(fns) * (1 + args.repeat), "vllm") as bar:
-        for shape, fn in fns.items():
-            runs = []
-            for _ in range(1 + args.repeat):
-                runs.append(fn())
-                bar.update()
-            out[shape] = _summary(runs)
+    out = _run_shapes({"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)},
+                      args, "vllm")
     return {"shapes": out, "load_s": load_s, "version": vllm.__version__, "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "peak_rss_gib": _peak_rss_gib()}
