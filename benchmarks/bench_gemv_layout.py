@@ -4,6 +4,8 @@
   out    torch's product over the weight stored [out, in] (nn.Linear's layout; F.linear)
   in     the same over the weight stored input-major [in, out] (x @ W)
   dnn    oneDNN's over a copy of the weight blocked for that many rows (8, 32, 256)
+  gemv   one row: model/gemv.py's compiled multiply-and-sum over the out-major weight (where a C++
+         compiler is found; IRMINSUL_GEMV=0 leaves it out)
   fixed  the earlier fixed rule's `dnn_linear` (input-major, copies for 256, 32 and 8 rows of every
          float32 weight large enough), at that row count
 
@@ -27,7 +29,7 @@ import torch
 from irminsul import bundled_model
 from irminsul.cli import run_for_people
 from irminsul.machine import describe
-from irminsul.model import kernel_choice
+from irminsul.model import gemv, kernel_choice
 from irminsul.model.kernel_choice import Product
 from irminsul.model.layers import dnn_linear, dnn_weight
 from irminsul.model.loader import load_model
@@ -84,13 +86,14 @@ def main() -> int:
         names = [f"[{p.out}, {p.inp}]" + (" (own)" if p.layout else "") for p in products]
         model_bytes, decode_bytes = model._weight_bytes()
     streamed = kernel_choice.stream_bytes(decode_bytes)
+    with_gemv = gemv.available()
     print(f"dtype {args.dtype}; timed over {streamed / 2**20:.0f} MiB of copies at 1 and 8 rows; "
-          f"oneDNN a candidate: {kernel_choice.dnn_applies(dtype)}\n")
-    print(f"{'product':22s} {'rows':>5s} {'out':>10s} {'in':>10s} {'dnn':>10s} {'fixed':>10s}  "
-          f"{'best/out':>8s}  one row GB/s (out, in)")
+          f"oneDNN a candidate: {kernel_choice.dnn_applies(dtype)}; gemv a candidate: {with_gemv}\n")
+    print(f"{'product':22s} {'rows':>5s} {'out':>10s} {'in':>10s} {'dnn':>10s} {'gemv':>10s} {'fixed':>10s}  "
+          f"{'best/out':>8s}  one row GB/s (out, in, gemv)")
     all_times = {}
     for name, p in zip(names, products):
-        runs = [kernel_choice.measure(p.out, p.inp, p.dtype, streamed, kernel_choice.dnn_applies(dtype))
+        runs = [kernel_choice.measure(p.out, p.inp, p.dtype, streamed, kernel_choice.dnn_applies(dtype), with_gemv)
                 for _ in range(args.repeat)]
         times = {r: {c: statistics.median(run[r][c] for run in runs) for c in runs[0][r]} for r in runs[0]}
         all_times[p.key] = times
@@ -103,11 +106,11 @@ def main() -> int:
             gbs = ""
             if rows == 1:
                 size = p.out * p.inp * kernel_choice._itemsize(dtype) / 1e9
-                gbs = f"  {size / t['out']:5.1f}, {size / t['in']:5.1f}"
-            print(f"{name if rows == 1 else '':22s} {rows:5d} {cell('out')} {cell('in')} {cell('dnn')} {fx}  "
+                gbs = f"  {size / t['out']:5.1f}, {size / t['in']:5.1f}" + (f", {size / t['gemv']:5.1f}" if "gemv" in t else "")
+            print(f"{name if rows == 1 else '':22s} {rows:5d} {cell('out')} {cell('in')} {cell('dnn')} {cell('gemv')} {fx}  "
                   f"{t['out'] / best:7.2f}x{gbs}")
     # the choice these times make (the model's copy budget, its counts and uses)
-    kernel_choice._memory.update({kernel_choice.entry_key(p.out, p.inp, p.dtype, streamed): all_times[p.key]
+    kernel_choice._memory.update({kernel_choice.entry_key(p.out, p.inp, p.dtype, streamed, with_gemv): all_times[p.key]
                                   for p in products})
     choices = kernel_choice.choose(products, model_bytes, decode_bytes, kernels="measured", progress=False)
     print("\nchosen (" + ("one of each shape" if args.real else "this model's counts") + "):")

@@ -26,6 +26,13 @@ From the times, per shape:
   stay within `COPY_BUDGET` of the model's weight bytes (the shapes that save the most time per byte
   held first; a routed expert counts for the share of tokens it sees). So weights are held about once.
 
+One-row products (a decode step of one sequence) have a third candidate where the weight is
+out-major: `gemv.product`, a compiled multiply-and-sum that streams the weight at close to the
+memory's speed where torch's bf16 kernels read it at half that (model/gemv.py; a candidate only
+where `gemv.available()`: a C++ compiler, compiled kernels not turned off). A shape takes it
+(`Choice.gemv`) where it beats the dense product of its layout by `GEMV_GAIN` at one row; the
+dense layout is chosen with it counted as the out-major layout's one-row time.
+
 `IRMINSUL_KERNEL_CHOICE=fixed` (or `DeepseekModel.pack(kernels="fixed")`) keeps the earlier fixed rule
 instead (input-major everywhere; oneDNN copies for 256, 32 and 8 rows of every float32 weight large
 enough, `layers.DNN_MIN_MACS`), for comparing. `IRMINSUL_KERNEL_CACHE` names the cache file;
@@ -54,6 +61,7 @@ log = logging.getLogger("irminsul.model")
 ROWS = (1, 8, 32, 256)  # the row counts timed: a decode step, small and larger batches, a prefill
 BLOCKS = (256, 32, 8)  # the row blocks oneDNN copies are made for (layers.DNN_BLOCKS)
 MIN_GAIN = 1.15  # a blocked copy must be this much faster than the dense product at its own block
+GEMV_GAIN = 1.1  # the one-row kernel must be this much faster than the dense one-row product
 COPY_BUDGET = 1 / 3  # blocked copies may add at most this fraction of the model's weight bytes
 SLICE_BYTES = 32 * 2**20  # larger weights are timed on a slice of their output rows this large...
 COMPUTE_SLICE_BYTES = 8 * 2**20  # ... and this large for products of more than STREAM_ROWS rows
@@ -67,16 +75,17 @@ HOPELESS = 8.0
 MAX_COPIES = 64  # at most this many copies (smaller weights are then read a little warmer than the model's)
 STREAM_ROWS = 8  # products of at most these many rows are timed over rotating copies (they stream)
 PROGRESS_AFTER = 1.0  # seconds of measuring expected before a progress bar is shown
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 @dataclass(frozen=True)
 class Choice:
     """How one product shape runs: its dense layout ("out": [out, in] as nn.Linear stores it, F.linear;
-    "in": [in, out], x @ W) and the row blocks it keeps oneDNN copies for (none, one, or for the fixed
-    rule all three)."""
+    "in": [in, out], x @ W), the row blocks it keeps oneDNN copies for (none, one, or for the fixed
+    rule all three), and whether its one-row products take `gemv.product` (out-major only)."""
     layout: str
     blocks: tuple[int, ...] = ()
+    gemv: bool = False
 
 
 @dataclass
@@ -223,11 +232,13 @@ def measured_rows(out: int, inp: int, dtype: torch.dtype, limit: int = None) -> 
     return min(out, max(4096, limit // per_row // 64 * 64))
 
 
-def entry_key(out: int, inp: int, dtype: torch.dtype, streamed: int) -> str:
-    return f"{str(dtype).removeprefix('torch.')}|{out}x{inp}|threads{torch.get_num_threads()}|stream{_bucket(streamed)}"
+def entry_key(out: int, inp: int, dtype: torch.dtype, streamed: int, with_gemv: bool = False) -> str:
+    return (f"{str(dtype).removeprefix('torch.')}|{out}x{inp}|threads{torch.get_num_threads()}|stream{_bucket(streamed)}"
+            + ("|gemv" if with_gemv else ""))
 
 
-def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool) -> dict[str, Callable[[], object]]:
+def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool,
+                with_gemv: bool = False) -> dict[str, Callable[[], object]]:
     """name -> one call of that candidate on `rows` rows, each call on the next of `copies` copies."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
@@ -238,6 +249,11 @@ def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool) -> dict
     if with_dnn and rows in BLOCKS:
         pools["dnn"] = [torch.ops.mkldnn._reorder_linear_weight(o, rows) for o in outs]
         made["dnn"] = lambda b: torch.ops.mkldnn._linear_pointwise(x, b, None, "none", [], "")
+    if with_gemv and rows == 1:
+        from irminsul.model import gemv
+
+        pools["gemv"] = outs
+        made["gemv"] = lambda o: gemv.product(x, o)
 
     def cycle(fn, pool):
         state = {"i": 0}
@@ -291,7 +307,8 @@ def _typical(samples: list[float]) -> float:
     return statistics.median(fast)
 
 
-def measure(out: int, inp: int, dtype: torch.dtype, streamed: int, with_dnn: bool) -> dict[str, dict[str, float]]:
+def measure(out: int, inp: int, dtype: torch.dtype, streamed: int, with_dnn: bool,
+            with_gemv: bool = False) -> dict[str, dict[str, float]]:
     """{rows: {candidate: seconds per call}} for a product [out, in] of `dtype`, scaled to all of its
     output rows when timed on a slice: products that stream their weight (at most STREAM_ROWS rows) on
     up to SLICE_BYTES of it, over copies that add up to `streamed` bytes; the others, bound by
@@ -307,7 +324,7 @@ def measure(out: int, inp: int, dtype: torch.dtype, streamed: int, with_dnn: boo
             w = w_full[:sub]
             size = sub * inp * _itemsize(dtype)
             copies = max(1, min(MAX_COPIES, math.ceil(streamed / size))) if streams else 1
-            cands = _candidates(w, rows, copies, with_dnn)
+            cands = _candidates(w, rows, copies, with_dnn, with_gemv)
             result[str(rows)] = {k: v * out / sub for k, v in _time(cands).items()}
             del cands
     return result
@@ -324,9 +341,21 @@ def estimate_seconds(products: list[Product]) -> float:
 
 def _dense_layout(times: dict[str, dict[str, float]]) -> str:
     """The dense layout with the least total time over the row counts, each relative to the better one
-    (ties: out-major, nn.Linear's own)."""
-    score = {layout: sum(t[layout] / min(t["out"], t["in"]) for t in times.values()) for layout in ("out", "in")}
+    (ties: out-major, nn.Linear's own); out-major's one-row time is the gemv kernel's where that
+    was measured and pays (`_gemv_pays`)."""
+    def t_of(rows: str, layout: str) -> float:
+        t = times[rows]
+        return t["gemv"] if layout == "out" and rows == "1" and _gemv_pays(times) else t[layout]
+
+    score = {layout: sum(t_of(r, layout) / min(t_of(r, "out"), t_of(r, "in")) for r in times)
+             for layout in ("out", "in")}
     return "in" if score["in"] < score["out"] * 0.98 else "out"
+
+
+def _gemv_pays(times: dict[str, dict[str, float]]) -> bool:
+    """Whether the one-row kernel was measured and beats out-major's dense one-row product by GEMV_GAIN."""
+    one = times.get("1", {})
+    return "gemv" in one and one["gemv"] * GEMV_GAIN < one["out"]
 
 
 def _block_saving(times: dict[str, dict[str, float]], layout: str, block: int) -> float:
@@ -360,9 +389,10 @@ class KernelChoices:
     forced: Choice | None = None  # every shape's choice (`KernelChoices.every`), for tests and benchmarks
 
     @classmethod
-    def every(cls, layout: str, blocks: tuple[int, ...] = ()) -> "KernelChoices":
-        """Choices that give every shape this layout (where the weight's own may change) and blocks."""
-        return cls("forced", {}, forced=Choice(layout, blocks))
+    def every(cls, layout: str, blocks: tuple[int, ...] = (), gemv: bool = False) -> "KernelChoices":
+        """Choices that give every shape this layout (where the weight's own may change), blocks and
+        one-row kernel (for the out-major ones)."""
+        return cls("forced", {}, forced=Choice(layout, blocks, gemv))
 
     def choice(self, out: int, inp: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                layout: str | None = None) -> Choice:
@@ -371,12 +401,14 @@ class KernelChoices:
         if key in self.choices:
             return self.choices[key]
         if self.forced is not None:
-            c = Choice(layout or self.forced.layout, self.forced.blocks)
+            layout = layout or self.forced.layout
+            c = Choice(layout, self.forced.blocks, self.forced.gemv and layout == "out")
         elif self.kernels == "fixed" or torch.device(device).type != "cpu":
             c = fixed_choice(out, inp, dtype, device)
         else:
             times = _times([Product(out, inp, dtype)], self.streamed, progress=False)[key[:3] + (None,)]
-            c = Choice(layout or _dense_layout(times))
+            layout = layout or _dense_layout(times)
+            c = Choice(layout, gemv=layout == "out" and _gemv_pays(times))
         self.choices[key] = c
         return c
 
@@ -384,12 +416,15 @@ class KernelChoices:
 def _times(products: list[Product], streamed: int, progress: bool) -> dict[tuple, dict[str, dict[str, float]]]:
     """Each product's measured times: from this process's memory, the cache file, or measured now
     (and written to the cache; a cache that cannot be read or written only means measuring again)."""
+    from irminsul.model import gemv
+
     path = cache_path()
     stored = None
     out: dict[tuple, dict[str, dict[str, float]]] = {}
     todo = []
+    with_gemv = gemv.available()
     for p in products:
-        key = entry_key(p.out, p.inp, p.dtype, streamed)
+        key = entry_key(p.out, p.inp, p.dtype, streamed, with_gemv)
         if key not in _memory:
             if stored is None:
                 stored = _read_cache(path)
@@ -407,7 +442,7 @@ def _times(products: list[Product], streamed: int, progress: bool) -> dict[tuple
             bar = tqdm(total=len(todo), desc="measuring linear kernels (once per CPU)", unit="shape", leave=False)
         new = {}
         for p, key in todo:
-            times = measure(p.out, p.inp, p.dtype, streamed, dnn_applies(p.dtype))
+            times = measure(p.out, p.inp, p.dtype, streamed, dnn_applies(p.dtype), with_gemv)
             _memory[key] = new[key] = out[p.key] = times
             if bar is not None:
                 bar.update(1)
@@ -455,7 +490,8 @@ def choose(products: list[Product], model_bytes: int, decode_bytes: int | None =
     for p in products:
         t = times[p.key]
         layout = p.layout or _dense_layout(t)
-        choices[p.key] = Choice(layout)
+        one_row = layout == "out" and _gemv_pays(t)
+        choices[p.key] = Choice(layout, gemv=one_row)
         paying = [b for b in BLOCKS if t[str(b)].get("dnn") is not None and t[str(b)][layout] >= MIN_GAIN * t[str(b)]["dnn"]
                   and _block_saving(t, layout, b) > 0]
         if paying:
@@ -466,7 +502,7 @@ def choose(products: list[Product], model_bytes: int, decode_bytes: int | None =
         extra = p.weight_bytes() * p.count
         if extra <= room:
             room -= extra
-            choices[p.key] = Choice(choices[p.key].layout, (block,))
+            choices[p.key] = Choice(choices[p.key].layout, (block,), choices[p.key].gemv)
     return KernelChoices(how, choices, streamed, seconds)
 
 
@@ -499,5 +535,6 @@ def describe(p: KernelChoices) -> list[str]:
     lines = []
     for (out, inp, dtype, _), c in sorted(p.choices.items(), key=lambda kv: (str(kv[0][2]), -kv[0][0] * kv[0][1])):
         blocks = ", ".join(f"oneDNN x{b}" for b in c.blocks) or "no copy"
-        lines.append(f"[{out}, {inp}] {str(dtype).removeprefix('torch.')}: {c.layout}-major, {blocks}")
+        lines.append(f"[{out}, {inp}] {str(dtype).removeprefix('torch.')}: {c.layout}-major, {blocks}"
+                     + (", gemv for one row" if c.gemv else ""))
     return lines

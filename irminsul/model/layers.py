@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
+from irminsul.model import gemv
 from irminsul.model.config import ModelConfig
 
 
@@ -135,6 +136,18 @@ def chosen_layout(out: int, inp: int, dtype: torch.dtype, device) -> str:
     return choices.choice(out, inp, dtype, device).layout
 
 
+def gemv_chosen(w: torch.Tensor, layout: str | None = None) -> bool:
+    """Whether one-row products of w [out, in] take `gemv.product`: while `DeepseekModel.pack` packs,
+    where its choices measured that kernel faster for this shape (`kernel_choice.Choice.gemv`), w's
+    rows are contiguous and the kernel is available; never outside a pack (the fixed rule)."""
+    from irminsul.model import gemv, kernel_choice
+
+    choices = kernel_choice.current()
+    if choices is None or choices.kernels == "fixed" or w.stride(1) != 1 or not gemv.available(w.device):
+        return False
+    return choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout).gemv
+
+
 def laid_out(w: torch.Tensor, layout: str) -> torch.Tensor:
     """w [out, in] (any strides) as a [out, in] tensor stored `layout`-major ("in": the transpose of a
     contiguous [in, out]); w itself where it already is."""
@@ -155,19 +168,25 @@ def _(x_shape, b256_shape, b32_shape, b8_shape, weight_shape, bias_shape, **kwar
 
 class Linear(nn.Linear):
     """nn.Linear (the same parameters and state-dict names) that, once packed, computes products of
-    several rows through oneDNN where a copy was kept for it (`dnn_weight`); else F.linear."""
+    several rows through oneDNN where a copy was kept for it (`dnn_weight`), one row through
+    `gemv.product` where that was chosen (`gemv_chosen`); else F.linear."""
 
     dnn: tuple[torch.Tensor | None, ...] | None = None
+    one_row: bool = False  # one-row products through gemv.product
 
     def pack_dnn(self, layout: str | None = "out") -> None:
         """(Named apart from `pack`: a linear fused into another product needs no copy of its own.)
         layout: "out" (the default) for a weight that keeps nn.Linear's layout (others read it as
         [out, in] views: attention's W_UK / W_UV), None for one laid out by the choices already."""
         self.dnn = dnn_weight(self.weight, layout=layout)
+        self.one_row = gemv_chosen(self.weight, layout=layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dnn is not None and x.numel() > x.shape[-1]:
-            return dnn_linear(x, self.dnn, self.weight, self.bias)
+        if x.numel() > x.shape[-1]:
+            if self.dnn is not None:
+                return dnn_linear(x, self.dnn, self.weight, self.bias)
+        elif self.one_row:
+            return gemv.product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -199,11 +218,15 @@ def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.
 
 
 def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-           dnn: tuple[torch.Tensor | None, ...] | None = None) -> torch.Tensor:
+           dnn: tuple[torch.Tensor | None, ...] | None = None, one_row: bool = False) -> torch.Tensor:
     """x [..., in] times a weight [in, out] (`pack_linears`: either layout), plus bias; several rows
-    through `dnn`, the same weight's `dnn_weight`, when there is one."""
-    if dnn is not None and x.numel() > x.shape[-1]:
-        return dnn_linear(x, dnn, w.t(), bias)
+    through `dnn`, the same weight's `dnn_weight`, when there is one; one row through `gemv.product`
+    when `one_row` (`gemv_chosen` for w.t())."""
+    if x.numel() > x.shape[-1]:
+        if dnn is not None:
+            return dnn_linear(x, dnn, w.t(), bias)
+    elif one_row:
+        return gemv.product(x, w.t(), bias)
     return torch.matmul(x, w) if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(
         *x.shape[:-1], w.shape[1])
 
@@ -218,12 +241,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # [hidden, 2 * inner] after `pack`
         self.gate_up_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
+        self.gate_up_one_row = False  # its one-row products through gemv.product (`gemv_chosen`)
 
     def pack(self) -> None:
         stacked = self.packed  # (a stacked expert's gate|up is a view of its MoE's stack, laid out there)
         if not stacked:
             self.gate_up, _ = pack_linears(self.gate_proj, self.up_proj)
         self.gate_up_dnn = dnn_weight(self.gate_up.t())
+        self.gate_up_one_row = gemv_chosen(self.gate_up.t())
         self.down_proj.pack_dnn(layout=None if stacked else "out")
 
     def products(self, uses: float = 1.0, stacked: bool = False) -> list:
@@ -247,7 +272,7 @@ class MLP(nn.Module):
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """forward of a packed MLP, without the check (a compiled graph cannot compare data pointers)."""
-        g, u = packed(x, self.gate_up, None, self.gate_up_dnn).chunk(2, dim=-1)
+        g, u = packed(x, self.gate_up, None, self.gate_up_dnn, self.gate_up_one_row).chunk(2, dim=-1)
         return self.down_proj(F.silu(g) * u)
 
 
@@ -423,14 +448,19 @@ class MoE(nn.Module):
         `capture_scalar_outputs`), so its weights are views of the stack: indexing the stack by the id
         tensor would copy the k experts' weights at every step (~7% of a one-sequence decode of the
         bundled model)."""
-        gate_up, down = self._stacked if torch.compiler.is_compiling() else self.stacked()
+        compiling = torch.compiler.is_compiling()
+        gate_up, down = self._stacked if compiling else self.stacked()
         out = None
         for j in range(ids.shape[1]):
             e = ids[0, j].item()
-            torch._check(e >= 0)
-            torch._check(e < gate_up.shape[0])
-            g, u = torch.mm(x, gate_up[e]).chunk(2, dim=-1)
-            y = torch.mm(F.silu(g) * u, down[e]) * weights[0, j].to(x.dtype)
+            if compiling:
+                torch._check(e >= 0)
+                torch._check(e < gate_up.shape[0])
+                g, u = torch.mm(x, gate_up[e]).chunk(2, dim=-1)
+                y = torch.mm(F.silu(g) * u, down[e])
+            else:  # (the expert's own products: views of the stack, with its gemv choice)
+                y = self.experts[e].packed_forward(x)
+            y = y * weights[0, j].to(x.dtype)
             out = y if out is None else out + y
         return out
 

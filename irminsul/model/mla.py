@@ -26,7 +26,7 @@ from torch import nn
 
 from irminsul.model.attention import EMPTY_SLOT, AttentionBackend, SeqAttention
 from irminsul.model.config import ModelConfig
-from irminsul.model.layers import Linear, RMSNorm, dnn_weight, pack_linears, packed
+from irminsul.model.layers import Linear, RMSNorm, dnn_weight, gemv_chosen, pack_linears, packed
 from irminsul.model.rope import Rotary, encode_half
 
 
@@ -157,6 +157,7 @@ class MLAttention(nn.Module):
         self.kv_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
         self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after `pack`
         self.in_proj_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
+        self.in_proj_one_row = False  # its one-row products through gemv.product (`gemv_chosen`)
 
     def _q_in(self) -> nn.Linear:
         return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
@@ -165,6 +166,7 @@ class MLAttention(nn.Module):
         """The two products of the layer's input (q or q_a, and kv_a) as one (`pack_linears`)."""
         self.in_proj = pack_linears(self._q_in(), self.kv_a_proj_with_mqa)
         self.in_proj_dnn = dnn_weight(self.in_proj[0].t())
+        self.in_proj_one_row = gemv_chosen(self.in_proj[0].t())
         for lin in (self.kv_b_proj, self.o_proj) + ((self.q_b_proj,) if self.cfg.q_lora_rank is not None else ()):
             lin.pack_dnn()
 
@@ -175,7 +177,7 @@ class MLAttention(nn.Module):
         if self.in_proj is None or (not torch.compiler.is_compiling()
                                     and self.in_proj[0].data_ptr() != q_in.weight.data_ptr()):
             return q_in(x), self.kv_a_proj_with_mqa(x)
-        return packed(x, *self.in_proj, self.in_proj_dnn).split([q_in.out_features, self.cfg.latent_width], dim=-1)
+        return packed(x, *self.in_proj, self.in_proj_dnn, self.in_proj_one_row).split([q_in.out_features, self.cfg.latent_width], dim=-1)
 
     def _c_kv(self, c: torch.Tensor) -> torch.Tensor:
         c = self.kv_a_layernorm(c)

@@ -111,8 +111,9 @@ def test_a_model_packed_by_any_choices_computes_the_unpacked_models_logits(tiny_
     assert (got[0][1] - got[1][1]).abs().max().item() < 1e-4
 
 
-def _fake_times(out, inp, dtype, streamed, with_dnn):
-    """Times where input-major wins everywhere and oneDNN wins at 32 rows by 2x (so the choices are known)."""
+def _fake_times(out, inp, dtype, streamed, with_dnn, with_gemv=False):
+    """Times where input-major wins everywhere and oneDNN wins at 32 rows by 2x (so the choices are
+    known); no one-row kernel timed."""
     t = {}
     for rows in kernel_choice.ROWS:
         base = 1e-6 * rows * out * inp / 1e4

@@ -1,0 +1,131 @@
+"""The one-row product kernel (model/gemv.py) and where it runs: it computes F.linear's product for
+one row at any shape and dtype, kernel_choice takes it only where it measured faster for an
+out-major weight, and a model packed with it computes the same logits through every path that
+has one row (attention's input product, the LM head, the dense MLP, each routed expert)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from irminsul.model import gemv, kernel_choice
+from irminsul.model.kernel_choice import Choice, KernelChoices, Product
+from irminsul.model.layers import MLP, MoE
+from irminsul.model.loader import load_model
+
+pytestmark = pytest.mark.skipif(not gemv._compiler_found(), reason="torch.compile's CPU backend needs a C++ compiler")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # relative to the product's largest value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_f, in_f", [(1, 1), (7, 3), (96, 80), (1030, 136), (129, 2049)])
+def test_one_row_computes_f_linear(dtype, out_f, in_f):
+    g = torch.Generator().manual_seed(out_f * 7 + in_f)
+    w = (torch.randn(out_f, in_f, generator=g) / in_f**0.5).to(dtype)
+    bias = torch.randn(out_f, generator=g).to(dtype)
+    for x in (torch.randn(1, in_f, generator=g).to(dtype), torch.randn(1, 1, in_f, generator=g).to(dtype)):
+        want = F.linear(x.double(), w.double())
+        for b in (None, bias):
+            ref = want if b is None else want + b.double()
+            got = gemv.product(x, w, b)
+            assert got.shape == ref.shape and got.dtype == dtype
+            scale = ref.abs().max().item()
+            assert (got.double() - ref).abs().max().item() <= TOL[dtype] * scale, (x.shape, b is None)
+
+
+def test_rows_of_a_wider_storage_are_read_where_they_lie():
+    """A weight whose rows are a slice of a wider matrix (stride(0) > in), as pack_linears' views are."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(50, 300, generator=g)
+    w = wide[5:45, 100:228]
+    assert w.stride() == (300, 1)
+    x = torch.randn(1, 128, generator=g)
+    assert torch.allclose(gemv.product(x, w), F.linear(x, w), atol=1e-5)
+
+
+def test_available_follows_the_switches(monkeypatch):
+    monkeypatch.delenv("IRMINSUL_GEMV", raising=False)
+    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "1")
+    assert gemv.available()
+    assert not gemv.available("meta")  # (a CPU only)
+    monkeypatch.setenv("IRMINSUL_GEMV", "0")
+    assert not gemv.available()
+    monkeypatch.delenv("IRMINSUL_GEMV")
+    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "0")  # (the test suite's setting)
+    assert not gemv.available()
+
+
+def _times(one_out, one_gemv, one_in=None):
+    """Times where every row count but one favours out-major a little; one row as given."""
+    t = {str(r): {"out": 1.0 * r, "in": 1.05 * r} for r in kernel_choice.ROWS}
+    t["1"] = {"out": one_out, "in": one_in if one_in is not None else 1.05 * one_out, "gemv": one_gemv}
+    return t
+
+
+def test_the_choice_takes_gemv_only_where_it_pays_on_an_out_major_weight(tmp_path, monkeypatch):
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "1")
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    faster, tie, beaten = Product(300, 200, torch.float32, 1, 1.0), Product(301, 200, torch.float32, 1, 1.0), \
+        Product(302, 200, torch.float32, 1, 1.0)
+    # input-major wins elsewhere by far; gemv makes out-major's one row the best: out-major wins overall
+    flips = Product(303, 200, torch.float32, 1, 1.0)
+    forced = Product(304, 200, torch.float32, 1, 1.0, "out")
+    fake = {300: _times(1.0, 0.5), 301: _times(1.0, 0.95), 302: _times(1.0, 2.0), 304: _times(1.0, 0.5)}
+    fake[303] = {str(r): {"out": 1.0 * r, "in": 0.9 * r} for r in kernel_choice.ROWS}
+    fake[303]["1"] = {"out": 1.0, "in": 0.9, "gemv": 0.3}
+    seen = []
+
+    def measure(out, inp, dtype, streamed, with_dnn, with_gemv=False):
+        seen.append(with_gemv)
+        return fake[out]
+
+    monkeypatch.setattr(kernel_choice, "measure", measure)
+    got = kernel_choice.choose([faster, tie, beaten, flips, forced], model_bytes=10**9, kernels="measured",
+                               progress=False).choices
+    assert all(seen)  # (the candidate is timed where it is available)
+    assert got[faster.key] == Choice("out", (), True)
+    assert got[tie.key] == Choice("out") and got[beaten.key] == Choice("out")  # within GEMV_GAIN, or slower
+    assert got[flips.key] == Choice("out", (), True)
+    assert got[forced.key] == Choice("out", (), True)
+    # with the kernel unavailable its times are not asked for (another cache entry), nor chosen
+    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "0")
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    seen.clear()
+    fake[303] = {str(r): {"out": 1.0 * r, "in": 0.9 * r} for r in kernel_choice.ROWS}
+    got = kernel_choice.choose([flips], model_bytes=10**9, kernels="measured", progress=False).choices
+    assert seen == [False] and got[flips.key] == Choice("in")
+
+
+def _one_row_flags(model) -> list[bool]:
+    flags = [model.lm_head.one_row]
+    for layer in model.model.layers:
+        flags.append(layer.self_attn.in_proj_one_row)
+        flags.append(layer.self_attn.o_proj.one_row)
+        mlp = layer.mlp
+        experts = list(mlp.experts) if isinstance(mlp, MoE) else [mlp]
+        for e in experts + ([mlp.shared_experts] if isinstance(mlp, MoE) and mlp.shared_experts else []):
+            assert isinstance(e, MLP)
+            flags += [e.gate_up_one_row, e.down_proj.one_row]
+    return flags
+
+
+def test_a_model_packed_with_gemv_computes_the_same_logits(tiny_dir, monkeypatch):
+    """Every one-row product through the kernel (forced), a prefill and decode steps of one sequence:
+    the logits of the model packed without it."""
+    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "1")
+    plain = load_model(tiny_dir, pack=False).pack(kernels=KernelChoices.every("out"))
+    model = load_model(tiny_dir, pack=False).pack(kernels=KernelChoices.every("out", gemv=True))
+    assert all(_one_row_flags(model)) and not any(_one_row_flags(plain))
+    calls = []
+    real = gemv.product
+    monkeypatch.setattr(gemv, "product", lambda *a: calls.append(a[1].shape) or real(*a))
+    ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(8)).tolist()
+    rows = {m: m.new_rows(64) for m in (model, plain)}
+    got = {m: [m.logits(m.prefill(rows[m], ids, list(range(20))))] for m in (model, plain)}
+    for step, tok in enumerate((5, 77, 123)):
+        for m in (model, plain):
+            got[m].append(m.logits(m.prefill(rows[m], [tok], [20 + step])))
+    for a, b in zip(got[model], got[plain]):
+        assert (a - b).abs().max().item() < 1e-4
+    # (the prefill's last-token logits and three decode steps: the LM head each time, and the layers' products)
+    assert len(calls) > 4 * len(model.model.layers) and (model.lm_head.weight.shape in calls)
