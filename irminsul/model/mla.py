@@ -158,6 +158,10 @@ class MLAttention(nn.Module):
         self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after `pack`
         self.in_proj_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
         self.in_proj_one_row = False  # its one-row products through gemv.product (`gemv_chosen`)
+        # (W_UK, W_UV) each contiguous, for bf16/fp16 after `pack` (`AttentionBackend.absorbed_weights`),
+        # and the kv_b_proj weight they were copied from
+        self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.absorbed_from: int | None = None
 
     def _q_in(self) -> nn.Linear:
         return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
@@ -169,6 +173,20 @@ class MLAttention(nn.Module):
         self.in_proj_one_row = gemv_chosen(self.in_proj[0].t())
         for lin in (self.kv_b_proj, self.o_proj) + ((self.q_b_proj,) if self.cfg.q_lora_rank is not None else ()):
             lin.pack_dnn()
+        # NOTE: W_UK and W_UV are slices of kv_b_proj's weight, one head (nope + v) x r apart; a bf16
+        # bmm copies such a batch to a contiguous one on every call (on an AMD EPYC, one thread, at
+        # r 512 and 16 heads: W_UV's product 1,357 us with the copy, 103 without, a decode token ~5 ms
+        # at the realistic shape), so they are kept contiguous: one more copy of kv_b (0.4% of that
+        # model's weights). float32's bmm reads the slices in place.
+        self.absorbed = self.absorbed_from = None
+        w = self.kv_b_proj.weight
+        if w.dtype in (torch.bfloat16, torch.float16):
+            cfg = self.cfg
+            with torch.no_grad():
+                per_head = w.detach().view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+                self.absorbed = (per_head[:, : cfg.qk_nope_head_dim].contiguous(),
+                                 per_head[:, cfg.qk_nope_head_dim :].contiguous())
+            self.absorbed_from = w.data_ptr()
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x))."""

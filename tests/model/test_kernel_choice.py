@@ -234,3 +234,32 @@ def test_a_hopeless_candidate_is_called_once_and_never_chosen():
     calls.update(fast=0, slow=0)
     kernel_choice._time({"slow": slow, "fast": fast})
     assert calls["slow"] > 2
+
+
+def test_bf16_packing_keeps_w_uk_and_w_uv_contiguous_and_equal_to_kv_bs_halves(tiny_dir, tmp_path, monkeypatch):
+    """A bf16 packed model holds W_UK and W_UV as contiguous copies of kv_b_proj's two halves (a bf16
+    bmm would copy the strided slices on every call); its logits are the unpacked model's; a weight
+    replaced after packing is read through its own slices again."""
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    plain = load_model(tiny_dir, dtype="bfloat16", pack=False)
+    model = load_model(tiny_dir, dtype="bfloat16", pack=False).pack(kernels=KernelChoices.every("out"))
+    attn = model.model.layers[0].self_attn
+    cfg = model.config
+    uk, uv = attn.absorbed
+    assert uk.is_contiguous() and uv.is_contiguous()
+    halves = attn.kv_b_proj.weight.view(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
+    assert torch.equal(uk, halves[:, : cfg.qk_nope_head_dim]) and torch.equal(uv, halves[:, cfg.qk_nope_head_dim :])
+    assert model.attention.absorbed_weights(attn)[0] is uk
+    ids = list(range(3, 40))
+    rows = {m: m.new_rows(64) for m in (model, plain)}
+    for m in (model, plain):
+        m.prefill(rows[m], ids, list(range(len(ids))))
+    a, b = (m.logits(m.prefill(rows[m], [7], [len(ids)])) for m in (model, plain))  # a decode step: absorbed
+    assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item()
+    attn.kv_b_proj.weight = torch.nn.Parameter(attn.kv_b_proj.weight.detach().clone(), requires_grad=False)
+    assert model.attention.absorbed_weights(attn)[0] is not uk
+    assert fp32_reads_in_place(load_model(tiny_dir, pack=False).pack(kernels=KernelChoices.every("out")))
+
+
+def fp32_reads_in_place(model) -> bool:
+    return all(layer.self_attn.absorbed is None for layer in model.model.layers)

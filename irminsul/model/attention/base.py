@@ -58,7 +58,11 @@ class AttentionBackend(ABC):
         V3.2's indexer queries and head weights ([n, heads, d], [n, heads]), else None."""
 
     def absorbed_weights(self, attn) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, r], W_UV [H, v, r]): the two halves of the layer's kv_b_proj."""
+        """(W_UK [H, nope, r], W_UV [H, v, r]): the two halves of the layer's kv_b_proj (views of it, or
+        the contiguous copies `MLAttention.pack` keeps of them for bf16)."""
+        kept = getattr(attn, "absorbed", None)
+        if kept is not None and (torch.compiler.is_compiling() or attn.absorbed_from == attn.kv_b_proj.weight.data_ptr()):
+            return kept
         cfg = self.cfg
         w = attn.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
                                        cfg.kv_lora_rank)
