@@ -140,7 +140,7 @@ def gemv_chosen(w: torch.Tensor, layout: str | None = None) -> bool:
     """Whether one-row products of w [out, in] take `gemv.product`: while `DeepseekModel.pack` packs,
     where its choices measured that kernel faster for this shape (`kernel_choice.Choice.gemv`), w's
     rows are contiguous and the kernel is available; never outside a pack (the fixed rule)."""
-    from irminsul.model import gemv, kernel_choice
+    from irminsul.model import kernel_choice
 
     choices = kernel_choice.current()
     if choices is None or choices.kernels == "fixed" or w.stride(1) != 1 or not gemv.available(w.device):
@@ -185,7 +185,7 @@ class Linear(nn.Linear):
         if x.numel() > x.shape[-1]:
             if self.dnn is not None:
                 return dnn_linear(x, self.dnn, self.weight, self.bias)
-        elif self.one_row:
+        elif self.one_row and x.numel():  # (one row; not an empty batch)
             return gemv.product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -225,7 +225,7 @@ def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     if x.numel() > x.shape[-1]:
         if dnn is not None:
             return dnn_linear(x, dnn, w.t(), bias)
-    elif one_row:
+    elif one_row and x.numel():  # (one row; not an empty batch)
         return gemv.product(x, w.t(), bias)
     return torch.matmul(x, w) if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(
         *x.shape[:-1], w.shape[1])

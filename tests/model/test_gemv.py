@@ -127,5 +127,7 @@ def test_a_model_packed_with_gemv_computes_the_same_logits(tiny_dir, monkeypatch
             got[m].append(m.logits(m.prefill(rows[m], [tok], [20 + step])))
     for a, b in zip(got[model], got[plain]):
         assert (a - b).abs().max().item() < 1e-4
+    empty = torch.zeros(0, model.config.hidden_size)  # (an empty batch is no one-row product)
+    assert model.lm_head(empty).shape == (0, model.config.vocab_size)
     # (the prefill's last-token logits and three decode steps: the LM head each time, and the layers' products)
     assert len(calls) > 4 * len(model.model.layers) and (model.lm_head.weight.shape in calls)
