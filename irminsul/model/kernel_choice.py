@@ -343,9 +343,11 @@ def _dense_layout(times: dict[str, dict[str, float]]) -> str:
     """The dense layout with the least total time over the row counts, each relative to the better one
     (ties: out-major, nn.Linear's own); out-major's one-row time is the gemv kernel's where that
     was measured and pays (`_gemv_pays`)."""
+    one_row = _gemv_pays(times)
+
     def t_of(rows: str, layout: str) -> float:
         t = times[rows]
-        return t["gemv"] if layout == "out" and rows == "1" and _gemv_pays(times) else t[layout]
+        return t["gemv"] if layout == "out" and rows == "1" and one_row else t[layout]
 
     score = {layout: sum(t_of(r, layout) / min(t_of(r, "out"), t_of(r, "in")) for r in times)
              for layout in ("out", "in")}

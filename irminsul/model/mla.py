@@ -181,11 +181,8 @@ class MLAttention(nn.Module):
         self.absorbed = self.absorbed_from = None
         w = self.kv_b_proj.weight
         if w.dtype in (torch.bfloat16, torch.float16):
-            cfg = self.cfg
-            with torch.no_grad():
-                per_head = w.detach().view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-                self.absorbed = (per_head[:, : cfg.qk_nope_head_dim].contiguous(),
-                                 per_head[:, cfg.qk_nope_head_dim :].contiguous())
+            with torch.no_grad():  # (the backend's views of the two halves, while none are kept)
+                self.absorbed = tuple(half.detach().contiguous() for half in self.backend.absorbed_weights(self))
             self.absorbed_from = w.data_ptr()
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
