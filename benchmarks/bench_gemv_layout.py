@@ -4,8 +4,8 @@
   out    torch's product over the weight stored [out, in] (nn.Linear's layout; F.linear)
   in     the same over the weight stored input-major [in, out] (x @ W)
   dnn    oneDNN's over a copy of the weight blocked for that many rows (8, 32, 256)
-  gemv   one row: model/gemv.py's compiled multiply-and-sum over the out-major weight (where a C++
-         compiler is found; IRMINSUL_GEMV=0 leaves it out)
+  gemv   one row: model/gemv.py's native C loop over the out-major weight's rows (where a C compiler
+         built it; IRMINSUL_GEMV=0 leaves it out)
   fixed  the earlier fixed rule's `dnn_linear` (input-major, copies for 256, 32 and 8 rows of every
          float32 weight large enough), at that row count
 
@@ -86,7 +86,7 @@ def main() -> int:
         names = [f"[{p.out}, {p.inp}]" + (" (own)" if p.layout else "") for p in products]
         model_bytes, decode_bytes = model._weight_bytes()
     streamed = kernel_choice.stream_bytes(decode_bytes)
-    with_gemv = gemv.available()
+    with_gemv = gemv.available(dtype=dtype)
     print(f"dtype {args.dtype}; timed over {streamed / 2**20:.0f} MiB of copies at 1 and 8 rows; "
           f"oneDNN a candidate: {kernel_choice.dnn_applies(dtype)}; gemv a candidate: {with_gemv}\n")
     print(f"{'product':22s} {'rows':>5s} {'out':>10s} {'in':>10s} {'dnn':>10s} {'gemv':>10s} {'fixed':>10s}  "

@@ -11,6 +11,9 @@ if not torch.cuda.is_available():
 # The eager decode path unless a test asks for the compiled step (tests/engine/test_compiled.py
 # checks the two agree); compiling it for every model a test builds would take minutes.
 os.environ.setdefault("IRMINSUL_COMPILE_DECODE", "0")
+# torch's kernels for one-row products unless a test asks for the native one (tests/model/test_gemv.py):
+# every model a test packs would otherwise time it against F.linear for each of its shapes
+os.environ.setdefault("IRMINSUL_GEMV", "0")
 
 # One thread: on a shared 2-core box, two-thread ops stall on the busy core (~8 ms per op).
 torch.set_num_threads(1)

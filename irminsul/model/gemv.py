@@ -1,71 +1,68 @@
-"""One-row products that stream their weight at the memory's speed on a CPU: x [1, in] times W [out, in].
+"""Products of one row that stream their weight at the memory's speed on a CPU: x [1, in] times W [out, in].
 
 A decode step of one sequence is a chain of one-row products, each bound by reading its weight
 once. torch's own kernels read a bf16 weight well below the memory's speed for one row: on an AMD
-EPYC with AVX512-BF16 (one thread) `F.linear` read the 129,280 x 2,048 LM head at ~10 GB/s and `x @ W`
-at ~6, where a plain sum streams 25. The same product written as a multiply and a sum over each
-weight row, `(x * W).sum(-1)` in float32, is one reduction loop that inductor (torch.compile's CPU
-backend) vectorises for the CPU it runs on: it read the same head at ~20 GB/s, and the model's
-other products at 12-19 GB/s against F.linear's 6-10 (`benchmarks/bench_gemv_layout.py` prints
-both). It reads W row by row, so it needs W's rows contiguous (out-major, nn.Linear's layout), and
-only one row of x pays: with two, inductor's loop reads W once per row.
+EPYC with AVX512-BF16 (one thread) `F.linear` read the 129,280 x 2,048 LM head at ~11.6 GB/s, where
+a plain C loop over each weight row (fp32 products and sums) read it at ~28. This module runs that
+loop: `irminsul/model/native/gemv.c`, built for the CPU it runs on at first use (model/native),
+called through ctypes on the tensors' memory. It reads W row by row, so it needs W's rows
+contiguous (out-major, nn.Linear's layout, any row stride: pack_linears' views), float32 or
+bfloat16; x, bias and the result in float32 or bfloat16 (the result in x's dtype, rounded once from
+the fp32 sum, as F.linear rounds). The kernel computes up to `native` MAX_ROWS rows per call,
+reading each weight row once for all of them; the model uses it for one row.
 
 Whether it runs for a shape is `kernel_choice`'s measurement on the machine ("gemv", a candidate
-for one-row products of out-major weights), not a rule; it is a candidate only where a C++
-compiler is found and compiled kernels are allowed (`available`: IRMINSUL_COMPILE_DECODE=0 or
-IRMINSUL_GEMV=0 turn it off). One compiled kernel per dtype (dynamic shapes), built on first use:
-~1 s warm, longer the first time torch.compile runs in a process. A call costs ~45 us more than
-F.linear's (the compiled function's guards), which the measurement includes: small weights keep
-F.linear.
+for one-row products of out-major weights), not a rule: on an Intel Xeon with AMX, where one core's
+memory gives ~12 GB/s to either, it is about as fast as F.linear and the measurement mostly keeps
+F.linear. It is a candidate only where the kernel built (`available`; a C compiler) and
+IRMINSUL_GEMV is not 0 (the test suite sets 0, and tests/model/test_gemv.py turns it back on).
+Single-threaded: with several torch threads F.linear usually wins the measurement.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
+from irminsul.model import native
 
-def _rows_dot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [1, in], w [out, in] -> [1, out] in x's dtype; products and sums in float32."""
-    return (x.float() * w.float()).sum(-1).to(x.dtype)[None]
-
-
-@functools.cache
-def _compiled():
-    return torch.compile(_rows_dot, dynamic=True)
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernel reads: the flag it takes per tensor
+MAX_ROWS = 8  # (the C source's IRM_MAX_ROWS)
 
 
-@functools.cache
-def _compiler_found() -> bool:
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        get_cpp_compiler()
-        return True
-    except Exception:  # inductor's InvalidCxxCompiler, or anything else that says "no compiler"
+def available(device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel can run here: a CPU, the native library built, IRMINSUL_GEMV not 0, and
+    (when given) a weight dtype it reads."""
+    if torch.device(device).type != "cpu" or os.environ.get("IRMINSUL_GEMV") == "0":
         return False
-
-
-def available(device: torch.device | str = "cpu") -> bool:
-    """Whether the kernel can run here: a CPU, a C++ compiler for inductor, and compiled kernels not
-    turned off (IRMINSUL_COMPILE_DECODE=0, as the test suite sets, or IRMINSUL_GEMV=0)."""
-    if torch.device(device).type != "cpu":
+    if dtype is not None and dtype not in DTYPES:
         return False
-    if os.environ.get("IRMINSUL_GEMV") == "0" or os.environ.get("IRMINSUL_COMPILE_DECODE") == "0":
-        return False
-    return _compiler_found()
+    return native.library() is not None
 
 
 def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] holding one row, w [out, in] with contiguous rows (w.stride(1) == 1) -> [..., out].
-    Inside a graph being compiled it is F.linear (the graph's own backend lowers it)."""
-    if torch.compiler.is_compiling():
+    """x [..., in] holding 1 to MAX_ROWS rows, w [out, in] with contiguous rows (w.stride(1) == 1)
+    -> [..., out] in x's dtype. Inside a graph being compiled, or for what the kernel does not read
+    (another dtype, more rows, a strided row), it is F.linear."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (torch.compiler.is_compiling() or not 1 <= rows <= MAX_ROWS or w.stride(1) != 1 or x.device.type != "cpu"
+            or x.dtype not in DTYPES or w.dtype not in DTYPES or (bias is not None and bias.dtype not in DTYPES)):
         return F.linear(x, w, bias)
-    # (plain tensors: a Parameter, or one that requires grad, would be guarded on and compiled again)
-    y = _compiled()(x.detach().reshape(1, x.shape[-1]), w.detach())
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], w.shape[0])
+    lib = native.library()
+    if lib is None:
+        return F.linear(x, w, bias)
+    x2 = x.reshape(rows, x.shape[-1])
+    if x2.stride(-1) != 1 or x2.stride(0) < x2.shape[1]:
+        x2 = x2.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    out = w.shape[0]
+    y = torch.empty(rows, out, dtype=x.dtype)
+    rc = lib.irm_linear(x2.data_ptr(), DTYPES[x.dtype], rows, x2.stride(0), w.data_ptr(), DTYPES[w.dtype], out,
+                        w.shape[1], w.stride(0), None if bias is None else bias.data_ptr(),
+                        0 if bias is None else DTYPES[bias.dtype], y.data_ptr(), DTYPES[y.dtype], out)
+    if rc != 0:  # (no memory for x's fp32 copy)
+        return F.linear(x, w, bias)
+    return y.view(*x.shape[:-1], out)

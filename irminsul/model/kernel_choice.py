@@ -27,9 +27,10 @@ From the times, per shape:
   held first; a routed expert counts for the share of tokens it sees). So weights are held about once.
 
 One-row products (a decode step of one sequence) have a third candidate where the weight is
-out-major: `gemv.product`, a compiled multiply-and-sum that streams the weight at close to the
-memory's speed where torch's bf16 kernels read it at half that (model/gemv.py; a candidate only
-where `gemv.available()`: a C++ compiler, compiled kernels not turned off). A shape takes it
+out-major: `gemv.product`, a C loop over the weight's rows (model/native/gemv.c, built for the CPU
+at first use) that streamed bf16 weights at 2.4x torch's rate on an AVX512-BF16 EPYC and matched
+it on an AMX Xeon (model/gemv.py; a candidate only where `gemv.available()`: the kernel built,
+IRMINSUL_GEMV not 0, a float32 or bfloat16 weight). A shape takes it
 (`Choice.gemv`) where it beats the dense product of its layout by `GEMV_GAIN` at one row; the
 dense layout is chosen with it counted as the out-major layout's one-row time.
 
@@ -75,7 +76,7 @@ HOPELESS = 8.0
 MAX_COPIES = 64  # at most this many copies (smaller weights are then read a little warmer than the model's)
 STREAM_ROWS = 8  # products of at most these many rows are timed over rotating copies (they stream)
 PROGRESS_AFTER = 1.0  # seconds of measuring expected before a progress bar is shown
-CACHE_VERSION = 4
+CACHE_VERSION = 5  # 5: the gemv candidate is the native kernel (it was a compiled one)
 
 
 @dataclass(frozen=True)
@@ -424,8 +425,8 @@ def _times(products: list[Product], streamed: int, progress: bool) -> dict[tuple
     stored = None
     out: dict[tuple, dict[str, dict[str, float]]] = {}
     todo = []
-    with_gemv = gemv.available()
     for p in products:
+        with_gemv = gemv.available(dtype=p.dtype)
         key = entry_key(p.out, p.inp, p.dtype, streamed, with_gemv)
         if key not in _memory:
             if stored is None:
@@ -435,15 +436,15 @@ def _times(products: list[Product], streamed: int, progress: bool) -> dict[tuple
         if key in _memory:
             out[p.key] = _memory[key]
         else:
-            todo.append((p, key))
+            todo.append((p, key, with_gemv))
     if todo:
         bar = None
-        if progress and estimate_seconds([p for p, _ in todo]) > PROGRESS_AFTER:
+        if progress and estimate_seconds([p for p, _, _ in todo]) > PROGRESS_AFTER:
             from tqdm import tqdm
 
             bar = tqdm(total=len(todo), desc="measuring linear kernels (once per CPU)", unit="shape", leave=False)
         new = {}
-        for p, key in todo:
+        for p, key, with_gemv in todo:
             times = measure(p.out, p.inp, p.dtype, streamed, dnn_applies(p.dtype), with_gemv)
             _memory[key] = new[key] = out[p.key] = times
             if bar is not None:

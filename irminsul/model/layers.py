@@ -143,7 +143,7 @@ def gemv_chosen(w: torch.Tensor, layout: str | None = None) -> bool:
     from irminsul.model import kernel_choice
 
     choices = kernel_choice.current()
-    if choices is None or choices.kernels == "fixed" or w.stride(1) != 1 or not gemv.available(w.device):
+    if choices is None or choices.kernels == "fixed" or w.stride(1) != 1 or not gemv.available(w.device, w.dtype):
         return False
     return choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout).gemv
 

@@ -1,18 +1,20 @@
-"""The one-row product kernel (model/gemv.py) and where it runs: it computes F.linear's product for
-one row at any shape and dtype, kernel_choice takes it only where it measured faster for an
+"""The native product kernel (model/gemv.py, model/native/gemv.c) and where it runs: it computes
+F.linear's product for one to eight rows at any shape, stride and dtype it reads, kernel_choice takes it only where it measured faster for an
 out-major weight, and a model packed with it computes the same logits through every path that
 has one row (attention's input product, the LM head, the dense MLP, each routed expert)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 
-from irminsul.model import gemv, kernel_choice
+from irminsul.model import gemv, kernel_choice, native
 from irminsul.model.kernel_choice import Choice, KernelChoices, Product
 from irminsul.model.layers import MLP, MoE
 from irminsul.model.loader import load_model
 
-pytestmark = pytest.mark.skipif(not gemv._compiler_found(), reason="torch.compile's CPU backend needs a C++ compiler")
+pytestmark = pytest.mark.skipif(native._compiler() is None, reason="the native kernel needs a C compiler")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # relative to the product's largest value
 
 
@@ -32,6 +34,49 @@ def test_one_row_computes_f_linear(dtype, out_f, in_f):
             assert (got.double() - ref).abs().max().item() <= TOL[dtype] * scale, (x.shape, b is None)
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, gemv.MAX_ROWS + 1), out_f=st.integers(1, 70), in_f=st.integers(1, 300),
+       dtypes=st.tuples(*[st.sampled_from([torch.float32, torch.bfloat16])] * 3), with_bias=st.booleans(),
+       x_pad=st.integers(0, 20), seed=st.integers(0, 2**16))
+def test_rows_of_any_shape_stride_and_dtype_compute_f_linear(rows, out_f, in_f, dtypes, with_bias, x_pad, seed):
+    """1 to MAX_ROWS rows in one call (each weight row read once for all), x's rows a slice of a wider
+    tensor, x, w and bias each float32 or bfloat16: the result is F.linear's in x's dtype (a row count
+    the kernel does not take is F.linear itself, which takes one dtype)."""
+    x_dtype, w_dtype, b_dtype = dtypes if rows <= gemv.MAX_ROWS else dtypes[:1] * 3  # (F.linear takes one dtype)
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_f, in_f, generator=g) / in_f**0.5).to(w_dtype)
+    x = torch.randn(rows, in_f + x_pad, generator=g).to(x_dtype)[:, x_pad:]
+    bias = torch.randn(out_f, generator=g).to(b_dtype) if with_bias else None
+    ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    got = gemv.product(x, w, bias)
+    assert got.shape == ref.shape and got.dtype == x_dtype
+    tol = TOL[torch.bfloat16 if torch.bfloat16 in (x_dtype, w_dtype) else torch.float32]
+    assert (got.double() - ref).abs().max().item() <= tol * max(ref.abs().max().item(), 1e-3)
+
+
+def test_a_bf16_result_is_rounded_to_nearest_as_f_linear_rounds():
+    """The fp32 sum is rounded once to bf16, to nearest: F.linear's bf16 result (of the same fp32 sum)
+    almost everywhere; where the two sums differ in their last bits the roundings can differ by one
+    bf16 step, no more (truncating instead differs at about half the outputs)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(4096, 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    got = gemv.product(x, w).float()
+    want = F.linear(x.float(), w.float()).to(torch.bfloat16).float()
+    step = want.abs() * 2.0**-7
+    assert ((got - want).abs() <= step).all()
+    assert (got == want).float().mean().item() > 0.97
+
+
+def test_special_values_propagate():
+    """A NaN or infinity in x reaches the outputs it touches (the bf16 rounding keeps a NaN a NaN)."""
+    w = torch.ones(3, 40, dtype=torch.bfloat16)
+    x = torch.zeros(2, 40, dtype=torch.bfloat16)
+    x[0, 7], x[1, 39] = float("nan"), float("inf")
+    got = gemv.product(x, w)
+    assert got[0].isnan().all() and got[1].isinf().all() and (got[1] > 0).all()
+
+
 def test_rows_of_a_wider_storage_are_read_where_they_lie():
     """A weight whose rows are a slice of a wider matrix (stride(0) > in), as pack_linears' views are."""
     g = torch.Generator().manual_seed(3)
@@ -44,13 +89,10 @@ def test_rows_of_a_wider_storage_are_read_where_they_lie():
 
 def test_available_follows_the_switches(monkeypatch):
     monkeypatch.delenv("IRMINSUL_GEMV", raising=False)
-    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "1")
-    assert gemv.available()
+    assert gemv.available() and gemv.available(dtype=torch.bfloat16)
     assert not gemv.available("meta")  # (a CPU only)
-    monkeypatch.setenv("IRMINSUL_GEMV", "0")
-    assert not gemv.available()
-    monkeypatch.delenv("IRMINSUL_GEMV")
-    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "0")  # (the test suite's setting)
+    assert not gemv.available(dtype=torch.float16)  # (a dtype the kernel does not read)
+    monkeypatch.setenv("IRMINSUL_GEMV", "0")  # (the test suite's setting)
     assert not gemv.available()
 
 
@@ -63,7 +105,7 @@ def _times(one_out, one_gemv, one_in=None):
 
 def test_the_choice_takes_gemv_only_where_it_pays_on_an_out_major_weight(tmp_path, monkeypatch):
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
-    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "1")
+    monkeypatch.setenv("IRMINSUL_GEMV", "1")
     monkeypatch.setattr(kernel_choice, "_memory", {})
     faster, tie, beaten = Product(300, 200, torch.float32, 1, 1.0), Product(301, 200, torch.float32, 1, 1.0), \
         Product(302, 200, torch.float32, 1, 1.0)
@@ -88,7 +130,7 @@ def test_the_choice_takes_gemv_only_where_it_pays_on_an_out_major_weight(tmp_pat
     assert got[flips.key] == Choice("out", (), True)
     assert got[forced.key] == Choice("out", (), True)
     # with the kernel unavailable its times are not asked for (another cache entry), nor chosen
-    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "0")
+    monkeypatch.setenv("IRMINSUL_GEMV", "0")
     monkeypatch.setattr(kernel_choice, "_memory", {})
     seen.clear()
     fake[303] = {str(r): {"out": 1.0 * r, "in": 0.9 * r} for r in kernel_choice.ROWS}
@@ -112,7 +154,7 @@ def _one_row_flags(model) -> list[bool]:
 def test_a_model_packed_with_gemv_computes_the_same_logits(tiny_dir, monkeypatch):
     """Every one-row product through the kernel (forced), a prefill and decode steps of one sequence:
     the logits of the model packed without it."""
-    monkeypatch.setenv("IRMINSUL_COMPILE_DECODE", "1")
+    monkeypatch.setenv("IRMINSUL_GEMV", "1")
     plain = load_model(tiny_dir, pack=False).pack(kernels=KernelChoices.every("out"))
     model = load_model(tiny_dir, pack=False).pack(kernels=KernelChoices.every("out", gemv=True))
     assert all(_one_row_flags(model)) and not any(_one_row_flags(plain))

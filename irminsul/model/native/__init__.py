@@ -1,0 +1,91 @@
+"""Native CPU kernels: C sources shipped with the package, built for the CPU they run on at first use.
+
+`library()` compiles `gemv.c` with the C compiler found (`CC`, else cc or gcc) and `-march=native`,
+into a cache directory keyed by the source, the flags, the compiler's version and the CPU's model
+and flags (`IRMINSUL_NATIVE_CACHE`, default ~/.cache/irminsul/native), and loads it with ctypes; a
+second process loads the cached library. With no compiler, or a build that fails, it is None and
+callers keep torch's kernels (`IRMINSUL_NATIVE=0` turns the kernels off). A build takes ~1 s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("irminsul.model")
+
+SOURCE = Path(__file__).with_name("gemv.c")
+# reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder
+# them too) lets the compiler vectorise the plain loops; no -ffast-math (it would also assume no NaN)
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+         "-fPIC", "-shared"]
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_line() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = [x for x in f if x.startswith(("model name", "flags"))][:2]
+        return "".join(info)
+    except OSError:
+        import platform
+
+        return platform.processor()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("IRMINSUL_NATIVE_CACHE") or Path.home() / ".cache" / "irminsul" / "native")
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_line()]).encode()).hexdigest()[:16]
+    lib = cache_dir() / f"gemv-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # built beside it, then renamed: no half-written library
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None (no compiler, a failed build, IRMINSUL_NATIVE=0); built once per process."""
+    if os.environ.get("IRMINSUL_NATIVE") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler found: the native kernels are off")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("the native kernels did not build (%s): torch's kernels are used", str(detail).strip()[:500])
+        return None
+    c_long, c_int, c_void = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+    lib.irm_linear.argtypes = [c_void, c_int, c_long, c_long, c_void, c_int, c_long, c_long, c_long,
+                               c_void, c_int, c_void, c_int, c_long]
+    lib.irm_linear.restype = c_int
+    lib.irm_max_rows.restype = c_int
+    return lib

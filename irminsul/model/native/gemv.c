@@ -1,0 +1,157 @@
+/* Products of a few rows that stream their weight: y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]).
+ *
+ * One thread, fp32 products and sums, for a weight whose rows are contiguous (w[o, i] at
+ * w + o * ld + i) in bfloat16 or float32; x, bias and y in either. It reads each weight row once
+ * for all the rows of x (at most IRM_MAX_ROWS), which is what a decode step needs: its products
+ * are bound by reading the weight. Built by irminsul/model/native/__init__.py with -march=native;
+ * the AVX-512 path keeps four independent sums per row (one FMA chain per sum was latency-bound:
+ * it read bf16 at ~12 GB/s where the memory gave more), any other CPU takes the plain loops, which
+ * the compiler vectorises for it (the flags allow reassociating the sums).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define IRM_MAX_ROWS 8
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 load_bf16_tail(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+#endif
+
+/* one weight row against `rows` rows of x (fp32, stride ldx): sums into acc[r] */
+static void row_bf16(const float *x, long rows, long ldx, const uint16_t *w, long in, float *acc) {
+#if defined(__AVX512F__)
+    if (rows == 1) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        long i = 0;
+        for (; i + 64 <= in; i += 64) {
+            a0 = _mm512_fmadd_ps(load_bf16(w + i), _mm512_loadu_ps(x + i), a0);
+            a1 = _mm512_fmadd_ps(load_bf16(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+            a2 = _mm512_fmadd_ps(load_bf16(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+            a3 = _mm512_fmadd_ps(load_bf16(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+        }
+        for (; i < in; i += 16) {
+            __mmask16 m = (__mmask16)(in - i >= 16 ? 0xffff : (1u << (in - i)) - 1);
+            a0 = _mm512_fmadd_ps(load_bf16_tail(w + i, m), _mm512_maskz_loadu_ps(m, x + i), a0);
+        }
+        acc[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        return;
+    }
+    for (long r0 = 0; r0 < rows; r0 += 4) { /* four rows of x per pass over the (cached) weight row */
+        long n = rows - r0 < 4 ? rows - r0 : 4;
+        const float *x0 = x + r0 * ldx;
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (long i = 0; i < in; i += 16) {
+            __mmask16 m = (__mmask16)(in - i >= 16 ? 0xffff : (1u << (in - i)) - 1);
+            __m512 wv = load_bf16_tail(w + i, m);
+            for (long r = 0; r < n; r++) a[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x0 + r * ldx + i), a[r]);
+        }
+        for (long r = 0; r < n; r++) acc[r0 + r] = _mm512_reduce_add_ps(a[r]);
+    }
+#else
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float a = 0.0f;
+        for (long i = 0; i < in; i++) a += xr[i] * bf16_to_f32(w[i]);
+        acc[r] = a;
+    }
+#endif
+}
+
+static void row_f32(const float *x, long rows, long ldx, const float *w, long in, float *acc) {
+#if defined(__AVX512F__)
+    if (rows == 1) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        long i = 0;
+        for (; i + 64 <= in; i += 64) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+        }
+        for (; i < in; i += 16) {
+            __mmask16 m = (__mmask16)(in - i >= 16 ? 0xffff : (1u << (in - i)) - 1);
+            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_maskz_loadu_ps(m, x + i), a0);
+        }
+        acc[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        return;
+    }
+    for (long r0 = 0; r0 < rows; r0 += 4) {
+        long n = rows - r0 < 4 ? rows - r0 : 4;
+        const float *x0 = x + r0 * ldx;
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (long i = 0; i < in; i += 16) {
+            __mmask16 m = (__mmask16)(in - i >= 16 ? 0xffff : (1u << (in - i)) - 1);
+            __m512 wv = _mm512_maskz_loadu_ps(m, w + i);
+            for (long r = 0; r < n; r++) a[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x0 + r * ldx + i), a[r]);
+        }
+        for (long r = 0; r < n; r++) acc[r0 + r] = _mm512_reduce_add_ps(a[r]);
+    }
+#else
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float a = 0.0f;
+        for (long i = 0; i < in; i++) a += xr[i] * w[i];
+        acc[r] = a;
+    }
+#endif
+}
+
+int irm_max_rows(void) { return IRM_MAX_ROWS; }
+
+/* y [rows, ldy] = x [rows, ldx] times w [out, ld]^T (+ bias [out]); *_bf: 1 bfloat16, 0 float32.
+ * Returns 0, or -1 for rows outside 1..IRM_MAX_ROWS or no memory for x's fp32 copy. */
+int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int w_bf, long out, long in, long ld,
+               const void *bias, int bias_bf, void *y, int y_bf, long ldy) {
+    if (rows < 1 || rows > IRM_MAX_ROWS) return -1;
+    const float *xf = (const float *)x;
+    float *copy = NULL;
+    if (x_bf) { /* x's rows in fp32, once (they are read once per weight row) */
+        copy = (float *)malloc(sizeof(float) * (size_t)(rows * in));
+        if (!copy) return -1;
+        for (long r = 0; r < rows; r++)
+            for (long i = 0; i < in; i++) copy[r * in + i] = bf16_to_f32(((const uint16_t *)x)[r * ldx + i]);
+        xf = copy;
+        ldx = in;
+    }
+    float acc[IRM_MAX_ROWS];
+    for (long o = 0; o < out; o++) {
+        if (w_bf)
+            row_bf16(xf, rows, ldx, (const uint16_t *)w + o * ld, in, acc);
+        else
+            row_f32(xf, rows, ldx, (const float *)w + o * ld, in, acc);
+        float b = bias == NULL ? 0.0f : bias_bf ? bf16_to_f32(((const uint16_t *)bias)[o]) : ((const float *)bias)[o];
+        for (long r = 0; r < rows; r++) {
+            float v = acc[r] + b;
+            if (y_bf)
+                ((uint16_t *)y)[r * ldy + o] = f32_to_bf16(v);
+            else
+                ((float *)y)[r * ldy + o] = v;
+        }
+    }
+    free(copy);
+    return 0;
+}

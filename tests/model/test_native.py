@@ -1,0 +1,49 @@
+"""The native kernels' build (model/native): built once per CPU and source into a cache, and where no
+library can be had (no compiler, a failing build, IRMINSUL_NATIVE=0) it is None and products keep
+torch's kernels, computing the same."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from irminsul.model import gemv, native
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("IRMINSUL_NATIVE_CACHE", str(tmp_path / "native"))
+    monkeypatch.delenv("IRMINSUL_GEMV", raising=False)
+    native.library.cache_clear()
+    yield tmp_path / "native"
+    native.library.cache_clear()
+
+
+@pytest.mark.skipif(native._compiler() is None, reason="needs a C compiler")
+def test_built_once_into_the_cache_and_loaded_from_it(fresh, monkeypatch):
+    assert native.library() is not None
+    built = list(fresh.glob("gemv-*.so"))
+    assert len(built) == 1 and not list(fresh.glob("*.so.*")) and len(list(fresh.iterdir())) == 1  # (no temp left)
+    stamp = built[0].stat().st_mtime_ns
+    native.library.cache_clear()
+    calls = []
+    real = native.subprocess.run
+    monkeypatch.setattr(native.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real(cmd, **kw))
+    assert native.library() is not None
+    assert all("--version" in c for c in calls) and built[0].stat().st_mtime_ns == stamp  # (not compiled again)
+
+
+@pytest.mark.parametrize("how", ["failing compiler", "no compiler", "switched off"])
+def test_no_library_means_torch_kernels(fresh, monkeypatch, tmp_path, how):
+    if how == "failing compiler":
+        bad = tmp_path / "cc"
+        bad.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake && exit 0\necho 'error: no' >&2; exit 1\n")
+        bad.chmod(0o755)
+        monkeypatch.setenv("CC", str(bad))
+    elif how == "no compiler":
+        monkeypatch.setattr(native, "_compiler", lambda: None)
+    else:
+        monkeypatch.setenv("IRMINSUL_NATIVE", "0")
+    assert native.library() is None and not gemv.available()
+    assert not list(fresh.glob("*.so")) if fresh.exists() else True
+    w, x = torch.randn(30, 20), torch.randn(1, 20)
+    assert torch.equal(gemv.product(x, w), F.linear(x, w))
