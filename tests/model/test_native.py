@@ -21,7 +21,7 @@ def fresh(monkeypatch, tmp_path):
 @pytest.mark.skipif(native._compiler() is None, reason="needs a C compiler")
 def test_built_once_into_the_cache_and_loaded_from_it(fresh, monkeypatch):
     assert native.library() is not None
-    built = list(fresh.glob("gemv-*.so"))
+    built = list(fresh.glob("kernels-*.so"))
     assert len(built) == 1 and not list(fresh.glob("*.so.*")) and len(list(fresh.iterdir())) == 1  # (no temp left)
     stamp = built[0].stat().st_mtime_ns
     native.library.cache_clear()

@@ -20,6 +20,7 @@ sparse prefill) and is masked out. A query at position p attends to every row at
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from irminsul.model.attention.base import (EMPTY_SLOT, PADDING_SLACK, AttentionBackend, SeqAttention, absorb_output,
                                            absorb_query, consecutive, dsa_selection)
+from irminsul.model import native
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import encode_half, encode_pairwise
 
@@ -83,6 +85,11 @@ class TorchAttention(AttentionBackend):
     # Prefill attention). The flash kernel streams keys in blocks (memory linear in T, explicit masks
     # included). False: the unpadded call (the old path, for benchmarks/bench_long_prefill.py).
     EQUAL_WIDTHS = True
+    # Decode groups read the pool through model/native/mla_decode.c where it is built: the scores,
+    # softmax and weighted latents of every sequence and head in one call, keys rotated as they are
+    # read, no gathered copy (the gather alone was ~1 ms a layer for 32 sequences of ~110 rows on an
+    # AMX Xeon, the batched products ~1 ms more). False: the torch ops (the reference).
+    NATIVE_DECODE = True
 
     # -- once per forward pass -----------------------------------------------------------
 
@@ -210,6 +217,8 @@ class TorchAttention(AttentionBackend):
         cfg = self.cfg
         r, h = cfg.kv_lora_rank, cfg.num_attention_heads
         b, m, t = g.shape
+        if m == 1 and index is None and self._native_decode(pool):
+            return _native_decode(q_lat, q_pe, pool, g, self.rotary.out_layout == "interleaved", cfg.softmax_scale)
         if g.run is not None and index is None:
             return self._absorbed_in_place(q_lat, q_pe, pool, g)
         keys, idx_keys = self._keys(pool, g, q_lat.dtype)
@@ -220,6 +229,14 @@ class TorchAttention(AttentionBackend):
             scores = scores.view(b, m, h, t).masked_fill(~mask[:, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(q_lat.dtype).view(b, m * h, t)
         return _rows(torch.bmm(probs, keys[..., :r]).view(b * m, h, r), g)
+
+    def _native_decode(self, pool: torch.Tensor) -> bool:
+        """Whether decode groups (one query per sequence) take the native kernel (`_native_decode`):
+        a CPU pool of float32 or bfloat16 rows, the kernel built, NATIVE_DECODE and not
+        IRMINSUL_NATIVE_DECODE=0."""
+        return (self.NATIVE_DECODE and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
+                and pool.stride(1) == 1 and os.environ.get("IRMINSUL_NATIVE_DECODE") != "0"
+                and native.library() is not None)
 
     def _absorbed_in_place(self, q_lat, q_pe, pool, g: AttentionGroup) -> torch.Tensor:
         """`_absorbed` for one sequence whose keys are one run of slots (`AttentionGroup.run`),
@@ -261,6 +278,27 @@ class TorchAttention(AttentionBackend):
                                            is_causal=g.causal, scale=cfg.softmax_scale)
         o = o.transpose(1, 2)[..., : cfg.v_head_dim]  # (any zero columns of a widened v dropped)
         return _rows(o.reshape(b * m, h, cfg.v_head_dim), g)
+
+
+def _native_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, g: AttentionGroup,
+                   interleaved: bool, scale: float) -> torch.Tensor:
+    """`TorchAttention._absorbed` for a decode group through the native kernel: q_lat [B, H, r], q_pe
+    [B, H, rope] (rotated) -> o_lat [B, H, r] in q_lat's dtype; keys at g.key_slots (slot 0 skipped:
+    for one query per sequence that is the group's mask), rotated by g.key_cos / g.key_sin."""
+    b, _, t = g.shape
+    h, r = q_lat.shape[1], q_lat.shape[2]
+    rope = q_pe.shape[-1]
+    q = torch.cat([q_lat, q_pe], dim=-1).float().contiguous()
+    slots = g.key_slots.contiguous()
+    cos, sin = g.key_cos.float().contiguous(), g.key_sin.float().contiguous()
+    o = torch.empty(b, h, r)
+    rc = native.library().irm_mla_decode(
+        q.data_ptr(), b, h, r, rope, pool.data_ptr(), int(pool.dtype == torch.bfloat16), pool.stride(0),
+        slots.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
+        int(interleaved), scale, o.data_ptr())
+    if rc != 0:
+        raise MemoryError("the native decode attention found no memory for its scores")
+    return o.to(q_lat.dtype)
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:

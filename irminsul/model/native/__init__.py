@@ -1,6 +1,7 @@
 """Native CPU kernels: C sources shipped with the package, built for the CPU they run on at first use.
 
-`library()` compiles `gemv.c` with the C compiler found (`CC`, else cc or gcc) and `-march=native`,
+`library()` compiles the sources (`gemv.c`: products of a few rows; `mla_decode.c`: MLA decode
+attention read from the latent pool) into one shared library with the C compiler found (`CC`, else cc or gcc) and `-march=native`,
 into a cache directory keyed by the source, the flags, the compiler's version and the CPU's model
 and flags (`IRMINSUL_NATIVE_CACHE`, default ~/.cache/irminsul/native), and loads it with ctypes; a
 second process loads the cached library. With no compiler, or a build that fails, it is None and
@@ -21,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger("irminsul.model")
 
-SOURCE = Path(__file__).with_name("gemv.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c")]
 # reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder
 # them too) lets the compiler vectorise the plain loops; no -ffast-math (it would also assume no NaN)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
@@ -52,15 +53,16 @@ def cache_dir() -> Path:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_line()]).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"gemv-{key}.so"
+    parts = [src.read_text() for src in SOURCES] + [" ".join(FLAGS), version, _cpu_line()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    lib = cache_dir() / f"kernels-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # built beside it, then renamed: no half-written library
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -88,4 +90,7 @@ def library() -> ctypes.CDLL | None:
                                c_void, c_int, c_void, c_int, c_long]
     lib.irm_linear.restype = c_int
     lib.irm_max_rows.restype = c_int
+    lib.irm_mla_decode.argtypes = [c_void, c_long, c_long, c_long, c_long, c_void, c_int, c_long,
+                                   c_void, c_long, c_void, c_void, c_long, c_int, ctypes.c_float, c_void]
+    lib.irm_mla_decode.restype = c_int
     return lib

@@ -1,0 +1,201 @@
+/* MLA decode attention in the absorbed form, read straight from the latent pool (no gathered copy).
+ *
+ * One query per sequence: q [B, H, r + rope] (q_lat = q_nope absorbed through W_UK, then q_pe rotated
+ * at the query's position), float32. The sequence's keys are pool rows [c_KV (r) | k_r (rope), ...]
+ * at slots[b, 0..T-1] (slot 0 holds no row: skipped), k_r stored un-rotated and rotated here at each
+ * key's position (cos/sin [T, rope/2] per sequence, or one table for all), its pairs interleaved
+ * (x0, x1), (x2, x3), ... or split in halves. Then, per head, softmax(scale * (q_lat . c_KV + q_pe .
+ * k_r)) over the keys and o_lat [B, H, r] = the probabilities times c_KV. All in float32 (the pool in
+ * float32 or bfloat16). The torch backend computes the same with a gather, two batched products and a
+ * softmax (model/attention/torch.py `_absorbed`); this reads each row twice from the pool (scores,
+ * then values) in blocks of KB keys that stay in cache between the two.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#define KB 8 /* keys gathered (and converted, rotated) per block */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void load_row(const void *pool, int pool_bf, long ldp, int64_t slot, long n, float *dst) {
+    if (pool_bf) {
+        const uint16_t *src = (const uint16_t *)pool + slot * ldp;
+        for (long i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)pool + slot * ldp, sizeof(float) * (size_t)n);
+    }
+}
+
+static void rotate(float *k, long rope, const float *cos, const float *sin, int interleaved) {
+    long half = rope / 2;
+    for (long i = 0; i < half; i++) {
+        long ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+        float a = k[ia], b = k[ib], c = cos[i], s = sin[i];
+        k[ia] = a * c - b * s;
+        k[ib] = b * c + a * s;
+    }
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, long n) {
+    float s = 0.0f;
+    for (long i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* out[k] = a . keys[k] for n <= KB keys of width w (stride w): the n sums run side by side, so the
+ * multiply-adds of one are not waiting on each other (one sum at a time was latency-bound) */
+static void dots(const float *restrict a, const float *restrict keys, long n, long w, float *out) {
+#if defined(__AVX512F__)
+    if (n == KB && w % 16 == 0) { /* a full block: the KB sums in registers (a variable count keeps them in memory) */
+        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        for (long i = 0; i < w; i += 16) {
+            __m512 av = _mm512_loadu_ps(a + i);
+            c0 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + i), c0);
+            c1 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + w + i), c1);
+            c2 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 2 * w + i), c2);
+            c3 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 3 * w + i), c3);
+            c4 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 4 * w + i), c4);
+            c5 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 5 * w + i), c5);
+            c6 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 6 * w + i), c6);
+            c7 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 7 * w + i), c7);
+        }
+        out[0] = _mm512_reduce_add_ps(c0), out[1] = _mm512_reduce_add_ps(c1), out[2] = _mm512_reduce_add_ps(c2);
+        out[3] = _mm512_reduce_add_ps(c3), out[4] = _mm512_reduce_add_ps(c4), out[5] = _mm512_reduce_add_ps(c5);
+        out[6] = _mm512_reduce_add_ps(c6), out[7] = _mm512_reduce_add_ps(c7);
+        return;
+    }
+    __m512 acc[KB];
+    for (long k = 0; k < n; k++) acc[k] = _mm512_setzero_ps();
+    for (long i = 0; i < w; i += 16) {
+        __mmask16 m = (__mmask16)(w - i >= 16 ? 0xffff : (1u << (w - i)) - 1);
+        __m512 av = _mm512_maskz_loadu_ps(m, a + i);
+        for (long k = 0; k < n; k++) acc[k] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, keys + k * w + i), acc[k]);
+    }
+    for (long k = 0; k < n; k++) out[k] = _mm512_reduce_add_ps(acc[k]);
+#else
+    for (long k = 0; k < n; k++) out[k] = dot(a, keys + k * w, w);
+#endif
+}
+
+/* o[i] += sum_k p[k] * keys[k][i], i < r: each stretch of o loaded and stored once per block */
+static void axpys(float *restrict o, const float *p, const float *restrict keys, long n, long w, long r) {
+#if defined(__AVX512F__)
+    long i = 0;
+    for (; i + 64 <= r; i += 64) {
+        __m512 a0 = _mm512_loadu_ps(o + i), a1 = _mm512_loadu_ps(o + i + 16), a2 = _mm512_loadu_ps(o + i + 32),
+               a3 = _mm512_loadu_ps(o + i + 48);
+        for (long k = 0; k < n; k++) {
+            __m512 pk = _mm512_set1_ps(p[k]);
+            const float *c = keys + k * w + i;
+            a0 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(c), a0);
+            a1 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(c + 16), a1);
+            a2 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(c + 32), a2);
+            a3 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(c + 48), a3);
+        }
+        _mm512_storeu_ps(o + i, a0);
+        _mm512_storeu_ps(o + i + 16, a1);
+        _mm512_storeu_ps(o + i + 32, a2);
+        _mm512_storeu_ps(o + i + 48, a3);
+    }
+    for (; i < r; i += 16) {
+        __mmask16 m = (__mmask16)(r - i >= 16 ? 0xffff : (1u << (r - i)) - 1);
+        __m512 a = _mm512_maskz_loadu_ps(m, o + i);
+        for (long k = 0; k < n; k++) a = _mm512_fmadd_ps(_mm512_set1_ps(p[k]), _mm512_maskz_loadu_ps(m, keys + k * w + i), a);
+        _mm512_mask_storeu_ps(o + i, m, a);
+    }
+#else
+    for (long k = 0; k < n; k++)
+        for (long i = 0; i < r; i++) o[i] += p[k] * keys[k * w + i];
+#endif
+}
+
+/* Returns 0, or -1 when no memory could be had for the scores. */
+int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void *pool, int pool_bf, long ldp,
+                   const int64_t *slots, long T, const float *cos, const float *sin, long cs_stride, int interleaved,
+                   float scale, float *o) {
+    long w = r + rope, half = rope / 2;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * (T > 0 ? T : 1)));
+    float *kbuf = (float *)malloc(sizeof(float) * (size_t)(KB * w));
+    if (!scores || !kbuf) {
+        free(scores);
+        free(kbuf);
+        return -1;
+    }
+#if defined(__SSE2__)
+    /* denormals flushed to zero while it runs (as oneDNN's kernels do): a real model's softmax has
+     * probabilities far below FLT_MIN, and multiplying them at the denormal rate made a call ~2x slower */
+    unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+#endif
+    for (long b = 0; b < B; b++) {
+        const float *qb = q + b * H * w;
+        const int64_t *sb = slots + b * T;
+        const float *cb = cos + b * cs_stride, *snb = sin + b * cs_stride;
+        float *ob = o + b * H * r;
+        /* scores: blocks of KB keys, each gathered once and dotted with every head */
+        for (long j0 = 0; j0 < T; j0 += KB) {
+            long n = T - j0 < KB ? T - j0 : KB;
+            for (long k = j0 + KB; k < j0 + 2 * KB && k < T; k++) /* the next block's rows, asked for early */
+                for (long c = 0; c < w * (pool_bf ? 2 : 4); c += 64)
+                    __builtin_prefetch((const char *)pool + (sb[k] * ldp) * (pool_bf ? 2 : 4) + c);
+            for (long k = 0; k < n; k++) {
+                int64_t slot = sb[j0 + k];
+                if (slot == 0) { /* no row: zeros (its score is -inf; a stale row could hold a NaN, and 0 * NaN is NaN) */
+                    memset(kbuf + k * w, 0, sizeof(float) * (size_t)w);
+                    continue;
+                }
+                load_row(pool, pool_bf, ldp, slot, w, kbuf + k * w);
+                rotate(kbuf + k * w + r, rope, cb + (j0 + k) * half, snb + (j0 + k) * half, interleaved);
+            }
+            for (long h = 0; h < H; h++) {
+                float s[KB];
+                dots(qb + h * w, kbuf, n, w, s);
+                for (long k = 0; k < n; k++) scores[h * T + j0 + k] = sb[j0 + k] == 0 ? -INFINITY : scale * s[k];
+            }
+        }
+        /* softmax per head (a row with no visible key gives zeros) */
+        for (long h = 0; h < H; h++) {
+            float *sh = scores + h * T, m = -INFINITY, sum = 0.0f;
+            for (long j = 0; j < T; j++) m = sh[j] > m ? sh[j] : m;
+            for (long j = 0; j < T; j++) {
+                float e = sh[j] == -INFINITY ? 0.0f : expf(sh[j] - m);
+                sh[j] = e;
+                sum += e;
+            }
+            float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            for (long j = 0; j < T; j++) sh[j] *= inv;
+        }
+        /* o_lat = probabilities times c_KV, the same blocks read again */
+        memset(ob, 0, sizeof(float) * (size_t)(H * r));
+        for (long j0 = 0; j0 < T; j0 += KB) {
+            long n = T - j0 < KB ? T - j0 : KB;
+            for (long k = 0; k < n; k++) {
+                if (sb[j0 + k] != 0)
+                    load_row(pool, pool_bf, ldp, sb[j0 + k], r, kbuf + k * w);
+                else
+                    memset(kbuf + k * w, 0, sizeof(float) * (size_t)r);
+            }
+            for (long h = 0; h < H; h++) {
+                float p[KB];
+                for (long k = 0; k < n; k++) p[k] = sb[j0 + k] == 0 ? 0.0f : scores[h * T + j0 + k];
+                axpys(ob + h * r, p, kbuf, n, w, r);
+            }
+        }
+    }
+    free(scores);
+    free(kbuf);
+#if defined(__SSE2__)
+    _mm_setcsr(csr);
+#endif
+    return 0;
+}

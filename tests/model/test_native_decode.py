@@ -1,0 +1,88 @@
+"""Decode attention through the native kernel (model/native/mla_decode.c, `TorchAttention.NATIVE_DECODE`):
+one query per sequence, read straight from the pool, against tests/model/test_attention_flash.py's
+float64 dense reference and against the torch ops it replaces: batches of sequences of different
+lengths (padding slots), holes, keys at moved RoPE positions, both pair layouts, float32 and bfloat16
+pools; and the engine's greedy decode is the same with and without it."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from irminsul import LLM
+from irminsul.model import native
+from irminsul.model.attention.torch import TorchAttention
+from irminsul.model.tiny import make_tiny_checkpoint
+from tests.model.test_attention_flash import _case, _reference, _run, _setup
+
+pytestmark = pytest.mark.skipif(native._compiler() is None, reason="the native kernel needs a C compiler")
+
+
+def _decode_case(cfg, g, lengths, dtype=torch.float32, **kw):
+    """Sequences decoding their last position: (start, 1) spans, start + 1 = each length."""
+    return _case(cfg, g, [(n - 1, 1) for n in lengths], dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=6), holes=st.booleans(), moved=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_decode_groups_equal_the_dense_reference(layout, lengths, holes, moved, seed):
+    cfg, backend, attn, g = _setup(seed)
+    backend.rotary.out_layout = layout
+    q_nope, q_pe, pool, seqs = _decode_case(cfg, g, lengths, holes=holes, moved=moved)
+    want = _reference(cfg, backend, attn, q_nope, q_pe, pool, seqs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TorchAttention, "NATIVE_DECODE", True)
+        calls = []
+        import irminsul.model.attention.torch as ta
+
+        real = ta._native_decode
+        mp.setattr(ta, "_native_decode", lambda *a: calls.append(1) or real(*a))
+        got, _, _ = _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
+    assert calls  # (the kernel ran)
+    assert (got.double() - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_computes_what_the_torch_ops_compute(dtype, monkeypatch):
+    """A padded batch with holes and moved keys: the kernel's output is the torch path's (bf16: within
+    its roundings; the kernel keeps fp32 where the torch path rounds keys and probabilities to bf16)."""
+    cfg, backend, attn, g = _setup(5)
+    attn.kv_b_proj.to(dtype)
+    q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [45, 12, 1, 30], dtype=dtype, holes=True, moved=True)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", on)
+        outs[on], _, _ = _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
+    assert outs[True].dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    scale = outs[False].abs().max().item()
+    assert (outs[True].float() - outs[False].float()).abs().max().item() <= tol * scale
+
+
+def test_a_switched_off_kernel_is_not_called(monkeypatch):
+    import irminsul.model.attention.torch as ta
+
+    cfg, backend, attn, g = _setup(2)
+    q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [9, 4])
+    monkeypatch.setattr(ta, "_native_decode", lambda *a: pytest.fail("the kernel ran"))
+    monkeypatch.setenv("IRMINSUL_NATIVE_DECODE", "0")
+    _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
+    monkeypatch.delenv("IRMINSUL_NATIVE_DECODE")
+    monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", False)
+    _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
+
+
+def test_the_engine_decodes_the_same_tokens(tmp_path, monkeypatch):
+    """Greedy generations of prompts of different lengths, several decoding together."""
+    ck = make_tiny_checkpoint(tmp_path / "v3", variant="v3")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 250, int(n)).tolist() for n in (5, 17, 40, 9)]
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", on)
+        llm = LLM(ck, reuse="off", compile_decode=False)
+        got[on] = [o.token_ids for o in llm.generate(prompts, max_tokens=12, ignore_eos=True)]
+    assert got[True] == got[False]
