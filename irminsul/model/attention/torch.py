@@ -53,6 +53,9 @@ class AttentionGroup:
     # one sequence whose keys are the consecutive slots run, run + 1, ... (a sequence decoding
     # alone, its rows allocated in order): attention reads them in place, no gather
     run: int | None = None
+    # the step's only group: its queries are every row of the flat batch, in order (token_index is
+    # 0..n-1), so its inputs need no gather and its output no scatter
+    whole: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -97,8 +100,11 @@ class TorchAttention(AttentionBackend):
         """Group the step's sequences (decode / prefill) and build each group's padded metadata."""
         decode = [i for i, s in enumerate(seqs) if len(s.q_positions) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.q_positions) > 1]
-        return [self._group([seqs[i] for i in ids], [offsets[i] for i in ids], device)
-                for kind in (decode, prefill) for ids in _buckets(kind, seqs)]
+        groups = [self._group([seqs[i] for i in ids], [offsets[i] for i in ids], device)
+                  for kind in (decode, prefill) for ids in _buckets(kind, seqs)]
+        if len(groups) == 1:  # (its sequences are all of them, in order: token_index is 0..n-1)
+            groups[0].whole = True
+        return groups
 
     def _group(self, seqs: list[SeqAttention], starts: list[int], device) -> AttentionGroup:
         b, m = len(seqs), max(len(s.q_positions) for s in seqs)
@@ -147,6 +153,8 @@ class TorchAttention(AttentionBackend):
         cfg = self.cfg
         n, h = q_nope.shape[0], cfg.num_attention_heads
         w_uk, w_uv = self.absorbed_weights(attn)
+        if len(groups) == 1 and groups[0].whole and groups[0].expanded:  # (one prompt's prefill)
+            return self._expanded(attn, q_nope, q_pe, pool, groups[0], index)
         absorbed = [g for g in groups if not g.expanded]
         expanded = [g for g in groups if g.expanded]
         if not expanded and len(absorbed) == 1 and len(absorbed[0].token_index) == n:
