@@ -235,7 +235,13 @@ def measured_rows(out: int, inp: int, dtype: torch.dtype, limit: int = None) -> 
 
 def entry_key(out: int, inp: int, dtype: torch.dtype, streamed: int, with_gemv: bool = False) -> str:
     return (f"{str(dtype).removeprefix('torch.')}|{out}x{inp}|threads{torch.get_num_threads()}|stream{_bucket(streamed)}"
-            + ("|gemv" if with_gemv else ""))
+            + (f"|gemv{_gemv_fingerprint()}" if with_gemv else ""))
+
+
+def _gemv_fingerprint() -> str:
+    from irminsul.model import native
+
+    return native.fingerprint()  # (another build of the kernel: its times are measured again)
 
 
 def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool,

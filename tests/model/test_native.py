@@ -14,8 +14,10 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("IRMINSUL_NATIVE_CACHE", str(tmp_path / "native"))
     monkeypatch.delenv("IRMINSUL_GEMV", raising=False)
     native.library.cache_clear()
+    native.fingerprint.cache_clear()
     yield tmp_path / "native"
     native.library.cache_clear()
+    native.fingerprint.cache_clear()
 
 
 @pytest.mark.skipif(native._compiler() is None, reason="needs a C compiler")
@@ -25,11 +27,14 @@ def test_built_once_into_the_cache_and_loaded_from_it(fresh, monkeypatch):
     assert len(built) == 1 and not list(fresh.glob("*.so.*")) and len(list(fresh.iterdir())) == 1  # (no temp left)
     stamp = built[0].stat().st_mtime_ns
     native.library.cache_clear()
+    native.fingerprint.cache_clear()
     calls = []
     real = native.subprocess.run
     monkeypatch.setattr(native.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real(cmd, **kw))
     assert native.library() is not None
     assert all("--version" in c for c in calls) and built[0].stat().st_mtime_ns == stamp  # (not compiled again)
+    # the kernels' name (kernel_choice's times for them are keyed by it) is the library's
+    assert native.fingerprint() and built[0].name.startswith(f"kernels-{native.fingerprint()}")
 
 
 @pytest.mark.parametrize("how", ["failing compiler", "no compiler", "switched off"])
@@ -43,7 +48,7 @@ def test_no_library_means_torch_kernels(fresh, monkeypatch, tmp_path, how):
         monkeypatch.setattr(native, "_compiler", lambda: None)
     else:
         monkeypatch.setenv("IRMINSUL_NATIVE", "0")
-    assert native.library() is None and not gemv.available()
+    assert native.library() is None and not gemv.available() and native.fingerprint() == ""
     assert not list(fresh.glob("*.so")) if fresh.exists() else True
     w, x = torch.randn(30, 20), torch.randn(1, 20)
     assert torch.equal(gemv.product(x, w), F.linear(x, w))

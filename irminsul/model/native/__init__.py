@@ -51,10 +51,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("IRMINSUL_NATIVE_CACHE") or Path.home() / ".cache" / "irminsul" / "native")
 
 
-def _build(cc: str) -> Path:
+def _key(cc: str) -> str:
+    """What the built library depends on: the sources, the flags, the compiler's version, the CPU."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     parts = [src.read_text() for src in SOURCES] + [" ".join(FLAGS), version, _cpu_line()]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def fingerprint() -> str:
+    """A short name of the library `library()` loads (empty without one): kernel_choice keys the
+    times it measured for these kernels by it, so a changed kernel is timed again."""
+    cc = _compiler()
+    if library() is None or cc is None:
+        return ""
+    return _key(cc)[:8]
+
+
+def _build(cc: str) -> Path:
+    key = _key(cc)
     lib = cache_dir() / f"kernels-{key}.so"
     if lib.exists():
         return lib
