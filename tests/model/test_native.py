@@ -2,6 +2,8 @@
 library can be had (no compiler, a failing build, IRMINSUL_NATIVE=0) it is None and products keep
 torch's kernels, computing the same."""
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,3 +54,29 @@ def test_no_library_means_torch_kernels(fresh, monkeypatch, tmp_path, how):
     assert not list(fresh.glob("*.so")) if fresh.exists() else True
     w, x = torch.randn(30, 20), torch.randn(1, 20)
     assert torch.equal(gemv.product(x, w), F.linear(x, w))
+
+
+@pytest.mark.skipif(native._compiler() is None or platform.machine() != "x86_64",
+                    reason="needs a C compiler for x86-64")
+def test_the_plain_loops_compute_the_same(fresh, monkeypatch):
+    """Built for a CPU without AVX-512 (x86-64-v2: the loops the compiler vectorises, as on AVX2 or ARM
+    machines): the products and the decode attention still compute F.linear's and the reference's."""
+    from irminsul.model.attention.torch import TorchAttention
+    from tests.model.test_attention_flash import _case, _reference, _run, _setup
+
+    monkeypatch.setenv("IRMINSUL_NATIVE_MARCH", "x86-64-v2")
+    assert native.library() is not None
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, out_f, in_f in ((1, 70, 33), (3, 129, 2049), (8, 40, 16)):
+            w = (torch.randn(out_f, in_f, generator=g) / in_f**0.5).to(dtype)
+            x = torch.randn(rows, in_f, generator=g).to(dtype)
+            ref = F.linear(x.double(), w.double())
+            got = gemv.product(x, w)
+            assert (got.double() - ref).abs().max().item() <= (1e-2 if dtype == torch.bfloat16 else 2e-5) * ref.abs().max()
+    monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", True)
+    cfg, backend, attn, g = _setup(1)
+    q_nope, q_pe, pool, seqs = _case(cfg, g, [(n - 1, 1) for n in (30, 7, 19)], holes=True, moved=True)
+    got, _, _ = _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
+    want = _reference(cfg, backend, attn, q_nope, q_pe, pool, seqs)
+    assert (got.double() - want).abs().max().item() < 1e-4

@@ -25,8 +25,13 @@ log = logging.getLogger("irminsul.model")
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c")]
 # reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder
 # them too) lets the compiler vectorise the plain loops; no -ffast-math (it would also assume no NaN)
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-         "-fPIC", "-shared"]
+FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC", "-shared"]
+
+
+def _flags() -> list[str]:
+    """FLAGS and the target: this CPU (-march=native), or IRMINSUL_NATIVE_MARCH (the tests build the
+    plain-C loops, without AVX-512, with it)."""
+    return [*FLAGS, f"-march={os.environ.get('IRMINSUL_NATIVE_MARCH') or 'native'}"]
 
 
 def _compiler() -> str | None:
@@ -54,7 +59,7 @@ def cache_dir() -> Path:
 def _key(cc: str) -> str:
     """What the built library depends on: the sources, the flags, the compiler's version, the CPU."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [src.read_text() for src in SOURCES] + [" ".join(FLAGS), version, _cpu_line()]
+    parts = [src.read_text() for src in SOURCES] + [" ".join(_flags()), version, _cpu_line()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -77,7 +82,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # built beside it, then renamed: no half-written library
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([cc, *_flags(), *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):

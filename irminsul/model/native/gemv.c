@@ -33,32 +33,46 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 }
 
 #if defined(__AVX512F__)
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+/* 16 weights from w + i (bf: bfloat16, else float32) as floats; the masked form reads only m's lanes */
+static inline __m512 load16(const void *w, long i, int bf) {
+    if (bf)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16));
+    return _mm512_loadu_ps((const float *)w + i);
 }
 
-static inline __m512 load_bf16_tail(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+static inline __m512 load16_masked(const void *w, long i, __mmask16 m, int bf) {
+    if (bf)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)w + i);
 }
 #endif
 
-/* one weight row against `rows` rows of x (fp32, stride ldx): sums into acc[r] */
-static void row_bf16(const float *x, long rows, long ldx, const uint16_t *w, long in, float *acc) {
+static inline float weight_at(const void *w, long i, int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* one weight row (bf: bfloat16, else float32) against `rows` rows of x (fp32, stride ldx): sums into
+ * acc[r]. Always inlined where bf is a constant, so each dtype gets its own loops. */
+static inline __attribute__((always_inline)) void row(const float *x, long rows, long ldx, const void *w, long in,
+                                                      float *acc, int bf) {
 #if defined(__AVX512F__)
     if (rows == 1) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         long i = 0;
+        const char *bytes = (const char *)w;
         for (; i + 64 <= in; i += 64) {
-            _mm_prefetch((const char *)(w + i) + IRM_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + i) + IRM_PREFETCH + 64, _MM_HINT_T0);
-            a0 = _mm512_fmadd_ps(load_bf16(w + i), _mm512_loadu_ps(x + i), a0);
-            a1 = _mm512_fmadd_ps(load_bf16(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-            a2 = _mm512_fmadd_ps(load_bf16(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-            a3 = _mm512_fmadd_ps(load_bf16(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+            for (int c = 0; c < (bf ? 2 : 4); c++) /* the 64 weights' bytes, IRM_PREFETCH ahead */
+                _mm_prefetch(bytes + i * (bf ? 2 : 4) + IRM_PREFETCH + 64 * c, _MM_HINT_T0);
+            a0 = _mm512_fmadd_ps(load16(w, i, bf), _mm512_loadu_ps(x + i), a0);
+            a1 = _mm512_fmadd_ps(load16(w, i + 16, bf), _mm512_loadu_ps(x + i + 16), a1);
+            a2 = _mm512_fmadd_ps(load16(w, i + 32, bf), _mm512_loadu_ps(x + i + 32), a2);
+            a3 = _mm512_fmadd_ps(load16(w, i + 48, bf), _mm512_loadu_ps(x + i + 48), a3);
         }
         for (; i < in; i += 16) {
             __mmask16 m = (__mmask16)(in - i >= 16 ? 0xffff : (1u << (in - i)) - 1);
-            a0 = _mm512_fmadd_ps(load_bf16_tail(w + i, m), _mm512_maskz_loadu_ps(m, x + i), a0);
+            a0 = _mm512_fmadd_ps(load16_masked(w, i, m, bf), _mm512_maskz_loadu_ps(m, x + i), a0);
         }
         acc[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
         return;
@@ -69,7 +83,7 @@ static void row_bf16(const float *x, long rows, long ldx, const uint16_t *w, lon
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (long i = 0; i < in; i += 16) {
             __mmask16 m = (__mmask16)(in - i >= 16 ? 0xffff : (1u << (in - i)) - 1);
-            __m512 wv = load_bf16_tail(w + i, m);
+            __m512 wv = load16_masked(w, i, m, bf);
             for (long r = 0; r < n; r++) a[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x0 + r * ldx + i), a[r]);
         }
         for (long r = 0; r < n; r++) acc[r0 + r] = _mm512_reduce_add_ps(a[r]);
@@ -78,50 +92,18 @@ static void row_bf16(const float *x, long rows, long ldx, const uint16_t *w, lon
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         float a = 0.0f;
-        for (long i = 0; i < in; i++) a += xr[i] * bf16_to_f32(w[i]);
+        for (long i = 0; i < in; i++) a += xr[i] * weight_at(w, i, bf);
         acc[r] = a;
     }
 #endif
 }
 
-static void row_f32(const float *x, long rows, long ldx, const float *w, long in, float *acc) {
-#if defined(__AVX512F__)
-    if (rows == 1) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        long i = 0;
-        for (; i + 64 <= in; i += 64) {
-            for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(w + i) + IRM_PREFETCH + 64 * c, _MM_HINT_T0);
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
-        }
-        for (; i < in; i += 16) {
-            __mmask16 m = (__mmask16)(in - i >= 16 ? 0xffff : (1u << (in - i)) - 1);
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_maskz_loadu_ps(m, x + i), a0);
-        }
-        acc[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-        return;
-    }
-    for (long r0 = 0; r0 < rows; r0 += 4) {
-        long n = rows - r0 < 4 ? rows - r0 : 4;
-        const float *x0 = x + r0 * ldx;
-        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (long i = 0; i < in; i += 16) {
-            __mmask16 m = (__mmask16)(in - i >= 16 ? 0xffff : (1u << (in - i)) - 1);
-            __m512 wv = _mm512_maskz_loadu_ps(m, w + i);
-            for (long r = 0; r < n; r++) a[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x0 + r * ldx + i), a[r]);
-        }
-        for (long r = 0; r < n; r++) acc[r0 + r] = _mm512_reduce_add_ps(a[r]);
-    }
-#else
-    for (long r = 0; r < rows; r++) {
-        const float *xr = x + r * ldx;
-        float a = 0.0f;
-        for (long i = 0; i < in; i++) a += xr[i] * w[i];
-        acc[r] = a;
-    }
-#endif
+static void row_bf16(const float *x, long rows, long ldx, const void *w, long in, float *acc) {
+    row(x, rows, ldx, w, in, acc, 1);
+}
+
+static void row_f32(const float *x, long rows, long ldx, const void *w, long in, float *acc) {
+    row(x, rows, ldx, w, in, acc, 0);
 }
 
 int irm_max_rows(void) { return IRM_MAX_ROWS; }
@@ -147,7 +129,7 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
             row_bf16(xf, rows, ldx, (const uint16_t *)w + o * ld, in, acc);
         else
             row_f32(xf, rows, ldx, (const float *)w + o * ld, in, acc);
-        float b = bias == NULL ? 0.0f : bias_bf ? bf16_to_f32(((const uint16_t *)bias)[o]) : ((const float *)bias)[o];
+        float b = bias == NULL ? 0.0f : weight_at(bias, o, bias_bf);
         for (long r = 0; r < rows; r++) {
             float v = acc[r] + b;
             if (y_bf)
