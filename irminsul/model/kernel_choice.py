@@ -28,9 +28,9 @@ From the times, per shape:
 
 One-row products (a decode step of one sequence) have a third candidate where the weight is
 out-major: `gemv.product`, a C loop over the weight's rows (model/native/gemv.c, built for the CPU
-at first use) that streamed bf16 weights at 2.4x torch's rate on an AVX512-BF16 EPYC and matched
-it on an AMX Xeon (model/gemv.py; a candidate only where `gemv.available()`: the kernel built,
-IRMINSUL_GEMV not 0, a float32 or bfloat16 weight). A shape takes it
+at first use; on an AMX Xeon 1.1-1.45x F.linear on some of a realistic model's bf16 shapes and
+slower on others, docs/performance.md) (model/gemv.py; a candidate only where `gemv.available()`:
+the kernel built, IRMINSUL_GEMV not 0, a float32 or bfloat16 weight). A shape takes it
 (`Choice.gemv`) where it beats the dense product of its layout by `GEMV_GAIN` at one row; the
 dense layout is chosen with it counted as the out-major layout's one-row time.
 

@@ -86,3 +86,23 @@ def test_the_engine_decodes_the_same_tokens(tmp_path, monkeypatch):
         llm = LLM(ck, reuse="off", compile_decode=False)
         got[on] = [o.token_ids for o in llm.generate(prompts, max_tokens=12, ignore_eos=True)]
     assert got[True] == got[False]
+
+
+def test_a_query_before_its_last_key_keeps_the_torch_path(monkeypatch):
+    """One query in the middle of its keys (a gap computed between reused rows: the keys after it are
+    there already): it must not see them, so the kernel, which reads every non-empty slot, is not
+    used for its group, and the result is the reference's."""
+    import irminsul.model.attention.torch as ta
+    from irminsul.model.attention.base import SeqAttention
+
+    cfg, backend, attn, g = _setup(9)
+    q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [20, 12])
+    middle = SeqAttention(np.array([5]), seqs[0].key_slots)  # position 5 of 20 keys
+    calls = []
+    real = ta._native_decode
+    monkeypatch.setattr(ta, "_native_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", True)
+    got, groups, _ = _run(backend, attn, q_nope, q_pe, pool, [middle, seqs[1]], expanded=False)
+    want = _reference(cfg, backend, attn, q_nope, q_pe, pool, [middle, seqs[1]])
+    assert not any(gr.at_end for gr in groups) and not calls
+    assert (got.double() - want).abs().max().item() < 1e-4

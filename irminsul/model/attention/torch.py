@@ -56,6 +56,9 @@ class AttentionGroup:
     # the step's only group: its queries are every row of the flat batch, in order (token_index is
     # 0..n-1), so its inputs need no gather and its output no scatter
     whole: bool = False
+    # every sequence's last query is at its last key (decoding, or a prompt's last span): with one
+    # query per sequence, its mask is then "every non-empty slot" (`_native_decode`)
+    at_end: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -125,6 +128,7 @@ class TorchAttention(AttentionBackend):
             if rope is not None:
                 rope[i, :k] = s.key_rope if s.key_rope is not None else np.arange(k)
         dense = bool((qpos == t - 1).all() and (slots != EMPTY_SLOT).all())
+        at_end = all(int(s.q_positions[-1]) == len(s.key_slots) - 1 for s in seqs)
         run = int(slots[0, 0]) if b == 1 and dense and consecutive(slots[0]) else None
         key_slots = torch.from_numpy(slots).to(device)
         q = torch.from_numpy(qpos).to(device)
@@ -137,7 +141,8 @@ class TorchAttention(AttentionBackend):
             cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
         return AttentionGroup(torch.from_numpy(np.concatenate(token_index)).to(device),
                               torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin, mask,
-                              m > 1 and expand_is_cheaper(self.cfg, m, t, self._pads(device)), causal, dense, run)
+                              m > 1 and expand_is_cheaper(self.cfg, m, t, self._pads(device)), causal, dense, run,
+                              at_end=at_end)
 
     def _pads(self, device) -> bool:
         """Whether expanded attention on `device` widens the narrower of q·k and v (`EQUAL_WIDTHS`)."""
@@ -225,7 +230,7 @@ class TorchAttention(AttentionBackend):
         cfg = self.cfg
         r, h = cfg.kv_lora_rank, cfg.num_attention_heads
         b, m, t = g.shape
-        if m == 1 and index is None and self._native_decode(pool):
+        if m == 1 and g.at_end and index is None and self._native_decode(pool):
             return _native_decode(q_lat, q_pe, pool, g, self.rotary.out_layout == "interleaved", cfg.softmax_scale)
         if g.run is not None and index is None:
             return self._absorbed_in_place(q_lat, q_pe, pool, g)
@@ -292,7 +297,8 @@ def _native_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, 
                    interleaved: bool, scale: float) -> torch.Tensor:
     """`TorchAttention._absorbed` for a decode group through the native kernel: q_lat [B, H, r], q_pe
     [B, H, rope] (rotated) -> o_lat [B, H, r] in q_lat's dtype; keys at g.key_slots (slot 0 skipped:
-    for one query per sequence that is the group's mask), rotated by g.key_cos / g.key_sin."""
+    for one query per sequence at its last key, `g.at_end`, that is the group's mask), rotated by
+    g.key_cos / g.key_sin."""
     b, _, t = g.shape
     h, r = q_lat.shape[1], q_lat.shape[2]
     rope = q_pe.shape[-1]

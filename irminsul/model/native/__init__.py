@@ -1,11 +1,12 @@
 """Native CPU kernels: C sources shipped with the package, built for the CPU they run on at first use.
 
 `library()` compiles the sources (`gemv.c`: products of a few rows; `mla_decode.c`: MLA decode
-attention read from the latent pool) into one shared library with the C compiler found (`CC`, else cc or gcc) and `-march=native`,
-into a cache directory keyed by the source, the flags, the compiler's version and the CPU's model
-and flags (`IRMINSUL_NATIVE_CACHE`, default ~/.cache/irminsul/native), and loads it with ctypes; a
-second process loads the cached library. With no compiler, or a build that fails, it is None and
-callers keep torch's kernels (`IRMINSUL_NATIVE=0` turns the kernels off). A build takes ~1 s.
+attention read from the latent pool) into one shared library with the C compiler found (`CC`,
+else cc, gcc or clang) and `-march=native`, into a cache directory keyed by the sources, the
+flags, the compiler's version and the CPU's model and flags (`IRMINSUL_NATIVE_CACHE`, default
+~/.cache/irminsul/native), and loads it with ctypes; a second process loads the cached library.
+With no compiler, or a build that fails, it is None and callers keep torch's kernels
+(`IRMINSUL_NATIVE=0` turns the kernels off). A build takes ~0.5 s.
 """
 
 from __future__ import annotations
