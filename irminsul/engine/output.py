@@ -95,7 +95,7 @@ class OutputProcessor:
         here). Should that call fail, the rows are sampled one by one (the same tokens: the
         randomness is per row), so the error ends only the sequence whose row raised it."""
         if all(seq.params.greedy for seq in batch):
-            return stacked.argmax(-1).tolist()
+            return stacked.max(-1).indices.tolist()  # (argmax's tokens; on a CPU 3x faster, sampling.py)
         try:
             return sample_batch(stacked, [seq.params for seq in batch], [seq.seed for seq in batch],
                                 [len(seq.output_ids) for seq in batch]).tolist()

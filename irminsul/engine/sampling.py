@@ -220,7 +220,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     token's score is -inf."""
     dev, vocab = logits.device, logits.shape[-1]
     logits = logits.float()
-    chosen = logits.argmax(-1)
+    # (max's indices are argmax's, the first maximum, NaN first, and on a CPU 3x faster: [32, 8192]
+    # 123 against 379 us, [8, 129280] 518 against 1,490, one thread on an AMX Xeon)
+    chosen = logits.max(-1).indices
     # only the sampled rows race (the host knows which: no synchronisation); greedy rows take the argmax
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -248,7 +250,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     exp = -torch.log(uniforms(torch.tensor(seeds, device=dev), torch.tensor(steps, device=dev), vocab))  # > 0
     race = torch.where(probs > 0, probs.log() - exp.log(), float("-inf"))
     bad = ~torch.isfinite(probs).all(-1) | (probs.sum(-1) <= 0)
-    won = torch.where(bad, sampled.argmax(-1), race.argmax(-1))
+    won = torch.where(bad, sampled.max(-1).indices, race.max(-1).indices)
     if len(rows) == len(chosen):
         return won
     return chosen.index_copy(0, torch.tensor(rows, device=dev), won)

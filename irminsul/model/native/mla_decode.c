@@ -119,6 +119,71 @@ static void axpys(float *restrict o, const float *p, const float *restrict keys,
 #endif
 }
 
+#if defined(__AVX512F__)
+/* e^x for x <= 0 (a softmax's scores less their maximum), 16 at a time: x log2(e) = n + f with
+ * |f| <= 1/2, e^x = 2^n 2^f, 2^f by its Taylor polynomial of degree 7 (error < 1e-8 relative);
+ * below e^-87 the result is 0 (it would be a denormal, flushed anyway) */
+static inline __m512 exp_nonpositive(__m512 x) {
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f)); /* f ln 2 */
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* s[0..T) <- softmax(s), -inf entries (keys not seen) 0; all -inf: all 0 */
+static void softmax(float *s, long T) {
+#if defined(__AVX512F__)
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mv = ninf;
+    for (long j = 0; j < T; j += 16) {
+        __mmask16 k = (__mmask16)(T - j >= 16 ? 0xffff : (1u << (T - j)) - 1);
+        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + j));
+    }
+    float m = _mm512_reduce_max_ps(mv);
+    if (m == -INFINITY) {
+        memset(s, 0, sizeof(float) * (size_t)T);
+        return;
+    }
+    __m512 sum = _mm512_setzero_ps(), mb = _mm512_set1_ps(m);
+    for (long j = 0; j < T; j += 16) {
+        __mmask16 k = (__mmask16)(T - j >= 16 ? 0xffff : (1u << (T - j)) - 1);
+        __m512 v = _mm512_mask_loadu_ps(ninf, k, s + j);
+        __mmask16 seen = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+        __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(v, mb)));
+        _mm512_mask_storeu_ps(s + j, k, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (long j = 0; j < T; j += 16) {
+        __mmask16 k = (__mmask16)(T - j >= 16 ? 0xffff : (1u << (T - j)) - 1);
+        _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
+    }
+#else
+    float m = -INFINITY, sum = 0.0f;
+    for (long j = 0; j < T; j++) m = s[j] > m ? s[j] : m;
+    if (m == -INFINITY) {
+        memset(s, 0, sizeof(float) * (size_t)T);
+        return;
+    }
+    for (long j = 0; j < T; j++) {
+        float e = s[j] == -INFINITY ? 0.0f : expf(s[j] - m);
+        s[j] = e;
+        sum += e;
+    }
+    float inv = 1.0f / sum;
+    for (long j = 0; j < T; j++) s[j] *= inv;
+#endif
+}
+
 /* Returns 0, or -1 when no memory could be had for the scores. */
 int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void *pool, int pool_bf, long ldp,
                    const int64_t *slots, long T, const float *cos, const float *sin, long cs_stride, int interleaved,
@@ -164,17 +229,7 @@ int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void
             }
         }
         /* softmax per head (a row with no visible key gives zeros) */
-        for (long h = 0; h < H; h++) {
-            float *sh = scores + h * T, m = -INFINITY, sum = 0.0f;
-            for (long j = 0; j < T; j++) m = sh[j] > m ? sh[j] : m;
-            for (long j = 0; j < T; j++) {
-                float e = sh[j] == -INFINITY ? 0.0f : expf(sh[j] - m);
-                sh[j] = e;
-                sum += e;
-            }
-            float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            for (long j = 0; j < T; j++) sh[j] *= inv;
-        }
+        for (long h = 0; h < H; h++) softmax(scores + h * T, T);
         /* o_lat = probabilities times c_KV, the same blocks read again */
         memset(ob, 0, sizeof(float) * (size_t)(H * r));
         for (long j0 = 0; j0 < T; j0 += KB) {
