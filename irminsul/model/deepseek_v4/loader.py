@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from irminsul.errors import CheckpointError
 from irminsul.model.deepseek_v4.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, V4Config
 from irminsul.model.deepseek_v4.model import DeepseekV4ForCausalLM
-from irminsul.model.loader import resolve_dtype, weight_files
+from irminsul.model.loader import owned, resolve_dtype, weight_files
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -143,10 +143,10 @@ def load_deepseek_v4(path: str | Path, dtype: str | torch.dtype = "float32",
             raise CheckpointError(
                 f"{path}: {key} has shape {tuple(t.shape)} but config.json implies {tuple(ref.shape)}")
         if not t.is_floating_point():  # tid2eid: expert ids
-            state[key] = t.to(device=device, dtype=torch.long)
+            state[key] = owned(t, t.to(device=device, dtype=torch.long))
         else:
             keep_fp32 = any(part in key for part in _FP32_PARTS)
-            state[key] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+            state[key] = owned(t, t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype))
     model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
