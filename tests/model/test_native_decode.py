@@ -106,3 +106,19 @@ def test_a_query_before_its_last_key_keeps_the_torch_path(monkeypatch):
     want = _reference(cfg, backend, attn, q_nope, q_pe, pool, [middle, seqs[1]])
     assert not any(gr.at_end for gr in groups) and not calls
     assert (got.double() - want).abs().max().item() < 1e-4
+
+
+def test_torch_on_several_threads_keeps_its_own_ops(monkeypatch):
+    """The kernel runs on one thread; with torch on more, its parallel ops are kept (not measured)."""
+    import irminsul.model.attention.torch as ta
+
+    cfg, backend, attn, g = _setup(4)
+    q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [9, 4])
+    monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", True)
+    monkeypatch.setattr(ta, "_native_decode", lambda *a: pytest.fail("the kernel ran"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
+    finally:
+        torch.set_num_threads(threads)

@@ -246,8 +246,10 @@ class TorchAttention(AttentionBackend):
     def _native_decode(self, pool: torch.Tensor) -> bool:
         """Whether decode groups (one query per sequence) take the native kernel (`_native_decode`):
         a CPU pool of float32 or bfloat16 rows, the kernel built, NATIVE_DECODE and not
-        IRMINSUL_NATIVE_DECODE=0."""
-        return (self.NATIVE_DECODE and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
+        IRMINSUL_NATIVE_DECODE=0, and torch on one thread (the kernel runs on one; with more, torch's
+        own ops run in parallel, and which is faster there has not been measured)."""
+        return (self.NATIVE_DECODE and torch.get_num_threads() == 1 and pool.device.type == "cpu"
+                and pool.dtype in (torch.float32, torch.bfloat16)
                 and pool.stride(1) == 1 and os.environ.get("IRMINSUL_NATIVE_DECODE") != "0"
                 and native.library() is not None)
 
