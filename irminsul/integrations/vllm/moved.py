@@ -48,13 +48,20 @@ def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for these prompts
     from vllm import LLM
 
+    from vllm.platforms import current_platform
+
     options = {}
+    if current_platform.is_cpu():
+        # vLLM's reference CPU MLA backend: on a CPU with AMX vLLM picks its AMX MLA backend instead,
+        # which takes bf16 weights only (an fp32 model fails at load: "expect weight to be bfloat16,
+        # ...") and keeps its cache its own way; the connector reads and writes the reference one
+        options["attention_backend"] = "CPU_MLA"
     if irminsul:
         from vllm.config import KVTransferConfig
 
         from irminsul.integrations.vllm import CONNECTOR, SCHEDULER
 
-        options = dict(kv_transfer_config=KVTransferConfig(**CONNECTOR), scheduler_cls=SCHEDULER)
+        options.update(kv_transfer_config=KVTransferConfig(**CONNECTOR), scheduler_cls=SCHEDULER)
     return LLM(path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, max_num_seqs=4,
                async_scheduling=False, max_logprobs=20, seed=0, gpu_memory_utilization=0.15, **options, **extra)
 
