@@ -16,10 +16,8 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("IRMINSUL_NATIVE_CACHE", str(tmp_path / "native"))
     monkeypatch.delenv("IRMINSUL_GEMV", raising=False)
     native.library.cache_clear()
-    native.fingerprint.cache_clear()
     yield tmp_path / "native"
     native.library.cache_clear()
-    native.fingerprint.cache_clear()
 
 
 @pytest.mark.skipif(native._compiler() is None, reason="needs a C compiler")
@@ -29,7 +27,6 @@ def test_built_once_into_the_cache_and_loaded_from_it(fresh, monkeypatch):
     assert len(built) == 1 and not list(fresh.glob("*.so.*")) and len(list(fresh.iterdir())) == 1  # (no temp left)
     stamp = built[0].stat().st_mtime_ns
     native.library.cache_clear()
-    native.fingerprint.cache_clear()
     calls = []
     real = native.subprocess.run
     monkeypatch.setattr(native.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real(cmd, **kw))

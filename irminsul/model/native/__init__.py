@@ -54,7 +54,12 @@ def _cpu_line() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("IRMINSUL_NATIVE_CACHE") or Path.home() / ".cache" / "irminsul" / "native")
+    """IRMINSUL_NATIVE_CACHE, else irminsul/native in the user's cache directory ($XDG_CACHE_HOME or
+    ~/.cache, as kernel_choice's cache)."""
+    named = os.environ.get("IRMINSUL_NATIVE_CACHE")
+    if named:
+        return Path(named)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "irminsul" / "native"
 
 
 def _key(cc: str) -> str:
@@ -64,14 +69,12 @@ def _key(cc: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-@functools.cache
 def fingerprint() -> str:
-    """A short name of the library `library()` loads (empty without one): kernel_choice keys the
-    times it measured for these kernels by it, so a changed kernel is timed again."""
-    cc = _compiler()
-    if library() is None or cc is None:
-        return ""
-    return _key(cc)[:8]
+    """A short name of the library `library()` loads (empty without one): its key, read from its
+    file name (`kernels-<key>.so`); kernel_choice keys the times it measured for these kernels by
+    it, so a changed kernel is timed again."""
+    lib = library()
+    return "" if lib is None else Path(lib._name).stem.removeprefix("kernels-")[:8]
 
 
 def _build(cc: str) -> Path:
