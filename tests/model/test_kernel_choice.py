@@ -111,6 +111,34 @@ def test_a_model_packed_by_any_choices_computes_the_unpacked_models_logits(tiny_
     assert (got[0][1] - got[1][1]).abs().max().item() < 1e-4
 
 
+
+@pytest.mark.parametrize("layout", ["in", "out"])
+def test_a_tied_table_is_looked_up_in_rows_whatever_the_heads_layout(tmp_path, monkeypatch, layout):
+    """A tied embedding whose LM head is stored input-major is read from a row-major copy (a lookup
+    of the transposed table reads one float per cache line); the rows and logits are the unpacked
+    model's; a table replaced after packing is read as it now is; out-major keeps no copy."""
+    from irminsul.model.tiny import make_tiny_checkpoint
+
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    path = make_tiny_checkpoint(tmp_path / "tied", tie_word_embeddings=True)
+    plain = load_model(path, pack=False)
+    model = load_model(path, pack=False).pack(kernels=KernelChoices.every(layout))
+    table = model.model.embed_tokens.weight
+    assert table.data_ptr() == model.lm_head.weight.data_ptr()  # still tied
+    ids = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(3))
+    if layout == "in":
+        assert not table.is_contiguous() and model.embed_rows is not None and model.embed_rows.is_contiguous()
+        assert model.embed_rows.data_ptr() != table.data_ptr()
+    else:
+        assert model.embed_rows is None
+    assert torch.equal(model.embed(ids), plain.model.embed_tokens(ids))
+    a = model.logits(model.prefill(model.new_rows(128), ids.tolist(), list(range(70))))
+    b = plain.logits(plain.prefill(plain.new_rows(128), ids.tolist(), list(range(70))))
+    assert (a - b).abs().max().item() < 1e-4
+    with torch.no_grad():
+        model.model.embed_tokens.weight = torch.nn.Parameter(2 * table.detach().clone(), requires_grad=False)
+    assert torch.equal(model.embed(ids), 2 * plain.model.embed_tokens(ids)) and model.embed_rows is None
+
 def _fake_times(out, inp, dtype, streamed, with_dnn, with_gemv=False):
     """Times where input-major wins everywhere and oneDNN wins at 32 rows by 2x (so the choices are
     known); no one-row kernel timed."""
@@ -183,7 +211,7 @@ def test_an_unwritable_cache_still_loads(tiny_dir, tmp_path, monkeypatch):
 def _held_bytes(model) -> int:
     """Bytes of every distinct storage the model holds: parameters and oneDNN copies."""
     seen, total = set(), 0
-    tensors = [p for p in model.parameters()]
+    tensors = [p for p in model.parameters()] + ([model.embed_rows] if model.embed_rows is not None else [])
     for m in model.modules():
         for name in ("dnn", "gate_up_dnn", "in_proj_dnn"):
             for t in getattr(m, name, None) or ():

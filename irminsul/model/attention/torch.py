@@ -43,7 +43,7 @@ class AttentionGroup:
     key_slots: torch.Tensor  # [B, T]
     key_cos: torch.Tensor  # [B or 1, T, rope/2] float32
     key_sin: torch.Tensor
-    mask: torch.Tensor  # [B, M, T] bool, True = attend
+    query_pos: torch.Tensor  # [B, M] each query row's position (a padded row: the last key's)
     expanded: bool
     # every sequence computes positions 0..m-1 with no row before them (a prompt prefilled from
     # scratch): the mask is plain causal, which SDPA runs about twice as fast as an explicit mask
@@ -59,10 +59,22 @@ class AttentionGroup:
     # every sequence's last query is at its last key (decoding, or a prompt's last span): with one
     # query per sequence, its mask is then "every non-empty slot" (`_native_decode`)
     at_end: bool = False
+    # the mask where it is not built from the slots and positions (V3.2's indexer narrows it)
+    explicit_mask: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return self.mask.shape  # (B, M, T)
+        return self.key_slots.shape[0], self.query_pos.shape[1], self.key_slots.shape[1]  # (B, M, T)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, M, T] bool, True = attend: a key with a row at a position <= the query's. Built when
+        first asked for (a causal prefill and a native decode group never need it)."""
+        if self.explicit_mask is None:
+            t = self.key_slots.shape[1]
+            self.explicit_mask = (self.key_slots != EMPTY_SLOT)[:, None, :] & (
+                torch.arange(t, device=self.key_slots.device)[None, None, :] <= self.query_pos[:, :, None])
+        return self.explicit_mask
 
 
 def expand_is_cheaper(cfg: ModelConfig, m: int, length: int, padded: bool = False) -> bool:
@@ -131,8 +143,6 @@ class TorchAttention(AttentionBackend):
         at_end = all(int(s.q_positions[-1]) == len(s.key_slots) - 1 for s in seqs)
         run = int(slots[0, 0]) if b == 1 and dense and consecutive(slots[0]) else None
         key_slots = torch.from_numpy(slots).to(device)
-        q = torch.from_numpy(qpos).to(device)
-        mask = (key_slots != EMPTY_SLOT)[:, None, :] & (torch.arange(t, device=device)[None, None, :] <= q[:, :, None])
         if rope is None:  # every key at its own position: one table slice serves the whole group
             cos, sin = self.rotary.table(t, device)
             cos, sin = cos[None, :t], sin[None, :t]
@@ -140,7 +150,8 @@ class TorchAttention(AttentionBackend):
             cos, sin = self.rotary.cos_sin(torch.from_numpy(rope).reshape(-1).to(device))
             cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
         return AttentionGroup(torch.from_numpy(np.concatenate(token_index)).to(device),
-                              torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin, mask,
+                              torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin,
+                              torch.from_numpy(qpos).to(device),
                               m > 1 and expand_is_cheaper(self.cfg, m, t, self._pads(device)), causal, dense, run,
                               at_end=at_end)
 
@@ -274,7 +285,7 @@ class TorchAttention(AttentionBackend):
         b, m, t = g.shape
         keys, idx_keys = self._keys(pool, g, q_nope.dtype)
         if index is not None:  # V3.2: the mask narrowed to the indexer's picks; no plain causal path
-            g = dataclasses.replace(g, mask=self._selected(index, idx_keys, g), causal=False)
+            g = dataclasses.replace(g, explicit_mask=self._selected(index, idx_keys, g), causal=False)
         kv = attn.kv_b_proj(keys[..., :r]).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         q = _grid(torch.cat([q_nope, q_pe], dim=-1), g)  # [B, M, H, qk]

@@ -1,7 +1,8 @@
 """Native CPU kernels: C sources shipped with the package, built for the CPU they run on at first use.
 
 `library()` compiles the sources (`gemv.c`: products of a few rows; `mla_decode.c`: MLA decode
-attention read from the latent pool) into one shared library with the C compiler found (`CC`,
+attention read from the latent pool; `elementwise.c`: RMSNorm and SwiGLU's silu(gate) * up in one
+pass; `common.h`: what they share) into one shared library with the C compiler found (`CC`,
 else cc, gcc or clang) and `-march=native`, into a cache directory keyed by the sources, the
 flags, the compiler's version and the CPU's model and flags (`IRMINSUL_NATIVE_CACHE`, default
 ~/.cache/irminsul/native), and loads it with ctypes; a second process loads the cached library.
@@ -23,7 +24,8 @@ from pathlib import Path
 
 log = logging.getLogger("irminsul.model")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "elementwise.c")]
+HEADERS = [Path(__file__).with_name("common.h")]
 # reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder
 # them too) lets the compiler vectorise the plain loops; no -ffast-math (it would also assume no NaN)
 FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC", "-shared"]
@@ -65,7 +67,7 @@ def cache_dir() -> Path:
 def _key(cc: str) -> str:
     """What the built library depends on: the sources, the flags, the compiler's version, the CPU."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [src.read_text() for src in SOURCES] + [" ".join(_flags()), version, _cpu_line()]
+    parts = [src.read_text() for src in SOURCES + HEADERS] + [" ".join(_flags()), version, _cpu_line()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -117,4 +119,9 @@ def library() -> ctypes.CDLL | None:
     lib.irm_mla_decode.argtypes = [c_void, c_long, c_long, c_long, c_long, c_void, c_int, c_long,
                                    c_void, c_long, c_void, c_void, c_long, c_int, ctypes.c_float, c_void]
     lib.irm_mla_decode.restype = c_int
+    c_float = ctypes.c_float
+    lib.irm_rms_norm.argtypes = [c_void, c_long, c_long, c_long, c_void, c_float, c_void, c_long]
+    lib.irm_rms_norm.restype = None
+    lib.irm_silu_mul.argtypes = [c_void, c_long, c_long, c_long, c_void, c_long]
+    lib.irm_silu_mul.restype = None
     return lib

@@ -15,15 +15,10 @@
 #include <immintrin.h>
 #endif
 
+#include "common.h"
+
 #define IRM_MAX_ROWS 8
 #define IRM_PREFETCH 2048 /* bytes ahead of the loads that are asked for early: +5-10% read rate on an AMX Xeon */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
     uint32_t u;

@@ -11,6 +11,8 @@
  * then values) in blocks of KB keys that stay in cache between the two.
  */
 #include <math.h>
+
+#include "common.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,13 +21,6 @@
 #endif
 
 #define KB 8 /* keys gathered (and converted, rotated) per block */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static void load_row(const void *pool, int pool_bf, long ldp, int64_t slot, long n, float *dst) {
     if (pool_bf) {
@@ -118,26 +113,6 @@ static void axpys(float *restrict o, const float *p, const float *restrict keys,
         for (long i = 0; i < r; i++) o[i] += p[k] * keys[k * w + i];
 #endif
 }
-
-#if defined(__AVX512F__)
-/* e^x for x <= 0 (a softmax's scores less their maximum), 16 at a time: x log2(e) = n + f with
- * |f| <= 1/2, e^x = 2^n 2^f, 2^f by its Taylor polynomial of degree 7 (error < 1e-8 relative);
- * below e^-87 the result is 0 (it would be a denormal, flushed anyway) */
-static inline __m512 exp_nonpositive(__m512 x) {
-    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f)); /* f ln 2 */
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 /* s[0..T) <- softmax(s), -inf entries (keys not seen) 0; all -inf: all 0 */
 static void softmax(float *s, long T) {

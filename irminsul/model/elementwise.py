@@ -1,0 +1,61 @@
+"""RMSNorm and SwiGLU's silu(gate) * up in one pass each, on a CPU: `irminsul/model/native/elementwise.c`.
+
+In eager torch, RMSNorm is five operations over its rows (square, mean, + eps, rsqrt, two products)
+and silu(g) * u two, each a full pass and a dispatch: at the bundled model's prefill of 1,500
+tokens they were ~13 ms of ~195 (torch.profiler; benchmarks/bench_engine.py's prefill). The kernels
+compute the same values, in the same order of roundings but for the order of one float32 sum.
+
+They run where the native library built, for float32 tensors on a CPU with torch on one thread
+(single-threaded kernels; with more threads torch's own ops run in parallel), outside graphs being
+compiled (inductor fuses these operations itself), unless IRMINSUL_NATIVE_ELEMENTWISE=0. Each
+function returns None where it does not run; the caller computes with torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from irminsul.model import native
+
+
+def _runs(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+    return (x.dtype is torch.float32 and (w is None or w.dtype is torch.float32) and not x.is_cuda
+            and x.device.type == "cpu" and (w is None or w.device.type == "cpu") and torch.get_num_threads() == 1
+            and not torch.compiler.is_compiling() and os.environ.get("IRMINSUL_NATIVE_ELEMENTWISE") != "0"
+            and native.library() is not None)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x as [n, d] rows with contiguous elements (a view where it can be, without copying)."""
+    if x.dim() == 0 or (x.stride(-1) != 1 and x.shape[-1] > 1 and x.numel()):  # (a size-1 or empty dim's stride is any)
+        return None
+    x2 = x if x.dim() == 2 else (x.reshape(-1, x.shape[-1]) if x.is_contiguous() else None)
+    return x2 if x2 is not None and x2.dim() == 2 else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2, -1) + eps), or None where the kernel does not run."""
+    if not _runs(x, weight) or weight.dim() != 1 or weight.stride(0) != 1 or x.shape[-1] != weight.shape[0]:
+        return None
+    x2 = _rows(x)
+    if x2 is None:
+        return None
+    out = torch.empty(x2.shape, dtype=torch.float32)
+    native.library().irm_rms_norm(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), weight.data_ptr(),
+                                  eps, out.data_ptr(), out.stride(0))
+    return out if x2 is x else out.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(g) * u of gate_up [..., 2 * inner] = [g | u], or None where the kernel does not run."""
+    if not _runs(gate_up) or gate_up.shape[-1] % 2:
+        return None
+    gu = _rows(gate_up)
+    if gu is None:
+        return None
+    inner = gu.shape[1] // 2
+    out = torch.empty(gu.shape[0], inner, dtype=torch.float32)
+    native.library().irm_silu_mul(gu.data_ptr(), gu.shape[0], inner, gu.stride(0), out.data_ptr(), inner)
+    return out if gu is gate_up else out.view(*gate_up.shape[:-1], inner)
