@@ -126,8 +126,10 @@ class CompiledDecode:
         for layer in model.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stacked()  # built now: the compiled step reads `_stacked` as it is
-        self._fn = torch.compile(self._step, dynamic=True)
-        self._batch_fn = torch.compile(self._step_batch, dynamic=True)
+        # fullgraph: a graph break (a call the tracer cannot follow, as a native kernel's) would leave
+        # the step in pieces with eager code between them, slower and silently so; it fails instead
+        self._fn = torch.compile(self._step, dynamic=True, fullgraph=True)
+        self._batch_fn = torch.compile(self._step_batch, dynamic=True, fullgraph=True)
         cfg = model.config
         # the most sequences one compiled step takes: MAX_BATCH where running every expert costs at
         # most DENSE_EXPERTS times the routed work (small expert counts, as the bundled models'), else 1

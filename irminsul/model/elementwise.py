@@ -21,10 +21,10 @@ from irminsul.model import native
 
 
 def _runs(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
-    return (x.dtype is torch.float32 and (w is None or w.dtype is torch.float32) and not x.is_cuda
+    # (is_compiling first: inside a graph being traced nothing after it may run, or the graph breaks)
+    return (not torch.compiler.is_compiling() and x.dtype is torch.float32 and (w is None or w.dtype is torch.float32)
             and x.device.type == "cpu" and (w is None or w.device.type == "cpu") and torch.get_num_threads() == 1
-            and not torch.compiler.is_compiling() and os.environ.get("IRMINSUL_NATIVE_ELEMENTWISE") != "0"
-            and native.library() is not None)
+            and os.environ.get("IRMINSUL_NATIVE_ELEMENTWISE") != "0" and native.library() is not None)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
