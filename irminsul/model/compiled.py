@@ -38,6 +38,7 @@ import os
 import torch
 from tqdm import tqdm
 
+from irminsul.model import native_ops
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MoE
 
@@ -46,6 +47,9 @@ DENSE_EXPERTS = 4  # the batched step runs every expert when that is at most thi
 # ... for at most this many sequences (`python benchmarks/bench_compiled.py`, the bundled model, when
 # this was set: compiled 1.1-1.2x eager's speed at 2-8 sequences, 0.95-0.98x at 16, 0.91-1.0x at 32)
 MAX_BATCH = 8
+# ... and with the native kernels inside the graph (`CompiledDecode.native`), up to this many: the
+# batches MoE.NATIVE_TOKENS covers
+NATIVE_MAX_BATCH = 64
 
 
 def supported(model) -> str | None:
@@ -131,10 +135,18 @@ class CompiledDecode:
         self._fn = torch.compile(self._step, dynamic=True, fullgraph=True)
         self._batch_fn = torch.compile(self._step_batch, dynamic=True, fullgraph=True)
         cfg = model.config
-        # the most sequences one compiled step takes: MAX_BATCH where running every expert costs at
-        # most DENSE_EXPERTS times the routed work (small expert counts, as the bundled models'), else 1
+        # the batched step's attention and routed experts through the native kernels, as torch
+        # operators (model/native_ops.py), where they run; else the torch ops and every expert
+        self.native = native_ops.available() and os.environ.get("IRMINSUL_NATIVE_DECODE") != "0" and \
+            os.environ.get("IRMINSUL_NATIVE_MOE") != "0"
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.native_graph = self.native
+        # the most sequences one compiled step takes: with the native kernels NATIVE_MAX_BATCH; else
+        # MAX_BATCH where running every expert costs at most DENSE_EXPERTS times the routed work (small
+        # expert counts, as the bundled models'), else 1
         dense_ok = not cfg.n_routed_experts or cfg.n_routed_experts <= DENSE_EXPERTS * cfg.num_experts_per_tok
-        self.max_batch = MAX_BATCH if dense_ok else 1
+        self.max_batch = NATIVE_MAX_BATCH if self.native else MAX_BATCH if dense_ok else 1
 
     def warm_up(self) -> None:
         """Compile now, on scratch rows laid out as the pool's (sizes 0 and 1 would be specialised:
@@ -201,7 +213,8 @@ class CompiledDecode:
         (rows not in one run of slots, as a content hit leaves them) takes its k experts alone."""
         t = key_slots.shape[1]
         visible = torch.arange(t, device=pos.device)[None, :] < pos[:, None]  # [B, T]
-        batch = DecodeBatch(tokens, pos, cos_tab, sin_tab, t, pool=pool, key_slots=key_slots, visible=visible)
+        batch = DecodeBatch(tokens, pos, cos_tab, sin_tab, t, pool=pool, key_slots=key_slots, visible=visible,
+                            native=self.native)
         return self.model.hidden(batch), torch.stack(batch.new_rows)
 
 
@@ -212,8 +225,9 @@ class DecodeBatch:
     place, or the pool gathered through key_slots [B, T] (`visible` [B, T]: which are real)."""
 
     def __init__(self, token_ids, positions, cos_tab, sin_tab, t: int, rows=None, pool=None, key_slots=None,
-                 visible=None):
+                 visible=None, native: bool = False):
         self.token_ids, self.positions = token_ids, positions
+        self.native = native  # attention through the native kernel (`TorchAttention.beside_native`)
         self.rows, self.pool, self.key_slots, self.visible = rows, pool, key_slots, visible
         self.q_cos_sin = (cos_tab[positions], sin_tab[positions])  # [B, rope/2]
         self.k_cos, self.k_sin = cos_tab[:t], sin_tab[:t]  # [T, rope/2]
@@ -225,6 +239,9 @@ class DecodeBatch:
     def attend(self, attn, q_nope, q_pe, rows, index=None):
         self.new_rows.append(rows)
         layer = attn.layer
+        if self.native and self.key_slots is not None:  # (the native kernel reads the pool in place)
+            return attn.backend.beside_native(attn, q_nope, q_pe, self.pool[layer], self.key_slots, rows,
+                                              self.k_cos, self.k_sin, self.q_cos_sin)
         old = self.rows[layer][None] if self.key_slots is None else self.pool[layer][self.key_slots]  # [B, T, width]
         return attn.backend.beside(attn, q_nope, q_pe, old, rows, self.k_cos, self.k_sin, self.q_cos_sin,
                                    self.visible)

@@ -11,12 +11,14 @@ DeepSeek's own `inference/model.py`:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
-from irminsul.model import elementwise, gemv
+from irminsul.model import elementwise, gemv, native_ops
 from irminsul.model.config import ModelConfig
 
 
@@ -337,6 +339,9 @@ class MoE(nn.Module):
     """
 
     grouped = True  # False: always loop (exact FLOPs: the grouped path also multiplies its padding)
+    # inside a compiled batched step: the routed experts through `native_ops.moe_experts` (set by
+    # model/compiled.py where the native kernels run), instead of every expert on every token (`dense`)
+    native_graph = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -406,10 +411,15 @@ class MoE(nn.Module):
             # NOTE: in a graph no shape may follow the routing, and the grouped batch is sized on the
             # host: one token takes its k experts, several run every expert (model/compiled.py
             # bounds how many, `DENSE_EXPERTS`)
-            out = self.one_token(x, weights, ids) if n == 1 else self.dense(x, weights, ids)
+            if n > 1 and self.native_graph:  # (model/compiled.py's batched step, with the native kernels)
+                out = native_ops.moe_experts(x, weights, ids, *self._stacked)
+            else:
+                out = self.one_token(x, weights, ids) if n == 1 else self.dense(x, weights, ids)
         # grouped when most experts are hit (it reads every expert's weights) and padding at most
         # doubles the work (up to 256 padded rows per expert are always fine)
         # (on a GPU always grouped: two launches instead of a loop of launches over the experts hit)
+        elif (out := self._native(x, weights, ids)) is not None:
+            pass
         elif n == 1 and not (self.grouped and (x.is_cuda or 2 * k >= experts)):
             out = self.one_token(x, weights, ids)
         else:
@@ -426,6 +436,23 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    # The routed experts of at most this many tokens (a decode step's batch) go through
+    # model/native/moe.c, where it runs: one call instead of ~10 torch operations per expert hit. A
+    # prefill's thousands of rows keep torch's products (oneDNN's and MKL's, tuned per CPU).
+    NATIVE_TOKENS = 64
+
+    def _native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts' output [n, H] through the native kernel, or None where it does not run:
+        more than NATIVE_TOKENS tokens, not float32 on a CPU, torch on more than one thread (the kernel
+        runs on one), the library not built, or IRMINSUL_NATIVE_MOE=0."""
+        if (x.shape[0] > self.NATIVE_TOKENS or x.dtype != torch.float32 or x.device.type != "cpu"
+                or os.environ.get("IRMINSUL_NATIVE_MOE") == "0" or not native_ops.available()):
+            return None
+        gate_up, down = self.stacked()
+        if gate_up.dtype != torch.float32 or down.dtype != torch.float32:
+            return None
+        return native_ops._moe_experts(x, weights, ids, gate_up, down)
 
     # A CPU's cost of the expert loop's per-expert calls (gather, three products, the scatter back),
     # and the rate its products multiply at, one thread: measured on an AMD EPYC

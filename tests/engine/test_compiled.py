@@ -43,9 +43,24 @@ def test_compiled_decode_gives_the_engines_tokens_and_logprobs(tmp_path, variant
     ref = eager.generate(prompts, max_tokens=6, ignore_eos=True, logprobs=2)
     assert [r.token_ids for r in many] == [r.token_ids for r in ref]
     assert max(abs(x.logprob - y.logprob) for r, q in zip(many, ref) for x, y in zip(r.logprobs, q.logprobs)) < 1e-4
-    # more sequences than one compiled step takes decode eagerly
+    # with the native kernels inside the graph (attention read from the pool, the routed experts), the
+    # batched step takes more than the dense-expert graph's 8 sequences
+    from irminsul.model import native_ops
+
+    assert step.native == native_ops.available()
+    if step.native:
+        twelve = [_rand(20 + 3 * i, 20 + i) for i in range(12)]
+        before = calls["batch"]
+        many = compiled.generate(twelve, max_tokens=4, ignore_eos=True, logprobs=2)
+        ref = eager.generate(twelve, max_tokens=4, ignore_eos=True, logprobs=2)
+        assert calls["batch"] == before + 3 and step.max_batch >= 12
+        assert [r.token_ids for r in many] == [r.token_ids for r in ref]
+        assert max(abs(x.logprob - y.logprob) for r, q in zip(many, ref) for x, y in zip(r.logprobs, q.logprobs)) < 1e-4
+    # more sequences than one compiled step takes decode eagerly (prompts that fit one prefill step:
+    # all of them decode together)
     before = dict(calls)
-    compiled.generate([_rand(40, 10 + i) for i in range(step.max_batch + 1)], max_tokens=3, ignore_eos=True)
+    n = step.max_batch + 1
+    compiled.generate([_rand(1000 // n, 10 + i) for i in range(n)], max_tokens=3, ignore_eos=True)
     assert calls == before
     # the real pool, other lengths and batch sizes, a grown RoPE table: nothing is compiled again
     compiled.generate([_rand(300, 3)] + prompts, max_tokens=3, ignore_eos=True)

@@ -122,3 +122,36 @@ def test_torch_on_several_threads_keeps_its_own_ops(monkeypatch):
         _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=5), seed=st.integers(0, 2**16))
+def test_the_compiled_steps_operator_equals_beside(layout, lengths, seed):
+    """`native_ops.mla_decode` (the kernel with each token's own row as one more key, as model/compiled.py's
+    batched step calls it) against the torch backend's `beside` over the same rows gathered: sequences of
+    different lengths padded with empty slots (a sequence with no earlier row sees its own only)."""
+    from irminsul.model import native_ops
+    from irminsul.model.attention.base import EMPTY_SLOT
+
+    cfg, backend, attn, g = _setup(seed)
+    backend.rotary.out_layout = layout
+    b, t = len(lengths), max(max(lengths), 1)
+    pool = torch.randn(1 + sum(lengths) + 3, cfg.row_width, generator=g)
+    slots = torch.full((b, t), EMPTY_SLOT, dtype=torch.long)
+    at = 1
+    for i, n in enumerate(lengths):
+        slots[i, :n] = torch.arange(at, at + n)
+        at += n
+    h = cfg.num_attention_heads
+    q_nope = torch.randn(b, h, cfg.qk_nope_head_dim, generator=g)
+    pos = torch.tensor(lengths)
+    cos_tab, sin_tab = backend.rotary.table(t + 1, "cpu")
+    q_cos_sin = (cos_tab[pos], sin_tab[pos])
+    q_pe = torch.randn(b, h, cfg.qk_rope_head_dim, generator=g)
+    new = torch.randn(b, cfg.row_width, generator=g)
+    visible = torch.arange(t)[None, :] < pos[:, None]
+    want = backend.beside(attn, q_nope, q_pe, pool[slots], new, cos_tab[:t], sin_tab[:t], q_cos_sin, visible)
+    got = backend.beside_native(attn, q_nope, q_pe, pool, slots, new, cos_tab[:t], sin_tab[:t], q_cos_sin)
+    assert native_ops.available()
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()

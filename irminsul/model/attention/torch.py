@@ -219,6 +219,22 @@ class TorchAttention(AttentionBackend):
         o_lat = torch.bmm(p[..., :-1], rows[..., :r]) + p[..., -1:] * c_kv[:, None]  # [B, H, r]
         return absorb_output(o_lat, w_uv)
 
+    def beside_native(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
+                      key_slots: torch.Tensor, new: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      q_cos_sin) -> torch.Tensor:
+        """`beside` through the native kernel (`native_ops.mla_decode`), for model/compiled.py's batched
+        step: the earlier rows read where they lie in `pool` [slots, width] (one layer) at key_slots
+        [B, T] (EMPTY_SLOT: none), no gathered copy; each token's own row `new` [B, width] one more key."""
+        from irminsul.model import native_ops
+
+        cfg = self.cfg
+        r, rope, layout = cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.rotary.out_layout
+        w_uk, w_uv = self.absorbed_weights(attn)
+        q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [B, H, r + rope]
+        own = torch.cat([new[:, :r], encode_pairwise(new[:, r : r + rope], *q_cos_sin, layout)], dim=-1)
+        o_lat = native_ops.mla_decode(q, pool, key_slots, cos, sin, own, r, layout == "interleaved", cfg.softmax_scale)
+        return absorb_output(o_lat.to(q_nope.dtype), w_uv)
+
     def _keys(self, pool: torch.Tensor, g: AttentionGroup, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The group's keys [B, T, r + rope]: [c_KV | k_r encoded at each key's RoPE position]; and
         V3.2's indexer keys [B, T, d] (rotary part encoded likewise, half-split), else None."""
@@ -322,7 +338,7 @@ def _native_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, 
     rc = native.library().irm_mla_decode(
         q.data_ptr(), b, h, r, rope, pool.data_ptr(), int(pool.dtype == torch.bfloat16), pool.stride(0),
         slots.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
-        int(interleaved), scale, o.data_ptr())
+        int(interleaved), scale, None, 0, o.data_ptr())
     if rc != 0:
         raise MemoryError("the native decode attention found no memory for its scores")
     return o.to(q_lat.dtype)

@@ -2,10 +2,11 @@
 
 `library()` compiles the sources (`gemv.c`: products of a few rows; `mla_decode.c`: MLA decode
 attention read from the latent pool; `elementwise.c`: RMSNorm and SwiGLU's silu(gate) * up in one
-pass; `common.h`: what they share) into one shared library with the C compiler found (`CC`,
-else cc, gcc or clang) and `-march=native`, into a cache directory keyed by the sources, the
-flags, the compiler's version and the CPU's model and flags (`IRMINSUL_NATIVE_CACHE`, default
-~/.cache/irminsul/native), and loads it with ctypes; a second process loads the cached library.
+pass; `moe.c`: the routed experts of a few tokens; `common.h`: what they share) into one shared
+library with the C compiler found (`CC`, else cc, gcc or clang) and `-march=native`, into a cache
+directory keyed by the sources, the flags, the compiler's version and the CPU's model and flags
+(`IRMINSUL_NATIVE_CACHE`, default ~/.cache/irminsul/native), and loads it with ctypes; a second
+process loads the cached library.
 With no compiler, or a build that fails, it is None and callers keep torch's kernels
 (`IRMINSUL_NATIVE=0` turns the kernels off). A build takes ~0.5 s.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger("irminsul.model")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "elementwise.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "elementwise.c", "moe.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
 # reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder
 # them too) lets the compiler vectorise the plain loops; no -ffast-math (it would also assume no NaN)
@@ -117,11 +118,14 @@ def library() -> ctypes.CDLL | None:
     lib.irm_linear.restype = c_int
     lib.irm_max_rows.restype = c_int
     lib.irm_mla_decode.argtypes = [c_void, c_long, c_long, c_long, c_long, c_void, c_int, c_long,
-                                   c_void, c_long, c_void, c_void, c_long, c_int, ctypes.c_float, c_void]
+                                   c_void, c_long, c_void, c_void, c_long, c_int, ctypes.c_float, c_void, c_long, c_void]
     lib.irm_mla_decode.restype = c_int
     c_float = ctypes.c_float
     lib.irm_rms_norm.argtypes = [c_void, c_long, c_long, c_long, c_void, c_float, c_void, c_long]
     lib.irm_rms_norm.restype = None
     lib.irm_silu_mul.argtypes = [c_void, c_long, c_long, c_long, c_void, c_long]
     lib.irm_silu_mul.restype = None
+    lib.irm_moe.argtypes = [c_void, c_long, c_long, c_long, c_void, c_void, c_long, c_long, c_long,
+                            c_void, c_long, c_long, c_long, c_void, c_long, c_long, c_long, c_void, c_long]
+    lib.irm_moe.restype = c_int
     return lib

@@ -42,23 +42,6 @@ void irm_rms_norm(const float *x, long n, long d, long ldx, const float *w, floa
     }
 }
 
-#if defined(__AVX512F__)
-/* x * sigmoid(x), 16 at a time: with e = e^-|x| (<= 1, no overflow), sigmoid is 1 / (1 + e) for
- * x >= 0 and e / (1 + e) below (NaN stays NaN, +inf gives +inf) */
-static inline __m512 silu16(__m512 x) {
-    __m512 ax = _mm512_abs_ps(x);
-    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), ax));
-    __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_set1_ps(1.0f), e);
-    /* 1 / (1 + e) for 1 + e in [1, 2]: the 14-bit reciprocal and one Newton step (~2^-23 relative;
-     * a division was the loop's bottleneck, ~2x slower) */
-    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e), r = _mm512_rcp14_ps(d);
-    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
-    /* below -87 torch's x / (1 + e^-x) is x / inf: -0 (NaN for -inf), as x * 0 gives */
-    __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    return _mm512_mask_mul_ps(_mm512_mul_ps(x, _mm512_mul_ps(num, r)), under, x, _mm512_setzero_ps());
-}
-#endif
-
 /* out[i, j] = silu(gu[i, j]) * gu[i, inner + j], j < inner: n rows of [gate | up] (row stride ldg) */
 void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, long ldo) {
     for (long i = 0; i < n; i++) {
@@ -69,6 +52,6 @@ void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, lon
         for (; j + 16 <= inner; j += 16)
             _mm512_storeu_ps(oi + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)), _mm512_loadu_ps(u + j)));
 #endif
-        for (; j < inner; j++) oi[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        for (; j < inner; j++) oi[j] = silu1(g[j]) * u[j];
     }
 }

@@ -1,0 +1,140 @@
+/* Routed experts of a few tokens in one call, float32: out[t] = sum_j w[t, j] * E_j(x[t]) with
+ * E(x) = (silu(x . W_gate) * (x . W_up)) . W_down, e = ids[t, j].
+ *
+ * A decode step of 32 sequences gives each of the bundled model's 8 experts a handful of rows; in
+ * torch each expert is ~10 operations (find its rows, gather, two products, silu * up, weigh, add
+ * back), ~80 us of dispatch for ~2 us of products. Here the assignments are sorted by expert in C,
+ * and each expert's rows, gathered 8 at a time, go through its two products and silu * up: the
+ * products read the expert's weights where MoE.stacked() keeps them, gate|up [E, H, 2I] and down
+ * [E, I, H], either input-major (element [e, i, o] at e*s0 + i*s1 + o, s2 = 1: eight rows times
+ * 32 outputs summed in registers) or out-major (s1 = 1: dot products). Sums in float32 in another
+ * order than torch's products (as oneDNN's and MKL's differ among themselves).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define RB 8 /* rows per block */
+
+/* c[r][o] = sum_i a[r][i] * w[i*si + o*so], r < R <= RB, o < out; a rows of `in` at stride lda */
+static void product(const float *restrict a, long R, long in, long lda, const float *restrict w, long si, long so,
+                    long out, float *restrict c, long ldc) {
+#if defined(__AVX512F__)
+    if (so == 1 && R == RB && out % 32 == 0) { /* input-major, a full block: 8 x 32 sums in registers */
+        for (long o = 0; o < out; o += 32) {
+            __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+                   c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
+            const float *wp = w + o;
+            for (long i = 0; i < in; i++, wp += si) {
+                __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16), x;
+#define ROW(r, lo, hi)                                 \
+    x = _mm512_set1_ps(a[(r) * lda + i]);              \
+    lo = _mm512_fmadd_ps(x, w0, lo);                   \
+    hi = _mm512_fmadd_ps(x, w1, hi);
+                ROW(0, c00, c01) ROW(1, c10, c11) ROW(2, c20, c21) ROW(3, c30, c31)
+                ROW(4, c40, c41) ROW(5, c50, c51) ROW(6, c60, c61) ROW(7, c70, c71)
+#undef ROW
+            }
+#define PUT(r, lo, hi)                               \
+    _mm512_storeu_ps(c + (r) * ldc + o, lo);         \
+    _mm512_storeu_ps(c + (r) * ldc + o + 16, hi);
+            PUT(0, c00, c01) PUT(1, c10, c11) PUT(2, c20, c21) PUT(3, c30, c31)
+            PUT(4, c40, c41) PUT(5, c50, c51) PUT(6, c60, c61) PUT(7, c70, c71)
+#undef PUT
+        }
+        return;
+    }
+    if (si == 1 && in % 16 == 0) { /* out-major: each output a dot product per row */
+        for (long o = 0; o < out; o++) {
+            const float *wo = w + o * so;
+            __m512 acc[RB];
+            for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+            for (long i = 0; i < in; i += 16) {
+                __m512 wv = _mm512_loadu_ps(wo + i);
+                for (long r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a + r * lda + i), wv, acc[r]);
+            }
+            for (long r = 0; r < R; r++) c[r * ldc + o] = _mm512_reduce_add_ps(acc[r]);
+        }
+        return;
+    }
+#endif
+    for (long r = 0; r < R; r++) {
+        float *cr = c + r * ldc;
+        for (long o = 0; o < out; o++) cr[o] = 0.0f;
+        for (long i = 0; i < in; i++) {
+            float x = a[r * lda + i];
+            const float *wi = w + i * si;
+            for (long o = 0; o < out; o++) cr[o] += x * wi[o * so];
+        }
+    }
+}
+
+/* x [n, H] (row stride ldx), ids / weights [n, k]; gate_up element [e, i, o] at gu + e*gu0 + i*gu1 + o*gu2
+ * (i < H, o < 2I), down [e, i, o] at dn + e*dn0 + i*dn1 + o*dn2 (i < I, o < H); out [n, H] (stride ldo),
+ * overwritten. Returns 0, or -1 without memory for its buffers (out untouched), -2 for an expert id
+ * outside [0, E). */
+int irm_moe(const float *x, long n, long H, long ldx, const int64_t *ids, const float *weights, long k, long E,
+            long I, const float *gu, long gu0, long gu1, long gu2, const float *dn, long dn0, long dn1, long dn2,
+            float *out, long ldo) {
+    long nk = n * k;
+    for (long a = 0; a < nk; a++)
+        if (ids[a] < 0 || ids[a] >= E) return -2;
+    long *start = (long *)calloc((size_t)E + 1, sizeof(long));
+    long *order = (long *)malloc(sizeof(long) * (size_t)(nk > 0 ? nk : 1));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(RB * H));
+    float *h = (float *)malloc(sizeof(float) * (size_t)(RB * 2 * I));
+    float *act = (float *)malloc(sizeof(float) * (size_t)(RB * I));
+    float *y = (float *)malloc(sizeof(float) * (size_t)(RB * H));
+    if (!start || !order || !xs || !h || !act || !y) {
+        free(start), free(order), free(xs), free(h), free(act), free(y);
+        return -1;
+    }
+    /* the assignments sorted by expert (a counting sort, stable: tokens in order within an expert) */
+    for (long a = 0; a < nk; a++) start[ids[a] + 1]++;
+    for (long e = 0; e < E; e++) start[e + 1] += start[e];
+    {
+        long *fill = (long *)malloc(sizeof(long) * (size_t)(E > 0 ? E : 1));
+        if (!fill) {
+            free(start), free(order), free(xs), free(h), free(act), free(y);
+            return -1;
+        }
+        memcpy(fill, start, sizeof(long) * (size_t)E);
+        for (long a = 0; a < nk; a++) order[fill[ids[a]]++] = a;
+        free(fill);
+    }
+    for (long t = 0; t < n; t++) memset(out + t * ldo, 0, sizeof(float) * (size_t)H);
+    for (long e = 0; e < E; e++) {
+        for (long b = start[e]; b < start[e + 1]; b += RB) {
+            long R = start[e + 1] - b < RB ? start[e + 1] - b : RB;
+            for (long r = 0; r < RB; r++) /* (a short block's missing rows are zeros: the 8-row kernel runs) */
+                if (r < R)
+                    memcpy(xs + r * H, x + (order[b + r] / k) * ldx, sizeof(float) * (size_t)H);
+                else
+                    memset(xs + r * H, 0, sizeof(float) * (size_t)H);
+            long RR = (gu2 == 1 && (2 * I) % 32 == 0) ? RB : R;
+            product(xs, RR, H, H, gu + e * gu0, gu1, gu2, 2 * I, h, 2 * I);
+            for (long r = 0; r < RR; r++) {
+                const float *g = h + r * 2 * I, *u = g + I;
+                float *ar = act + r * I;
+                long j = 0;
+#if defined(__AVX512F__)
+                for (; j + 16 <= I; j += 16)
+                    _mm512_storeu_ps(ar + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)), _mm512_loadu_ps(u + j)));
+#endif
+                for (; j < I; j++) ar[j] = silu1(g[j]) * u[j];
+            }
+            RR = (dn2 == 1 && H % 32 == 0) ? RB : R;
+            product(act, RR, I, I, dn + e * dn0, dn1, dn2, H, y, H);
+            for (long r = 0; r < R; r++) {
+                long a = order[b + r];
+                float wt = weights[a], *ot = out + (a / k) * ldo;
+                const float *yr = y + r * H;
+                for (long j = 0; j < H; j++) ot[j] += wt * yr[j];
+            }
+        }
+    }
+    free(start), free(order), free(xs), free(h), free(act), free(y);
+    return 0;
+}

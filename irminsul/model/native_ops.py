@@ -1,0 +1,75 @@
+"""The native decode kernels as torch operators, so that a compiled decode step (model/compiled.py)
+calls them inside its graph instead of breaking it (a ctypes call cannot be traced):
+
+- `irminsul::mla_decode`: model/native/mla_decode.c over the pool's rows at each sequence's slots,
+  with each token's own row (not in the pool yet: the compiled step returns the new rows) as one
+  more key;
+- `irminsul::moe_experts`: model/native/moe.c, the routed experts of a few tokens (`MoE._native`).
+
+Each has a fake implementation (the output's shape) for the tracer. `available()` says whether the
+kernels can run here (the native library built, torch on one thread).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from irminsul.model import native
+
+
+def available() -> bool:
+    return torch.get_num_threads() == 1 and native.library() is not None
+
+
+def _mla_decode(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                own: torch.Tensor, r: int, interleaved: bool, scale: float) -> torch.Tensor:
+    """q [B, H, r + rope] (q_lat | q_pe rotated), pool [slots, width] (one layer, float32 or bfloat16 rows),
+    slots [B, T] (0: no key), cos/sin [T, rope/2] (keys at positions 0..T-1), own [B, r + rope] each
+    token's own key (k_r rotated) -> o_lat [B, H, r] float32."""
+    b, h, w = q.shape
+    q = q.float().contiguous()
+    slots = slots.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    own = own.float().contiguous()
+    o = torch.empty(b, h, r)
+    rc = native.library().irm_mla_decode(
+        q.data_ptr(), b, h, r, w - r, pool.data_ptr(), int(pool.dtype == torch.bfloat16), pool.stride(0),
+        slots.data_ptr(), slots.shape[1], cos.data_ptr(), sin.data_ptr(), 0, int(interleaved), scale,
+        own.data_ptr(), own.stride(0), o.data_ptr())
+    if rc != 0:
+        raise MemoryError("the native decode attention found no memory for its scores")
+    return o
+
+
+mla_decode = torch.library.custom_op("irminsul::mla_decode", _mla_decode, mutates_args=())
+
+
+@mla_decode.register_fake
+def _(q, pool, slots, cos, sin, own, r, interleaved, scale):
+    return q.new_empty(q.shape[0], q.shape[1], r, dtype=torch.float32)
+
+
+def _moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor) -> torch.Tensor:
+    """x [n, H] float32, weights / ids [n, k], gate_up [E, H, 2I], down [E, I, H] (float32, any strides
+    the kernel reads: `MoE.stacked`) -> the routed experts' output [n, H]."""
+    n, hidden = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids, w = ids.contiguous(), weights.to(torch.float32).contiguous()
+    out = torch.empty(n, hidden, dtype=torch.float32)
+    rc = native.library().irm_moe(x.data_ptr(), n, hidden, x.stride(0), ids.data_ptr(), w.data_ptr(), ids.shape[1],
+                                  gate_up.shape[0], gate_up.shape[2] // 2, gate_up.data_ptr(), *gate_up.stride(),
+                                  down.data_ptr(), *down.stride(), out.data_ptr(), hidden)
+    if rc == -2:
+        raise ValueError("the router chose an expert id outside [0, n_routed_experts)")
+    if rc != 0:
+        raise MemoryError("the native experts found no memory for their buffers")
+    return out
+
+
+moe_experts = torch.library.custom_op("irminsul::moe_experts", _moe_experts, mutates_args=())
+
+
+@moe_experts.register_fake
+def _(x, weights, ids, gate_up, down):
+    return x.new_empty(x.shape, dtype=torch.float32)
