@@ -304,19 +304,23 @@ class TorchAttention(AttentionBackend):
             g = dataclasses.replace(g, explicit_mask=self._selected(index, idx_keys, g), causal=False)
         kv = attn.kv_b_proj(keys[..., :r]).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        q = _grid(torch.cat([q_nope, q_pe], dim=-1), g)  # [B, M, H, qk]
-        width = cfg.qk_head_dim
-        if self._pads(q.device):
-            width = max(cfg.qk_head_dim, cfg.v_head_dim)
-            v = _widen(v, width)
-            q = _widen(q, width)  # (zeros beyond the qk width add nothing to a score)
-        k = k_nope.new_empty(b, t, h, width)  # [k_nope | k_r | zeros]: every head's k_r the shared one
-        k[..., : cfg.qk_nope_head_dim] = k_nope
-        k[..., cfg.qk_nope_head_dim : cfg.qk_head_dim] = keys[:, :, None, r:]
-        k[..., cfg.qk_head_dim :] = 0
+        nope, qk = cfg.qk_nope_head_dim, cfg.qk_head_dim
+        pads = self._pads(q_nope.device)
+        width = max(qk, cfg.v_head_dim) if pads else qk
+        # q, k and v head-major ([B, H, M or T, width], each head's rows contiguous, as the flash
+        # kernel reads them best), assembled in place of a concatenation (zeros beyond the qk width
+        # add nothing to a score; zero v columns give zero output columns, dropped)
+        q = q_nope.new_empty(b, h, m, width)
+        q[..., :nope] = _grid(q_nope, g).transpose(1, 2)
+        q[..., nope:qk] = _grid(q_pe, g).transpose(1, 2)
+        q[..., qk:] = 0
+        k = k_nope.new_empty(b, h, t, width)  # [k_nope | k_r | zeros]: every head's k_r the shared one
+        k[..., :nope] = k_nope.transpose(1, 2)
+        k[..., nope:qk] = keys[:, None, :, r:]
+        k[..., qk:] = 0
+        v = (_widen(v, width) if pads else v).transpose(1, 2).contiguous()
         # NOTE: causal: padded keys (beyond a shorter sequence) are seen only by its padded queries
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=None if g.causal else g.mask[:, None],
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if g.causal else g.mask[:, None],
                                            is_causal=g.causal, scale=cfg.softmax_scale)
         o = o.transpose(1, 2)[..., : cfg.v_head_dim]  # (any zero columns of a widened v dropped)
         return _rows(o.reshape(b * m, h, cfg.v_head_dim), g)
