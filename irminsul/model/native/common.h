@@ -55,6 +55,28 @@ static inline __m512 silu16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* out[k] = the sum of c_k's 16 lanes, k < 8: the eight sums folded together (halves, quarters, then
+ * pairs within each 128-bit lane), ~22 instructions where eight separate reductions take ~64 */
+static inline void reduce8(__m512 c0, __m512 c1, __m512 c2, __m512 c3, __m512 c4, __m512 c5, __m512 c6, __m512 c7,
+                           float *out) {
+    /* lanes of a01: [c0 L0+L2, c0 L1+L3, c1 L0+L2, c1 L1+L3] (L: 128-bit lanes) */
+    __m512 a01 = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x44), _mm512_shuffle_f32x4(c0, c1, 0xEE));
+    __m512 a23 = _mm512_add_ps(_mm512_shuffle_f32x4(c2, c3, 0x44), _mm512_shuffle_f32x4(c2, c3, 0xEE));
+    __m512 a45 = _mm512_add_ps(_mm512_shuffle_f32x4(c4, c5, 0x44), _mm512_shuffle_f32x4(c4, c5, 0xEE));
+    __m512 a67 = _mm512_add_ps(_mm512_shuffle_f32x4(c6, c7, 0x44), _mm512_shuffle_f32x4(c6, c7, 0xEE));
+    /* lane k of b0: 4 partial sums of c_k; of b4: of c_(k+4) */
+    __m512 b0 = _mm512_add_ps(_mm512_shuffle_f32x4(a01, a23, 0x88), _mm512_shuffle_f32x4(a01, a23, 0xDD));
+    __m512 b4 = _mm512_add_ps(_mm512_shuffle_f32x4(a45, a67, 0x88), _mm512_shuffle_f32x4(a45, a67, 0xDD));
+    /* per lane k: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] (x of b0, y of b4), then the two halves added */
+    __m512 u = _mm512_add_ps(_mm512_unpacklo_ps(b0, b4), _mm512_unpackhi_ps(b0, b4));
+    __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+    float t[16];
+    _mm512_storeu_ps(t, v);
+    out[0] = t[0], out[4] = t[1], out[1] = t[4], out[5] = t[5], out[2] = t[8], out[6] = t[9], out[3] = t[12], out[7] = t[13];
+}
+#endif
+
 /* silu(g) one at a time, as torch computes it: g / (1 + e^-g) */
 static inline float silu1(float g) { return g / (1.0f + expf(-g)); }
 
