@@ -24,12 +24,19 @@ def _decode_case(cfg, g, lengths, dtype=torch.float32, **kw):
     return _case(cfg, g, [(n - 1, 1) for n in lengths], dtype=dtype, **kw)
 
 
+# the test models' widths (r 32, rope 8: the kernel's plain loops), the bundled model's (r 128, rope 16:
+# the vector loops, c_KV read in place) and a realistic rope (64)
+WIDTHS = {"tiny": {}, "bundled": dict(kv_lora_rank=128, qk_rope_head_dim=16),
+          "rope64": dict(kv_lora_rank=64, qk_rope_head_dim=64)}
+
+
+@pytest.mark.parametrize("widths", list(WIDTHS))
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=6), holes=st.booleans(), moved=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_decode_groups_equal_the_dense_reference(layout, lengths, holes, moved, seed):
-    cfg, backend, attn, g = _setup(seed)
+def test_decode_groups_equal_the_dense_reference(widths, layout, lengths, holes, moved, seed):
+    cfg, backend, attn, g = _setup(seed, **WIDTHS[widths])
     backend.rotary.out_layout = layout
     q_nope, q_pe, pool, seqs = _decode_case(cfg, g, lengths, holes=holes, moved=moved)
     want = _reference(cfg, backend, attn, q_nope, q_pe, pool, seqs)
@@ -45,11 +52,12 @@ def test_decode_groups_equal_the_dense_reference(layout, lengths, holes, moved, 
     assert (got.double() - want).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("widths", list(WIDTHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_computes_what_the_torch_ops_compute(dtype, monkeypatch):
+def test_the_kernel_computes_what_the_torch_ops_compute(dtype, widths, monkeypatch):
     """A padded batch with holes and moved keys: the kernel's output is the torch path's (bf16: within
     its roundings; the kernel keeps fp32 where the torch path rounds keys and probabilities to bf16)."""
-    cfg, backend, attn, g = _setup(5)
+    cfg, backend, attn, g = _setup(5, **WIDTHS[widths])
     attn.kv_b_proj.to(dtype)
     q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [45, 12, 1, 30], dtype=dtype, holes=True, moved=True)
     outs = {}
@@ -124,17 +132,18 @@ def test_torch_on_several_threads_keeps_its_own_ops(monkeypatch):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("widths", list(WIDTHS))
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 @settings(max_examples=20, deadline=None)
 @given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=5), seed=st.integers(0, 2**16))
-def test_the_compiled_steps_operator_equals_beside(layout, lengths, seed):
+def test_the_compiled_steps_operator_equals_beside(widths, layout, lengths, seed):
     """`native_ops.mla_decode` (the kernel with each token's own row as one more key, as model/compiled.py's
     batched step calls it) against the torch backend's `beside` over the same rows gathered: sequences of
     different lengths padded with empty slots (a sequence with no earlier row sees its own only)."""
     from irminsul.model import native_ops
     from irminsul.model.attention.base import EMPTY_SLOT
 
-    cfg, backend, attn, g = _setup(seed)
+    cfg, backend, attn, g = _setup(seed, **WIDTHS[widths])
     backend.rotary.out_layout = layout
     b, t = len(lengths), max(max(lengths), 1)
     pool = torch.randn(1 + sum(lengths) + 3, cfg.row_width, generator=g)

@@ -33,6 +33,32 @@ static void load_row(const void *pool, int pool_bf, long ldp, int64_t slot, long
 
 static void rotate(float *k, long rope, const float *cos, const float *sin, int interleaved) {
     long half = rope / 2;
+#if defined(__AVX512F__)
+    if (rope % 16 == 0 && !interleaved) { /* halves: a = k[i], b = k[i + half], 16 pairs at a time */
+        for (long i = 0; i < half; i += 16) {
+            __mmask16 m = (__mmask16)(half - i >= 16 ? 0xffff : (1u << (half - i)) - 1);
+            __m512 a = _mm512_maskz_loadu_ps(m, k + i), b = _mm512_maskz_loadu_ps(m, k + half + i);
+            __m512 c = _mm512_maskz_loadu_ps(m, cos + i), sn = _mm512_maskz_loadu_ps(m, sin + i);
+            _mm512_mask_storeu_ps(k + i, m, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, sn)));
+            _mm512_mask_storeu_ps(k + half + i, m, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, sn)));
+        }
+        return;
+    }
+    if (rope % 16 == 0 && interleaved) { /* pairs (x0, x1), ...: 8 pairs a vector, cos/sin each spread to both */
+        const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        for (long i = 0; i < rope; i += 16) {
+            __m512 v = _mm512_loadu_ps(k + i);
+            __m512 c = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(cos + i / 2)));
+            __m512 sn = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(sin + i / 2)));
+            __m512 swapped = _mm512_permute_ps(v, 0xB1); /* (x1, x0), ... */
+            /* even lanes a c - b s, odd lanes b c + a s: the swapped pair times s, negated on the even lanes */
+            __m512 t = _mm512_mul_ps(swapped, sn);
+            t = _mm512_mask_sub_ps(t, 0x5555, _mm512_setzero_ps(), t);
+            _mm512_storeu_ps(k + i, _mm512_fmadd_ps(v, c, t));
+        }
+        return;
+    }
+#endif
     for (long i = 0; i < half; i++) {
         long ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
         float a = k[ia], b = k[ib], c = cos[i], s = sin[i];
@@ -79,6 +105,59 @@ static void dots(const float *restrict a, const float *restrict keys, long n, lo
     for (long k = 0; k < n; k++) out[k] = dot(a, keys + k * w, w);
 #endif
 }
+
+#if defined(__AVX512F__)
+/* out[k] = a . [c[k] (r) | kr + k * w (rope)] for a full block of KB keys, r and rope multiples of 16:
+ * c_KV read where it lies (a float32 pool), the rotated k_r from the block buffer */
+static void dots_at(const float *restrict a, const float *const *c, const float *restrict kr, long w, long r,
+                    long rope, float *out) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+    for (long i = 0; i < r; i += 16) {
+        __m512 av = _mm512_loadu_ps(a + i);
+        c0 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[0] + i), c0);
+        c1 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[1] + i), c1);
+        c2 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[2] + i), c2);
+        c3 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[3] + i), c3);
+        c4 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[4] + i), c4);
+        c5 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[5] + i), c5);
+        c6 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[6] + i), c6);
+        c7 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[7] + i), c7);
+    }
+    for (long i = 0; i < rope; i += 16) {
+        __m512 av = _mm512_loadu_ps(a + r + i);
+        const float *k = kr + i;
+        c0 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k), c0);
+        c1 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + w), c1);
+        c2 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 2 * w), c2);
+        c3 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 3 * w), c3);
+        c4 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 4 * w), c4);
+        c5 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 5 * w), c5);
+        c6 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 6 * w), c6);
+        c7 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 7 * w), c7);
+    }
+    reduce8(c0, c1, c2, c3, c4, c5, c6, c7, out);
+}
+
+/* o[i] += sum_k p[k] * c[k][i], i < r (a multiple of 64), n <= KB rows read where they lie */
+static void axpys_at(float *restrict o, const float *p, const float *const *c, long n, long r) {
+    for (long i = 0; i < r; i += 64) {
+        __m512 a0 = _mm512_loadu_ps(o + i), a1 = _mm512_loadu_ps(o + i + 16), a2 = _mm512_loadu_ps(o + i + 32),
+               a3 = _mm512_loadu_ps(o + i + 48);
+        for (long k = 0; k < n; k++) {
+            __m512 pk = _mm512_set1_ps(p[k]);
+            const float *ck = c[k] + i;
+            a0 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(ck), a0);
+            a1 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(ck + 16), a1);
+            a2 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(ck + 32), a2);
+            a3 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(ck + 48), a3);
+        }
+        _mm512_storeu_ps(o + i, a0);
+        _mm512_storeu_ps(o + i + 16, a1);
+        _mm512_storeu_ps(o + i + 32, a2);
+        _mm512_storeu_ps(o + i + 48, a3);
+    }
+}
+#endif
 
 /* o[i] += sum_k p[k] * keys[k][i], i < r: each stretch of o loaded and stored once per block */
 static void axpys(float *restrict o, const float *p, const float *restrict keys, long n, long w, long r) {
@@ -165,6 +244,12 @@ int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void
                    float scale, const float *own, long ldown, float *o) {
     long w = r + rope, half = rope / 2;
     long TS = T + (own != NULL); /* each head's scores: the pool's keys, then its own */
+#if defined(__AVX512F__)
+    /* float32 rows whose widths the vector loops cover are read in place (no block copy of c_KV) */
+    const int in_place = !pool_bf && r % 64 == 0 && rope % 16 == 0;
+#else
+    const int in_place = 0;
+#endif
     float *scores = (float *)malloc(sizeof(float) * (size_t)(H * (TS > 0 ? TS : 1)));
     float *kbuf = (float *)malloc(sizeof(float) * (size_t)(KB * w));
     if (!scores || !kbuf) {
@@ -189,18 +274,31 @@ int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void
             for (long k = j0 + KB; k < j0 + 2 * KB && k < T; k++) /* the next block's rows, asked for early */
                 for (long c = 0; c < w * (pool_bf ? 2 : 4); c += 64)
                     __builtin_prefetch((const char *)pool + (sb[k] * ldp) * (pool_bf ? 2 : 4) + c);
+            const float *at[KB]; /* each key's c_KV: in the pool (float32 rows, a full block) or in kbuf */
+            int direct = in_place && n == KB;
             for (long k = 0; k < n; k++) {
                 int64_t slot = sb[j0 + k];
+                at[k] = kbuf + k * w;
                 if (slot == 0) { /* no row: zeros (its score is -inf; a stale row could hold a NaN, and 0 * NaN is NaN) */
                     memset(kbuf + k * w, 0, sizeof(float) * (size_t)w);
                     continue;
                 }
-                load_row(pool, pool_bf, ldp, slot, w, kbuf + k * w);
+                if (direct) { /* c_KV read where it lies; only k_r copied, to be rotated */
+                    at[k] = (const float *)pool + slot * ldp;
+                    memcpy(kbuf + k * w + r, at[k] + r, sizeof(float) * (size_t)rope);
+                } else {
+                    load_row(pool, pool_bf, ldp, slot, w, kbuf + k * w);
+                }
                 rotate(kbuf + k * w + r, rope, cb + (j0 + k) * half, snb + (j0 + k) * half, interleaved);
             }
             for (long h = 0; h < H; h++) {
                 float s[KB];
-                dots(qb + h * w, kbuf, n, w, s);
+#if defined(__AVX512F__)
+                if (direct)
+                    dots_at(qb + h * w, at, kbuf + r, w, r, rope, s);
+                else
+#endif
+                    dots(qb + h * w, kbuf, n, w, s);
                 for (long k = 0; k < n; k++) scores[h * TS + j0 + k] = sb[j0 + k] == 0 ? -INFINITY : scale * s[k];
             }
         }
@@ -212,16 +310,25 @@ int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void
         memset(ob, 0, sizeof(float) * (size_t)(H * r));
         for (long j0 = 0; j0 < T; j0 += KB) {
             long n = T - j0 < KB ? T - j0 : KB;
+            const float *at[KB];
             for (long k = 0; k < n; k++) {
-                if (sb[j0 + k] != 0)
-                    load_row(pool, pool_bf, ldp, sb[j0 + k], r, kbuf + k * w);
-                else
+                at[k] = kbuf + k * w;
+                if (sb[j0 + k] == 0)
                     memset(kbuf + k * w, 0, sizeof(float) * (size_t)r);
+                else if (in_place)
+                    at[k] = (const float *)pool + sb[j0 + k] * ldp;
+                else
+                    load_row(pool, pool_bf, ldp, sb[j0 + k], r, kbuf + k * w);
             }
             for (long h = 0; h < H; h++) {
                 float p[KB];
                 for (long k = 0; k < n; k++) p[k] = sb[j0 + k] == 0 ? 0.0f : scores[h * TS + j0 + k];
-                axpys(ob + h * r, p, kbuf, n, w, r);
+#if defined(__AVX512F__)
+                if (in_place)
+                    axpys_at(ob + h * r, p, at, n, r);
+                else
+#endif
+                    axpys(ob + h * r, p, kbuf, n, w, r);
             }
         }
         if (own != NULL)
