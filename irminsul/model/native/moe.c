@@ -18,6 +18,8 @@
 
 #define RB 8 /* rows per block */
 
+void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, long ldo); /* elementwise.c */
+
 /* c[r][o] = sum_i a[r][i] * w[i*si + o*so], r < R <= RB, o < out; a rows of `in` at stride lda */
 static void product(const float *restrict a, long R, long in, long lda, const float *restrict w, long si, long so,
                     long out, float *restrict c, long ldc) {
@@ -137,16 +139,7 @@ int irm_moe(const float *x, long n, long H, long ldx, const int64_t *ids, const 
                     memset(xs + r * H, 0, sizeof(float) * (size_t)H);
             long RR = (gu2 == 1 && (2 * I) % 32 == 0) ? RB : R;
             product(xs, RR, H, H, gu + e * gu0, gu1, gu2, 2 * I, h, 2 * I);
-            for (long r = 0; r < RR; r++) {
-                const float *g = h + r * 2 * I, *u = g + I;
-                float *ar = act + r * I;
-                long j = 0;
-#if defined(__AVX512F__)
-                for (; j + 16 <= I; j += 16)
-                    _mm512_storeu_ps(ar + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)), _mm512_loadu_ps(u + j)));
-#endif
-                for (; j < I; j++) ar[j] = silu1(g[j]) * u[j];
-            }
+            irm_silu_mul(h, RR, I, 2 * I, act, I);
             RR = (dn2 == 1 && H % 32 == 0) ? RB : R;
             product(act, RR, I, I, dn + e * dn0, dn1, dn2, H, y, H);
             for (long r = 0; r < R; r++) {
