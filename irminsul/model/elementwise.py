@@ -2,8 +2,9 @@
 
 In eager torch, RMSNorm is five operations over its rows (square, mean, + eps, rsqrt, two products)
 and silu(g) * u two, each a full pass and a dispatch: at the bundled model's prefill of 1,500
-tokens they were ~13 ms of ~195 (torch.profiler; benchmarks/bench_engine.py's prefill). The kernels
-compute the same values, in the same order of roundings but for the order of one float32 sum.
+tokens they were ~11 ms of ~195 (torch.profiler; benchmarks/bench_engine.py's prefill). RMSNorm
+rounds as torch's ops do but for the order of one float32 sum; silu uses the kernels' own exp and
+reciprocal (within ~1e-7 relative of torch's, its special values kept: tests/model/test_elementwise.py).
 
 They run where the native library built, for float32 tensors on a CPU with torch on one thread
 (single-threaded kernels; with more threads torch's own ops run in parallel), outside graphs being

@@ -335,7 +335,8 @@ class MoE(nn.Module):
     twice and checkpoints load as they are). When fewer than half the experts are hit (a decode step
     of a few sequences: the grouped product would read every expert's weights), or routing is so
     uneven that its padding would cost more than the loop's calls (`_padding_pays`), it loops over
-    the experts hit.
+    the experts hit. On a CPU, float32, the experts of a decode step's few tokens run in one native
+    call instead (`_native`: model/native/moe.c).
     """
 
     grouped = True  # False: always loop (exact FLOPs: the grouped path also multiplies its padding)
@@ -415,11 +416,11 @@ class MoE(nn.Module):
                 out = native_ops.moe_experts(x, weights, ids, *self._stacked)
             else:
                 out = self.one_token(x, weights, ids) if n == 1 else self.dense(x, weights, ids)
+        elif (out := self._native(x, weights, ids)) is not None:  # (a decode batch's few tokens, on a CPU)
+            pass
         # grouped when most experts are hit (it reads every expert's weights) and padding at most
         # doubles the work (up to 256 padded rows per expert are always fine)
         # (on a GPU always grouped: two launches instead of a loop of launches over the experts hit)
-        elif (out := self._native(x, weights, ids)) is not None:
-            pass
         elif n == 1 and not (self.grouped and (x.is_cuda or 2 * k >= experts)):
             out = self.one_token(x, weights, ids)
         else:
