@@ -130,15 +130,32 @@ def make_tiny_checkpoint(path: str | Path, variant: str = "v2", yarn: bool = Fal
     return path
 
 
+def _zero_expert_rows() -> bool:
+    """Whether the installed transformers' LongCat keeps rows for its zero-computation experts in the
+    fused gate_up ([routed + zero, 2I, H], unused: up to 5.24) or not ([routed, 2I, H]: 5.25 on);
+    its parameter's shape, read from an instance on the meta device."""
+    try:
+        from transformers import LongcatFlashConfig
+        from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+    except ImportError:
+        return False
+    probe = LongcatFlashConfig(n_routed_experts=2, zero_expert_num=1, hidden_size=8, expert_ffn_hidden_size=4)
+    with torch.device("meta"):
+        return LongcatFlashExperts(probe).gate_up_proj.shape[0] > 2
+
+
 def _fuse_experts(state: dict, cfg: ModelConfig) -> dict:
-    """LongCat's experts as transformers stores them: gate_up [routed + zero experts, 2I, H] (the
-    identity experts' rows unused, zero), down [routed, H, I]."""
+    """LongCat's experts as the installed transformers stores them: gate_up [routed (+ zero experts,
+    their rows zero: `_zero_expert_rows`), 2I, H], down [routed, H, I]. Irminsul's loader reads either
+    (`loader._unfuse_experts` unfolds every row; the model has no expert past the routed ones to load
+    the zero rows into)."""
     out = {}
+    zero_rows = _zero_expert_rows()
     for b in range(cfg.num_blocks):
         prefix = f"model.layers.{b}.mlp.experts"
         gate_up = [torch.cat([state.pop(f"{prefix}.{e}.gate_proj.weight"), state.pop(f"{prefix}.{e}.up_proj.weight")])
                    for e in range(cfg.n_routed_experts)]
-        gate_up += [torch.zeros_like(gate_up[0])] * cfg.zero_expert_num
+        gate_up += [torch.zeros_like(gate_up[0])] * (cfg.zero_expert_num if zero_rows else 0)
         out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
         out[f"{prefix}.down_proj"] = torch.stack([state.pop(f"{prefix}.{e}.down_proj.weight")
                                                   for e in range(cfg.n_routed_experts)])
