@@ -77,6 +77,27 @@ static inline void reduce8(__m512 c0, __m512 c1, __m512 c2, __m512 c3, __m512 c4
 }
 #endif
 
+#if defined(__AVX512F__)
+/* acc[k] += a[0..n) . rows[k][0..n) for k < 8, n a multiple of 16: one load of `a` serves the eight
+ * rows (the constant count, unrolled once inlined, keeps the sums in registers) */
+static inline void fma8(const float *restrict a, const float *const *rows, long n, __m512 *acc) {
+    for (long i = 0; i < n; i += 16) {
+        __m512 av = _mm512_loadu_ps(a + i);
+        for (int k = 0; k < 8; k++) acc[k] = _mm512_fmadd_ps(av, _mm512_loadu_ps(rows[k] + i), acc[k]);
+    }
+}
+
+/* out[k] = a[0..n) . (b + k * ld)[0..n) for k < 8, n a multiple of 16: eight dot products with rows
+ * `ld` floats apart, folded together */
+static inline void dots8(const float *restrict a, const float *b, long ld, long n, float *out) {
+    const float *rows[8] = {b, b + ld, b + 2 * ld, b + 3 * ld, b + 4 * ld, b + 5 * ld, b + 6 * ld, b + 7 * ld};
+    __m512 acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
+    fma8(a, rows, n, acc);
+    reduce8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7], out);
+}
+#endif
+
 /* silu(g) one at a time, as torch computes it: g / (1 + e^-g) */
 static inline float silu1(float g) { return g / (1.0f + expf(-g)); }
 

@@ -78,19 +78,7 @@ static inline float dot(const float *restrict a, const float *restrict b, long n
 static void dots(const float *restrict a, const float *restrict keys, long n, long w, float *out) {
 #if defined(__AVX512F__)
     if (n == KB && w % 16 == 0) { /* a full block: the KB sums in registers (a variable count keeps them in memory) */
-        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-        for (long i = 0; i < w; i += 16) {
-            __m512 av = _mm512_loadu_ps(a + i);
-            c0 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + i), c0);
-            c1 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + w + i), c1);
-            c2 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 2 * w + i), c2);
-            c3 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 3 * w + i), c3);
-            c4 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 4 * w + i), c4);
-            c5 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 5 * w + i), c5);
-            c6 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 6 * w + i), c6);
-            c7 = _mm512_fmadd_ps(av, _mm512_loadu_ps(keys + 7 * w + i), c7);
-        }
-        reduce8(c0, c1, c2, c3, c4, c5, c6, c7, out);
+        dots8(a, keys, w, w, out);
         return;
     }
     __m512 acc[KB];
@@ -111,36 +99,18 @@ static void dots(const float *restrict a, const float *restrict keys, long n, lo
  * c_KV read where it lies (a float32 pool), the rotated k_r from the block buffer */
 static void dots_at(const float *restrict a, const float *const *c, const float *restrict kr, long w, long r,
                     long rope, float *out) {
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-    for (long i = 0; i < r; i += 16) {
-        __m512 av = _mm512_loadu_ps(a + i);
-        c0 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[0] + i), c0);
-        c1 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[1] + i), c1);
-        c2 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[2] + i), c2);
-        c3 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[3] + i), c3);
-        c4 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[4] + i), c4);
-        c5 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[5] + i), c5);
-        c6 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[6] + i), c6);
-        c7 = _mm512_fmadd_ps(av, _mm512_loadu_ps(c[7] + i), c7);
-    }
-    for (long i = 0; i < rope; i += 16) {
-        __m512 av = _mm512_loadu_ps(a + r + i);
-        const float *k = kr + i;
-        c0 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k), c0);
-        c1 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + w), c1);
-        c2 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 2 * w), c2);
-        c3 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 3 * w), c3);
-        c4 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 4 * w), c4);
-        c5 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 5 * w), c5);
-        c6 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 6 * w), c6);
-        c7 = _mm512_fmadd_ps(av, _mm512_loadu_ps(k + 7 * w), c7);
-    }
-    reduce8(c0, c1, c2, c3, c4, c5, c6, c7, out);
+    const float *rot[KB] = {kr, kr + w, kr + 2 * w, kr + 3 * w, kr + 4 * w, kr + 5 * w, kr + 6 * w, kr + 7 * w};
+    __m512 acc[KB];
+    for (int k = 0; k < KB; k++) acc[k] = _mm512_setzero_ps();
+    fma8(a, c, r, acc);
+    fma8(a + r, rot, rope, acc);
+    reduce8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7], out);
 }
 
-/* o[i] += sum_k p[k] * c[k][i], i < r (a multiple of 64), n <= KB rows read where they lie */
+/* o[i] += sum_k p[k] * c[k][i] for i below r's last multiple of 64, n <= KB rows read where they lie:
+ * each stretch of o loaded and stored once per block */
 static void axpys_at(float *restrict o, const float *p, const float *const *c, long n, long r) {
-    for (long i = 0; i < r; i += 64) {
+    for (long i = 0; i + 64 <= r; i += 64) {
         __m512 a0 = _mm512_loadu_ps(o + i), a1 = _mm512_loadu_ps(o + i + 16), a2 = _mm512_loadu_ps(o + i + 32),
                a3 = _mm512_loadu_ps(o + i + 48);
         for (long k = 0; k < n; k++) {
@@ -162,24 +132,10 @@ static void axpys_at(float *restrict o, const float *p, const float *const *c, l
 /* o[i] += sum_k p[k] * keys[k][i], i < r: each stretch of o loaded and stored once per block */
 static void axpys(float *restrict o, const float *p, const float *restrict keys, long n, long w, long r) {
 #if defined(__AVX512F__)
-    long i = 0;
-    for (; i + 64 <= r; i += 64) {
-        __m512 a0 = _mm512_loadu_ps(o + i), a1 = _mm512_loadu_ps(o + i + 16), a2 = _mm512_loadu_ps(o + i + 32),
-               a3 = _mm512_loadu_ps(o + i + 48);
-        for (long k = 0; k < n; k++) {
-            __m512 pk = _mm512_set1_ps(p[k]);
-            const float *c = keys + k * w + i;
-            a0 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(c), a0);
-            a1 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(c + 16), a1);
-            a2 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(c + 32), a2);
-            a3 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(c + 48), a3);
-        }
-        _mm512_storeu_ps(o + i, a0);
-        _mm512_storeu_ps(o + i + 16, a1);
-        _mm512_storeu_ps(o + i + 32, a2);
-        _mm512_storeu_ps(o + i + 48, a3);
-    }
-    for (; i < r; i += 16) {
+    const float *rows[KB];
+    for (long k = 0; k < n; k++) rows[k] = keys + k * w;
+    axpys_at(o, p, rows, n, r);
+    for (long i = r - r % 64; i < r; i += 16) {
         __mmask16 m = (__mmask16)(r - i >= 16 ? 0xffff : (1u << (r - i)) - 1);
         __m512 a = _mm512_maskz_loadu_ps(m, o + i);
         for (long k = 0; k < n; k++) a = _mm512_fmadd_ps(_mm512_set1_ps(p[k]), _mm512_maskz_loadu_ps(m, keys + k * w + i), a);

@@ -51,22 +51,7 @@ static void product(const float *restrict a, long R, long in, long lda, const fl
     if (si == 1 && in % 16 == 0 && out % 8 == 0) { /* out-major: eight outputs' dot products at a time, folded together */
         for (long r = 0; r < R; r++) {
             const float *ar = a + r * lda;
-            for (long o = 0; o < out; o += 8) {
-                const float *w0 = w + o * so;
-                __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-                for (long i = 0; i < in; i += 16) {
-                    __m512 x = _mm512_loadu_ps(ar + i);
-                    c0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(w0 + i), c0);
-                    c1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(w0 + so + i), c1);
-                    c2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(w0 + 2 * so + i), c2);
-                    c3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(w0 + 3 * so + i), c3);
-                    c4 = _mm512_fmadd_ps(x, _mm512_loadu_ps(w0 + 4 * so + i), c4);
-                    c5 = _mm512_fmadd_ps(x, _mm512_loadu_ps(w0 + 5 * so + i), c5);
-                    c6 = _mm512_fmadd_ps(x, _mm512_loadu_ps(w0 + 6 * so + i), c6);
-                    c7 = _mm512_fmadd_ps(x, _mm512_loadu_ps(w0 + 7 * so + i), c7);
-                }
-                reduce8(c0, c1, c2, c3, c4, c5, c6, c7, c + r * ldc + o);
-            }
+            for (long o = 0; o < out; o += 8) dots8(ar, w + o * so, so, in, c + r * ldc + o);
         }
         return;
     }
