@@ -21,27 +21,31 @@ def available() -> bool:
     return torch.get_num_threads() == 1 and native.library() is not None
 
 
-def _mla_decode(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                own: torch.Tensor, r: int, interleaved: bool, scale: float) -> torch.Tensor:
+def call_mla_decode(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    own: torch.Tensor | None, r: int, interleaved: bool, scale: float) -> torch.Tensor:
     """q [B, H, r + rope] (q_lat | q_pe rotated), pool [slots, width] (one layer, float32 or bfloat16 rows),
-    slots [B, T] (0: no key), cos/sin [T, rope/2] (keys at positions 0..T-1), own [B, r + rope] each
-    token's own key (k_r rotated) -> o_lat [B, H, r] float32."""
+    slots [B, T] (0: no key), cos/sin [T, rope/2] (key j at position j) or [B or 1, T, rope/2] (each
+    sequence's keys' positions), own [B, r + rope] each token's own key (k_r rotated; None: none)
+    -> o_lat [B, H, r] float32. (The eager decode groups call it directly, the compiled step through
+    `mla_decode`.)"""
     b, h, w = q.shape
     q = q.float().contiguous()
     slots = slots.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    own = own.float().contiguous()
+    per_sequence = cos.dim() == 3 and cos.shape[0] > 1
+    own = None if own is None else own.float().contiguous()
     o = torch.empty(b, h, r)
     rc = native.library().irm_mla_decode(
         q.data_ptr(), b, h, r, w - r, pool.data_ptr(), int(pool.dtype == torch.bfloat16), pool.stride(0),
-        slots.data_ptr(), slots.shape[1], cos.data_ptr(), sin.data_ptr(), 0, int(interleaved), scale,
-        own.data_ptr(), own.stride(0), o.data_ptr())
+        slots.data_ptr(), slots.shape[1], cos.data_ptr(), sin.data_ptr(), cos.stride(0) if per_sequence else 0,
+        int(interleaved), scale, None if own is None else own.data_ptr(), 0 if own is None else own.stride(0),
+        o.data_ptr())
     if rc != 0:
         raise MemoryError("the native decode attention found no memory for its scores")
     return o
 
 
-mla_decode = torch.library.custom_op("irminsul::mla_decode", _mla_decode, mutates_args=())
+mla_decode = torch.library.custom_op("irminsul::mla_decode", call_mla_decode, mutates_args=())
 
 
 @mla_decode.register_fake

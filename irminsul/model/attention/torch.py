@@ -332,20 +332,11 @@ def _native_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, 
     [B, H, rope] (rotated) -> o_lat [B, H, r] in q_lat's dtype; keys at g.key_slots (slot 0 skipped:
     for one query per sequence at its last key, `g.at_end`, that is the group's mask), rotated by
     g.key_cos / g.key_sin."""
-    b, _, t = g.shape
-    h, r = q_lat.shape[1], q_lat.shape[2]
-    rope = q_pe.shape[-1]
-    q = torch.cat([q_lat, q_pe], dim=-1).float().contiguous()
-    slots = g.key_slots.contiguous()
-    cos, sin = g.key_cos.float().contiguous(), g.key_sin.float().contiguous()
-    o = torch.empty(b, h, r)
-    rc = native.library().irm_mla_decode(
-        q.data_ptr(), b, h, r, rope, pool.data_ptr(), int(pool.dtype == torch.bfloat16), pool.stride(0),
-        slots.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
-        int(interleaved), scale, None, 0, o.data_ptr())
-    if rc != 0:
-        raise MemoryError("the native decode attention found no memory for its scores")
-    return o.to(q_lat.dtype)
+    from irminsul.model import native_ops
+
+    q = torch.cat([q_lat, q_pe], dim=-1)
+    return native_ops.call_mla_decode(q, pool, g.key_slots, g.key_cos, g.key_sin, None, q_lat.shape[2], interleaved,
+                                      scale).to(q_lat.dtype)
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
