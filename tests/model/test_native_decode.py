@@ -24,10 +24,13 @@ def _decode_case(cfg, g, lengths, dtype=torch.float32, **kw):
     return _case(cfg, g, [(n - 1, 1) for n in lengths], dtype=dtype, **kw)
 
 
-# the test models' widths (r 32, rope 8: the kernel's plain loops), the bundled model's (r 128, rope 16:
-# the vector loops, c_KV read in place) and a realistic rope (64)
-WIDTHS = {"tiny": {}, "bundled": dict(kv_lora_rank=128, qk_rope_head_dim=16),
-          "rope64": dict(kv_lora_rank=64, qk_rope_head_dim=64)}
+# the test models' widths (r 32, rope 8, 3 heads: the kernel's plain loops), the bundled model's (r 128,
+# rope 16, 8 heads: the register tiles, 4 heads x 4 keys and 4 heads x 64 outputs), a realistic rope
+# (64) and widths that leave each tile a remainder (6 heads: 4 in tiles, 2 in plain loops; r 80: a
+# 64-wide tile and a 16-wide one)
+WIDTHS = {"tiny": {}, "bundled": dict(kv_lora_rank=128, qk_rope_head_dim=16, num_attention_heads=8, num_key_value_heads=8),
+          "rope64": dict(kv_lora_rank=64, qk_rope_head_dim=64),
+          "tails": dict(kv_lora_rank=80, qk_rope_head_dim=32, num_attention_heads=6, num_key_value_heads=6)}
 
 
 @pytest.mark.parametrize("widths", list(WIDTHS))

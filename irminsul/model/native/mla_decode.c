@@ -7,8 +7,14 @@
  * (x0, x1), (x2, x3), ... or split in halves. Then, per head, softmax(scale * (q_lat . c_KV + q_pe .
  * k_r)) over the keys and o_lat [B, H, r] = the probabilities times c_KV. All in float32 (the pool in
  * float32 or bfloat16). The torch backend computes the same with a gather, two batched products and a
- * softmax (model/attention/torch.py `_absorbed`); this reads each row twice from the pool (scores,
- * then values) in blocks of KB keys that stay in cache between the two.
+ * softmax (model/attention/torch.py `_absorbed`).
+ *
+ * Keys go in blocks of KB, each read from the pool once: scored against every head, folded into a
+ * running softmax (each head's maximum and sum so far, its output rescaled when the maximum grows, as
+ * flash attention's), and summed into the outputs while the block is still in cache. With AVX-512 and
+ * widths in multiples of 16 the products run in register tiles: scores 4 heads x 4 keys (each key's
+ * chunk loaded once for four heads, each head's for four keys), sums 4 heads x 64 outputs (one load of
+ * a key's chunk serves four heads, the sums stay in registers across the block).
  */
 #include <math.h>
 
@@ -20,50 +26,62 @@
 #include <immintrin.h>
 #endif
 
-#define KB 8 /* keys gathered (and converted, rotated) per block */
+#define KB 32 /* keys per block */
 
-static void load_row(const void *pool, int pool_bf, long ldp, int64_t slot, long n, float *dst) {
-    if (pool_bf) {
-        const uint16_t *src = (const uint16_t *)pool + slot * ldp;
-        for (long i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
-    } else {
-        memcpy(dst, (const float *)pool + slot * ldp, sizeof(float) * (size_t)n);
+/* n bfloat16 values as float32 */
+static void bf16_row(const uint16_t *src, long n, float *dst) {
+    long i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
     }
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
 }
 
-static void rotate(float *k, long rope, const float *cos, const float *sin, int interleaved) {
+/* dst[0..rope) = the k_r at src (float32, or bfloat16 when bf) rotated by cos/sin: read straight from
+ * the row (a copy first, then a masked reload of it, stalled on the copy's stores) */
+static void rotate(float *dst, const void *src, int bf, long rope, const float *cos, const float *sin, int interleaved) {
     long half = rope / 2;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LOAD16(off, m)                                                                                             \
+    (bf ? _mm512_castsi512_ps(_mm512_slli_epi32(                                                                   \
+              _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)src + (off))), 16))               \
+        : _mm512_maskz_loadu_ps(m, (const float *)src + (off)))
     if (rope % 16 == 0 && !interleaved) { /* halves: a = k[i], b = k[i + half], 16 pairs at a time */
         for (long i = 0; i < half; i += 16) {
             __mmask16 m = (__mmask16)(half - i >= 16 ? 0xffff : (1u << (half - i)) - 1);
-            __m512 a = _mm512_maskz_loadu_ps(m, k + i), b = _mm512_maskz_loadu_ps(m, k + half + i);
+            __m512 a = LOAD16(i, m), b = LOAD16(half + i, m);
             __m512 c = _mm512_maskz_loadu_ps(m, cos + i), sn = _mm512_maskz_loadu_ps(m, sin + i);
-            _mm512_mask_storeu_ps(k + i, m, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, sn)));
-            _mm512_mask_storeu_ps(k + half + i, m, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, sn)));
+            _mm512_mask_storeu_ps(dst + i, m, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, sn)));
+            _mm512_mask_storeu_ps(dst + half + i, m, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, sn)));
         }
         return;
     }
     if (rope % 16 == 0 && interleaved) { /* pairs (x0, x1), ...: 8 pairs a vector, cos/sin each spread to both */
         const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         for (long i = 0; i < rope; i += 16) {
-            __m512 v = _mm512_loadu_ps(k + i);
+            __m512 v = LOAD16(i, 0xffff);
             __m512 c = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(cos + i / 2)));
             __m512 sn = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(sin + i / 2)));
             __m512 swapped = _mm512_permute_ps(v, 0xB1); /* (x1, x0), ... */
             /* even lanes a c - b s, odd lanes b c + a s: the swapped pair times s, negated on the even lanes */
             __m512 t = _mm512_mul_ps(swapped, sn);
             t = _mm512_mask_sub_ps(t, 0x5555, _mm512_setzero_ps(), t);
-            _mm512_storeu_ps(k + i, _mm512_fmadd_ps(v, c, t));
+            _mm512_storeu_ps(dst + i, _mm512_fmadd_ps(v, c, t));
         }
         return;
     }
+#undef LOAD16
 #endif
     for (long i = 0; i < half; i++) {
         long ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
-        float a = k[ia], b = k[ib], c = cos[i], s = sin[i];
-        k[ia] = a * c - b * s;
-        k[ib] = b * c + a * s;
+        float a = bf ? bf16_to_f32(((const uint16_t *)src)[ia]) : ((const float *)src)[ia];
+        float b = bf ? bf16_to_f32(((const uint16_t *)src)[ib]) : ((const float *)src)[ib];
+        float c = cos[i], s = sin[i];
+        dst[ia] = a * c - b * s;
+        dst[ib] = b * c + a * s;
     }
 }
 
@@ -73,146 +91,111 @@ static inline float dot(const float *restrict a, const float *restrict b, long n
     return s;
 }
 
-/* out[k] = a . keys[k] for n <= KB keys of width w (stride w): the n sums run side by side, so the
- * multiply-adds of one are not waiting on each other (one sum at a time was latency-bound) */
-static void dots(const float *restrict a, const float *restrict keys, long n, long w, float *out) {
 #if defined(__AVX512F__)
-    if (n == KB && w % 16 == 0) { /* a full block: the KB sums in registers (a variable count keeps them in memory) */
-        dots8(a, keys, w, w, out);
-        return;
-    }
-    __m512 acc[KB];
-    for (long k = 0; k < n; k++) acc[k] = _mm512_setzero_ps();
-    for (long i = 0; i < w; i += 16) {
-        __mmask16 m = (__mmask16)(w - i >= 16 ? 0xffff : (1u << (w - i)) - 1);
-        __m512 av = _mm512_maskz_loadu_ps(m, a + i);
-        for (long k = 0; k < n; k++) acc[k] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, keys + k * w + i), acc[k]);
-    }
-    for (long k = 0; k < n; k++) out[k] = _mm512_reduce_add_ps(acc[k]);
-#else
-    for (long k = 0; k < n; k++) out[k] = dot(a, keys + k * w, w);
-#endif
-}
-
-#if defined(__AVX512F__)
-/* out[k] = a . [c[k] (r) | kr + k * w (rope)] for a full block of KB keys, r and rope multiples of 16:
- * c_KV read where it lies (a float32 pool), the rotated k_r from the block buffer */
-static void dots_at(const float *restrict a, const float *const *c, const float *restrict kr, long w, long r,
-                    long rope, float *out) {
-    const float *rot[KB] = {kr, kr + w, kr + 2 * w, kr + 3 * w, kr + 4 * w, kr + 5 * w, kr + 6 * w, kr + 7 * w};
-    __m512 acc[KB];
-    for (int k = 0; k < KB; k++) acc[k] = _mm512_setzero_ps();
-    fma8(a, c, r, acc);
-    fma8(a + r, rot, rope, acc);
-    reduce8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7], out);
-}
-
-/* o[i] += sum_k p[k] * c[k][i] for i below r's last multiple of 64, n <= KB rows read where they lie:
- * each stretch of o loaded and stored once per block */
-static void axpys_at(float *restrict o, const float *p, const float *const *c, long n, long r) {
-    for (long i = 0; i + 64 <= r; i += 64) {
-        __m512 a0 = _mm512_loadu_ps(o + i), a1 = _mm512_loadu_ps(o + i + 16), a2 = _mm512_loadu_ps(o + i + 32),
-               a3 = _mm512_loadu_ps(o + i + 48);
-        for (long k = 0; k < n; k++) {
-            __m512 pk = _mm512_set1_ps(p[k]);
-            const float *ck = c[k] + i;
-            a0 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(ck), a0);
-            a1 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(ck + 16), a1);
-            a2 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(ck + 32), a2);
-            a3 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(ck + 48), a3);
+/* s[h * KB + k] = q_h . [c[k] | kr[k]] for 4 heads (q_h = q + h * w) and 4 keys, r and rope multiples
+ * of 16: sixteen sums in registers, each chunk of a key loaded once for the four heads */
+static void scores_4x4(const float *q, long w, long r, long rope, const float *const *c, const float *const *kr,
+                       float *s) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    for (int part = 0; part < 2; part++) {
+        const float *const *rows = part ? kr : c;
+        const float *qp = q + (part ? r : 0);
+        long n = part ? rope : r;
+        for (long i = 0; i < n; i += 16) {
+            __m512 k0 = _mm512_loadu_ps(rows[0] + i), k1 = _mm512_loadu_ps(rows[1] + i),
+                   k2 = _mm512_loadu_ps(rows[2] + i), k3 = _mm512_loadu_ps(rows[3] + i);
+            for (int h = 0; h < 4; h++) {
+                __m512 qh = _mm512_loadu_ps(qp + h * w + i);
+                a[4 * h] = _mm512_fmadd_ps(qh, k0, a[4 * h]);
+                a[4 * h + 1] = _mm512_fmadd_ps(qh, k1, a[4 * h + 1]);
+                a[4 * h + 2] = _mm512_fmadd_ps(qh, k2, a[4 * h + 2]);
+                a[4 * h + 3] = _mm512_fmadd_ps(qh, k3, a[4 * h + 3]);
+            }
         }
-        _mm512_storeu_ps(o + i, a0);
-        _mm512_storeu_ps(o + i + 16, a1);
-        _mm512_storeu_ps(o + i + 32, a2);
-        _mm512_storeu_ps(o + i + 48, a3);
     }
-}
-#endif
-
-/* o[i] += sum_k p[k] * keys[k][i], i < r: each stretch of o loaded and stored once per block */
-static void axpys(float *restrict o, const float *p, const float *restrict keys, long n, long w, long r) {
-#if defined(__AVX512F__)
-    const float *rows[KB];
-    for (long k = 0; k < n; k++) rows[k] = keys + k * w;
-    axpys_at(o, p, rows, n, r);
-    for (long i = r - r % 64; i < r; i += 16) {
-        __mmask16 m = (__mmask16)(r - i >= 16 ? 0xffff : (1u << (r - i)) - 1);
-        __m512 a = _mm512_maskz_loadu_ps(m, o + i);
-        for (long k = 0; k < n; k++) a = _mm512_fmadd_ps(_mm512_set1_ps(p[k]), _mm512_maskz_loadu_ps(m, keys + k * w + i), a);
-        _mm512_mask_storeu_ps(o + i, m, a);
-    }
-#else
-    for (long k = 0; k < n; k++)
-        for (long i = 0; i < r; i++) o[i] += p[k] * keys[k * w + i];
-#endif
+    float t[8];
+    reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], t); /* heads 0 and 1 */
+    memcpy(s, t, sizeof(float) * 4);
+    memcpy(s + KB, t + 4, sizeof(float) * 4);
+    reduce8(a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15], t); /* heads 2 and 3 */
+    memcpy(s + 2 * KB, t, sizeof(float) * 4);
+    memcpy(s + 3 * KB, t + 4, sizeof(float) * 4);
 }
 
-/* s[0..T) <- softmax(s), -inf entries (keys not seen) 0; all -inf: all 0 */
-static void softmax(float *s, long T) {
+/* o_h[i0 .. i0 + 16 * NV) += sum_k p_h[k] c[k][..] for 4 heads (o_h = o + h * r, p_h = p + h * KB),
+ * n keys: the 4 x NV sums held in registers across the keys, each key's chunk loaded once */
+#define VALUES_TILE(NAME, NV)                                                                              \
+    static void NAME(float *o, long r, const float *p, const float *const *c, long n, long i0) {           \
+        __m512 a[4][NV];                                                                                   \
+        for (int h = 0; h < 4; h++)                                                                        \
+            for (int v = 0; v < NV; v++) a[h][v] = _mm512_loadu_ps(o + h * r + i0 + 16 * v);               \
+        for (long k = 0; k < n; k++) {                                                                     \
+            __m512 ck[NV];                                                                                 \
+            for (int v = 0; v < NV; v++) ck[v] = _mm512_loadu_ps(c[k] + i0 + 16 * v);                      \
+            for (int h = 0; h < 4; h++) {                                                                  \
+                __m512 ph = _mm512_set1_ps(p[h * KB + k]);                                                 \
+                for (int v = 0; v < NV; v++) a[h][v] = _mm512_fmadd_ps(ph, ck[v], a[h][v]);                \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int h = 0; h < 4; h++)                                                                        \
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + h * r + i0 + 16 * v, a[h][v]);               \
+    }
+VALUES_TILE(values_4x64, 4)
+VALUES_TILE(values_4x16, 1)
+#endif
+
+/* p[0..n) <- e^(p - mx) (mx finite), -inf entries 0; returns their sum */
+static float exp_block(float *p, long n, float mx) {
 #if defined(__AVX512F__)
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 mv = ninf;
-    for (long j = 0; j < T; j += 16) {
-        __mmask16 k = (__mmask16)(T - j >= 16 ? 0xffff : (1u << (T - j)) - 1);
-        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + j));
-    }
-    float m = _mm512_reduce_max_ps(mv);
-    if (m == -INFINITY) {
-        memset(s, 0, sizeof(float) * (size_t)T);
-        return;
-    }
-    __m512 sum = _mm512_setzero_ps(), mb = _mm512_set1_ps(m);
-    for (long j = 0; j < T; j += 16) {
-        __mmask16 k = (__mmask16)(T - j >= 16 ? 0xffff : (1u << (T - j)) - 1);
-        __m512 v = _mm512_mask_loadu_ps(ninf, k, s + j);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), mb = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (long k = 0; k < n; k += 16) {
+        __mmask16 in = (__mmask16)(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
+        __m512 v = _mm512_mask_loadu_ps(ninf, in, p + k);
         __mmask16 seen = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
         __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(v, mb)));
-        _mm512_mask_storeu_ps(s + j, k, e);
+        _mm512_mask_storeu_ps(p + k, in, e);
         sum = _mm512_add_ps(sum, e);
     }
-    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (long j = 0; j < T; j += 16) {
-        __mmask16 k = (__mmask16)(T - j >= 16 ? 0xffff : (1u << (T - j)) - 1);
-        _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
-    }
+    return _mm512_reduce_add_ps(sum);
 #else
-    float m = -INFINITY, sum = 0.0f;
-    for (long j = 0; j < T; j++) m = s[j] > m ? s[j] : m;
-    if (m == -INFINITY) {
-        memset(s, 0, sizeof(float) * (size_t)T);
-        return;
+    float sum = 0.0f;
+    for (long k = 0; k < n; k++) {
+        p[k] = p[k] == -INFINITY ? 0.0f : expf(p[k] - mx);
+        sum += p[k];
     }
-    for (long j = 0; j < T; j++) {
-        float e = s[j] == -INFINITY ? 0.0f : expf(s[j] - m);
-        s[j] = e;
-        sum += e;
-    }
-    float inv = 1.0f / sum;
-    for (long j = 0; j < T; j++) s[j] *= inv;
+    return sum;
 #endif
+}
+
+static void scale_row(float *o, long n, float a) {
+    for (long i = 0; i < n; i++) o[i] *= a;
 }
 
 /* `own` (NULL: none): one more key per sequence after its pool rows, own + b * ldown = [c_KV | k_r]
  * in float32, k_r already rotated (a compiled step's new token, whose row is not in the pool yet).
- * Returns 0, or -1 when no memory could be had for the scores. */
+ * Returns 0, or -1 when no memory could be had for the buffers. */
 int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void *pool, int pool_bf, long ldp,
                    const int64_t *slots, long T, const float *cos, const float *sin, long cs_stride, int interleaved,
                    float scale, const float *own, long ldown, float *o) {
-    long w = r + rope, half = rope / 2;
-    long TS = T + (own != NULL); /* each head's scores: the pool's keys, then its own */
+    long w = r + rope, half = rope / 2, keys = T + (own != NULL);
 #if defined(__AVX512F__)
-    /* float32 rows whose widths the vector loops cover are read in place (no block copy of c_KV) */
-    const int in_place = !pool_bf && r % 64 == 0 && rope % 16 == 0;
+    const int tiles = r % 16 == 0 && rope % 16 == 0; /* the register tiles cover these widths */
 #else
-    const int in_place = 0;
+    const int tiles = 0;
 #endif
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * (TS > 0 ? TS : 1)));
-    float *kbuf = (float *)malloc(sizeof(float) * (size_t)(KB * w));
-    if (!scores || !kbuf) {
-        free(scores);
-        free(kbuf);
+    const long esize = pool_bf ? 2 : 4;
+    float *s = (float *)malloc(sizeof(float) * (size_t)(H * KB)); /* a block's scores, then probabilities */
+    float *mx = (float *)malloc(sizeof(float) * (size_t)(2 * H));  /* each head's maximum so far, then its sum */
+    float *kbuf = (float *)malloc(sizeof(float) * (size_t)(KB * (rope > 0 ? rope : 1)));  /* rotated k_r */
+    float *cbuf = pool_bf ? (float *)malloc(sizeof(float) * (size_t)(KB * (r > 0 ? r : 1))) : NULL;
+    float *zero = (float *)calloc((size_t)(w > 0 ? w : 1), sizeof(float)); /* the row of a key not there */
+    if (!s || !mx || !kbuf || (pool_bf && !cbuf) || !zero) {
+        free(s), free(mx), free(kbuf), free(cbuf), free(zero);
         return -1;
     }
+    float *sum = mx + H;
 #if defined(__SSE2__)
     /* denormals flushed to zero while it runs (as oneDNN's kernels do): a real model's softmax has
      * probabilities far below FLT_MIN, and multiplying them at the denormal rate made a call ~2x slower */
@@ -224,79 +207,90 @@ int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void
         const int64_t *sb = slots + b * T;
         const float *cb = cos + b * cs_stride, *snb = sin + b * cs_stride;
         float *ob = o + b * H * r;
-        /* scores: blocks of KB keys, each gathered once and dotted with every head */
-        for (long j0 = 0; j0 < T; j0 += KB) {
-            long n = T - j0 < KB ? T - j0 : KB;
-            for (long k = j0 + KB; k < j0 + 2 * KB && k < T; k++) /* the next block's rows, asked for early */
-                for (long c = 0; c < w * (pool_bf ? 2 : 4); c += 64)
-                    __builtin_prefetch((const char *)pool + (sb[k] * ldp) * (pool_bf ? 2 : 4) + c);
-            const float *at[KB]; /* each key's c_KV: in the pool (float32 rows, a full block) or in kbuf */
-            int direct = in_place && n == KB;
-            for (long k = 0; k < n; k++) {
-                int64_t slot = sb[j0 + k];
-                at[k] = kbuf + k * w;
-                if (slot == 0) { /* no row: zeros (its score is -inf; a stale row could hold a NaN, and 0 * NaN is NaN) */
-                    memset(kbuf + k * w, 0, sizeof(float) * (size_t)w);
+        memset(ob, 0, sizeof(float) * (size_t)(H * r));
+        for (long h = 0; h < H; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
+        for (long j0 = 0; j0 < keys; j0 += KB) {
+            long n = keys - j0 < KB ? keys - j0 : KB;
+            long np = tiles ? (n + 3) & ~3L : n; /* the tiles take keys 4 at a time: the rest are absent keys */
+            for (long j = j0 + KB; j < j0 + 2 * KB && j < T; j++) /* the next block's rows, asked for early */
+                for (long at = 0; at < w * esize; at += 64)
+                    __builtin_prefetch((const char *)pool + sb[j] * ldp * esize + at);
+            const float *c[KB], *kr[KB];
+            char seen[KB];
+            for (long k = 0; k < np; k++) {
+                long j = j0 + k;
+                c[k] = zero, kr[k] = zero, seen[k] = 0;
+                if (k >= n || (j < T && sb[j] == 0)) /* no row: zeros (a stale row could hold a NaN, and 0 * NaN is NaN) */
+                    continue;
+                seen[k] = 1;
+                if (j == T) { /* the token's own row */
+                    c[k] = own + b * ldown, kr[k] = c[k] + r;
                     continue;
                 }
-                if (direct) { /* c_KV read where it lies; only k_r copied, to be rotated */
-                    at[k] = (const float *)pool + slot * ldp;
-                    memcpy(kbuf + k * w + r, at[k] + r, sizeof(float) * (size_t)rope);
-                } else {
-                    load_row(pool, pool_bf, ldp, slot, w, kbuf + k * w);
+                const void *kr_row;
+                if (pool_bf) { /* c_KV converted, k_r rotated from the row */
+                    const uint16_t *row = (const uint16_t *)pool + sb[j] * ldp;
+                    bf16_row(row, r, cbuf + k * r);
+                    c[k] = cbuf + k * r, kr_row = row + r;
+                } else { /* c_KV read where it lies */
+                    c[k] = (const float *)pool + sb[j] * ldp, kr_row = c[k] + r;
                 }
-                rotate(kbuf + k * w + r, rope, cb + (j0 + k) * half, snb + (j0 + k) * half, interleaved);
+                rotate(kbuf + k * rope, kr_row, pool_bf, rope, cb + j * half, snb + j * half, interleaved);
+                kr[k] = kbuf + k * rope;
             }
-            for (long h = 0; h < H; h++) {
-                float s[KB];
+            /* scores */
+            long h0 = 0;
 #if defined(__AVX512F__)
-                if (direct)
-                    dots_at(qb + h * w, at, kbuf + r, w, r, rope, s);
-                else
+            if (tiles)
+                for (; h0 + 4 <= H; h0 += 4)
+                    for (long k = 0; k < np; k += 4) scores_4x4(qb + h0 * w, w, r, rope, c + k, kr + k, s + h0 * KB + k);
 #endif
-                    dots(qb + h * w, kbuf, n, w, s);
-                for (long k = 0; k < n; k++) scores[h * TS + j0 + k] = sb[j0 + k] == 0 ? -INFINITY : scale * s[k];
-            }
-        }
-        if (own != NULL)
-            for (long h = 0; h < H; h++) scores[h * TS + T] = scale * dot(qb + h * w, own + b * ldown, w);
-        /* softmax per head (a row with no visible key gives zeros) */
-        for (long h = 0; h < H; h++) softmax(scores + h * TS, TS);
-        /* o_lat = probabilities times c_KV, the same blocks read again */
-        memset(ob, 0, sizeof(float) * (size_t)(H * r));
-        for (long j0 = 0; j0 < T; j0 += KB) {
-            long n = T - j0 < KB ? T - j0 : KB;
-            const float *at[KB];
-            for (long k = 0; k < n; k++) {
-                at[k] = kbuf + k * w;
-                if (sb[j0 + k] == 0)
-                    memset(kbuf + k * w, 0, sizeof(float) * (size_t)r);
-                else if (in_place)
-                    at[k] = (const float *)pool + sb[j0 + k] * ldp;
-                else
-                    load_row(pool, pool_bf, ldp, sb[j0 + k], r, kbuf + k * w);
-            }
+            for (long h = h0; h < H; h++)
+                for (long k = 0; k < np; k++) s[h * KB + k] = dot(qb + h * w, c[k], r) + dot(qb + h * w + r, kr[k], rope);
+            /* the running softmax: each head's maximum, its output rescaled when that grows */
             for (long h = 0; h < H; h++) {
-                float p[KB];
-                for (long k = 0; k < n; k++) p[k] = sb[j0 + k] == 0 ? 0.0f : scores[h * TS + j0 + k];
+                float *sh = s + h * KB, bm = -INFINITY;
+                for (long k = 0; k < np; k++) {
+                    sh[k] = seen[k] ? scale * sh[k] : -INFINITY;
+                    bm = sh[k] > bm ? sh[k] : bm;
+                }
+                if (bm == -INFINITY) { /* nothing visible in this block */
+                    memset(sh, 0, sizeof(float) * (size_t)np);
+                    continue;
+                }
+                if (bm > mx[h]) {
+                    if (mx[h] != -INFINITY) {
+                        float a = expf(mx[h] - bm);
+                        sum[h] *= a;
+                        scale_row(ob + h * r, r, a);
+                    }
+                    mx[h] = bm;
+                }
+                sum[h] += exp_block(sh, np, mx[h]);
+            }
+            /* the outputs: probabilities times c_KV */
+            h0 = 0;
 #if defined(__AVX512F__)
-                if (in_place)
-                    axpys_at(ob + h * r, p, at, n, r);
-                else
+            if (tiles)
+                for (; h0 + 4 <= H; h0 += 4) {
+                    long i = 0;
+                    for (; i + 64 <= r; i += 64) values_4x64(ob + h0 * r, r, s + h0 * KB, c, np, i);
+                    for (; i < r; i += 16) values_4x16(ob + h0 * r, r, s + h0 * KB, c, np, i);
+                }
 #endif
-                    axpys(ob + h * r, p, kbuf, n, w, r);
-            }
+            for (long h = h0; h < H; h++)
+                for (long k = 0; k < np; k++) {
+                    float p = s[h * KB + k];
+                    if (p != 0.0f)
+                        for (long i = 0; i < r; i++) ob[h * r + i] += p * c[k][i];
+                }
         }
-        if (own != NULL)
-            for (long h = 0; h < H; h++) {
-                float p = scores[h * TS + T];
-                axpys(ob + h * r, &p, own + b * ldown, 1, w, r);
-            }
+        for (long h = 0; h < H; h++) /* a head with no visible key keeps zeros */
+            scale_row(ob + h * r, r, sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f);
     }
-    free(scores);
-    free(kbuf);
 #if defined(__SSE2__)
     _mm_setcsr(csr);
 #endif
+    free(s), free(mx), free(kbuf), free(cbuf), free(zero);
     return 0;
 }
