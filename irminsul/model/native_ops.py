@@ -6,6 +6,8 @@ calls them inside its graph instead of breaking it (a ctypes call cannot be trac
   more key;
 - `irminsul::moe_experts`: model/native/moe.c, the routed experts of a few tokens (`MoE._native`).
 
+`call_prefill_attention` (model/native/prefill_attention.c) is called by the eager prefill only.
+
 Each has a fake implementation (the output's shape) for the tracer. `available()` says whether the
 kernels can run here (the native library built, torch on one thread).
 """
@@ -43,6 +45,31 @@ def call_mla_decode(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, co
     if rc != 0:
         raise MemoryError("the native decode attention found no memory for its scores")
     return o
+
+
+def call_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_r: torch.Tensor,
+                           v: torch.Tensor, slots: torch.Tensor, query_pos: torch.Tensor, query_len: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """model/native/prefill_attention.c over float32 views, read where they lie (each one's last dimension
+    contiguous): q_nope [B, M, H, nope], q_pe [B, M, H, rope] (rotated), k_nope [B, T, H, nope], k_r [B, T,
+    rope] (rotated, shared by the heads), v [B, T, H, vd], slots [B, T] (0: no key), query_pos [B, M] each
+    query's position (key j seen where j <= it), query_len [B] each sequence's real query rows -> [B, M, H,
+    vd] (rows past query_len zero). (The expanded prefill groups of model/attention/torch.py call it.)"""
+    b, m, h, _ = q_nope.shape
+    t, vd = k_nope.shape[1], v.shape[-1]
+    args = []
+    for x, dims in ((q_nope, 3), (q_pe, 3), (k_nope, 3), (k_r, 2), (v, 3)):
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            raise ValueError("the native prefill attention reads float32 views with a contiguous last dimension")
+        args += [x.data_ptr(), *x.stride()[:dims]]
+    slots, query_pos, query_len = (x.to(torch.int64).contiguous() for x in (slots, query_pos, query_len))
+    out = torch.empty(b, m, h, vd)
+    rc = native.library().irm_prefill_attention(b, m, t, h, q_nope.shape[3], q_pe.shape[3], vd, *args, slots.data_ptr(),
+                                                query_pos.data_ptr(), query_len.data_ptr(), scale, out.data_ptr(),
+                                                *out.stride()[:3])
+    if rc != 0:
+        raise MemoryError("the native prefill attention found no memory for its buffers")
+    return out
 
 
 mla_decode = torch.library.custom_op("irminsul::mla_decode", call_mla_decode, mutates_args=())

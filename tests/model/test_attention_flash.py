@@ -27,6 +27,13 @@ FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH = "aten::_scaled_dot_product_attention_math"
 
 
+@pytest.fixture(autouse=True)
+def _sdpa(monkeypatch):
+    """These test SDPA's path (bf16 models, torch on several threads and CPUs without AVX-512 take it);
+    tests/model/test_native_prefill.py tests the native kernel that float32 on one thread takes."""
+    monkeypatch.setattr(TorchAttention, "NATIVE_PREFILL", False)
+
+
 def _setup(seed=0, **dims):
     cfg = ModelConfig.from_dict(tiny_config("v3", **{**DIMS, **dims}))
     g = torch.Generator().manual_seed(seed)

@@ -61,6 +61,8 @@ class AttentionGroup:
     at_end: bool = False
     # the mask where it is not built from the slots and positions (V3.2's indexer narrows it)
     explicit_mask: torch.Tensor | None = None
+    # [B] each sequence's query rows (the rest of its M are padding)
+    query_len: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -108,6 +110,13 @@ class TorchAttention(AttentionBackend):
     # read, no gathered copy (the gather alone was ~1 ms a layer for 32 sequences of ~110 rows on an
     # AMX Xeon, the batched products ~1 ms more). False: the torch ops (the reference).
     NATIVE_DECODE = True
+    # Expanded prefill groups run model/native/prefill_attention.c where it is built with its AVX-512
+    # tiles: flash attention's blocks over the kv_b product's k_nope and v where they lie (no padded
+    # head-major copies), the mask from the slots and positions, memory linear in the keys. On an AMX
+    # Xeon, one thread, one layer's attention (`python benchmarks/bench_prefill_attention.py`): 2.0-2.6x
+    # SDPA for 21 prompts of 100 tokens, ~1.3x for one of 1,500 (bundled widths), ~1.6x at V2-Lite's.
+    # False: SDPA (the reference).
+    NATIVE_PREFILL = True
 
     # -- once per forward pass -----------------------------------------------------------
 
@@ -153,7 +162,8 @@ class TorchAttention(AttentionBackend):
                               torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin,
                               torch.from_numpy(qpos).to(device),
                               m > 1 and expand_is_cheaper(self.cfg, m, t, self._pads(device)), causal, dense, run,
-                              at_end=at_end)
+                              at_end=at_end,
+                              query_len=torch.tensor([len(s.q_positions) for s in seqs], dtype=torch.int64))
 
     def _pads(self, device) -> bool:
         """Whether expanded attention on `device` widens the narrower of q·k and v (`EQUAL_WIDTHS`)."""
@@ -280,6 +290,16 @@ class TorchAttention(AttentionBackend):
                 and pool.stride(1) == 1 and os.environ.get("IRMINSUL_NATIVE_DECODE") != "0"
                 and native.library() is not None)
 
+    def _native_prefill(self, kv: torch.Tensor, keys: torch.Tensor) -> bool:
+        """Whether an expanded group takes model/native/prefill_attention.c (`NATIVE_PREFILL`): float32
+        on a CPU, torch on one thread (the kernel runs on one), the library built with its vector tiles
+        (its plain loops are slower than SDPA), not IRMINSUL_NATIVE_PREFILL=0."""
+        if not (self.NATIVE_PREFILL and kv.device.type == "cpu" and kv.dtype == keys.dtype == torch.float32
+                and torch.get_num_threads() == 1 and os.environ.get("IRMINSUL_NATIVE_PREFILL") != "0"):
+            return False
+        lib = native.library()
+        return lib is not None and bool(lib.irm_vectorised())
+
     def _absorbed_in_place(self, q_lat, q_pe, pool, g: AttentionGroup) -> torch.Tensor:
         """`_absorbed` for one sequence whose keys are one run of slots (`AttentionGroup.run`),
         every key visible: c_KV is read where it lies, only k_r (rope wide) is encoded into a copy;
@@ -304,6 +324,13 @@ class TorchAttention(AttentionBackend):
             g = dataclasses.replace(g, explicit_mask=self._selected(index, idx_keys, g), causal=False)
         kv = attn.kv_b_proj(keys[..., :r]).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        if index is None and self._native_prefill(kv, keys):
+            from irminsul.model import native_ops
+
+            q_nope, q_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_nope, q_pe))
+            o = native_ops.call_prefill_attention(_grid(q_nope, g), _grid(q_pe, g), k_nope, keys[..., r:], v,
+                                                  g.key_slots, g.query_pos, g.query_len, cfg.softmax_scale)
+            return _rows(o.view(b * m, h, cfg.v_head_dim), g)
         nope, qk = cfg.qk_nope_head_dim, cfg.qk_head_dim
         pads = self._pads(q_nope.device)
         width = max(qk, cfg.v_head_dim) if pads else qk

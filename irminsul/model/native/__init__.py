@@ -1,7 +1,7 @@
 """Native CPU kernels: C sources shipped with the package, built for the CPU they run on at first use.
 
 `library()` compiles the sources (`gemv.c`: products of a few rows; `mla_decode.c`: MLA decode
-attention read from the latent pool; `elementwise.c`: RMSNorm and SwiGLU's silu(gate) * up in one
+attention read from the latent pool; `prefill_attention.c`: expanded prefill attention; `elementwise.c`: RMSNorm and SwiGLU's silu(gate) * up in one
 pass; `moe.c`: the routed experts of a few tokens; `common.h`: what they share) into one shared
 library with the C compiler found (`CC`, else cc, gcc or clang) and `-march=native`, into a cache
 directory keyed by the sources, the flags, the compiler's version and the CPU's model and flags
@@ -25,7 +25,8 @@ from pathlib import Path
 
 log = logging.getLogger("irminsul.model")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "elementwise.c", "moe.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "prefill_attention.c", "elementwise.c",
+                                                 "moe.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
 # reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder
 # them too) lets the compiler vectorise the plain loops; no -ffast-math (it would also assume no NaN)
@@ -120,6 +121,11 @@ def library() -> ctypes.CDLL | None:
     lib.irm_mla_decode.argtypes = [c_void, c_long, c_long, c_long, c_long, c_void, c_int, c_long,
                                    c_void, c_long, c_void, c_void, c_long, c_int, ctypes.c_float, c_void, c_long, c_void]
     lib.irm_mla_decode.restype = c_int
+    lib.irm_prefill_attention.argtypes = ([c_long] * 7 + [c_void, c_long, c_long, c_long] * 3 + [c_void, c_long, c_long]
+                                          + [c_void, c_long, c_long, c_long] + [c_void] * 3 + [ctypes.c_float]
+                                          + [c_void, c_long, c_long, c_long])
+    lib.irm_prefill_attention.restype = c_int
+    lib.irm_vectorised.restype = c_int
     c_float = ctypes.c_float
     lib.irm_rms_norm.argtypes = [c_void, c_long, c_long, c_long, c_void, c_float, c_void, c_long]
     lib.irm_rms_norm.restype = None
