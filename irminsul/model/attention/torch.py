@@ -113,9 +113,9 @@ class TorchAttention(AttentionBackend):
     # Expanded prefill groups run model/native/prefill_attention.c where it is built with its AVX-512
     # tiles: flash attention's blocks over the kv_b product's k_nope and v where they lie (no padded
     # head-major copies), the mask from the slots and positions, memory linear in the keys. On an AMX
-    # Xeon, one thread, one layer's attention (`python benchmarks/bench_prefill_attention.py`): 2.0-2.6x
-    # SDPA for 21 prompts of 100 tokens, ~1.3x for one of 1,500 (bundled widths), ~1.6x at V2-Lite's.
-    # False: SDPA (the reference).
+    # Xeon, one thread, one layer's attention against SDPA with its copies
+    # (`python benchmarks/bench_prefill_attention.py`): 1.86x for 21 prompts of 100 tokens, 1.32x for one
+    # of 1,500 (bundled widths), 1.73x at V2-Lite's widths (float32). False: SDPA (the reference).
     NATIVE_PREFILL = True
 
     # -- once per forward pass -----------------------------------------------------------
