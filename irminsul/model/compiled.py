@@ -11,7 +11,10 @@ and has the torch backend attend over the earlier rows with each token's own row
 `MoE.dense`). Three graphs:
 
 - one sequence decoding alone whose rows sit in consecutive slots: its rows are read in place
-  (`__call__`), its k experts through their stacked weights;
+  (`__call__`; with the native kernels, by the native decode attention: the torch ops' product of
+  the probabilities with the strided c_KV rows ran at ~5 GMAC/s, 0.3-0.45 ms a layer at 1,500 keys,
+  and bench_engine's decode at depth 1,500 went 264 -> 163 ms for 63 tokens), its k experts through
+  their stacked weights;
 - one sequence whose rows do not (a content hit shares another run of slots): its rows are gathered
   through its slot table (`batch`, B = 1);
 - B >= 2 sequences (`batch`): gathered and masked to each one's length; every expert runs on every
@@ -190,8 +193,11 @@ class CompiledDecode:
         cos, sin = self.model.rotary.table(n_keys, pool.device)
         # NOTE: the compiled function only reads the earlier rows and returns the new ones: a graph that
         # writes into an input (even one row of it) copies that input whole at every step
+        # with the native attention the row before the first (base >= 1: slot 0 holds no row) comes too,
+        # so that the kernel's slots 1..T of this view are the sequence's keys (its slot 0: "no row")
+        first = base - 1 if self.native else base
         with torch.inference_mode():
-            hidden, rows = self._fn(token, pos, pool[:, base : base + n_keys - 1], cos[:n_keys], sin[:n_keys])
+            hidden, rows = self._fn(token, pos, pool[:, first : base + n_keys - 1], cos[:n_keys], sin[:n_keys])
             pool[:, base + n_keys - 1] = rows[:, 0]
         return hidden
 
@@ -211,8 +217,10 @@ class CompiledDecode:
         return hidden
 
     def _step(self, token, pos, old_rows, cos_tab, sin_tab):
-        """One sequence; old_rows [layers, T, width]: its rows before the token, read where they lie."""
-        batch = DecodeBatch(token, pos, cos_tab, sin_tab, old_rows.shape[1], rows=old_rows)
+        """One sequence; old_rows [layers, T, width]: its rows before the token, read where they lie
+        (with the native attention [layers, 1 + T, width]: a row in front, `__call__`)."""
+        t = old_rows.shape[1] - (1 if self.native else 0)
+        batch = DecodeBatch(token, pos, cos_tab, sin_tab, t, rows=old_rows, native=self.native)
         return self.model.hidden(batch), torch.stack(batch.new_rows)
 
     def _step_batch(self, tokens, pos, key_slots, pool, cos_tab, sin_tab):
@@ -236,6 +244,8 @@ class DecodeBatch:
         self.token_ids, self.positions = token_ids, positions
         self.native = native  # attention through the native kernel (`TorchAttention.beside_native`)
         self.rows, self.pool, self.key_slots, self.visible = rows, pool, key_slots, visible
+        if native and rows is not None:  # one sequence in place: keys 1..T of each layer's [1 + T, width] view
+            self.key_slots = torch.arange(1, t + 1, device=token_ids.device)[None]
         self.q_cos_sin = (cos_tab[positions], sin_tab[positions])  # [B, rope/2]
         self.k_cos, self.k_sin = cos_tab[:t], sin_tab[:t]  # [T, rope/2]
         self.new_rows: list[torch.Tensor] = []
@@ -246,9 +256,10 @@ class DecodeBatch:
     def attend(self, attn, q_nope, q_pe, rows, index=None):
         self.new_rows.append(rows)
         layer = attn.layer
-        if self.native and self.key_slots is not None:  # (the native kernel reads the pool in place)
-            return attn.backend.beside_native(attn, q_nope, q_pe, self.pool[layer], self.key_slots, rows,
-                                              self.k_cos, self.k_sin, self.q_cos_sin)
+        if self.native:  # (the native kernel reads the pool, or one sequence's run of it, in place)
+            pool = self.pool[layer] if self.rows is None else self.rows[layer]
+            return attn.backend.beside_native(attn, q_nope, q_pe, pool, self.key_slots, rows, self.k_cos, self.k_sin,
+                                              self.q_cos_sin)
         old = self.rows[layer][None] if self.key_slots is None else self.pool[layer][self.key_slots]  # [B, T, width]
         return attn.backend.beside(attn, q_nope, q_pe, old, rows, self.k_cos, self.k_sin, self.q_cos_sin,
                                    self.visible)
