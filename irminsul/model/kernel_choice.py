@@ -241,7 +241,7 @@ def entry_key(out: int, inp: int, dtype: torch.dtype, streamed: int, with_gemv: 
 def _gemv_fingerprint() -> str:
     from irminsul.model import native
 
-    return native.fingerprint()  # (another build of the kernel: its times are measured again)
+    return native.fingerprint("gemv.c")  # (another build of that kernel: its times are measured again)
 
 
 def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool,

@@ -36,6 +36,25 @@ def test_built_once_into_the_cache_and_loaded_from_it(fresh, monkeypatch):
     assert native.fingerprint() and built[0].name.startswith(f"kernels-{native.fingerprint()}")
 
 
+@pytest.mark.skipif(native._compiler() is None, reason="needs a C compiler")
+def test_a_kernels_times_are_keyed_by_its_own_source(fresh, monkeypatch):
+    """kernel_choice keys the gemv kernel's times by gemv.c's own fingerprint: a change to another
+    kernel's source rebuilds the library but leaves those times be; a change to gemv.c does not."""
+    from pathlib import Path
+
+    from irminsul.model import kernel_choice
+
+    assert native.library() is not None
+    cc, gemv_fp, whole = native._compiler(), native.fingerprint("gemv.c"), native._key(native._compiler())
+    assert gemv_fp and gemv_fp != native.fingerprint() and kernel_choice._gemv_fingerprint() == gemv_fp
+    real = Path.read_text
+    for edited, moves in (("moe.c", False), ("gemv.c", True)):
+        with monkeypatch.context() as m:
+            m.setattr(Path, "read_text", lambda self, *a, **k: real(self, *a, **k) + ("//" if self.name == edited else ""))
+            assert native._key(cc) != whole  # (the library is built again)
+            assert (native.fingerprint("gemv.c") != gemv_fp) == moves, edited
+
+
 @pytest.mark.parametrize("how", ["failing compiler", "no compiler", "switched off"])
 def test_no_library_means_torch_kernels(fresh, monkeypatch, tmp_path, how):
     if how == "failing compiler":

@@ -66,19 +66,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "irminsul" / "native"
 
 
-def _key(cc: str) -> str:
-    """What the built library depends on: the sources, the flags, the compiler's version, the CPU."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [src.read_text() for src in SOURCES + HEADERS] + [" ".join(_flags()), version, _cpu_line()]
+@functools.cache
+def _compiler_version(cc: str) -> str:
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
+def _key(cc: str, sources: list[Path] | None = None) -> str:
+    """What the built library (or the kernel in `sources`) depends on: the sources, the shared header,
+    the flags, the compiler's version, the CPU."""
+    parts = [src.read_text() for src in (SOURCES if sources is None else sources) + HEADERS]
+    parts += [" ".join(_flags()), _compiler_version(cc), _cpu_line()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def fingerprint() -> str:
+def fingerprint(source: str | None = None) -> str:
     """A short name of the library `library()` loads (empty without one): its key, read from its
-    file name (`kernels-<key>.so`); kernel_choice keys the times it measured for these kernels by
-    it, so a changed kernel is timed again."""
+    file name (`kernels-<key>.so`); with `source` (a file name of SOURCES), the key of that kernel
+    alone. kernel_choice keys the times it measured for a kernel by the latter, so a changed kernel
+    is timed again and a change to another leaves its times be (re-timing every shape after any
+    change made choices within the box's noise flip between builds: on an AMX Xeon a realistic
+    model's LM head took gemv in one build, 40 ms a token, and F.linear, 48 ms, in the next)."""
     lib = library()
-    return "" if lib is None else Path(lib._name).stem.removeprefix("kernels-")[:8]
+    if lib is None:
+        return ""
+    if source is None:
+        return Path(lib._name).stem.removeprefix("kernels-")[:8]
+    return _key(_compiler(), [Path(__file__).with_name(source)])[:8]
 
 
 def _build(cc: str) -> Path:

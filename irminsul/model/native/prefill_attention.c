@@ -8,13 +8,15 @@
  * strides (its last dimension contiguous), so the caller's views (the kv_b product split into k_nope
  * and v, the query rows' grid) are read where they lie.
  *
- * Flash attention's order: for a block of QB queries, keys in blocks of KB: scores, each row's running
- * maximum and sum (its output rescaled when the maximum grows), then probabilities times values. Keys
- * past a block's last query position are never read. The keys of a head are first transposed into
- * kt [d, Tp] (the rope rows once per sequence, shared by the heads), so that with AVX-512 a score tile
- * is an outer product: per q·k column, QB broadcast query values times up to 4 vectors of 16 keys
- * (QB x 64 sums in registers), and an output tile the same with values: QB probabilities times up to
- * 4 vectors of one value row. Elsewhere the same loops in plain C.
+ * Flash attention's order: queries in superblocks of QS rows, keys in blocks of KB; for each key block,
+ * each tile of QB query rows: scores, each row's running maximum and sum (its output rescaled when the
+ * maximum grows), then probabilities times values, while the block is in cache. Keys past a tile's last
+ * query position are never read. A head's keys are first transposed into blocks of KB, each [d, KB]
+ * contiguous (the rope rows once per sequence, shared by the heads), and its values copied into [T, vd]
+ * rows, so that with AVX-512 a score tile is an outer product: per q·k column, QB broadcast query values
+ * times up to 4 vectors of 16 keys (QB x 64 sums in registers), and an output tile the same with
+ * values: QB probabilities times up to 4 vectors of one value row. Elsewhere the same loops in plain C.
+ * Memory: one head's transposed keys and values, linear in T.
  */
 #include <math.h>
 
