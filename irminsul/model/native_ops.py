@@ -57,6 +57,10 @@ def call_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: tor
     vd] (rows past query_len zero). (The expanded prefill groups of model/attention/torch.py call it.)"""
     b, m, h, _ = q_nope.shape
     t, vd = k_nope.shape[1], v.shape[-1]
+    if (q_pe.shape[:3] != (b, m, h) or k_nope.shape[:3] != (b, t, h) or v.shape[:3] != (b, t, h)
+            or k_r.shape[:2] != (b, t) or slots.shape != (b, t) or query_pos.shape != (b, m)
+            or query_len.shape != (b,)):
+        raise ValueError("the native prefill attention's inputs disagree on their sizes")
     args = []
     for x, dims in ((q_nope, 3), (q_pe, 3), (k_nope, 3), (k_r, 2), (v, 3)):
         if x.dtype != torch.float32 or x.stride(-1) != 1:

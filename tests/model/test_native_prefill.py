@@ -147,6 +147,9 @@ def test_bad_views_are_refused():
     with pytest.raises(ValueError, match="float32"):
         native_ops.call_prefill_attention(x.double(), x, x, x[:, :, 0], x, torch.ones(1, 4, dtype=torch.int64),
                                           torch.arange(4)[None], torch.tensor([4]), 1.0)
+    with pytest.raises(ValueError, match="sizes"):  # (a k_r of other length: never a read past its end)
+        native_ops.call_prefill_attention(x, x, x, x[:, :3, 0], x, torch.ones(1, 4, dtype=torch.int64),
+                                          torch.arange(4)[None], torch.tensor([4]), 1.0)
     with pytest.raises(ValueError, match="contiguous"):
         native_ops.call_prefill_attention(x.transpose(2, 3), x, x, x[:, :, 0], x, torch.ones(1, 4, dtype=torch.int64),
                                           torch.arange(4)[None], torch.tensor([4]), 1.0)
