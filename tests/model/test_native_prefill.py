@@ -150,7 +150,8 @@ def test_bad_views_are_refused():
     with pytest.raises(ValueError, match="sizes"):  # (a k_r of other length: never a read past its end)
         native_ops.call_prefill_attention(x, x, x, x[:, :3, 0], x, torch.ones(1, 4, dtype=torch.int64),
                                           torch.arange(4)[None], torch.tensor([4]), 1.0)
+    strided = torch.zeros(1, 4, 8, 2).transpose(2, 3)  # [1, 4, 2, 8], its last dimension 2 apart
     with pytest.raises(ValueError, match="contiguous"):
-        native_ops.call_prefill_attention(x.transpose(2, 3), x, x, x[:, :, 0], x, torch.ones(1, 4, dtype=torch.int64),
+        native_ops.call_prefill_attention(strided, x, x, x[:, :, 0], x, torch.ones(1, 4, dtype=torch.int64),
                                           torch.arange(4)[None], torch.tensor([4]), 1.0)
 
