@@ -15,27 +15,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from irminsul import LLM
 from irminsul.cli import run_for_people
-from irminsul.machine import describe
+from irminsul.machine import describe, median_of
 from irminsul.model import layers
 from irminsul.model.layers import MoE
 from irminsul.table import table
 
 
 def middle(f, repeats: int = 5) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2]
+    return median_of(f, repeats)
 
 
 def main(argv=None) -> int:

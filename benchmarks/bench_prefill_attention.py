@@ -12,12 +12,11 @@ q·k 192, v 128) at 1,500 tokens. Prints the machine, each time (median of --rep
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
-from irminsul.machine import describe
+from irminsul.machine import describe, median_of
 from irminsul.model import native, native_ops
 
 SHAPES = {  # name: (prompts, tokens, heads, nope, rope, v)
@@ -28,13 +27,7 @@ SHAPES = {  # name: (prompts, tokens, heads, nope, rope, v)
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[repeats // 2] * 1e3
+    return median_of(fn, repeats) * 1e3
 
 
 def main() -> None:

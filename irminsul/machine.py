@@ -31,6 +31,17 @@ def describe() -> str:
             f"python {platform.python_version()}{extra}")
 
 
+def median_of(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median wall time of `repeats` calls after one untimed call, in seconds."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[repeats // 2]
+
+
 def best_of(fn: Callable[[], object], repeats: int = 3) -> float:
     """Best wall time of `repeats` calls, in seconds (the minimum is the least noisy estimate)."""
     best = float("inf")
