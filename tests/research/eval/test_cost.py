@@ -35,9 +35,10 @@ def test_mla_flops_equal_the_flop_counter_in_both_attention_forms(tiny_q_lora, m
     from irminsul.model.attention.torch import TorchAttention
 
     monkeypatch.setattr(TorchAttention, "EQUAL_WIDTHS", False)
-    # and decode attention and the routed experts in torch's ops: the native kernels' multiply-adds are
-    # outside the counter's sight
+    # and decode and prefill attention and the routed experts in torch's ops: the native kernels'
+    # multiply-adds are outside the counter's sight
     monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", False)
+    monkeypatch.setattr(TorchAttention, "NATIVE_PREFILL", False)
     monkeypatch.setenv("IRMINSUL_NATIVE_MOE", "0")
     model = load_model(tiny_q_lora)
     arch = Arch.from_config(json.loads((tiny_q_lora / "config.json").read_text()))
