@@ -1,8 +1,9 @@
 """Native CPU kernels: C sources shipped with the package, built for the CPU they run on at first use.
 
 `library()` compiles the sources (`gemv.c`: products of a few rows; `mla_decode.c`: MLA decode
-attention read from the latent pool; `prefill_attention.c`: expanded prefill attention; `elementwise.c`: RMSNorm and SwiGLU's silu(gate) * up in one
-pass; `moe.c`: the routed experts of a few tokens; `common.h`: what they share) into one shared
+attention read from the latent pool; `prefill_attention.c`: expanded prefill attention;
+`elementwise.c`: RMSNorm and SwiGLU's silu(gate) * up in one pass; `moe.c`: the routed experts of
+a few tokens; `common.h`: what they share) into one shared
 library with the C compiler found (`CC`, else cc, gcc or clang) and `-march=native`, into a cache
 directory keyed by the sources, the flags, the compiler's version and the CPU's model and flags
 (`IRMINSUL_NATIVE_CACHE`, default ~/.cache/irminsul/native), and loads it with ctypes; a second
