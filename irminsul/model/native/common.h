@@ -98,6 +98,46 @@ static inline void dots8(const float *restrict a, const float *b, long ld, long 
 }
 #endif
 
+/* One block of a row's scores p[0 .. n) (-inf: a key not seen), bm their maximum, into the row's running
+ * softmax (flash attention's): mx and sum its maximum and sum so far, o[0 .. vd) its output so far,
+ * rescaled by e^(mx - bm) when the maximum grows; p becomes the block's e^(p - mx) (0 where not seen).
+ * A block with nothing seen (bm -inf) leaves the row as it was and p zeros. (mla_decode.c and
+ * prefill_attention.c fold their blocks through it.) */
+static inline void softmax_fold(float *p, long n, float bm, float *mx, float *sum, float *o, long vd) {
+    if (bm == -INFINITY) {
+        memset(p, 0, sizeof(float) * (size_t)n);
+        return;
+    }
+    if (bm > *mx) {
+        if (*mx != -INFINITY) {
+            float a = expf(*mx - bm);
+            *sum *= a;
+            for (long c = 0; c < vd; c++) o[c] *= a;
+        }
+        *mx = bm;
+    }
+#if defined(__AVX512F__)
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), m = _mm512_set1_ps(*mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (long k = 0; k < n; k += 16) {
+        __mmask16 in = (__mmask16)(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
+        __m512 x = _mm512_mask_loadu_ps(ninf, in, p + k);
+        __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+        __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(x, m)));
+        _mm512_mask_storeu_ps(p + k, in, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    *sum += _mm512_reduce_add_ps(acc);
+#else
+    float add = 0.0f;
+    for (long k = 0; k < n; k++) {
+        p[k] = p[k] == -INFINITY ? 0.0f : expf(p[k] - *mx);
+        add += p[k];
+    }
+    *sum += add;
+#endif
+}
+
 /* silu(g) one at a time, as torch computes it: g / (1 + e^-g) */
 static inline float silu1(float g) { return g / (1.0f + expf(-g)); }
 

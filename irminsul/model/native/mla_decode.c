@@ -145,30 +145,6 @@ VALUES_TILE(values_4x64, 4)
 VALUES_TILE(values_4x16, 1)
 #endif
 
-/* p[0..n) <- e^(p - mx) (mx finite), -inf entries 0; returns their sum */
-static float exp_block(float *p, long n, float mx) {
-#if defined(__AVX512F__)
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), mb = _mm512_set1_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
-    for (long k = 0; k < n; k += 16) {
-        __mmask16 in = (__mmask16)(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
-        __m512 v = _mm512_mask_loadu_ps(ninf, in, p + k);
-        __mmask16 seen = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
-        __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(v, mb)));
-        _mm512_mask_storeu_ps(p + k, in, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    return _mm512_reduce_add_ps(sum);
-#else
-    float sum = 0.0f;
-    for (long k = 0; k < n; k++) {
-        p[k] = p[k] == -INFINITY ? 0.0f : expf(p[k] - mx);
-        sum += p[k];
-    }
-    return sum;
-#endif
-}
-
 static void scale_row(float *o, long n, float a) {
     for (long i = 0; i < n; i++) o[i] *= a;
 }
@@ -254,19 +230,7 @@ int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void
                     sh[k] = seen[k] ? scale * sh[k] : -INFINITY;
                     bm = sh[k] > bm ? sh[k] : bm;
                 }
-                if (bm == -INFINITY) { /* nothing visible in this block */
-                    memset(sh, 0, sizeof(float) * (size_t)np);
-                    continue;
-                }
-                if (bm > mx[h]) {
-                    if (mx[h] != -INFINITY) {
-                        float a = expf(mx[h] - bm);
-                        sum[h] *= a;
-                        scale_row(ob + h * r, r, a);
-                    }
-                    mx[h] = bm;
-                }
-                sum[h] += exp_block(sh, np, mx[h]);
+                softmax_fold(sh, np, bm, &mx[h], &sum[h], ob + h * r, r);
             }
             /* the outputs: probabilities times c_KV */
             h0 = 0;

@@ -127,9 +127,9 @@ static void values(float *o, long ldo, const float *p, const float *v, long ldv,
 #endif
 }
 
-/* one query row's scores si[0 .. n) of a key block into its running softmax: the bias added (-inf: no
- * key), keys past `last` masked, the row's maximum mx and sum updated (its output o rescaled when the
- * maximum grows); si becomes the block's probabilities (0 where masked) */
+/* one query row's scores si[0 .. n) of a key block into its running softmax (common.h `softmax_fold`):
+ * the bias added (-inf: no key), keys past `last` masked; si becomes the block's probabilities (0
+ * where masked) */
 static void fold_row(float *si, const float *bias, long n, long last, float *mx, float *sum, float *o, long vd) {
     float bm = -INFINITY;
 #if defined(__AVX512F__)
@@ -151,36 +151,7 @@ static void fold_row(float *si, const float *bias, long n, long last, float *mx,
         bm = si[k] > bm ? si[k] : bm;
     }
 #endif
-    if (bm == -INFINITY) { /* nothing visible here */
-        memset(si, 0, sizeof(float) * (size_t)n);
-        return;
-    }
-    if (bm > *mx) {
-        if (*mx != -INFINITY) {
-            float a = expf(*mx - bm);
-            *sum *= a;
-            for (long c = 0; c < vd; c++) o[c] *= a;
-        }
-        *mx = bm;
-    }
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps(), m = _mm512_set1_ps(*mx);
-    for (long k = 0; k < n; k += 16) {
-        __m512 x = _mm512_loadu_ps(si + k);
-        __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ) & tail_mask(n - k);
-        __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(x, m)));
-        _mm512_storeu_ps(si + k, e);
-        acc = _mm512_add_ps(acc, e);
-    }
-    *sum += _mm512_reduce_add_ps(acc);
-#else
-    float add = 0.0f;
-    for (long k = 0; k < n; k++) {
-        si[k] = si[k] == -INFINITY ? 0.0f : expf(si[k] - *mx);
-        add += si[k];
-    }
-    *sum += add;
-#endif
+    softmax_fold(si, n, bm, mx, sum, o, vd);
 }
 
 /* 1 when built with the AVX-512 tiles (without them torch's SDPA is faster: the caller asks) */
