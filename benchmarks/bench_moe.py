@@ -27,10 +27,6 @@ from irminsul.model.layers import MoE
 from irminsul.table import table
 
 
-def middle(f, repeats: int = 5) -> float:
-    return median_of(f, repeats)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
@@ -52,8 +48,8 @@ def main(argv=None) -> int:
         weights, ids = moe.gate(x)
         counts = torch.bincount(ids.flatten(), minlength=len(moe.experts))
         cap, hit = int(counts.max()), int((counts > 0).sum())
-        grouped = middle(lambda: moe._grouped(x, weights, ids.reshape(-1), counts, cap))
-        looped = middle(lambda: layers.expert_loop(x, weights, ids, lambda e, xs: moe.experts[e](xs)))
+        grouped = median_of(lambda: moe._grouped(x, weights, ids.reshape(-1), counts, cap))
+        looped = median_of(lambda: layers.expert_loop(x, weights, ids, lambda e, xs: moe.experts[e](xs)))
         chose = "grouped" if (n > 1 and moe._padding_pays(n * ids.shape[1], hit, cap)) else "loop"
         best = min(grouped, looped)
         rows.append((n, hit, f"{len(moe.experts) * cap / (n * ids.shape[1]):.1f}x", f"{grouped * 1e3:.2f}",

@@ -53,8 +53,6 @@ MAX_BATCH = 8
 # ... and with the native kernels inside the graph (`CompiledDecode.native`), up to this many: the
 # batches MoE.NATIVE_TOKENS covers
 NATIVE_MAX_BATCH = 64
-# the compiled steps' wrapper in C++ (`CompiledDecode.__init__`); IRMINSUL_COMPILE_CPP_WRAPPER=0: Python's
-CPP_WRAPPER = os.environ.get("IRMINSUL_COMPILE_CPP_WRAPPER") != "0"
 
 
 def supported(model) -> str | None:
@@ -141,7 +139,8 @@ class CompiledDecode:
         # wrapper), ~80 calls a batched step; in one process, A/B with the Python wrapper on an AMX Xeon,
         # one thread: decode at depth 1,500 241-248 vs 253-260 ms for 63 tokens, 32 x (100 + 64) within
         # 0-6% faster (the same tokens)
-        options = {"cpp_wrapper": CPP_WRAPPER}
+        # (IRMINSUL_COMPILE_CPP_WRAPPER=0: Python's, read when the step is built as the other switches are)
+        options = {"cpp_wrapper": os.environ.get("IRMINSUL_COMPILE_CPP_WRAPPER") != "0"}
         self._fn = torch.compile(self._step, dynamic=True, fullgraph=True, options=options)
         self._batch_fn = torch.compile(self._step_batch, dynamic=True, fullgraph=True, options=options)
         cfg = model.config

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from irminsul.model.attention.base import (EMPTY_SLOT, PADDING_SLACK, AttentionBackend, SeqAttention, absorb_output,
                                            absorb_query, consecutive, dsa_selection)
-from irminsul.model import native
+from irminsul.model import native, native_ops
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import encode_half, encode_pairwise
 
@@ -235,8 +235,6 @@ class TorchAttention(AttentionBackend):
         """`beside` through the native kernel (`native_ops.mla_decode`), for model/compiled.py's batched
         step: the earlier rows read where they lie in `pool` [slots, width] (one layer) at key_slots
         [B, T] (EMPTY_SLOT: none), no gathered copy; each token's own row `new` [B, width] one more key."""
-        from irminsul.model import native_ops
-
         cfg = self.cfg
         r, rope, layout = cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.rotary.out_layout
         w_uk, w_uv = self.absorbed_weights(attn)
@@ -285,20 +283,17 @@ class TorchAttention(AttentionBackend):
         a CPU pool of float32 or bfloat16 rows, the kernel built, NATIVE_DECODE and not
         IRMINSUL_NATIVE_DECODE=0, and torch on one thread (the kernel runs on one; with more, torch's
         own ops run in parallel, and which is faster there has not been measured)."""
-        return (self.NATIVE_DECODE and torch.get_num_threads() == 1 and pool.device.type == "cpu"
-                and pool.dtype in (torch.float32, torch.bfloat16)
+        return (self.NATIVE_DECODE and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
                 and pool.stride(1) == 1 and os.environ.get("IRMINSUL_NATIVE_DECODE") != "0"
-                and native.library() is not None)
+                and native_ops.available())
 
     def _native_prefill(self, kv: torch.Tensor, keys: torch.Tensor) -> bool:
         """Whether an expanded group takes model/native/prefill_attention.c (`NATIVE_PREFILL`): float32
         on a CPU, torch on one thread (the kernel runs on one), the library built with its vector tiles
         (its plain loops are slower than SDPA), not IRMINSUL_NATIVE_PREFILL=0."""
-        if not (self.NATIVE_PREFILL and kv.device.type == "cpu" and kv.dtype == keys.dtype == torch.float32
-                and torch.get_num_threads() == 1 and os.environ.get("IRMINSUL_NATIVE_PREFILL") != "0"):
-            return False
-        lib = native.library()
-        return lib is not None and bool(lib.irm_vectorised())
+        return (self.NATIVE_PREFILL and kv.device.type == "cpu" and kv.dtype == keys.dtype == torch.float32
+                and os.environ.get("IRMINSUL_NATIVE_PREFILL") != "0" and native_ops.available()
+                and bool(native.library().irm_vectorised()))
 
     def _absorbed_in_place(self, q_lat, q_pe, pool, g: AttentionGroup) -> torch.Tensor:
         """`_absorbed` for one sequence whose keys are one run of slots (`AttentionGroup.run`),
@@ -325,8 +320,6 @@ class TorchAttention(AttentionBackend):
         kv = attn.kv_b_proj(keys[..., :r]).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         if index is None and self._native_prefill(kv, keys):
-            from irminsul.model import native_ops
-
             q_nope, q_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_nope, q_pe))
             o = native_ops.call_prefill_attention(_grid(q_nope, g), _grid(q_pe, g), k_nope, keys[..., r:], v,
                                                   g.key_slots, g.query_pos, g.query_len, cfg.softmax_scale)
@@ -359,8 +352,6 @@ def _native_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, 
     [B, H, rope] (rotated) -> o_lat [B, H, r] in q_lat's dtype; keys at g.key_slots (slot 0 skipped:
     for one query per sequence at its last key, `g.at_end`, that is the group's mask), rotated by
     g.key_cos / g.key_sin."""
-    from irminsul.model import native_ops
-
     q = torch.cat([q_lat, q_pe], dim=-1)
     return native_ops.call_mla_decode(q, pool, g.key_slots, g.key_cos, g.key_sin, None, q_lat.shape[2], interleaved,
                                       scale).to(q_lat.dtype)
