@@ -67,3 +67,24 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
     if rc != 0:  # (no memory for x's fp32 copy)
         return F.linear(x, w, bias)
     return y.view(*x.shape[:-1], out)
+
+
+def heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [n, H, in] (1 to MAX_ROWS rows, each head's in contiguous) times each head's w [H, out, in]
+    (its rows contiguous) -> [n, H, out] in x's dtype: attention's absorbed per-head products
+    (`attention.base.absorb_query` / `absorb_output`). None where the kernel does not run (see
+    `product`; then the caller's bmm)."""
+    n, h, inner = x.shape
+    if (torch.compiler.is_compiling() or not 1 <= n <= MAX_ROWS or x.device.type != "cpu" or w.shape[0] != h
+            or w.shape[2] != inner or x.stride(2) != 1 or w.stride(2) != 1 or x.dtype not in DTYPES
+            or w.dtype not in DTYPES or os.environ.get("IRMINSUL_GEMV") == "0"):
+        return None
+    lib = native.library()
+    if lib is None:
+        return None
+    out = w.shape[1]
+    y = torch.empty(n, h, out, dtype=x.dtype)
+    rc = lib.irm_heads_linear(x.data_ptr(), DTYPES[x.dtype], n, x.stride(0), x.stride(1), h, w.data_ptr(),
+                              DTYPES[w.dtype], w.stride(0), out, inner, w.stride(1), y.data_ptr(), DTYPES[y.dtype],
+                              y.stride(0), y.stride(1))
+    return y if rc == 0 else None

@@ -26,13 +26,16 @@ From the times, per shape:
   stay within `COPY_BUDGET` of the model's weight bytes (the shapes that save the most time per byte
   held first; a routed expert counts for the share of tokens it sees). So weights are held about once.
 
-One-row products (a decode step of one sequence) have a third candidate where the weight is
-out-major: `gemv.product`, a C loop over the weight's rows (model/native/gemv.c, built for the CPU
-at first use; on an AMX Xeon 1.1-1.45x F.linear on some of a realistic model's bf16 shapes and
-slower on others, docs/performance.md) (model/gemv.py; a candidate only where `gemv.available()`:
-the kernel built, IRMINSUL_GEMV not 0, a float32 or bfloat16 weight). A shape takes it
-(`Choice.gemv`) where it beats the dense product of its layout by `GEMV_GAIN` at one row; the
-dense layout is chosen with it counted as the out-major layout's one-row time.
+Products of one and of eight rows (a decode step of one sequence, of a few) have a third
+candidate where the weight is out-major: `gemv.product`, a C loop over the weight's rows
+(model/native/gemv.c, built for the CPU at first use; on an AMX Xeon 1.1-1.45x F.linear on some of
+a realistic model's bf16 shapes and slower on others; on an AVX512-BF16 EPYC its vdpbf16ps path
+read the realistic LM head at ~35 GB/s for one row and ~23 for eight, F.linear at ~17 and ~15,
+docs/performance.md) (model/gemv.py; a candidate only where `gemv.available()`: the kernel built,
+IRMINSUL_GEMV not 0, a float32 or bfloat16 weight). A shape takes it for one row (`Choice.gemv`
+1) where it beats the dense product of its layout by `GEMV_GAIN` at one row, and for up to eight
+(`Choice.gemv` 8) where it also beats both the dense product and oneDNN's at eight; the dense
+layout is chosen with its times counted as the out-major layout's.
 
 `IRMINSUL_KERNEL_CHOICE=fixed` (or `DeepseekModel.pack(kernels="fixed")`) keeps the earlier fixed rule
 instead (input-major everywhere; oneDNN copies for 256, 32 and 8 rows of every float32 weight large
@@ -79,17 +82,18 @@ HOPELESS = 8.0
 MAX_COPIES = 64  # at most this many copies (smaller weights are then read a little warmer than the model's)
 STREAM_ROWS = 8  # products of at most these many rows are timed over rotating copies (they stream)
 PROGRESS_AFTER = 1.0  # seconds of measuring expected before a progress bar is shown
-CACHE_VERSION = 5  # 5: the gemv candidate is the native kernel (it was a compiled one)
+CACHE_VERSION = 6  # 6: the gemv candidate is timed at eight rows too (5: the native kernel, not a compiled one)
 
 
 @dataclass(frozen=True)
 class Choice:
     """How one product shape runs: its dense layout ("out": [out, in] as nn.Linear stores it, F.linear;
     "in": [in, out], x @ W), the row blocks it keeps oneDNN copies for (none, one, or for the fixed
-    rule all three), and whether its one-row products take `gemv.product` (out-major only)."""
+    rule all three), and how many rows at most its products take `gemv.product` for (out-major
+    only; 0: none, 1: one-row products, STREAM_ROWS: up to that many)."""
     layout: str
     blocks: tuple[int, ...] = ()
-    gemv: bool = False
+    gemv: int = 0
 
 
 @dataclass
@@ -259,7 +263,7 @@ def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool,
     if with_dnn and rows in BLOCKS:
         pools["dnn"] = [torch.ops.mkldnn._reorder_linear_weight(o, rows) for o in outs]
         made["dnn"] = lambda b: torch.ops.mkldnn._linear_pointwise(x, b, None, "none", [], "")
-    if with_gemv and rows == 1:
+    if with_gemv and rows in (1, STREAM_ROWS):
         from irminsul.model import gemv
 
         pools["gemv"] = outs
@@ -351,23 +355,29 @@ def estimate_seconds(products: list[Product]) -> float:
 
 def _dense_layout(times: dict[str, dict[str, float]]) -> str:
     """The dense layout with the least total time over the row counts, each relative to the better one
-    (ties: out-major, nn.Linear's own); out-major's one-row time is the gemv kernel's where that
-    was measured and pays (`_gemv_pays`)."""
-    one_row = _gemv_pays(times)
+    (ties: out-major, nn.Linear's own); out-major's one- and eight-row times are the gemv kernel's
+    where that was measured and pays (`_gemv_rows`)."""
+    gemv_rows = _gemv_rows(times)
 
     def t_of(rows: str, layout: str) -> float:
         t = times[rows]
-        return t["gemv"] if layout == "out" and rows == "1" and one_row else t[layout]
+        return t["gemv"] if layout == "out" and 0 < int(rows) <= gemv_rows else t[layout]
 
     score = {layout: sum(t_of(r, layout) / min(t_of(r, "out"), t_of(r, "in")) for r in times)
              for layout in ("out", "in")}
     return "in" if score["in"] < score["out"] * 0.98 else "out"
 
 
-def _gemv_pays(times: dict[str, dict[str, float]]) -> bool:
-    """Whether the one-row kernel was measured and beats out-major's dense one-row product by GEMV_GAIN."""
+def _gemv_rows(times: dict[str, dict[str, float]]) -> int:
+    """How many rows at most `gemv.product` takes: 0 unless it was measured and beats out-major's
+    dense one-row product by GEMV_GAIN; STREAM_ROWS where it also beats, at that many rows, the
+    dense product and oneDNN's (where measured) by GEMV_GAIN; else 1."""
     one = times.get("1", {})
-    return "gemv" in one and one["gemv"] * GEMV_GAIN < one["out"]
+    if "gemv" not in one or one["gemv"] * GEMV_GAIN >= one["out"]:
+        return 0
+    few = times.get(str(STREAM_ROWS), {})
+    rivals = [few[k] for k in ("out", "dnn") if k in few]
+    return STREAM_ROWS if "gemv" in few and rivals and few["gemv"] * GEMV_GAIN < min(rivals) else 1
 
 
 def _block_saving(times: dict[str, dict[str, float]], layout: str, block: int) -> float:
@@ -401,9 +411,9 @@ class KernelChoices:
     forced: Choice | None = None  # every shape's choice (`KernelChoices.every`), for tests and benchmarks
 
     @classmethod
-    def every(cls, layout: str, blocks: tuple[int, ...] = (), gemv: bool = False) -> "KernelChoices":
+    def every(cls, layout: str, blocks: tuple[int, ...] = (), gemv: int = 0) -> "KernelChoices":
         """Choices that give every shape this layout (where the weight's own may change), blocks and
-        one-row kernel (for the out-major ones)."""
+        gemv rows (for the out-major ones)."""
         return cls("forced", {}, forced=Choice(layout, blocks, gemv))
 
     def choice(self, out: int, inp: int, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -414,13 +424,13 @@ class KernelChoices:
             return self.choices[key]
         if self.forced is not None:
             layout = layout or self.forced.layout
-            c = Choice(layout, self.forced.blocks, self.forced.gemv and layout == "out")
+            c = Choice(layout, self.forced.blocks, self.forced.gemv if layout == "out" else 0)
         elif self.kernels == "fixed" or torch.device(device).type != "cpu":
             c = fixed_choice(out, inp, dtype, device)
         else:
             times = _times([Product(out, inp, dtype)], self.streamed, progress=False)[key[:3] + (None,)]
             layout = layout or _dense_layout(times)
-            c = Choice(layout, gemv=layout == "out" and _gemv_pays(times))
+            c = Choice(layout, gemv=_gemv_rows(times) if layout == "out" else 0)
         self.choices[key] = c
         return c
 
@@ -502,8 +512,7 @@ def choose(products: list[Product], model_bytes: int, decode_bytes: int | None =
     for p in products:
         t = times[p.key]
         layout = p.layout or _dense_layout(t)
-        one_row = layout == "out" and _gemv_pays(t)
-        choices[p.key] = Choice(layout, gemv=one_row)
+        choices[p.key] = Choice(layout, gemv=_gemv_rows(t) if layout == "out" else 0)
         paying = [b for b in BLOCKS if t[str(b)].get("dnn") is not None and t[str(b)][layout] >= MIN_GAIN * t[str(b)]["dnn"]
                   and _block_saving(t, layout, b) > 0]
         if paying:
@@ -548,5 +557,5 @@ def describe(p: KernelChoices) -> list[str]:
     for (out, inp, dtype, _), c in sorted(p.choices.items(), key=lambda kv: (str(kv[0][2]), -kv[0][0] * kv[0][1])):
         blocks = ", ".join(f"oneDNN x{b}" for b in c.blocks) or "no copy"
         lines.append(f"[{out}, {inp}] {str(dtype).removeprefix('torch.')}: {c.layout}-major, {blocks}"
-                     + (", gemv for one row" if c.gemv else ""))
+                     + ("" if not c.gemv else ", gemv for one row" if c.gemv == 1 else f", gemv for up to {c.gemv} rows"))
     return lines

@@ -141,16 +141,20 @@ def chosen_layout(out: int, inp: int, dtype: torch.dtype, device) -> str:
     return choices.choice(out, inp, dtype, device).layout
 
 
-def gemv_chosen(w: torch.Tensor, layout: str | None = None) -> bool:
-    """Whether one-row products of w [out, in] take `gemv.product`: while `DeepseekModel.pack` packs,
-    where its choices measured that kernel faster for this shape (`kernel_choice.Choice.gemv`), w's
-    rows are contiguous and the kernel is available; never outside a pack (the fixed rule)."""
+def gemv_rows(w: torch.Tensor, layout: str | None = None) -> int:
+    """How many rows at most the products of w [out, in] take `gemv.product` for (0: none): while
+    `DeepseekModel.pack` packs, what its choices measured for this shape (`kernel_choice.Choice.gemv`),
+    where w's rows are contiguous and the kernel is available; 0 outside a pack (the fixed rule)."""
     from irminsul.model import kernel_choice
 
     choices = kernel_choice.current()
     if choices is None or choices.kernels == "fixed" or w.stride(1) != 1 or not gemv.available(w.device, w.dtype):
-        return False
+        return 0
     return choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout).gemv
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def laid_out(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -173,25 +177,25 @@ def _(x_shape, b256_shape, b32_shape, b8_shape, weight_shape, bias_shape, **kwar
 
 class Linear(nn.Linear):
     """nn.Linear (the same parameters and state-dict names) that, once packed, computes products of
-    several rows through oneDNN where a copy was kept for it (`dnn_weight`), one row through
-    `gemv.product` where that was chosen (`gemv_chosen`); else F.linear."""
+    up to `gemv_rows` rows through `gemv.product` where that was chosen (`gemv_rows`), larger ones
+    through oneDNN where a copy was kept for it (`dnn_weight`); else F.linear."""
 
     dnn: tuple[torch.Tensor | None, ...] | None = None
-    one_row: bool = False  # one-row products through gemv.product
+    gemv_rows: int = 0  # products of at most this many rows through gemv.product
 
     def pack_dnn(self, layout: str | None = "out") -> None:
         """(Named apart from `pack`: a linear fused into another product needs no copy of its own.)
         layout: "out" (the default) for a weight that keeps nn.Linear's layout (others read it as
         [out, in] views: attention's W_UK / W_UV), None for one laid out by the choices already."""
         self.dnn = dnn_weight(self.weight, layout=layout)
-        self.one_row = gemv_chosen(self.weight, layout=layout)
+        self.gemv_rows = gemv_rows(self.weight, layout=layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > x.shape[-1]:
-            if self.dnn is not None:
-                return dnn_linear(x, self.dnn, self.weight, self.bias)
-        elif self.one_row and x.numel():  # (one row; not an empty batch)
+        rows = _rows(x)
+        if 0 < rows <= self.gemv_rows:
             return gemv.product(x, self.weight, self.bias)
+        if rows > 1 and self.dnn is not None:
+            return dnn_linear(x, self.dnn, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -223,15 +227,15 @@ def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.
 
 
 def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-           dnn: tuple[torch.Tensor | None, ...] | None = None, one_row: bool = False) -> torch.Tensor:
-    """x [..., in] times a weight [in, out] (`pack_linears`: either layout), plus bias; several rows
-    through `dnn`, the same weight's `dnn_weight`, when there is one; one row through `gemv.product`
-    when `one_row` (`gemv_chosen` for w.t())."""
-    if x.numel() > x.shape[-1]:
-        if dnn is not None:
-            return dnn_linear(x, dnn, w.t(), bias)
-    elif one_row and x.numel():  # (one row; not an empty batch)
+           dnn: tuple[torch.Tensor | None, ...] | None = None, gemv_rows: int = 0) -> torch.Tensor:
+    """x [..., in] times a weight [in, out] (`pack_linears`: either layout), plus bias; up to
+    `gemv_rows` rows (`gemv_rows` for w.t()) through `gemv.product`, more through `dnn`, the same
+    weight's `dnn_weight`, when there is one."""
+    rows = _rows(x)
+    if 0 < rows <= gemv_rows:
         return gemv.product(x, w.t(), bias)
+    if rows > 1 and dnn is not None:
+        return dnn_linear(x, dnn, w.t(), bias)
     return torch.matmul(x, w) if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(
         *x.shape[:-1], w.shape[1])
 
@@ -246,14 +250,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # [hidden, 2 * inner] after `pack`
         self.gate_up_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
-        self.gate_up_one_row = False  # its one-row products through gemv.product (`gemv_chosen`)
+        self.gate_up_gemv_rows = 0  # its products of at most this many rows through gemv.product (`gemv_rows`)
 
     def pack(self) -> None:
         stacked = self.packed  # (a stacked expert's gate|up is a view of its MoE's stack, laid out there)
         if not stacked:
             self.gate_up, _ = pack_linears(self.gate_proj, self.up_proj)
         self.gate_up_dnn = dnn_weight(self.gate_up.t())
-        self.gate_up_one_row = gemv_chosen(self.gate_up.t())
+        self.gate_up_gemv_rows = gemv_rows(self.gate_up.t())
         self.down_proj.pack_dnn(layout=None if stacked else "out")
 
     def products(self, uses: float = 1.0, stacked: bool = False) -> list:
@@ -277,7 +281,7 @@ class MLP(nn.Module):
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """forward of a packed MLP, without the check (a compiled graph cannot compare data pointers)."""
-        gate_up = packed(x, self.gate_up, None, self.gate_up_dnn, self.gate_up_one_row)
+        gate_up = packed(x, self.gate_up, None, self.gate_up_dnn, self.gate_up_gemv_rows)
         act = elementwise.silu_mul(gate_up)  # (one pass, where the native kernel runs)
         if act is None:
             g, u = gate_up.chunk(2, dim=-1)
@@ -445,15 +449,20 @@ class MoE(nn.Module):
 
     def _native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """The routed experts' output [n, H] through the native kernel, or None where it does not run:
-        more than NATIVE_TOKENS tokens, not float32 on a CPU, torch on more than one thread (the kernel
-        runs on one), the library not built, or IRMINSUL_NATIVE_MOE=0."""
-        if (x.shape[0] > self.NATIVE_TOKENS or x.dtype != torch.float32 or x.device.type != "cpu"
-                or os.environ.get("IRMINSUL_NATIVE_MOE") == "0" or not native_ops.available()):
+        more than NATIVE_TOKENS tokens, not on a CPU, torch on more than one thread (the kernel runs on
+        one), the library not built, IRMINSUL_NATIVE_MOE=0, or neither float32 nor bfloat16 with
+        out-major stacks on a CPU with AVX512-BF16 (`native_ops.moe_bf16_available`: its vdpbf16ps
+        products; elsewhere a bf16 model keeps torch's, which convert to float32 at least as well)."""
+        if (x.shape[0] > self.NATIVE_TOKENS or x.device.type != "cpu" or os.environ.get("IRMINSUL_NATIVE_MOE") == "0"
+                or not native_ops.available()):
             return None
         gate_up, down = self.stacked()
-        if gate_up.dtype != torch.float32 or down.dtype != torch.float32:
-            return None
-        return native_ops._moe_experts(x, weights, ids, gate_up, down)
+        if x.dtype == gate_up.dtype == down.dtype == torch.float32:
+            return native_ops._moe_experts(x, weights, ids, gate_up, down)
+        if (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and gate_up.stride(1) == 1
+                and down.stride(1) == 1 and native_ops.moe_bf16_available()):
+            return native_ops._moe_experts_bf16(x, weights, ids, gate_up, down)
+        return None
 
     # A CPU's cost of the expert loop's per-expert calls (gather, three products, the scatter back),
     # and the rate its products multiply at, one thread: measured on an AMD EPYC

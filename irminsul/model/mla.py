@@ -26,7 +26,7 @@ from torch import nn
 
 from irminsul.model.attention import EMPTY_SLOT, AttentionBackend, SeqAttention
 from irminsul.model.config import ModelConfig
-from irminsul.model.layers import Linear, RMSNorm, dnn_weight, gemv_chosen, pack_linears, packed
+from irminsul.model.layers import Linear, RMSNorm, dnn_weight, gemv_rows, pack_linears, packed
 from irminsul.model.rope import Rotary, encode_half
 
 
@@ -157,8 +157,8 @@ class MLAttention(nn.Module):
         self.kv_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
         self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after `pack`
         self.in_proj_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
-        self.in_proj_one_row = False  # its one-row products through gemv.product (`gemv_chosen`)
-        # (W_UK, W_UV) each contiguous, for bf16/fp16 after `pack` (`AttentionBackend.absorbed_weights`),
+        self.in_proj_gemv_rows = 0  # its products of at most this many rows through gemv.product (`gemv_rows`)
+        # (W_UK, W_UV) each in memory of its own, for bf16/fp16 after `pack` (`AttentionBackend.absorbed_weights`),
         # and the kv_b_proj weight they were copied from
         self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.absorbed_from: int | None = None
@@ -170,19 +170,22 @@ class MLAttention(nn.Module):
         """The two products of the layer's input (q or q_a, and kv_a) as one (`pack_linears`)."""
         self.in_proj = pack_linears(self._q_in(), self.kv_a_proj_with_mqa)
         self.in_proj_dnn = dnn_weight(self.in_proj[0].t())
-        self.in_proj_one_row = gemv_chosen(self.in_proj[0].t())
+        self.in_proj_gemv_rows = gemv_rows(self.in_proj[0].t())
         for lin in (self.kv_b_proj, self.o_proj) + ((self.q_b_proj,) if self.cfg.q_lora_rank is not None else ()):
             lin.pack_dnn()
         # NOTE: W_UK and W_UV are slices of kv_b_proj's weight, one head (nope + v) x r apart; a bf16
         # bmm copies such a batch to a contiguous one on every call (on an AMD EPYC, one thread, at
         # r 512 and 16 heads: W_UV's product 1,357 us with the copy, 103 without, a decode token ~5 ms
-        # at the realistic shape), so they are kept contiguous: one more copy of kv_b (0.4% of that
+        # at the realistic shape), so they are kept apart: one more copy of kv_b (0.4% of that
         # model's weights). float32's bmm reads the slices in place.
         self.absorbed = self.absorbed_from = None
         w = self.kv_b_proj.weight
         if w.dtype in (torch.bfloat16, torch.float16):
             with torch.no_grad():  # (the backend's views of the two halves, while none are kept)
-                self.absorbed = tuple(half.detach().contiguous() for half in self.backend.absorbed_weights(self))
+                w_uk, w_uv = (half.detach() for half in self.backend.absorbed_weights(self))
+                # (W_UK stored [H, r, nope]: each output's weights contiguous, as the native per-head
+                # products read them, attention.base._heads; bmm reads either)
+                self.absorbed = (w_uk.transpose(1, 2).contiguous().transpose(1, 2), w_uv.contiguous())
             self.absorbed_from = w.data_ptr()
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +195,7 @@ class MLAttention(nn.Module):
         if self.in_proj is None or (not torch.compiler.is_compiling()
                                     and self.in_proj[0].data_ptr() != q_in.weight.data_ptr()):
             return q_in(x), self.kv_a_proj_with_mqa(x)
-        return packed(x, *self.in_proj, self.in_proj_dnn, self.in_proj_one_row).split([q_in.out_features, self.cfg.latent_width], dim=-1)
+        return packed(x, *self.in_proj, self.in_proj_dnn, self.in_proj_gemv_rows).split([q_in.out_features, self.cfg.latent_width], dim=-1)
 
     def _c_kv(self, c: torch.Tensor) -> torch.Tensor:
         c = self.kv_a_layernorm(c)

@@ -4,7 +4,7 @@ out-major weight, and a model packed with it computes the same logits through ev
 has one row (attention's input product, the LM head, the dense MLP, each routed expert)."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
@@ -125,10 +125,10 @@ def test_the_choice_takes_gemv_only_where_it_pays_on_an_out_major_weight(tmp_pat
     got = kernel_choice.choose([faster, tie, beaten, flips, forced], model_bytes=10**9, kernels="measured",
                                progress=False).choices
     assert all(seen)  # (the candidate is timed where it is available)
-    assert got[faster.key] == Choice("out", (), True)
+    assert got[faster.key] == Choice("out", (), 1)
     assert got[tie.key] == Choice("out") and got[beaten.key] == Choice("out")  # within GEMV_GAIN, or slower
-    assert got[flips.key] == Choice("out", (), True)
-    assert got[forced.key] == Choice("out", (), True)
+    assert got[flips.key] == Choice("out", (), 1)
+    assert got[forced.key] == Choice("out", (), 1)
     # with the kernel unavailable its times are not asked for (another cache entry), nor chosen
     monkeypatch.setenv("IRMINSUL_GEMV", "0")
     monkeypatch.setattr(kernel_choice, "_memory", {})
@@ -138,16 +138,55 @@ def test_the_choice_takes_gemv_only_where_it_pays_on_an_out_major_weight(tmp_pat
     assert seen == [False] and got[flips.key] == Choice("in")
 
 
-def _one_row_flags(model) -> list[bool]:
-    flags = [model.lm_head.one_row]
+def test_the_choice_takes_gemv_for_eight_rows_only_where_it_beats_dense_and_onednn_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setenv("IRMINSUL_GEMV", "1")
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    both, no_dnn, dnn_wins, not_one = (Product(o, 200, torch.float32, 1, 1.0) for o in (310, 311, 312, 313))
+    fake = {o: _times(1.0, 0.5) for o in (310, 311, 312, 313)}
+    fake[310]["8"] = {"out": 8.0, "in": 8.4, "dnn": 6.0, "gemv": 3.0}
+    fake[311]["8"] = {"out": 8.0, "in": 8.4, "gemv": 3.0}  # (no oneDNN here: bf16 without bf16 instructions)
+    fake[312]["8"] = {"out": 8.0, "in": 8.4, "dnn": 2.9, "gemv": 3.0}
+    fake[313]["1"]["gemv"] = 2.0  # slower for one row: not taken for eight either
+    fake[313]["8"] = {"out": 8.0, "in": 8.4, "gemv": 3.0}
+    monkeypatch.setattr(kernel_choice, "measure", lambda out, *a, **k: fake[out])
+    got = kernel_choice.choose([both, no_dnn, dnn_wins, not_one], model_bytes=10**9, kernels="measured",
+                               progress=False).choices
+    assert got[both.key].gemv == 8 and got[no_dnn.key].gemv == 8
+    assert got[dnn_wins.key].gemv == 1 and got[not_one.key].gemv == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_packed_with_gemv_for_eight_rows_computes_the_same_logits(tiny_dir, monkeypatch, dtype):
+    """Products of 2 to 8 rows (a short prefill, a decode step of a few sequences) through the kernel
+    (forced): the logits of the model packed without it; 9 rows are not taken."""
+    monkeypatch.setenv("IRMINSUL_GEMV", "1")
+    plain = load_model(tiny_dir, pack=False, dtype=dtype).pack(kernels=KernelChoices.every("out"))
+    model = load_model(tiny_dir, pack=False, dtype=dtype).pack(kernels=KernelChoices.every("out", gemv=8))
+    assert set(_one_row_flags(model)) == {8}
+    calls = []
+    real = gemv.product
+    monkeypatch.setattr(gemv, "product", lambda *a: calls.append(a[0].numel() // a[0].shape[-1]) or real(*a))
+    for n in (2, 5, 8, 9):
+        ids = torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        calls.clear()
+        got = [m.logits(m.prefill(m.new_rows(64), ids, list(range(n)))) for m in (model, plain)]
+        scale = got[1].abs().max().item()
+        assert (got[0] - got[1]).abs().max().item() <= (1e-4 if dtype == torch.float32 else 3e-2) * scale
+        # (every product of the n rows; the routed experts' share of them too, fewer rows each)
+        assert max(calls) == n if n <= 8 else max(calls, default=0) <= 8
+
+
+def _one_row_flags(model) -> list[int]:
+    flags = [model.lm_head.gemv_rows]
     for layer in model.model.layers:
-        flags.append(layer.self_attn.in_proj_one_row)
-        flags.append(layer.self_attn.o_proj.one_row)
+        flags.append(layer.self_attn.in_proj_gemv_rows)
+        flags.append(layer.self_attn.o_proj.gemv_rows)
         mlp = layer.mlp
         experts = list(mlp.experts) if isinstance(mlp, MoE) else [mlp]
         for e in experts + ([mlp.shared_experts] if isinstance(mlp, MoE) and mlp.shared_experts else []):
             assert isinstance(e, MLP)
-            flags += [e.gate_up_one_row, e.down_proj.one_row]
+            flags += [e.gate_up_gemv_rows, e.down_proj.gemv_rows]
     return flags
 
 
@@ -173,3 +212,42 @@ def test_a_model_packed_with_gemv_computes_the_same_logits(tiny_dir, monkeypatch
     assert model.lm_head(empty).shape == (0, model.config.vocab_size)
     # (the prefill's last-token logits and three decode steps: the LM head each time, and the layers' products)
     assert len(calls) > 4 * len(model.model.layers) and (model.lm_head.weight.shape in calls)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 9), heads=st.integers(1, 5), out_f=st.integers(1, 70), in_f=st.integers(1, 140),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_per_head_products_compute_bmm(monkeypatch, n, heads, out_f, in_f, dtype, seed):
+    """`gemv.heads` (attention's absorbed W_UK / W_UV products): each head's rows times its own weight,
+    against float64; x a strided view of a wider tensor, as the attention hands it; None past MAX_ROWS."""
+    monkeypatch.setenv("IRMINSUL_GEMV", "1")  # (the suite turns the kernel off: tests/conftest.py)
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(heads, out_f, in_f, generator=g) / in_f**0.5).to(dtype)
+    x = torch.randn(n, heads, in_f + 3, generator=g).to(dtype)[..., 1 : in_f + 1]
+    got = gemv.heads(x, w)
+    if n > gemv.MAX_ROWS:
+        assert got is None
+        return
+    want = torch.einsum("nhi,hoi->nho", x.double(), w.double())
+    assert got is not None and got.dtype == dtype and got.shape == (n, heads, out_f)
+    assert (got.double() - want).abs().max().item() <= TOL[dtype] * max(want.abs().max().item(), 1e-6)
+
+
+def test_absorbed_products_of_a_bf16_decode_take_the_per_head_kernel(monkeypatch):
+    from irminsul.model.attention.base import absorb_output, absorb_query
+
+    monkeypatch.setenv("IRMINSUL_GEMV", "1")
+    calls = []
+    real = gemv.heads
+    monkeypatch.setattr(gemv, "heads", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    w_uk = torch.randn(4, 32, 64).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)  # [H, nope, r], stored [H, r, nope]
+    w_uv = torch.randn(4, 16, 64).bfloat16()
+    q = torch.randn(3, 4, 32).bfloat16()
+    o = torch.randn(3, 4, 64).bfloat16()
+    want_q = torch.bmm(q.transpose(0, 1).double(), w_uk.double()).transpose(0, 1)
+    want_o = torch.bmm(o.transpose(0, 1).double(), w_uv.transpose(1, 2).double()).transpose(0, 1)
+    assert (absorb_query(q, w_uk).double() - want_q).abs().max() <= 1e-2 * want_q.abs().max()
+    assert (absorb_output(o, w_uv).double() - want_o).abs().max() <= 1e-2 * want_o.abs().max()
+    assert calls == [3, 3]
+    absorb_query(q.float(), w_uk.float()), absorb_query(torch.randn(12, 4, 32).bfloat16(), w_uk)  # (fp32; 12 rows: bmm)
+    assert calls == [3, 3, 12]

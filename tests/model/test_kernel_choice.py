@@ -264,17 +264,18 @@ def test_a_hopeless_candidate_is_called_once_and_never_chosen():
     assert calls["slow"] > 2
 
 
-def test_bf16_packing_keeps_w_uk_and_w_uv_contiguous_and_equal_to_kv_bs_halves(tiny_dir, tmp_path, monkeypatch):
-    """A bf16 packed model holds W_UK and W_UV as contiguous copies of kv_b_proj's two halves (a bf16
-    bmm would copy the strided slices on every call); its logits are the unpacked model's; a weight
-    replaced after packing is read through its own slices again."""
+def test_bf16_packing_keeps_w_uk_and_w_uv_in_their_own_memory_and_equal_to_kv_bs_halves(tiny_dir, tmp_path, monkeypatch):
+    """A bf16 packed model holds W_UK and W_UV as copies of kv_b_proj's two halves (a bf16 bmm would
+    copy the strided slices on every call), W_UV contiguous and W_UK stored [H, r, nope] (each output's
+    weights contiguous, as the native per-head products read them); its logits are the unpacked
+    model's; a weight replaced after packing is read through its own slices again."""
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     plain = load_model(tiny_dir, dtype="bfloat16", pack=False)
     model = load_model(tiny_dir, dtype="bfloat16", pack=False).pack(kernels=KernelChoices.every("out"))
     attn = model.model.layers[0].self_attn
     cfg = model.config
     uk, uv = attn.absorbed
-    assert uk.is_contiguous() and uv.is_contiguous()
+    assert uk.transpose(1, 2).is_contiguous() and uv.is_contiguous()
     halves = attn.kv_b_proj.weight.view(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
     assert torch.equal(uk, halves[:, : cfg.qk_nope_head_dim]) and torch.equal(uv, halves[:, cfg.qk_nope_head_dim :])
     assert model.attention.absorbed_weights(attn)[0] is uk

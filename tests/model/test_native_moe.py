@@ -82,3 +82,71 @@ def test_the_engine_decodes_the_same_tokens(tmp_path, monkeypatch):
         llm = LLM(ck, reuse="off", compile_decode=False)
         got[flag] = [o.token_ids for o in llm.generate(prompts, max_tokens=12, ignore_eos=True)]
     assert calls and got["0"] == got["1"]
+
+
+bf16_built = pytest.mark.skipif(not layers.native_ops.moe_bf16_available(),
+                                reason="the bf16 experts are built for CPUs with AVX512-BF16")
+
+
+@bf16_built
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 64), experts=st.integers(2, 9), k=st.integers(1, 3),
+       size=st.sampled_from([(64, 32), (96, 80), (37, 13)]), seed=st.integers(0, 2**16))
+def test_the_bf16_kernel_equals_the_expert_loop_in_float64(n, experts, k, size, seed):
+    """A bfloat16 model's experts (out-major stacks, sizes with and without 32-element tails) against
+    the same bf16 weights and tokens in float64: within what bf16's rounding of the result and of
+    silu * up allows, no worse than torch's own bf16 expert loop by more than that."""
+    import copy
+
+    k = min(k, experts)
+    moe = _moe(*size, experts, k, ("out", "out"), seed).to(torch.bfloat16)
+    moe._stacked = None
+    moe.stacked()
+    wide = copy.deepcopy(moe).double()
+    x = torch.randn(n, size[0], generator=torch.Generator().manual_seed(seed)).bfloat16()
+    weights, ids = moe.gate(x)
+    want = layers.expert_loop(x.double(), weights.double(), ids, lambda e, xs: wide.experts[e](xs))
+    got = moe._native(x, weights, ids)
+    assert got is not None and got.dtype == torch.bfloat16
+    torch_bf16 = layers.expert_loop(x, weights, ids, lambda e, xs: moe.experts[e](xs))
+    scale = max(want.abs().max().item(), 1e-6)
+    err = (got.double() - want).abs().max().item() / scale
+    assert err <= 2e-2 and err <= 1.5 * (torch_bf16.double() - want).abs().max().item() / scale + 8e-3
+
+
+@bf16_built
+def test_the_bf16_kernel_reads_only_out_major_stacks_and_checks_ids():
+    moe = _moe(64, 32, 4, 2, ("in", "out"), 0).to(torch.bfloat16)
+    moe._stacked = None
+    x = torch.randn(5, 64).bfloat16()
+    weights, ids = moe.gate(x)
+    assert moe._native(x, weights, ids) is None  # (input-major gate|up: torch's products)
+    moe.layouts, moe._stacked = ("out", "out"), None
+    assert moe._native(x, weights, ids) is not None
+    bad = ids.clone()
+    bad[2, 1] = 4
+    with pytest.raises(ValueError, match="expert id"):
+        moe._native(x, weights, bad)
+
+
+@bf16_built
+def test_a_bf16_engine_decodes_the_same_tokens_as_torchs_experts(tmp_path, monkeypatch):
+    """The tiny V3 in bf16, a batch decoded with the kernel and without: the kernel ran, and the
+    greedy tokens agree (bf16 rounds differently in the two; a near-tie may flip a late token, so
+    most of each sequence, and the first tokens of every one, must match)."""
+    ck = make_tiny_checkpoint(tmp_path / "v3", variant="v3")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 250, int(n)).tolist() for n in (5, 17, 40, 9)]
+    got, calls = {}, []
+    real = layers.native_ops._moe_experts_bf16
+    monkeypatch.setattr(layers.native_ops, "_moe_experts_bf16", lambda *a: calls.append(1) or real(*a))
+    for flag in ("0", "1"):
+        monkeypatch.setenv("IRMINSUL_NATIVE_MOE", flag)
+        llm = LLM(ck, reuse="off", compile_decode=False, dtype="bfloat16")
+        for layer in llm.model.model.layers:  # (out-major stacks, which the kernel reads, whatever was chosen)
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.layouts, layer.mlp._stacked = ("out", "out"), None
+        got[flag] = [o.token_ids for o in llm.generate(prompts, max_tokens=12, ignore_eos=True)]
+    assert calls
+    for a, b in zip(got["0"], got["1"]):
+        assert a[:3] == b[:3] and sum(x == y for x, y in zip(a, b)) >= 9

@@ -131,6 +131,9 @@ def library() -> ctypes.CDLL | None:
     lib.irm_linear.argtypes = [c_void, c_int, c_long, c_long, c_void, c_int, c_long, c_long, c_long,
                                c_void, c_int, c_void, c_int, c_long]
     lib.irm_linear.restype = c_int
+    lib.irm_heads_linear.argtypes = [c_void, c_int, c_long, c_long, c_long, c_long, c_void, c_int, c_long, c_long,
+                                     c_long, c_long, c_void, c_int, c_long, c_long]
+    lib.irm_heads_linear.restype = c_int
     lib.irm_max_rows.restype = c_int
     lib.irm_mla_decode.argtypes = [c_void, c_long, c_long, c_long, c_long, c_void, c_int, c_long,
                                    c_void, c_long, c_void, c_void, c_long, c_int, ctypes.c_float, c_void, c_long, c_void]
@@ -148,4 +151,8 @@ def library() -> ctypes.CDLL | None:
     lib.irm_moe.argtypes = [c_void, c_long, c_long, c_long, c_void, c_void, c_long, c_long, c_long,
                             c_void, c_long, c_long, c_long, c_void, c_long, c_long, c_long, c_void, c_long]
     lib.irm_moe.restype = c_int
+    lib.irm_moe_has_bf16.restype = c_int
+    lib.irm_moe_bf16.argtypes = [c_void, c_long, c_long, c_long, c_void, c_void, c_long, c_long, c_long,
+                                 c_void, c_long, c_long, c_void, c_long, c_long, c_void, c_long]
+    lib.irm_moe_bf16.restype = c_int
     return lib

@@ -6,7 +6,10 @@
  * are bound by reading the weight. Built by irminsul/model/native/__init__.py with -march=native;
  * the AVX-512 path keeps four independent sums per row (one FMA chain per sum was latency-bound:
  * it read bf16 at ~12 GB/s where the memory gave more), any other CPU takes the plain loops, which
- * the compiler vectorises for it (the flags allow reassociating the sums).
+ * the compiler vectorises for it (the flags allow reassociating the sums). Where x and w are both
+ * bfloat16 (a bf16 model) and the CPU has AVX512-BF16, the products are vdpbf16ps over x's own bf16
+ * rows instead (common.h bf16_dots: ~35 GB/s for one row on a Zen 5 EPYC where the float32
+ * conversion read ~33, and 23 for eight rows where the conversion's four-row passes read ~4).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,13 +22,6 @@
 
 #define IRM_MAX_ROWS 8
 #define IRM_PREFETCH 2048 /* bytes ahead of the loads that are asked for early: +5-10% read rate on an AMX Xeon */
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 #if defined(__AVX512F__)
 /* 16 weights from w + i (bf: bfloat16, else float32) as floats; the masked form reads only m's lanes */
@@ -108,6 +104,28 @@ int irm_max_rows(void) { return IRM_MAX_ROWS; }
 int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int w_bf, long out, long in, long ld,
                const void *bias, int bias_bf, void *y, int y_bf, long ldy) {
     if (rows < 1 || rows > IRM_MAX_ROWS) return -1;
+#if defined(__AVX512BF16__)
+    if (x_bf && w_bf) { /* a bf16 model's products: vdpbf16ps over x's own bf16 rows (common.h bf16_dots) */
+        long n32 = (in + 31) / 32 * 32;
+        uint16_t *xi = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(rows * n32));
+        if (!xi) return -1;
+        bf16_interleave((const uint16_t *)x, rows, ldx, in, xi);
+        float acc[IRM_MAX_ROWS];
+        for (long o = 0; o < out; o++) {
+            bf16_dots(xi, rows, (const uint16_t *)w + o * ld, in, acc);
+            float b = bias == NULL ? 0.0f : weight_at(bias, o, bias_bf);
+            for (long r = 0; r < rows; r++) {
+                float v = acc[r] + b;
+                if (y_bf)
+                    ((uint16_t *)y)[r * ldy + o] = f32_to_bf16(v);
+                else
+                    ((float *)y)[r * ldy + o] = v;
+            }
+        }
+        free(xi);
+        return 0;
+    }
+#endif
     const float *xf = (const float *)x;
     float *copy = NULL;
     if (x_bf) { /* x's rows in fp32, once (they are read once per weight row) */
@@ -134,5 +152,19 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
         }
     }
     free(copy);
+    return 0;
+}
+
+/* The same per head: y[r, h, o] = sum_i x[r, h, i] * w[h, o, i] for h < H (no bias): x's rows ldx and its
+ * heads xh elements apart, w's heads wh and its rows ld, y's rows ldy and heads yh (attention's
+ * absorbed W_UK and W_UV products, one small weight per head). Returns irm_linear's code. */
+int irm_heads_linear(const void *x, int x_bf, long rows, long ldx, long xh, long H, const void *w, int w_bf, long wh,
+                     long out, long in, long ld, void *y, int y_bf, long ldy, long yh) {
+    for (long h = 0; h < H; h++) {
+        int rc = irm_linear((const char *)x + h * xh * (x_bf ? 2 : 4), x_bf, rows, ldx,
+                            (const char *)w + h * wh * (w_bf ? 2 : 4), w_bf, out, in, ld, NULL, 0,
+                            (char *)y + h * yh * (y_bf ? 2 : 4), y_bf, ldy);
+        if (rc != 0) return rc;
+    }
     return 0;
 }
