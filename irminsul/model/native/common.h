@@ -3,10 +3,22 @@
 #define IRM_COMMON_H
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
+
+/* Buffers the vector loops load from: 64-byte aligned (a cache line; malloc gives 16, and a 64-byte
+ * load from such a buffer spans two lines: the bf16 experts' products ran at half their speed), the
+ * size rounded up to a multiple of 64 (as aligned_alloc asks); free() releases them. */
+static inline void *irm_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64 * (bytes == 0)); }
+
+static inline void *irm_calloc(size_t n, size_t size) {
+    void *p = irm_alloc(n * size);
+    if (p) memset(p, 0, n * size);
+    return p;
+}
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;

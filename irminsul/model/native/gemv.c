@@ -107,7 +107,7 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
 #if defined(__AVX512BF16__)
     if (x_bf && w_bf) { /* a bf16 model's products: vdpbf16ps over x's own bf16 rows (common.h bf16_dots) */
         long n32 = (in + 31) / 32 * 32;
-        uint16_t *xi = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(rows * n32));
+        uint16_t *xi = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * n32));
         if (!xi) return -1;
         bf16_interleave((const uint16_t *)x, rows, ldx, in, xi);
         float acc[IRM_MAX_ROWS];
@@ -129,7 +129,7 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
     const float *xf = (const float *)x;
     float *copy = NULL;
     if (x_bf) { /* x's rows in fp32, once (they are read once per weight row) */
-        copy = (float *)malloc(sizeof(float) * (size_t)(rows * in));
+        copy = (float *)irm_alloc(sizeof(float) * (size_t)(rows * in));
         if (!copy) return -1;
         for (long r = 0; r < rows; r++)
             for (long i = 0; i < in; i++) copy[r * in + i] = bf16_to_f32(((const uint16_t *)x)[r * ldx + i]);

@@ -162,11 +162,11 @@ int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void
     const int tiles = 0;
 #endif
     const long esize = pool_bf ? 2 : 4;
-    float *s = (float *)malloc(sizeof(float) * (size_t)(H * KB)); /* a block's scores, then probabilities */
-    float *mx = (float *)malloc(sizeof(float) * (size_t)(2 * H));  /* each head's maximum so far, then its sum */
-    float *kbuf = (float *)malloc(sizeof(float) * (size_t)(KB * (rope > 0 ? rope : 1)));  /* rotated k_r */
-    float *cbuf = pool_bf ? (float *)malloc(sizeof(float) * (size_t)(KB * (r > 0 ? r : 1))) : NULL;
-    float *zero = (float *)calloc((size_t)(w > 0 ? w : 1), sizeof(float)); /* the row of a key not there */
+    float *s = (float *)irm_alloc(sizeof(float) * (size_t)(H * KB)); /* a block's scores, then probabilities */
+    float *mx = (float *)irm_alloc(sizeof(float) * (size_t)(2 * H));  /* each head's maximum so far, then its sum */
+    float *kbuf = (float *)irm_alloc(sizeof(float) * (size_t)(KB * (rope > 0 ? rope : 1)));  /* rotated k_r */
+    float *cbuf = pool_bf ? (float *)irm_alloc(sizeof(float) * (size_t)(KB * (r > 0 ? r : 1))) : NULL;
+    float *zero = (float *)irm_calloc((size_t)(w > 0 ? w : 1), sizeof(float)); /* the row of a key not there */
     if (!s || !mx || !kbuf || (pool_bf && !cbuf) || !zero) {
         free(s), free(mx), free(kbuf), free(cbuf), free(zero);
         return -1;

@@ -109,10 +109,10 @@ int irm_moe(const float *x, long n, long H, long ldx, const int64_t *ids, const 
         if (ids[a] < 0 || ids[a] >= E) return -2;
     long *start = (long *)calloc((size_t)E + 1, sizeof(long));
     long *order = (long *)malloc(sizeof(long) * (size_t)(nk > 0 ? nk : 1));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(RB * H));
-    float *h = (float *)malloc(sizeof(float) * (size_t)(RB * 2 * I));
-    float *act = (float *)malloc(sizeof(float) * (size_t)(RB * I));
-    float *y = (float *)malloc(sizeof(float) * (size_t)(RB * H));
+    float *xs = (float *)irm_alloc(sizeof(float) * (size_t)(RB * H));
+    float *h = (float *)irm_alloc(sizeof(float) * (size_t)(RB * 2 * I));
+    float *act = (float *)irm_alloc(sizeof(float) * (size_t)(RB * I));
+    float *y = (float *)irm_alloc(sizeof(float) * (size_t)(RB * H));
     if (!start || !order || !xs || !h || !act || !y) {
         free(start), free(order), free(xs), free(h), free(act), free(y);
         return -1;
@@ -174,16 +174,14 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
     long H32 = (H + 31) / 32 * 32, I32 = (I + 31) / 32 * 32;
     long *start = (long *)calloc((size_t)E + 1, sizeof(long));
     long *order = (long *)malloc(sizeof(long) * (size_t)(nk > 0 ? nk : 1));
-    uint16_t *xs = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RB_BF16 * H));
-    /* (the interleaved rows 64-byte aligned, as bf16_dots loads them: from malloc's 16-byte alignment
-     * every load of x spans two cache lines, and three rows per expert ran at half the speed) */
-    uint16_t *xi = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(RB_BF16 * H32));
-    float *h = (float *)malloc(sizeof(float) * (size_t)(RB_BF16 * 2 * I));
-    float *act = (float *)malloc(sizeof(float) * (size_t)(RB_BF16 * I));
-    uint16_t *ab = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RB_BF16 * I));
-    uint16_t *ai = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(RB_BF16 * I32));
-    float *y = (float *)malloc(sizeof(float) * (size_t)(RB_BF16 * H));
-    float *acc = (float *)calloc((size_t)(n > 0 ? n : 1) * (size_t)H, sizeof(float));
+    uint16_t *xs = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(RB_BF16 * H));
+    uint16_t *xi = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(RB_BF16 * H32));
+    float *h = (float *)irm_alloc(sizeof(float) * (size_t)(RB_BF16 * 2 * I));
+    float *act = (float *)irm_alloc(sizeof(float) * (size_t)(RB_BF16 * I));
+    uint16_t *ab = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(RB_BF16 * I));
+    uint16_t *ai = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(RB_BF16 * I32));
+    float *y = (float *)irm_alloc(sizeof(float) * (size_t)(RB_BF16 * H));
+    float *acc = (float *)irm_calloc((size_t)(n > 0 ? n : 1) * (size_t)H, sizeof(float));
     int rc = -1;
     if (!start || !order || !xs || !xi || !h || !act || !ab || !ai || !y || !acc) goto done;
     if (sort_by_expert(ids, nk, E, start, order) != 0) goto done;

@@ -172,12 +172,12 @@ int irm_prefill_attention(long B, long M, long T, long H, long nope, long rope, 
                           const int64_t *slots, const int64_t *qpos, const int64_t *qlen, float scale,
                           float *out, long o_b, long o_m, long o_h) {
     long d = nope + rope, nb = (T + KB - 1) / KB, Tp = nb * KB; /* key blocks, zeros past the last key */
-    float *kt = (float *)malloc(sizeof(float) * (size_t)(d * Tp + 1));    /* block jb: kt + jb d KB, [d, KB] */
-    float *vb = (float *)malloc(sizeof(float) * (size_t)(Tp * vd + 1));   /* one head's values, [Tp, vd] */
-    float *bias = (float *)malloc(sizeof(float) * (size_t)(Tp + 1));      /* 0: a key; -inf: none */
-    float *q = (float *)malloc(sizeof(float) * (size_t)(QS * d + 1));     /* a superblock's query rows, scaled */
-    float *s = (float *)malloc(sizeof(float) * (size_t)(QB * KB));
-    float *o = (float *)malloc(sizeof(float) * (size_t)(QS * vd + 1));    /* their running outputs */
+    float *kt = (float *)irm_alloc(sizeof(float) * (size_t)(d * Tp + 1));    /* block jb: kt + jb d KB, [d, KB] */
+    float *vb = (float *)irm_alloc(sizeof(float) * (size_t)(Tp * vd + 1));   /* one head's values, [Tp, vd] */
+    float *bias = (float *)irm_alloc(sizeof(float) * (size_t)(Tp + 1));      /* 0: a key; -inf: none */
+    float *q = (float *)irm_alloc(sizeof(float) * (size_t)(QS * d + 1));     /* a superblock's query rows, scaled */
+    float *s = (float *)irm_alloc(sizeof(float) * (size_t)(QB * KB));
+    float *o = (float *)irm_alloc(sizeof(float) * (size_t)(QS * vd + 1));    /* their running outputs */
     if (!kt || !vb || !bias || !q || !s || !o) {
         free(kt), free(vb), free(bias), free(q), free(s), free(o);
         return -1;
