@@ -6,7 +6,8 @@ tokens they were ~11 ms of ~195 (torch.profiler; benchmarks/bench_engine.py's pr
 rounds as torch's ops do but for the order of one float32 sum; silu uses the kernels' own exp and
 reciprocal (within ~1e-7 relative of torch's, its special values kept: tests/model/test_elementwise.py).
 
-They run where the native library built, for float32 tensors on a CPU with torch on one thread
+They run where the native library built, for float32 tensors (RMSNorm also bfloat16: nine norms a
+decode token of the realistic bf16 model, ~40 us each as torch's ops on an AMD EPYC) on a CPU with torch on one thread
 (single-threaded kernels; with more threads torch's own ops run in parallel), outside graphs being
 compiled (inductor fuses these operations itself), unless IRMINSUL_NATIVE_ELEMENTWISE=0. Each
 function returns None where it does not run; the caller computes with torch.
@@ -21,9 +22,9 @@ import torch
 from irminsul.model import native
 
 
-def _runs(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+def _runs(x: torch.Tensor, w: torch.Tensor | None = None, dtypes=(torch.float32,)) -> bool:
     # (is_compiling first: inside a graph being traced nothing after it may run, or the graph breaks)
-    return (not torch.compiler.is_compiling() and x.dtype is torch.float32 and (w is None or w.dtype is torch.float32)
+    return (not torch.compiler.is_compiling() and x.dtype in dtypes and (w is None or w.dtype is x.dtype)
             and x.device.type == "cpu" and (w is None or w.device.type == "cpu") and torch.get_num_threads() == 1
             and os.environ.get("IRMINSUL_NATIVE_ELEMENTWISE") != "0" and native.library() is not None)
 
@@ -37,15 +38,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """weight * x / sqrt(mean(x^2, -1) + eps), or None where the kernel does not run."""
-    if not _runs(x, weight) or weight.dim() != 1 or weight.stride(0) != 1 or x.shape[-1] != weight.shape[0]:
+    """weight * x / sqrt(mean(x^2, -1) + eps), or None where the kernel does not run. bfloat16 x and
+    weight (a bf16 model) are rounded as torch rounds them (`layers.RMSNorm`'s own ops): the
+    normalised x to bf16, then its product with the weight."""
+    if (not _runs(x, weight, (torch.float32, torch.bfloat16)) or weight.dim() != 1 or weight.stride(0) != 1
+            or x.shape[-1] != weight.shape[0]):
         return None
     x2 = _rows(x)
     if x2 is None:
         return None
-    out = torch.empty(x2.shape, dtype=torch.float32)
-    native.library().irm_rms_norm(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), weight.data_ptr(),
-                                  eps, out.data_ptr(), out.stride(0))
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    kernel = native.library().irm_rms_norm if x.dtype is torch.float32 else native.library().irm_rms_norm_bf16
+    kernel(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), weight.data_ptr(), eps, out.data_ptr(), out.stride(0))
     return out if x2 is x else out.view(x.shape)
 
 

@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from irminsul import LLM
@@ -75,9 +75,33 @@ def test_special_values_behave_as_torch():
     assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 12), d=st.sampled_from([1, 7, 64, 300, 2048]), scale=st.sampled_from([1e-3, 1.0, 40.0]),
+       seed=st.integers(0, 2**16))
+def test_bf16_rms_norm_rounds_as_torchs_ops(monkeypatch, rows, d, scale, seed):
+    """A bf16 model's RMSNorm: what layers.RMSNorm's torch ops give in bf16 (the normalised x rounded,
+    then its product with the weight), but for the float32 sum's order: all but a few elements equal,
+    none more than one bf16 step apart."""
+    from irminsul.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    x = (scale * torch.randn(rows, d, generator=g)).bfloat16()
+    norm = RMSNorm(d, 1e-6).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=g))
+    got = elementwise.rms_norm(x, norm.weight, 1e-6)
+    monkeypatch.setenv("IRMINSUL_NATIVE_ELEMENTWISE", "0")
+    want = norm(x)
+    monkeypatch.delenv("IRMINSUL_NATIVE_ELEMENTWISE")
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == want.shape
+    step = want.float().abs() * 2.0**-7 + 1e-30
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean().item() >= 0.97
+
+
 def test_where_they_do_not_run_they_return_none(monkeypatch):
     x, w = torch.randn(4, 64), torch.randn(64)
-    assert elementwise.rms_norm(x.bfloat16(), w, 1e-6) is None  # (bf16: torch's ops)
+    assert elementwise.rms_norm(x.bfloat16(), w, 1e-6) is None  # (bf16 x, float32 weight: torch's ops)
     assert elementwise.rms_norm(x, w.bfloat16(), 1e-6) is None
     assert elementwise.rms_norm(x.t().contiguous().t(), w, 1e-6) is None  # (elements not contiguous)
     assert elementwise.silu_mul(torch.randn(4, 7)) is None  # (an odd width is no [gate | up])

@@ -146,6 +146,8 @@ def library() -> ctypes.CDLL | None:
     c_float = ctypes.c_float
     lib.irm_rms_norm.argtypes = [c_void, c_long, c_long, c_long, c_void, c_float, c_void, c_long]
     lib.irm_rms_norm.restype = None
+    lib.irm_rms_norm_bf16.argtypes = [c_void, c_long, c_long, c_long, c_void, c_float, c_void, c_long]
+    lib.irm_rms_norm_bf16.restype = None
     lib.irm_silu_mul.argtypes = [c_void, c_long, c_long, c_long, c_void, c_long]
     lib.irm_silu_mul.restype = None
     lib.irm_moe.argtypes = [c_void, c_long, c_long, c_long, c_void, c_void, c_long, c_long, c_long,

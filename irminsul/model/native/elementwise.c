@@ -43,6 +43,25 @@ void irm_rms_norm(const float *x, long n, long d, long ldx, const float *w, floa
     }
 }
 
+/* irm_rms_norm for a bfloat16 model: x, w and out bfloat16, rounded as torch's RMSNorm rounds a bf16
+ * tensor (the normalised x rounded to bf16, then times w rounded again: out = bf16(w * bf16(x * scale))),
+ * the sum of squares in float32 */
+void irm_rms_norm_bf16(const uint16_t *x, long n, long d, long ldx, const uint16_t *w, float eps, uint16_t *out,
+                       long ldo) {
+    for (long i = 0; i < n; i++) {
+        const uint16_t *xi = x + i * ldx;
+        uint16_t *oi = out + i * ldo;
+        float ss = 0.0f;
+        for (long j = 0; j < d; j++) {
+            float v = bf16_to_f32(xi[j]);
+            ss += v * v;
+        }
+        float scale = 1.0f / sqrtf(ss / (float)d + eps);
+        for (long j = 0; j < d; j++)
+            oi[j] = f32_to_bf16(bf16_to_f32(w[j]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xi[j]) * scale)));
+    }
+}
+
 /* out[i, j] = silu(gu[i, j]) * gu[i, inner + j], j < inner: n rows of [gate | up] (row stride ldg) */
 void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, long ldo) {
     for (long i = 0; i < n; i++) {
