@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
+from irminsul.machine import cpu_flags
 from irminsul.model import elementwise, gemv, native_ops
 from irminsul.model.config import ModelConfig
 
@@ -446,20 +447,28 @@ class MoE(nn.Module):
     # model/native/moe.c, where it runs: one call instead of ~10 torch operations per expert hit. A
     # prefill's thousands of rows keep torch's products (oneDNN's and MKL's, tuned per CPU).
     NATIVE_TOKENS = 64
+    # ... and of a bf16 model on a CPU without AMX, up to this many: there torch's bf16 products run on
+    # the same AVX512-BF16 instructions, and on a Zen 5 EPYC (one thread, one MoE layer of the realistic
+    # checkpoint) the kernel was 2.1x torch's at 32-64 tokens, 1.36x at 100, 0.82x at 160. Where the
+    # CPU has AMX, torch's products of many rows take its matrix units (not measured against the
+    # kernel): NATIVE_TOKENS there.
+    NATIVE_TOKENS_BF16 = 128
 
     def _native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """The routed experts' output [n, H] through the native kernel, or None where it does not run:
-        more than NATIVE_TOKENS tokens, not on a CPU, torch on more than one thread (the kernel runs on
+        more than NATIVE_TOKENS tokens (bf16: NATIVE_TOKENS_BF16), not on a CPU, torch on more than one thread (the kernel runs on
         one), the library not built, IRMINSUL_NATIVE_MOE=0, or neither float32 nor bfloat16 with
         out-major stacks on a CPU with AVX512-BF16 (`native_ops.moe_bf16_available`: its vdpbf16ps
         products; elsewhere a bf16 model keeps torch's, which convert to float32 at least as well)."""
-        if (x.shape[0] > self.NATIVE_TOKENS or x.device.type != "cpu" or os.environ.get("IRMINSUL_NATIVE_MOE") == "0"
-                or not native_ops.available()):
+        n = x.shape[0]
+        if (n > max(self.NATIVE_TOKENS, self.NATIVE_TOKENS_BF16) or x.device.type != "cpu"
+                or os.environ.get("IRMINSUL_NATIVE_MOE") == "0" or not native_ops.available()):
             return None
         gate_up, down = self.stacked()
         if x.dtype == gate_up.dtype == down.dtype == torch.float32:
-            return native_ops._moe_experts(x, weights, ids, gate_up, down)
-        if (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and gate_up.stride(1) == 1
+            return native_ops._moe_experts(x, weights, ids, gate_up, down) if n <= self.NATIVE_TOKENS else None
+        bf16_tokens = self.NATIVE_TOKENS if "amx_bf16" in cpu_flags() else self.NATIVE_TOKENS_BF16
+        if (n <= bf16_tokens and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and gate_up.stride(1) == 1
                 and down.stride(1) == 1 and native_ops.moe_bf16_available()):
             return native_ops._moe_experts_bf16(x, weights, ids, gate_up, down)
         return None

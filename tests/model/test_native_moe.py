@@ -150,3 +150,16 @@ def test_a_bf16_engine_decodes_the_same_tokens_as_torchs_experts(tmp_path, monke
     assert calls
     for a, b in zip(got["0"], got["1"]):
         assert a[:3] == b[:3] and sum(x == y for x, y in zip(a, b)) >= 9
+
+
+@bf16_built
+def test_the_bf16_kernel_takes_up_to_native_tokens_bf16_without_amx(monkeypatch):
+    moe = _moe(64, 32, 4, 2, ("out", "out"), 1).to(torch.bfloat16)
+    moe._stacked = None
+    for flags, bound in ((frozenset(), MoE.NATIVE_TOKENS_BF16), (frozenset({"amx_bf16"}), MoE.NATIVE_TOKENS)):
+        monkeypatch.setattr(layers, "cpu_flags", lambda f=flags: f)
+        for n, runs in ((bound, True), (bound + 1, False)):
+            x = torch.randn(n, 64).bfloat16()
+            assert (moe._native(x, *moe.gate(x)) is not None) == runs
+    x = torch.randn(MoE.NATIVE_TOKENS + 1, 64)  # (float32: NATIVE_TOKENS whatever the CPU)
+    assert _moe(64, 32, 4, 2, ("out", "out"), 1)._native(x, *moe.gate(x)) is None
