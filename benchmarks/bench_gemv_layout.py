@@ -4,8 +4,8 @@
   out    torch's product over the weight stored [out, in] (nn.Linear's layout; F.linear)
   in     the same over the weight stored input-major [in, out] (x @ W)
   dnn    oneDNN's over a copy of the weight blocked for that many rows (8, 32, 256)
-  gemv   one row: model/gemv.py's native C loop over the out-major weight's rows (where a C compiler
-         built it; IRMINSUL_GEMV=0 leaves it out)
+  gemv   one and eight rows: model/gemv.py's native C loop over the out-major weight's rows (where a
+         C compiler built it; IRMINSUL_GEMV=0 leaves it out)
   fixed  the earlier fixed rule's `dnn_linear` (input-major, copies for 256, 32 and 8 rows of every
          float32 weight large enough), at that row count
 
@@ -90,7 +90,7 @@ def main() -> int:
     print(f"dtype {args.dtype}; timed over {streamed / 2**20:.0f} MiB of copies at 1 and 8 rows; "
           f"oneDNN a candidate: {kernel_choice.dnn_applies(dtype)}; gemv a candidate: {with_gemv}\n")
     print(f"{'product':22s} {'rows':>5s} {'out':>10s} {'in':>10s} {'dnn':>10s} {'gemv':>10s} {'fixed':>10s}  "
-          f"{'best/out':>8s}  one row GB/s (out, in, gemv)")
+          f"{'best/out':>8s}  GB/s of one and eight rows (out, in, gemv)")
     all_times = {}
     for name, p in zip(names, products):
         runs = [kernel_choice.measure(p.out, p.inp, p.dtype, streamed, kernel_choice.dnn_applies(dtype), with_gemv)
@@ -104,7 +104,7 @@ def main() -> int:
             cell = lambda c: f"{t[c] * 1e6:10.1f}" if c in t else f"{'':>10s}"  # noqa: E731
             fx = f"{fixed[rows] * 1e6:10.1f}" if rows in fixed else f"{'':>10s}"
             gbs = ""
-            if rows == 1:
+            if rows in (1, kernel_choice.STREAM_ROWS):
                 size = p.out * p.inp * kernel_choice._itemsize(dtype) / 1e9
                 gbs = f"  {size / t['out']:5.1f}, {size / t['in']:5.1f}" + (f", {size / t['gemv']:5.1f}" if "gemv" in t else "")
             print(f"{name if rows == 1 else '':22s} {rows:5d} {cell('out')} {cell('in')} {cell('dnn')} {cell('gemv')} {fx}  "

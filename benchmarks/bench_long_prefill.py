@@ -182,8 +182,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.checkpoint) if args.checkpoint else make_checkpoint(Path(tmp) / "ckpt", args.experts,
                                                                              args.layers, args.dtype)
-        print(f"\nprefill through irminsul.LLM, {args.layers} layers, {args.experts} routed experts, chunks of "
-              f"{args.max_prefill_tokens} (checkpoint {path}):")
+        made = "" if args.checkpoint else f"{args.layers} layers, {args.experts} routed experts, "
+        print(f"\nprefill through irminsul.LLM, {made}chunks of {args.max_prefill_tokens} (checkpoint {path}):")
         print(f"  {'tokens':>6} {'path':>4} {'tok/s':>8} {'first s':>8} {'peak RSS GiB':>12} {'over load':>9}")
         rows = {}
         for n in args.lengths:
