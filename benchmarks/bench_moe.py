@@ -5,7 +5,10 @@
 For each token count, one MoE layer's forward (random hidden states, the checkpoint's own router) is
 timed grouped (`MoE._grouped`: every expert padded to the busiest one's rows, two batched products)
 and looped (`expert_loop`: each expert hit on its own rows), middle of five, one thread; then the path
-`MoE.forward` chose (`MoE._padding_pays`) and its time over the faster one's. Default model: the
+`MoE.forward` chose (`MoE._padding_pays`) and its time over the faster one's; and the native kernel
+(model/native/moe.c, `MoE._native`: float32, or bf16 with out-major stacks on a CPU with AVX512-BF16)
+timed at every token count, with whether the engine takes it there (MoE.NATIVE_TOKENS,
+NATIVE_TOKENS_BF16). Default model: the
 bundled one. A realistic one: `irminsul checkpoint random DIR --family deepseek_v3 --layers 2
 --hidden 2048 --heads 16 --vocab 129280 --experts 64 --kv-lora-rank 512 --rope-head-dim 64
 --nope-head-dim 128 --v-head-dim 128 --dtype bfloat16`.
@@ -52,12 +55,33 @@ def main(argv=None) -> int:
         looped = median_of(lambda: layers.expert_loop(x, weights, ids, lambda e, xs: moe.experts[e](xs)))
         chose = "grouped" if (n > 1 and moe._padding_pays(n * ids.shape[1], hit, cap)) else "loop"
         best = min(grouped, looped)
+        kernel = _kernel(moe)
+        native = median_of(lambda: kernel(x, weights, ids, *moe.stacked())) if kernel is not None else None
+        takes = moe._native(x, weights, ids) is not None
         rows.append((n, hit, f"{len(moe.experts) * cap / (n * ids.shape[1]):.1f}x", f"{grouped * 1e3:.2f}",
                      f"{looped * 1e3:.2f}", f"{looped / grouped:.2f}", chose,
-                     f"{(grouped if chose == 'grouped' else looped) / best:.2f}"))
+                     f"{(grouped if chose == 'grouped' else looped) / best:.2f}",
+                     "-" if native is None else f"{native * 1e3:.2f}",
+                     "-" if native is None else f"{best / native:.2f}", "yes" if takes else "no"))
     print(table(("tokens", "experts hit", "padded / real rows", "grouped ms", "loop ms", "loop / grouped",
-                 "engine's choice", "choice / best"), rows))
+                 "engine's choice", "choice / best", "native ms", "best / native", "engine takes native"), rows))
     return 0
+
+
+def _kernel(moe: MoE):
+    """The native experts' call for this layer's stacks, whatever the token count, or None where it
+    cannot run (no library, torch on more threads, stacks it does not read)."""
+    from irminsul.model import native_ops
+
+    gate_up, down = moe.stacked()
+    if not native_ops.available():
+        return None
+    if gate_up.dtype == torch.float32:
+        return native_ops._moe_experts
+    if (gate_up.dtype == torch.bfloat16 and gate_up.stride(1) == 1 and down.stride(1) == 1
+            and native_ops.moe_bf16_available()):
+        return native_ops._moe_experts_bf16
+    return None
 
 
 if __name__ == "__main__":
