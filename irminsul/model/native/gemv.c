@@ -99,6 +99,18 @@ static void row_f32(const float *x, long rows, long ldx, const void *w, long in,
 
 int irm_max_rows(void) { return IRM_MAX_ROWS; }
 
+/* output o of each row: acc[r] (+ bias[o]) into y (bf16 rounded to nearest even, or float32) */
+static inline void put(const float *acc, long rows, long o, const void *bias, int bias_bf, void *y, int y_bf, long ldy) {
+    float b = bias == NULL ? 0.0f : weight_at(bias, o, bias_bf);
+    for (long r = 0; r < rows; r++) {
+        float v = acc[r] + b;
+        if (y_bf)
+            ((uint16_t *)y)[r * ldy + o] = f32_to_bf16(v);
+        else
+            ((float *)y)[r * ldy + o] = v;
+    }
+}
+
 /* y [rows, ldy] = x [rows, ldx] times w [out, ld]^T (+ bias [out]); *_bf: 1 bfloat16, 0 float32.
  * Returns 0, or -1 for rows outside 1..IRM_MAX_ROWS or no memory for x's fp32 copy. */
 int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int w_bf, long out, long in, long ld,
@@ -113,14 +125,7 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
         float acc[IRM_MAX_ROWS];
         for (long o = 0; o < out; o++) {
             bf16_dots(xi, rows, (const uint16_t *)w + o * ld, in, acc);
-            float b = bias == NULL ? 0.0f : weight_at(bias, o, bias_bf);
-            for (long r = 0; r < rows; r++) {
-                float v = acc[r] + b;
-                if (y_bf)
-                    ((uint16_t *)y)[r * ldy + o] = f32_to_bf16(v);
-                else
-                    ((float *)y)[r * ldy + o] = v;
-            }
+            put(acc, rows, o, bias, bias_bf, y, y_bf, ldy);
         }
         free(xi);
         return 0;
@@ -142,14 +147,7 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
             row_bf16(xf, rows, ldx, (const uint16_t *)w + o * ld, in, acc);
         else
             row_f32(xf, rows, ldx, (const float *)w + o * ld, in, acc);
-        float b = bias == NULL ? 0.0f : weight_at(bias, o, bias_bf);
-        for (long r = 0; r < rows; r++) {
-            float v = acc[r] + b;
-            if (y_bf)
-                ((uint16_t *)y)[r * ldy + o] = f32_to_bf16(v);
-            else
-                ((float *)y)[r * ldy + o] = v;
-        }
+        put(acc, rows, o, bias, bias_bf, y, y_bf, ldy);
     }
     free(copy);
     return 0;
