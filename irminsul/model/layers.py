@@ -456,10 +456,11 @@ class MoE(nn.Module):
 
     def _native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """The routed experts' output [n, H] through the native kernel, or None where it does not run:
-        more than NATIVE_TOKENS tokens (bf16: NATIVE_TOKENS_BF16), not on a CPU, torch on more than one thread (the kernel runs on
-        one), the library not built, IRMINSUL_NATIVE_MOE=0, or neither float32 nor bfloat16 with
-        out-major stacks on a CPU with AVX512-BF16 (`native_ops.moe_bf16_available`: its vdpbf16ps
-        products; elsewhere a bf16 model keeps torch's, which convert to float32 at least as well)."""
+        more than NATIVE_TOKENS tokens (a bf16 model: NATIVE_TOKENS_BF16 where the CPU has no AMX), not
+        on a CPU, torch on more than one thread (the kernel runs on one), the library not built,
+        IRMINSUL_NATIVE_MOE=0, or neither float32 nor bfloat16 with out-major stacks on a CPU with
+        AVX512-BF16 (`native_ops.moe_bf16_available`: its vdpbf16ps products; a bf16 model elsewhere
+        keeps torch's products)."""
         n = x.shape[0]
         if (n > max(self.NATIVE_TOKENS, self.NATIVE_TOKENS_BF16) or x.device.type != "cpu"
                 or os.environ.get("IRMINSUL_NATIVE_MOE") == "0" or not native_ops.available()):
