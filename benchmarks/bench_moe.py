@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         looped = median_of(lambda: layers.expert_loop(x, weights, ids, lambda e, xs: moe.experts[e](xs)))
         chose = "grouped" if (n > 1 and moe._padding_pays(n * ids.shape[1], hit, cap)) else "loop"
         best = min(grouped, looped)
-        kernel = _kernel(moe)
+        kernel = moe.native_kernel(dtype)
         native = median_of(lambda: kernel(x, weights, ids, *moe.stacked())) if kernel is not None else None
         takes = moe._native(x, weights, ids) is not None
         rows.append((n, hit, f"{len(moe.experts) * cap / (n * ids.shape[1]):.1f}x", f"{grouped * 1e3:.2f}",
@@ -66,22 +66,6 @@ def main(argv=None) -> int:
     print(table(("tokens", "experts hit", "padded / real rows", "grouped ms", "loop ms", "loop / grouped",
                  "engine's choice", "choice / best", "native ms", "best / native", "engine takes native"), rows))
     return 0
-
-
-def _kernel(moe: MoE):
-    """The native experts' call for this layer's stacks, whatever the token count, or None where it
-    cannot run (no library, torch on more threads, stacks it does not read)."""
-    from irminsul.model import native_ops
-
-    gate_up, down = moe.stacked()
-    if not native_ops.available():
-        return None
-    if gate_up.dtype == torch.float32:
-        return native_ops._moe_experts
-    if (gate_up.dtype == torch.bfloat16 and gate_up.stride(1) == 1 and down.stride(1) == 1
-            and native_ops.moe_bf16_available()):
-        return native_ops._moe_experts_bf16
-    return None
 
 
 if __name__ == "__main__":

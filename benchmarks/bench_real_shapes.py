@@ -63,14 +63,9 @@ ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
 def machine_lines() -> list[str]:
-    from irminsul.machine import cpu_model, describe
+    from irminsul.machine import cpu_flags, cpu_model, describe
 
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next(x for x in f if x.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        pass
+    flags = cpu_flags()
     name = cpu_model()
     try:  # lscpu's name, and family/model: this kind of EPYC names itself only "AMD EPYC"
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout

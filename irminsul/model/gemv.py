@@ -43,25 +43,30 @@ def available(device: torch.device | str = "cpu", dtype: torch.dtype | None = No
     return native.library() is not None
 
 
+def rows(x: torch.Tensor) -> int:
+    """The rows of x [..., in] (0 for an empty batch or an empty row)."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
 def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] holding 1 to MAX_ROWS rows, w [out, in] with contiguous rows (w.stride(1) == 1)
     -> [..., out] in x's dtype. Inside a graph being compiled, or for what the kernel does not read
     (another dtype, more rows, a strided row), it is F.linear."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (torch.compiler.is_compiling() or not 1 <= rows <= MAX_ROWS or w.stride(1) != 1 or x.device.type != "cpu"
+    n = rows(x)
+    if (torch.compiler.is_compiling() or not 1 <= n <= MAX_ROWS or w.stride(1) != 1 or x.device.type != "cpu"
             or x.dtype not in DTYPES or w.dtype not in DTYPES or (bias is not None and bias.dtype not in DTYPES)):
         return F.linear(x, w, bias)
     lib = native.library()
     if lib is None:
         return F.linear(x, w, bias)
-    x2 = x.reshape(rows, x.shape[-1])
+    x2 = x.reshape(n, x.shape[-1])
     if x2.stride(-1) != 1 or x2.stride(0) < x2.shape[1]:
         x2 = x2.contiguous()
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     out = w.shape[0]
-    y = torch.empty(rows, out, dtype=x.dtype)
-    rc = lib.irm_linear(x2.data_ptr(), DTYPES[x.dtype], rows, x2.stride(0), w.data_ptr(), DTYPES[w.dtype], out,
+    y = torch.empty(n, out, dtype=x.dtype)
+    rc = lib.irm_linear(x2.data_ptr(), DTYPES[x.dtype], n, x2.stride(0), w.data_ptr(), DTYPES[w.dtype], out,
                         w.shape[1], w.stride(0), None if bias is None else bias.data_ptr(),
                         0 if bias is None else DTYPES[bias.dtype], y.data_ptr(), DTYPES[y.dtype], out)
     if rc != 0:  # (no memory for x's fp32 copy)

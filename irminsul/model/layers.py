@@ -154,10 +154,6 @@ def gemv_rows(w: torch.Tensor, layout: str | None = None) -> int:
     return choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout).gemv
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
-
-
 def laid_out(w: torch.Tensor, layout: str) -> torch.Tensor:
     """w [out, in] (any strides) as a [out, in] tensor stored `layout`-major ("in": the transpose of a
     contiguous [in, out]); w itself where it already is."""
@@ -192,7 +188,7 @@ class Linear(nn.Linear):
         self.gemv_rows = gemv_rows(self.weight, layout=layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _rows(x)
+        rows = gemv.rows(x)
         if 0 < rows <= self.gemv_rows:
             return gemv.product(x, self.weight, self.bias)
         if rows > 1 and self.dnn is not None:
@@ -232,7 +228,7 @@ def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     """x [..., in] times a weight [in, out] (`pack_linears`: either layout), plus bias; up to
     `gemv_rows` rows (`gemv_rows` for w.t()) through `gemv.product`, more through `dnn`, the same
     weight's `dnn_weight`, when there is one."""
-    rows = _rows(x)
+    rows = gemv.rows(x)
     if 0 < rows <= gemv_rows:
         return gemv.product(x, w.t(), bias)
     if rows > 1 and dnn is not None:
@@ -463,15 +459,27 @@ class MoE(nn.Module):
         keeps torch's products)."""
         n = x.shape[0]
         if (n > max(self.NATIVE_TOKENS, self.NATIVE_TOKENS_BF16) or x.device.type != "cpu"
-                or os.environ.get("IRMINSUL_NATIVE_MOE") == "0" or not native_ops.available()):
+                or os.environ.get("IRMINSUL_NATIVE_MOE") == "0"):
+            return None
+        kernel = self.native_kernel(x.dtype)
+        if kernel is None:
+            return None
+        bound = self.NATIVE_TOKENS if x.dtype == torch.float32 or "amx_bf16" in cpu_flags() else self.NATIVE_TOKENS_BF16
+        return kernel(x, weights, ids, *self.stacked()) if n <= bound else None
+
+    def native_kernel(self, dtype: torch.dtype):
+        """The native experts' call for tokens of `dtype` over this layer's stacks, whatever the token
+        count (`_native` bounds it; benchmarks/bench_moe.py times it), or None where it cannot run: the
+        library not built, torch on more than one thread, or stacks it does not read (float32, or
+        bfloat16 out-major where the CPU has AVX512-BF16)."""
+        if not native_ops.available():
             return None
         gate_up, down = self.stacked()
-        if x.dtype == gate_up.dtype == down.dtype == torch.float32:
-            return native_ops._moe_experts(x, weights, ids, gate_up, down) if n <= self.NATIVE_TOKENS else None
-        bf16_tokens = self.NATIVE_TOKENS if "amx_bf16" in cpu_flags() else self.NATIVE_TOKENS_BF16
-        if (n <= bf16_tokens and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and gate_up.stride(1) == 1
+        if dtype == gate_up.dtype == down.dtype == torch.float32:
+            return native_ops._moe_experts
+        if (dtype == gate_up.dtype == down.dtype == torch.bfloat16 and gate_up.stride(1) == 1
                 and down.stride(1) == 1 and native_ops.moe_bf16_available()):
-            return native_ops._moe_experts_bf16(x, weights, ids, gate_up, down)
+            return native_ops._moe_experts_bf16
         return None
 
     # A CPU's cost of the expert loop's per-expert calls (gather, three products, the scatter back),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from irminsul.model import gemv
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import Rotary
 
@@ -90,8 +91,6 @@ def _heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     (360 us a layer; W_UV 210), where the kernel streams ~30 (docs/performance.md, Real shapes)."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
-    from irminsul.model import gemv
-
     return gemv.heads(x, w)
 
 
