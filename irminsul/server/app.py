@@ -24,7 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from irminsul.server.config import ServerConfig
-from irminsul.server.protocol import APIError
+from irminsul.server.metrics import LoopStalls
+from irminsul.server.protocol import APIError, context_exceeded
 from irminsul.server.serving_chat import OpenAIServingChat
 from irminsul.server.serving_completion import OpenAIServingCompletion
 from irminsul.server.serving_responses import OpenAIServingResponses
@@ -64,6 +65,8 @@ class ServerState:
         self.client = EngineClient.create(model, self.tokenizer, checkpoint_id(path, config.dtype), config, self.metrics)
         self.context = self.client.context
         self.metrics.watch(self.client)
+        self.stalls = LoopStalls()  # started with the app, on its event loop
+        self.metrics.watch_loop(self.stalls)
         self.workers = Workers(config.prep_threads, config.prep_threads_per_tenant)
         self.started = time.time()
 
@@ -116,9 +119,9 @@ class ServerState:
         tokenizes for seconds into millions of ids): no token is longer than max_token_bytes."""
         most = self.context * self.max_token_bytes
         if chars > most:
-            raise APIError(400, f"the {what} has {chars:,} characters but the model's context is {self.context} "
-                                f"tokens, which hold at most {most:,} characters (no token is longer than "
-                                f"{self.max_token_bytes}); shorten it", param=param)
+            raise context_exceeded(self.context, f"the {what} has {chars:,} characters, more than {self.context} "
+                                                 f"tokens hold (no token is longer than {self.max_token_bytes} "
+                                                 f"bytes)", param, what)
 
     def check_admin(self, request: Request) -> None:
         """Publishing fills the namespace every tenant reads: only the operator's key may do it."""
@@ -134,6 +137,7 @@ class ServerState:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self.stalls.stop()
         self.client.stop()
         self.workers.close()
 
@@ -148,6 +152,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
         if state is None:
             state = await asyncio.to_thread(ServerState, config)
         state.client.start()
+        state.stalls.start()
         app.state.irminsul = state
         app.state.serving_chat = OpenAIServingChat(state)
         app.state.serving_completion = OpenAIServingCompletion(state)
@@ -164,7 +169,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None) -> FastAP
         state = getattr(request.app.state, "irminsul", None)
         if state is not None:
             state.metrics.error(e.status)
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers or e.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -329,7 +334,7 @@ async def _publish(state: ServerState, request: Request) -> dict:
     try:
         done = await state.client.publish(tokens)
     except Busy as e:
-        raise APIError(503, str(e)) from None
+        raise APIError(503, str(e), retry_after=1) from None
     except RequestError as e:
         raise APIError(400, str(e), param=param) from None
     return PublishResponse(tokens=len(tokens), entries=done.entries, stored_tokens=done.tokens, skipped=done.skipped,

@@ -7,6 +7,9 @@ for each scrape (EngineClient.refresh_stats): nothing here reads the engine's st
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -70,8 +73,48 @@ class ServerMetrics:
         """Scrape-time gauges from `client` (an EngineClient): its queue and its latest stats snapshot."""
         self.registry.register(_StateCollector(client, self.model_name))
 
+    def watch_loop(self, stalls: LoopStalls) -> None:
+        """The event loop's longest stall as a gauge (see LoopStalls)."""
+        self.registry.register(_LoopCollector(stalls, self.model_name))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoopStalls:
+    """The event loop's longest stall: a task that wakes every `period` seconds and records how much
+    later than asked it woke. Anything that runs on the loop for long (work proportional to a request's
+    size, a blocking call) shows here, whichever request caused it."""
+
+    def __init__(self, period: float = 0.01):
+        self.period, self.longest = period, 0.0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.get_loop().is_closed():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
+    async def _tick(self) -> None:
+        while True:
+            asked = time.monotonic() + self.period
+            await asyncio.sleep(self.period)
+            self.longest = max(self.longest, time.monotonic() - asked)
+
+
+class _LoopCollector:
+    def __init__(self, stalls: LoopStalls, model_name: str):
+        self.stalls, self.model = stalls, model_name
+
+    def collect(self):
+        g = GaugeMetricFamily("irminsul_event_loop_stall_seconds_max",
+                              "the longest the event loop was kept from running its ticker since the start",
+                              labels=["model"])
+        g.add_metric([self.model], self.stalls.longest)
+        yield g
 
 
 class _StateCollector:

@@ -26,17 +26,32 @@ from irminsul.errors import RequestError
 
 
 class APIError(Exception):
+    """An answer other than 200, with OpenAI's error body. `retry_after`: seconds, sent as Retry-After
+    (a 429 or 503 a retry may turn into a 200)."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                             404: "not_found_error", 413: "invalid_request_error",
+                             404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
                              503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
                                              code=self.code)).model_dump()
+
+    @property
+    def headers(self) -> dict | None:
+        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+
+def context_exceeded(context: int, detail: str, param: str | None, what: str = "messages") -> APIError:
+    """A request longer than the context, in OpenAI's words and code: clients key on them (litellm's
+    ContextWindowExceededError, LangChain's context-overflow error) to shorten instead of retrying."""
+    return APIError(400, f"This model's maximum context length is {context} tokens. However, {detail}. "
+                         f"Please reduce the length of the {what}.", param=param, code="context_length_exceeded")
 
 
 def _no_bool(value):
@@ -308,6 +323,35 @@ def check_supported(req: _Common, messages: str = "messages") -> None:
         raise APIError(400, "cache_salt must be a non-empty string of at most 256 characters", param="cache_salt")
 
 
+NON_TEXT_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file", "input_file", "video_url")
+
+
+def check_text_only(req: ChatCompletionRequest, messages: str = "messages") -> None:
+    """The served model reads and writes text only: image, audio and file parts, an audio output
+    and non-text modalities are refused with the field named, never ignored."""
+    extra = req.model_extra or {}
+    modalities = extra.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise APIError(400, f"modalities={modalities!r}: this model produces text only; send ['text'] or leave it "
+                            f"out", param="modalities", code="unsupported_parameter")
+    if extra.get("audio") is not None:
+        raise APIError(400, "audio output is not supported: this model produces text only", param="audio",
+                       code="unsupported_parameter")
+    for i, m in enumerate(req.messages):
+        if not isinstance(m, dict):
+            continue
+        if m.get("audio") is not None:
+            raise APIError(400, f"{messages}[{i}].audio: this model takes text only", param=f"{messages}[{i}].audio",
+                           code="unsupported_content")
+        content = m.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in NON_TEXT_PARTS:
+                where = f"{messages}[{i}].content[{j}]"
+                raise APIError(400, f"{where} is an {kind!r} part: this model takes text only (parts of type "
+                                    f"'text')", param=f"{where}.type", code="unsupported_content")
+
+
 def requested_logprobs(req: _Common) -> int | None:
     """None (off) or how many alternatives per token: chat says logprobs=true + top_logprobs=N,
     completions logprobs=N."""
@@ -468,9 +512,9 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int, 
     if requested < 1:
         raise APIError(400, f"{name}={requested} must be at least 1", param=name)
     if requested > room:
-        raise APIError(400, f"{name}={requested} is too large: the prompt has {prompt_tokens} tokens and the "
-                            f"model's context is {context}, so at most {room} tokens can be generated",
-                       param=name)
+        raise context_exceeded(context, f"you requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
+                                        f"prompt, {requested} in the completion: {name}={requested}, at most "
+                                        f"{room} fit)", name, "prompt or completion")
     return requested
 
 

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from irminsul.server.engine_client import Failed, Finished, Job, QueueFull
-from irminsul.server.protocol import (MAX_CHOICES, APIError, UsageInfo, parse_body, read_body, resolve_max_tokens,
-                                      sampling_params, summed_usage, usage)
+from irminsul.server.protocol import (MAX_CHOICES, APIError, UsageInfo, context_exceeded, parse_body, read_body,
+                                      resolve_max_tokens, sampling_params, summed_usage, usage)
 
 SEED_RANGE = 2**63  # SamplingParams takes seeds in [0, 2^63)
 
@@ -50,12 +50,12 @@ class Prompts:
 
 
 def text_chars(value) -> int:
-    """Characters in every string of a request's messages (a lower bound on what rendering them
-    makes: each is rendered, and the template adds its own)."""
+    """Characters in every string of a request's messages or tools, keys included (a lower bound on
+    what rendering them makes: each is rendered, and the template adds its own)."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, dict):
-        return sum(text_chars(v) for v in value.values())
+        return sum(len(k) + text_chars(v) for k, v in value.items())
     if isinstance(value, list):
         return sum(text_chars(v) for v in value)
     return 0
@@ -176,6 +176,10 @@ class OpenAIServing:
         tenant = state.tenant_of(request, req.cache_salt)
         jobs = []
         for tokens in prompts.token_ids:
+            if len(tokens) >= state.context:  # (one position must be left for the first output token)
+                raise context_exceeded(state.context, f"your {names.prompt} resulted in {len(tokens)} tokens "
+                                                      f"(at most {state.context - 1} leave room for an answer)",
+                                       names.prompt, names.prompt)
             try:
                 client.validate(tokens)
             except ValueError as e:
@@ -183,10 +187,11 @@ class OpenAIServing:
             max_tokens = resolve_max_tokens(prompts.requested_max_tokens, len(tokens), state.context,
                                             state.config.default_max_tokens, names.max_tokens)
             params = sampling_params(req, max_tokens, prompts.constraint)
-            if not client.fits(len(tokens) + max_tokens):
-                raise APIError(400, f"the request needs {len(tokens)} prompt + {max_tokens} output rows but this "
-                                    f"server's KV pool holds {client.kv_rows} (--kv-cache-gib); shorten it or "
-                                    f"lower {names.max_tokens}")
+            if not client.fits(len(tokens) + max_tokens):  # (the pool is this server's context)
+                raise context_exceeded(client.kv_rows, f"this server's KV pool (--kv-cache-gib) holds "
+                                                       f"{client.kv_rows} rows and the request needs {len(tokens)} "
+                                                       f"prompt + {max_tokens} output rows", names.prompt,
+                                       f"{names.prompt} or {names.max_tokens}")
             leader = None
             for i in range(n):
                 seeded = params if params.seed is None or i == 0 else \
@@ -216,8 +221,9 @@ class OpenAIServing:
         job.emit = emit or channel.emit
         try:
             self.client.submit(job)
-        except QueueFull as e:
-            raise APIError(503, f"the server is overloaded: {e}; retry later") from None
+        except QueueFull as e:  # (OpenAI's answer to "too many requests": clients back off and retry)
+            raise APIError(429, f"the server is overloaded: {e}; retry later", code="rate_limit_exceeded",
+                           retry_after=1) from None
         return channel
 
     async def submit_all(self, jobs: list[Job], merged: Merged | None) -> list[Channel]:

@@ -11,7 +11,8 @@ from irminsul.server.engine_client import Delta, Finished, Job
 from irminsul.server.protocol import (APIError, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatCompletionStreamChoice, ChatLogprobs, ChatMessage,
                                       ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-                                      ToolCall, TopLogprob, check_supported, constraint_of, tool_functions)
+                                      ToolCall, TopLogprob, check_supported, check_text_only, constraint_of,
+                                      tool_functions)
 from irminsul.server.serving_base import FieldNames, Merged, OpenAIServing, Prompts, ResponseHead, sse, text_chars, \
     usage_of
 from irminsul.server.tools import CallStart, Content, ToolCallParser, ToolEvent, parse_all, tool_constraint
@@ -160,7 +161,10 @@ class OpenAIServingChat(OpenAIServing):
         are called in errors (the Responses API's, when it comes from there)."""
         state, names = self.state, names or self.names
         check_supported(req, names.prompt)
+        check_text_only(req, names.prompt)
         state.check_model(req.model)
+        # before the tools' constraint is built or anything is tokenized: their schemas are rendered too
+        state.check_text(text_chars(req.messages) + text_chars(req.tools), names.prompt, names.prompt)
         constraint, asked_by = constraint_of(req, names.response_format)
         functions = tool_functions(req)
         tool_format, forced = state.renderer.tool_format, req.tool_choice not in (None, "auto", "none")
@@ -177,7 +181,6 @@ class OpenAIServingChat(OpenAIServing):
                                              parallel)
             if forced:
                 asked_by = "tool_choice"
-        state.check_text(text_chars(req.messages), names.prompt, names.prompt)
         try:
             rendered = state.renderer.render(req.messages, req.tools, req.add_generation_prompt,
                                              req.continue_final_message, req.chat_template_kwargs)

@@ -27,13 +27,16 @@ from irminsul.server.protocol import (APIError, ArgumentsDeltaEvent, ArgumentsDo
                                       ChatTokenLogprob, ContentPartEvent, ErrorEvent, IncompleteDetails,
                                       OutputItemEvent, OutputText, OutputTextDeltaEvent, OutputTextDoneEvent,
                                       ResponseEvent, ResponseFunctionCall, ResponseLifecycleEvent, ResponseMessage,
-                                      ResponseObject, ResponsesRequest, ResponseUsage, _Common, usage, validated)
+                                      ResponseObject, ResponsesRequest, ResponseUsage, _Common, usage, validated,
+                                      MAX_MESSAGES, MAX_TOOLS, NON_TEXT_PARTS)
 from irminsul.server.serving_base import FieldNames
 from irminsul.server.serving_chat import ChatFormat, OpenAIServingChat, call_id
 from irminsul.server.tools import CallStart, Content, ToolEvent
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's bounds on metadata (it is echoed into the response and three of its stream events)
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 # chat fields a Responses request may also carry (vLLM accepts its sampling extensions here too)
 _PASSED = set(_Common.model_fields) - {"max_tokens", "n", "stream", "stream_options", "logprobs", "top_logprobs",
                                        "response_format", "best_of"}
@@ -56,6 +59,15 @@ def _refuse(req: ResponsesRequest) -> None:
     for param, bad, message in checks:
         if bad:
             raise APIError(400, message, param=param)
+    if not isinstance(req.input, str) and len(req.input) > MAX_MESSAGES:
+        raise APIError(400, f"input has {len(req.input):,} items; at most {MAX_MESSAGES} per request", param="input")
+    if len(req.tools or []) > MAX_TOOLS:
+        raise APIError(400, f"at most {MAX_TOOLS} tools per request", param="tools")
+    metadata = req.metadata or {}
+    if len(metadata) > MAX_METADATA or any(len(k) > MAX_METADATA_KEY or not isinstance(v, str)
+                                           or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()):
+        raise APIError(400, f"metadata takes at most {MAX_METADATA} pairs, keys of at most {MAX_METADATA_KEY} "
+                            f"characters and string values of at most {MAX_METADATA_VALUE}", param="metadata")
 
 
 def _text(content, where: str) -> str:
@@ -68,8 +80,9 @@ def _text(content, where: str) -> str:
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise APIError(400, f"{where}.content[{k}] is a {kind!r} part; this model takes text parts only "
-                                f"(input_text, output_text)", param=f"{where}.content")
+            raise APIError(400, f"{where}.content[{k}] is a {kind!r} part: this model takes text only (parts of "
+                                f"type input_text, output_text)", param=f"{where}.content[{k}].type",
+                           code="unsupported_content" if kind in NON_TEXT_PARTS else None)
         out.append(part["text"])
     return "".join(out)
 
@@ -77,6 +90,7 @@ def _text(content, where: str) -> str:
 def to_messages(req: ResponsesRequest) -> list[dict]:
     """`instructions` and `input` as chat messages."""
     messages: list[dict] = []
+    calls: set[str] = set()  # call ids of the function_call items so far
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
@@ -96,6 +110,7 @@ def to_messages(req: ResponsesRequest) -> list[dict]:
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)",
                                param=where)
+            calls.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -107,7 +122,6 @@ def to_messages(req: ResponsesRequest) -> list[dict]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
                 raise APIError(400, f"{where}: a function_call_output needs call_id and output", param=where)
-            calls = {c["id"] for m in messages for c in m.get("tool_calls") or ()}
             if item["call_id"] not in calls:  # (stateless: the call must be in this input, before its output)
                 raise APIError(400, f"{where}: no function_call with call_id {item['call_id']!r} comes before this "
                                     f"output in input", param=where)
@@ -298,16 +312,20 @@ class OpenAIServingResponses(OpenAIServingChat):
     async def create(self, request: Request):
         state = self.state
         req = await self.parsed(request)
-        chat = to_chat(req)
-        (job,) = await state.prepare(request, self.prepare, request, chat, self.names)
+        chat, (job,) = await state.prepare(request, self._jobs, request, req)
         channel = await self.submit(job)
         build = ResponsesBuilder(req, ChatFormat(state.model_name, chat, state.tokenizer, state.renderer),
                                  state.model_name)
-        stream = (lambda first: self._stream(job, channel, build, first)) if req.stream else None
+        stream = (lambda first: self._stream(request, job, channel, build, first)) if req.stream else None
         return await self.answer_one(request, job, channel, stream,
                                      lambda finished: self.json_response(request, build.whole, finished))
 
-    async def _stream(self, job: Job, channel, build: ResponsesBuilder, first):
+    def _jobs(self, request: Request, req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[Job]]:
+        """The chat request and its job (on a worker thread: converting the input is proportional to it)."""
+        chat = to_chat(req)
+        return chat, self.prepare(request, chat, self.names)
+
+    async def _stream(self, request: Request, job: Job, channel, build: ResponsesBuilder, first):
         parser = build.fmt.parser()
         done = False
         # log-probs of text not yet sent: they go with the text, not with calls, and the tool-call
@@ -323,7 +341,8 @@ class OpenAIServingResponses(OpenAIServingChat):
                 yield from lines
 
         try:
-            for line in build.start():
+            # the lifecycle events carry the whole response object (tools, instructions): built off the loop
+            for line in await self.state.prepare(request, build.start):
                 yield line
             event = first
             while True:
@@ -335,7 +354,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 elif isinstance(event, Finished):
                     for line in pieces_out(parser.finish() if parser is not None else []):
                         yield line
-                    for line in build.end(event):
+                    for line in await self.state.prepare(request, build.end, event):
                         yield line
                     break
                 else:

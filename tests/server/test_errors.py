@@ -11,10 +11,10 @@ CASES = [
     ("chat", b"{not json", 400, "not valid JSON"),
     ("chat", b"[1, 2]", 400, "JSON object"),
     ("chat", {"model": "gpt-4o", "messages": HI}, 404, "does not exist"),
-    ("chat", {"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "context is 4096"),
-    ("completions", {"prompt": "x" * 4096}, 400, "context is 4096"),
+    ("chat", {"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "maximum context length is 4096"),
+    ("completions", {"prompt": "x" * 4096}, 400, "maximum context length is 4096"),
     ("chat", {"messages": HI, "max_tokens": 0}, 400, "at least 1"),
-    ("chat", {"messages": HI, "max_tokens": 10_000}, 400, "too large"),
+    ("chat", {"messages": HI, "max_tokens": 10_000}, 400, "maximum context length is 4096"),
     ("chat", {"messages": HI, "max_tokens": "many"}, 400, "max_tokens"),
     ("chat", {"messages": HI, "n": 0}, 400, "n=0 must be"),
     ("chat", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
@@ -40,7 +40,7 @@ CASES = [
     ("chat", {"messages": HI, "cache_salt": ""}, 400, "cache_salt"),
     ("chat", {"messages": []}, 400, "non-empty"),
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "role 'robot'"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text part"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "takes text only"),
     ("chat", {}, 400, "messages"),
     ("completions", {"prompt": ["a"] * 40, "n": 2}, 400, "more than 64 choices"),
     ("completions", {"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
@@ -242,3 +242,84 @@ def test_a_client_that_goes_away_mid_body_is_no_server_error(server, caplog):
     time.sleep(1.0)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
+
+
+LONG = [{"role": "user", "content": "x" * 5000}]
+CONTEXT_CASES = [  # every way a request can be longer than the context
+    ("/v1/chat/completions", {"messages": LONG}, "messages"),  # tokenized
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 200_000}]}, "messages"),  # by length
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 10_000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x" * 4096}, "prompt"),
+    ("/v1/responses", {"input": "x" * 5000}, "input"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10_000}, "max_output_tokens"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", CONTEXT_CASES, ids=[f"{c[0]}-{c[2]}" for c in CONTEXT_CASES])
+def test_context_overflow_is_openais_error_that_clients_act_on(server, path, body, param):
+    """A request longer than the context is OpenAI's 400: code context_length_exceeded and "This
+    model's maximum context length is N tokens" (what litellm turns into ContextWindowExceededError
+    and LangChain into its context-overflow error: the agent shortens instead of retrying), the
+    field named."""
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+    assert error["message"].startswith("This model's maximum context length is 4096 tokens. However, "), error
+
+
+def test_the_openai_client_sees_context_overflow_by_its_code(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=LONG, max_tokens=2)
+    assert e.value.code == "context_length_exceeded"
+
+
+TEXT_ONLY_CASES = [  # what a text-only model cannot take: refused, the field named, never ignored
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages[0].content[1].type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "messages[0].content[0].type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "file", "file": {"file_id": "f"}}]}]}, "messages[0].content[0].type"),
+    ("/v1/chat/completions", {"messages": [*HI, {"role": "assistant", "audio": {"id": "a"}}, *HI]},
+     "messages[1].audio"),
+    ("/v1/chat/completions", {"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": "data:,"}]}]},
+     "input[0].content[1].type"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", TEXT_ONLY_CASES, ids=[c[2] for c in TEXT_ONLY_CASES])
+def test_input_or_output_other_than_text_is_refused_by_name(server, path, body, param):
+    r = httpx.post(server.url + path, json={**body, "max_tokens": 2} if "messages" in body else body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "text only" in error["message"], error
+
+
+def test_a_full_queue_is_a_429_with_retry_after(tiny_dir):
+    """Queue limits answer as OpenAI's rate limits do: 429, Retry-After, code rate_limit_exceeded
+    (clients back off and retry); the queued requests still finish."""
+    import concurrent.futures
+
+    from tests.server.server_helpers import start
+
+    s = start(tiny_dir, max_queued_requests=2, max_running_requests=1)
+    try:
+        body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=120),
+                                    range(8)))
+        refused = [r for r in answers if r.status_code != 200]
+        assert refused and len(refused) <= 6, [r.status_code for r in answers]
+        for r in refused:
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        s.stop()

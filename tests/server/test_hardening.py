@@ -115,10 +115,10 @@ def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(ke
                        ("/v1/responses", {"input": big}),
                        ("/tokenize", {"prompt": big}), ("/tokenize", {"messages": [{"role": "user", "content": big}]})]:
         r = httpx.post(keyed.url + path, json=body, headers=KEY_A, timeout=30)
-        assert r.status_code == 400 and "context is 4096 tokens" in r.json()["error"]["message"], (path, r.text)
+        assert r.status_code == 400 and "maximum context length is 4096 tokens" in r.json()["error"]["message"], (path, r.text)
     assert calls == []
     r = httpx.post(keyed.url + "/v1/completions", json={"prompt": "x" * 5000}, headers=KEY_A)  # fits the bound:
-    assert r.status_code == 400 and "has 5001 tokens" in r.json()["error"]["message"]  # tokenized (BOS + 5000)
+    assert r.status_code == 400 and "resulted in 5001 tokens" in r.json()["error"]["message"]  # tokenized (BOS + 5000)
 
 
 def test_one_tenant_holds_at_most_its_share_of_the_preparation_threads(keyed, monkeypatch):
