@@ -316,6 +316,9 @@ def _detokenize(state: ServerState, raw: bytes) -> dict:
 
     req = parse_body(raw, DetokenizeRequest)
     state.check_model(req.model)
+    if len(req.tokens) > state.context:  # (whatever the model reads or writes fits in its context)
+        raise APIError(400, f"tokens holds {len(req.tokens):,} ids; at most {state.context} (the model's context) "
+                            f"per request", param="tokens")
     vocab = state.client.vocab_size
     if bad := [t for t in req.tokens if not 0 <= t < vocab]:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")

@@ -61,6 +61,9 @@ def register(sub) -> None:
                         "gets a 408 and is closed")
     p.add_argument("--timeout-body", type=float, default=DEFAULTS.timeout_body, metavar="SECONDS",
                    help="a request's body must arrive within this long of its headers (408 and closed otherwise)")
+    p.add_argument("--timeout-write", type=float, default=DEFAULTS.timeout_write, metavar="SECONDS",
+                   help="an answer the client does not read (none of its waiting bytes drain for this long) is "
+                        "dropped and the connection closed")
     p.add_argument("--timeout-keep-alive", type=float, default=DEFAULTS.timeout_keep_alive, metavar="SECONDS",
                    help="an idle connection is closed after this long")
     p.add_argument("--max-connections", type=int, default=None,
@@ -112,21 +115,24 @@ def config_from_args(args):
         default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key,
         max_request_bytes=parse_bytes(args.max_request_bytes, "--max-request-bytes"),
         timeout_header=args.timeout_header, timeout_body=args.timeout_body, timeout_keep_alive=args.timeout_keep_alive,
+        timeout_write=args.timeout_write,
         max_connections=args.max_connections, prep_threads=args.prep_threads,
         prep_threads_per_tenant=args.prep_threads_per_tenant, log_repeats=args.log_repeats,
         store_secret=args.store_secret if args.store_secret is not None else os.environ.get("IRMINSUL_STORE_SECRET"))
 
 
 def uvicorn_config(app, config, log_level: str = "info"):
-    """uvicorn's settings for this server: its HTTP protocol with header and body deadlines and the
-    connection cap (http.py), the keep-alive timeout."""
+    """uvicorn's settings for this server: its HTTP protocol with read and write deadlines, the cap on
+    a body's pieces and the connection cap (http.py), the keep-alive timeout."""
     import functools
 
     import uvicorn
 
     from irminsul.server.http import ConnectionLimits, GuardedH11Protocol
 
-    limits = ConnectionLimits(config.timeout_header, config.timeout_body, config.connection_limit)
+    # a body may arrive in pieces of 256 bytes on average (a slow but honest upload's reads are larger)
+    limits = ConnectionLimits(config.timeout_header, config.timeout_body, config.connection_limit,
+                              config.timeout_write, max(16384, config.max_request_bytes // 256))
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
                           timeout_graceful_shutdown=5, timeout_keep_alive=config.timeout_keep_alive,
                           http=functools.partial(GuardedH11Protocol, limits=limits))

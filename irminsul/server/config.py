@@ -78,6 +78,7 @@ class ServerConfig:
     timeout_header: float = 10.0
     timeout_body: float = 60.0
     timeout_keep_alive: float = 5.0  # uvicorn's default
+    timeout_write: float = 30.0  # an answer waiting to be written, none of it read for this long, is dropped
     max_connections: int | None = None  # None: half the open-file limit, at most 4096 (connection_limit)
     # request preparation (workers.py): threads, and how many of them one tenant may hold at once
     prep_threads: int = 8
@@ -97,7 +98,7 @@ class ServerConfig:
             raise ServerConfigError(f"--kv-cache-gib must be > 0, got {self.kv_cache_gib}")
         if self.tenant_cache_share is not None and not 0 < self.tenant_cache_share <= 1:
             raise ServerConfigError(f"--tenant-cache-share must be in (0, 1], got {self.tenant_cache_share}")
-        for name in ("timeout_header", "timeout_body", "timeout_keep_alive"):
+        for name in ("timeout_header", "timeout_body", "timeout_keep_alive", "timeout_write"):
             if not getattr(self, name) > 0:
                 raise ServerConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_connections is not None and self.max_connections < 1:

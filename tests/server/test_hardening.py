@@ -2,6 +2,7 @@
 one engine call per step, no 500 from what a body holds, one framing per request."""
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -200,6 +201,34 @@ def test_a_large_response_is_built_off_the_event_loop(keyed, monkeypatch):
     assert where and all(name.startswith("irminsul-prep") for name in where), where
 
 
+@pytest.mark.parametrize("calls", [2000, 4000])
+def test_a_long_responses_input_is_converted_off_the_loop_in_linear_time(guarded, calls):
+    """N function_call items and N outputs of the first call: the conversion to chat messages once
+    rebuilt the set of call ids per output on the event loop (quadratic; 2,000 calls held /health
+    for seconds). Now an input of more items than a chat may have messages is refused up front, and
+    one within the bound is converted in linear time on a worker thread: /health answers meanwhile."""
+    items = [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"} for i in range(calls)]
+    items += [{"type": "function_call_output", "call_id": "c0", "output": "ok"}] * calls
+    answer = []
+    worst = _health_while(guarded.url, lambda: answer.append(
+        httpx.post(guarded.url + "/v1/responses", json={"input": items, "max_output_tokens": 2}, timeout=120)))
+    r = answer[0]
+    assert r.status_code == 400, r.text
+    expected = "at most 4096 per request" if 2 * calls > 4096 else "maximum context length"
+    assert expected in r.json()["error"]["message"], r.text
+    assert worst < 1.0, worst
+
+
+def test_responses_metadata_is_bounded_as_openai_bounds_it(keyed):
+    big = {f"k{i}": "v" * 512 for i in range(17)}
+    r = httpx.post(keyed.url + "/v1/responses", json={"input": "hi", "metadata": big}, headers=KEY_A, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
+    ok = {f"k{i}": "v" * 512 for i in range(16)}
+    r = httpx.post(keyed.url + "/v1/responses", json={"input": "hi", "metadata": ok, "max_output_tokens": 2},
+                   headers=KEY_A, timeout=30)
+    assert r.status_code == 200 and r.json()["metadata"] == ok, r.text
+
+
 # -- slow clients: the server as `irminsul serve` runs it ------------------------------------------------------
 
 
@@ -227,7 +256,7 @@ class GuardedServer:
 
 @pytest.fixture(scope="module")
 def guarded(tiny_dir):
-    s = GuardedServer(tiny_dir, timeout_header=1.0, timeout_body=1.0, max_connections=24)
+    s = GuardedServer(tiny_dir, timeout_header=1.0, timeout_body=1.0, timeout_write=1.0, max_connections=24)
     yield s
     s.stop()
 
@@ -283,6 +312,76 @@ def test_connections_beyond_the_cap_are_refused_at_once(guarded):
     # the held ones are gone (closed by the client, or by the header deadline): served again
     wait_for(lambda: len(guarded.server.server_state.connections) == 0, 10, "the connections to close")
     assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
+
+
+def _health_while(url: str, busy) -> float:
+    """The longest /health took while `busy()` ran (probed every 0.1 s from another thread)."""
+    worst, done = [0.0], threading.Event()
+
+    def probe():
+        while not done.is_set():
+            t0 = time.monotonic()
+            httpx.get(url + "/health", timeout=60)
+            worst[0] = max(worst[0], time.monotonic() - t0)
+            time.sleep(0.1)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    try:
+        busy()
+    finally:
+        done.set()
+        t.join(60)
+    return worst[0]
+
+
+def test_answers_nobody_reads_are_dropped_after_the_write_deadline(guarded):
+    """Clients that ask for a large answer and never read it (a 4 KiB receive window) hold their
+    connections only until the write deadline (--timeout-write, 1 s here): then they are aborted,
+    the answers' memory freed, and the connection cap is everyone's again."""
+    state = guarded.server.config.app.state.irminsul
+    prompt = "x" * (state.context * state.max_token_bytes)  # the longest text /tokenize takes
+    body = json.dumps({"prompt": prompt}).encode()
+    request = (f"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    readers = []
+    try:
+        for _ in range(3):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", guarded.port))
+            # pipelined: more answer (~6 MB) than the kernel's socket buffers take (4 MiB at most)
+            s.sendall(request * 24)
+            readers.append(s)
+        wait_for(lambda: len(guarded.server.server_state.connections) >= 3, 10, "the readers' connections")
+        wait_for(lambda: len(guarded.server.server_state.connections) == 0, 20,
+                 "the unread connections to be dropped")
+        assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
+    finally:
+        for s in readers:
+            s.close()
+
+
+def test_a_body_of_tiny_chunks_is_refused_without_stalling_the_loop(guarded):
+    """A chunked body is one event per chunk on the event loop: 100,000 one-byte chunks are refused
+    with a 413 once the body has come in more pieces than any honest client sends, and /health
+    stays answered meanwhile."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    chunks = b"".join(b"1\r\n" + bytes([c]) + b"\r\n" for c in b'{"prompt": "' + b"a" * 100_000)
+    out = []
+
+    def send():
+        with socket.create_connection(("127.0.0.1", guarded.port)) as s:
+            try:
+                s.sendall(head + chunks)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused and closed before the rest was sent
+            out.append(_closed_within(s, 20))
+
+    worst = _health_while(guarded.url, send)
+    assert out[0] is not None and out[0].startswith(b"HTTP/1.1 413") and b"pieces" in out[0], out
+    assert worst < 1.0, worst
 
 
 def test_a_keep_alive_connection_is_served_again(guarded):

@@ -150,7 +150,7 @@ def test_streamed_logprobs_survive_text_the_tool_parser_held_back(client):
     ({"tools": [{"type": "function"}]}, "tools[0]"),  # (no name: once "runs function tools only")
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # nothing left to answer
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0]"),  # no such call
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"include": ["file_search_call.results"]}, "include"),
