@@ -161,6 +161,8 @@ class RadixCache:
     def evict(self, nbytes: int, spare: Callable[[int], bool] | None = None) -> int:
         """Evict least recently used unlocked leaves until ``nbytes`` are freed; returns bytes freed.
         ``spare(first token)``: keep every key that starts with a token it says True for."""
+        if nbytes <= 0:  # (every insert asks; the engine's tree has no budget of its own)
+            return 0
         freed = 0
         leaves = [n for n in self._iter_nodes(spare) if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
@@ -179,12 +181,14 @@ class RadixCache:
                 heapq.heappush(leaves, parent)
         return freed
 
-    def cut(self, first_dropped: Callable[[Any], int | None]) -> int:
+    def cut(self, first_dropped: Callable[[Any], int | None], hollow: Callable[[Any], bool] | None = None) -> int:
         """Forget rows named from outside: `first_dropped(value)` is the index of the first token of a
         node to drop (None: keep it all); that token, the rest of its node and every node below go,
         so what stays is still a set of cached prefixes. Locked nodes are cut too: the caller knows
-        which rows it may take. Returns tokens dropped."""
-        dropped, stack = 0, list(self.root.children.values())
+        which rows it may take. `hollow(value)`: True for a value that names no rows (the engine's
+        tenant salt token); a node the cut leaves childless and hollow goes too, and so on upwards,
+        so that a key's leading token does not outlive every row below it. Returns tokens dropped."""
+        dropped, stack, bare = 0, list(self.root.children.values()), []
         while stack:
             node = stack.pop()
             i = first_dropped(node.value)
@@ -195,10 +199,19 @@ class RadixCache:
             if i <= 0:
                 del node.parent.children[int(node.key[0])]
                 dropped += self._forget(node.value, len(node.key), whole=True)
+                bare.append(node.parent)
             else:
                 node.value, tail = self.split_value(node.value, i)
                 dropped += self._forget(tail, len(node.key) - i, whole=False)
                 node.key = node.key[:i]
+                bare.append(node)
+        for node in bare if hollow is not None else ():
+            # (a node may be listed twice, or already gone: only one still in the tree is removed)
+            while (node is not self.root and not node.children and hollow(node.value)
+                   and node.parent.children.get(int(node.key[0])) is node):
+                del node.parent.children[int(node.key[0])]
+                dropped += self._forget(node.value, len(node.key), whole=True)
+                node = node.parent
         return dropped
 
     def _drop_below(self, node: Node) -> int:
@@ -258,6 +271,10 @@ class RadixCache:
     def values(self) -> list:
         """Every stored value (the engine's slot arrays), for accounting."""
         return [n.value for n in self._iter_nodes() if n.value is not None]
+
+    def firsts(self) -> list[int]:
+        """The distinct first tokens of the stored keys."""
+        return list(self.root.children)
 
     def values_under(self, first: int) -> list:
         """The values of every key that starts with the token ``first``."""

@@ -65,6 +65,8 @@ class KVCacheManager:
             raise RequestError(f"reuse={mode!r} is not a reuse mode; choose one of {', '.join(MODES)}")
         if tenant_share is not None and not (isinstance(tenant_share, (int, float)) and 0 < tenant_share <= 1):
             raise RequestError(f"tenant_share={tenant_share!r} must be a share of the pool in (0, 1]")
+        if max_namespaces < 2:
+            raise RequestError(f"max_namespaces={max_namespaces} must be at least 2 (one is the shared namespace)")
         if not 0.0 <= recompute_ratio <= 1.0:
             raise RequestError(f"recompute_ratio={recompute_ratio} must be in [0, 1]")
         if recompute_ratio and not 0 < check_layer < num_layers:
@@ -282,7 +284,8 @@ class KVCacheManager:
             hit = np.flatnonzero(gone[np.asarray(value, np.int64)])
             return int(hit[0]) if len(hit) else None
 
-        self.radix.cut(first_gone)
+        # (a key's salt token names the empty slot: a tenant's key whose every row went goes whole)
+        self.radix.cut(first_gone, hollow=lambda value: not np.any(np.asarray(value) != EMPTY_SLOT))
         memory = self._memory
         if entries := [e for e in memory.entries() if len(e.payload)]:
             starts = np.cumsum([0] + [len(e.payload) for e in entries[:-1]])

@@ -4,11 +4,16 @@ A namespace is a planner with the tenant's fingerprint seed, its salted view of 
 its scoped view of the registry (every hit compares the namespace that wrote the entry) and its
 own S1 window index, so nothing crosses tenants. The operator's published documents live in
 `SHARED`, which every tenant searches after its own.
+
+A tenant `owner|...` (the server's API key subdivided by a cache_salt) belongs to `owner`: a tenant
+share of the pool (`KVCacheManager.make_room`) and the bound on planners are per owner, so that no
+choice of salts gets around them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,6 +30,12 @@ SHARED = "\x00shared"  # the operator's published namespace; no request can name
 def owner_of(tenant: str) -> str:
     """Whose namespace this is: the tenant a `|`-subdivision (the server's cache_salt) belongs to."""
     return tenant.split("|", 1)[0]
+
+
+def salt_of(namespace: str) -> int:
+    """A namespace's radix salt: a negative id (never a real token) from its BLAKE2b namespace id,
+    not from the xxHash64 seed, so a tenant who picks its cache_salt cannot search out another's."""
+    return -1 - (int(namespace[:16], 16) >> 2)
 
 
 class SaltedRadix:
@@ -55,18 +66,36 @@ class SaltedRadix:
         self.radix.unlock(node)
 
 
+class Name(NamedTuple):
+    salt: int  # the first token of its keys in the radix tree
+    namespace: str  # the namespace id its registry entries record
+
+
 class Namespaces:
-    """tenant -> its planner, created on first use; the least recently used beyond `limit` are
-    forgotten (untrusted cache salts cannot grow it), though their entries and tree nodes stay and
-    age out of the pool with everything else; only their S1 window index is lost."""
+    """tenant -> its planner, created on first use, and owner -> the rows its tenants' caches hold.
+
+    Planners are bounded by `limit` (untrusted cache salts choose tenants): beyond it one goes, the
+    least recently used of the owner with the most planners (the requester's own when it has as
+    many), so an owner cycling salts forgets its own planners, never those of an owner with fewer;
+    while every owner has one, the least recently used goes. A forgotten
+    planner's entries and tree nodes stay and age out of the pool with everything else (only its S1
+    window index is lost), and they still count as its owner's: the names of every tenant with a
+    planner or a cached row are kept apart from the planners (`_forget_names` bounds them).
+    """
 
     def __init__(self, config: PlannerConfig, registry: Registry, radix: RadixCache, model_id: str,
                  default_tenant: str, limit: int = 1024):
         self.config, self.registry, self.radix = config, registry, radix
         self.model_id, self.default_tenant, self.limit = model_id, default_tenant, limit
-        self._planners: OrderedDict[str, Planner] = OrderedDict()
-        # tenant -> (its radix salt: the first token of its keys, its namespace id: what its entries record)
-        self._names: dict[str, tuple[int, str]] = {}
+        self._planners: OrderedDict[str, Planner] = OrderedDict()  # least recently used first
+        self._owned: dict[str, OrderedDict[str, None]] = {}  # owner -> its tenants' planners, the same order
+        self._names: dict[str, Name] = {}  # tenant -> its name, while it has a planner or a cached row
+        self._by_salt: dict[int, str] = {}  # and back: salt -> tenant, namespace id -> tenant
+        self._by_namespace: dict[str, str] = {}
+        self._entries: dict[str, int] = {}  # namespace id -> registry entries it wrote (none: no key)
+        self._names_bound = 2 * limit
+        registry.on_store.append(lambda entry: self._count(entry.namespace, 1))
+        registry.on_evict.append(lambda entry: self._count(entry.namespace, -1))
 
     def __iter__(self):
         return iter(self._planners)
@@ -80,17 +109,18 @@ class Namespaces:
     def planner(self, tenant: str | None) -> Planner:
         tenant = self.resolve(tenant)
         if tenant not in self._planners:
-            seed, name = namespace_seed(self.model_id, tenant), namespace_id(self.model_id, tenant)
-            # a negative id (never a real token) from the BLAKE2b namespace digest, not the xxHash64
-            # seed: a tenant who picks its cache_salt cannot search out another tenant's salt
-            salt = -1 - (int(name[:16], 16) >> 2)
-            self._names[tenant] = salt, name
+            salt, name = self._name(tenant)
             fallbacks = [] if tenant == SHARED else [self.planner(SHARED)]
             self._planners[tenant] = Planner(self.config, ScopedRegistry(self.registry, name),
                                              SaltedRadix(self.radix, salt), WindowIndex(self.config.window),
-                                             seed=seed, fallbacks=fallbacks)
-            self._forget_idle()
+                                             seed=namespace_seed(self.model_id, tenant), fallbacks=fallbacks)
+            if tenant != SHARED:
+                self._owned.setdefault(owner_of(tenant), OrderedDict())[tenant] = None
+            self._forget_idle(tenant)
+            self._forget_names()
         self._planners.move_to_end(tenant)
+        if tenant != SHARED:
+            self._owned[owner_of(tenant)].move_to_end(tenant)
         return self._planners[tenant]
 
     def ids(self, tenant: str | None) -> tuple[int, str]:
@@ -98,32 +128,72 @@ class Namespaces:
         tenant = self.resolve(tenant)
         return namespace_seed(self.model_id, tenant), namespace_id(self.model_id, tenant)
 
-    def _forget_idle(self) -> None:
-        for tenant in list(self._planners):
-            if len(self._planners) <= self.limit:
-                break
-            if tenant != SHARED:
-                self._planners.pop(tenant).close()
-                self._names.pop(tenant, None)
+    def _name(self, tenant: str) -> Name:
+        if tenant not in self._names:
+            name = namespace_id(self.model_id, tenant)
+            self._names[tenant] = Name(salt_of(name), name)
+            self._by_salt[salt_of(name)], self._by_namespace[name] = tenant, tenant
+        return self._names[tenant]
+
+    def _count(self, namespace: str, n: int) -> None:
+        count = self._entries.get(namespace, 0) + n
+        if count > 0:
+            self._entries[namespace] = count
+        else:
+            self._entries.pop(namespace, None)
+
+    def _forget_idle(self, new: str) -> None:
+        """Forget planners beyond the limit (never the shared namespace's nor `new`'s own)."""
+        while len(self._planners) > self.limit:
+            mine = self._owned.get(owner_of(new), {})
+            most = max((len(tenants) for tenants in self._owned.values()), default=0)
+            if len(mine) == most > 1:
+                victim = next(iter(mine))  # (new is its most recent)
+            elif most > 1:
+                victim = next(iter(next(t for t in self._owned.values() if len(t) == most)))
+            else:  # one each: the least recently used
+                victim = next((t for t in self._planners if t not in (SHARED, new)), None)
+                if victim is None:
+                    return
+            self._planners.pop(victim).close()
+            owned = self._owned[owner_of(victim)]
+            del owned[victim]
+            if not owned:
+                del self._owned[owner_of(victim)]
+
+    def _forget_names(self) -> None:
+        """Forget the names of tenants with no planner and no cached row, once they are twice as many
+        as when last looked (so amortised O(1)); the names kept are bounded by the planners, the
+        registry's entries and the tree's keys."""
+        if len(self._names) <= self._names_bound:
+            return
+        salts = set(self.radix.firsts())
+        for tenant, (salt, name) in list(self._names.items()):
+            if tenant not in self._planners and salt not in salts and name not in self._entries:
+                del self._names[tenant], self._by_salt[salt], self._by_namespace[name]
+        self._names_bound = max(2 * self.limit, 2 * len(self._names))
 
     def held_rows(self, entries, exclude_owners: set[str]) -> dict[str, np.ndarray]:
         """Per owner (but the excluded and the shared namespace): the distinct slots its tenants'
-        tree keys and registry entries name. O(cached entries and tree nodes)."""
-        owners: dict[str, list[str]] = {}
-        for tenant in self._planners:
-            if tenant != SHARED and owner_of(tenant) not in exclude_owners:
-                owners.setdefault(owner_of(tenant), []).append(tenant)
-        if not owners:
-            return {}
-        by_namespace: dict[str, list[np.ndarray]] = {}
+        tree keys and registry entries name, whether or not their planners still exist.
+        O(cached entries and tree nodes)."""
+        held: dict[str, list[np.ndarray]] = {}
+
+        def add(tenant: str | None, values) -> None:
+            if tenant is not None and tenant != SHARED and owner_of(tenant) not in exclude_owners:
+                held.setdefault(owner_of(tenant), []).extend(values)
+
+        for salt in self.radix.firsts():
+            add(self._by_salt.get(salt), [np.asarray(v) for v in self.radix.values_under(salt)])
         for e in entries:
-            by_namespace.setdefault(e.namespace, []).append(np.asarray(e.payload))
+            add(self._by_namespace.get(e.namespace), [np.asarray(e.payload)])
         out = {}
-        for owner, tenants in owners.items():
-            held = [np.asarray(v) for t in tenants for v in self.radix.values_under(self._names[t][0])]
-            held += [p for t in tenants for p in by_namespace.get(self._names[t][1], [])]
-            rows = np.unique(np.concatenate(held)) if held else np.zeros(0, np.int64)
-            out[owner] = rows[rows != EMPTY_SLOT]
+        for owner, values in held.items():
+            rows = np.concatenate(values)
+            named = np.zeros(int(rows.max(initial=EMPTY_SLOT)) + 1, bool)  # (faster than np.unique)
+            named[rows] = True
+            named[EMPTY_SLOT] = False
+            out[owner] = np.flatnonzero(named)
         return out
 
     def close(self) -> None:
