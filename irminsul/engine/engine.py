@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +58,10 @@ def memory_bytes(device) -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # (no sysconf: not checked)
         return math.inf
+
+
+class ScoringCancelled(Exception):
+    """`Engine.score` stopped between two passes: its `cancelled` said the request went away."""
 
 
 @dataclass(frozen=True)
@@ -261,8 +266,12 @@ class Engine:
 
     @torch.inference_mode()
     def score(self, prompt: list[int], continuation: list[int], segment_starts: list[int] | None = None,
-              tenant: str | None = None) -> tuple[torch.Tensor, Sequence]:
-        """Teacher-forced log-probs [len(continuation), vocab] of continuation after prompt."""
+              tenant: str | None = None, cancelled: Callable[[], bool] = lambda: False
+              ) -> tuple[torch.Tensor, Sequence]:
+        """Teacher-forced log-probs [len(continuation), vocab] of continuation after prompt, computed
+        at most max_prefill_tokens positions a pass. `cancelled` is asked before each pass (another
+        thread may set what it reads): once it says so, the rows go back and ScoringCancelled is
+        raised, so a scoring whose request went away stops holding the engine's thread."""
         if not continuation:
             raise RequestError("the continuation is empty; score needs at least one token")
         tokens = [int(t) for t in prompt] + [int(t) for t in continuation]
@@ -271,18 +280,27 @@ class Engine:
         except RequestError as e:
             raise RequestError(f"scoring reads prompt + continuation but its last token: {e}") from None
         self.validate_prompt(list(continuation), room=0)
+        if cancelled():
+            raise ScoringCancelled("the scoring was cancelled before it started")
         seq = self.add(list(prompt), SamplingParams(max_tokens=1), segment_starts, tenant)
         n = len(prompt)
-        # The plan covers the prompt; the continuation (all but its last token) is computed too.
-        seq.tokens = tokens[:-1]
-        seq.grow()
-        extra = np.arange(n, len(tokens) - 1)
-        if not self.kv.allocate(seq, extra):
+        try:
+            # The plan covers the prompt; the continuation (all but its last token) is computed too.
+            seq.tokens = tokens[:-1]
+            seq.grow()
+            extra = np.arange(n, len(tokens) - 1)
+            if not self.kv.allocate(seq, extra):
+                raise PoolFull("the KV pool cannot hold the continuation; raise kv_cache_gib")
+            seq.extend_pending(extra)
+            pieces = []
+            for take, hidden in self._pending_pieces(seq):
+                pieces.append(self.runner.logits(hidden[torch.as_tensor(take >= n - 1)]))
+                if seq.in_prefill and cancelled():
+                    raise ScoringCancelled("the scoring was cancelled between two passes")
+        except BaseException:
+            seq.finish_reason = "abort"  # (its rows go back; none is cached)
             self.finish(seq)
-            raise PoolFull("the KV pool cannot hold the continuation; raise kv_cache_gib")
-        seq.extend_pending(extra)
-        pieces = [self.runner.logits(hidden[torch.as_tensor(take >= n - 1)])
-                  for take, hidden in self._pending_pieces(seq)]
+            raise
         seq.tokens = tokens
         seq.finish_reason = "stop"
         self.finish(seq)  # registers the rows that exist: every token but the last

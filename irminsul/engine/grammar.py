@@ -16,6 +16,8 @@ it as one of their two backends.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import threading
 from dataclasses import dataclass
@@ -154,7 +156,14 @@ _STACK_SIZE_LOCK = threading.Lock()
 
 
 class Grammars:
-    """The tokenizer view llguidance needs (built once per engine) and the batched mask."""
+    """The tokenizer view llguidance needs (built once per engine), the compiled constraints and
+    the batched mask.
+
+    A constraint is compiled once while it is among the last KEEP_COMPILED asked for: the n choices
+    of a request, and the requests of an agent that sends the same tools each turn, each get a
+    copy of one compiled matcher (a fresh state: llguidance's deep_copy shares the grammar)."""
+
+    KEEP_COMPILED = 16
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids):
         import llguidance
@@ -162,26 +171,44 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self._executor = llguidance.LLExecutor()
+        self._compiled: collections.OrderedDict[Constraint, concurrent.futures.Future] = collections.OrderedDict()
+        self._lock = threading.Lock()  # (matchers are made on the server's worker threads)
 
     def matcher(self, constraint: Constraint):
         """A fresh matcher for one sequence; a grammar that does not compile is the request's error.
-        (Compiling may take up to a second for a huge grammar: call it off the engine thread.)"""
+        (Compiling may take up to a second for a huge grammar: call it off the engine thread. A
+        thread that asks for a constraint another is compiling waits for that one.)"""
+        with self._lock:
+            compiled = self._compiled.pop(constraint, None)
+            mine = compiled is None
+            if mine:
+                compiled = concurrent.futures.Future()
+            self._compiled[constraint] = compiled  # (the most recently asked for last)
+            while len(self._compiled) > self.KEEP_COMPILED:
+                self._compiled.popitem(last=False)
+        if mine:
+            try:
+                compiled.set_result(on_large_stack(lambda: self._compile(constraint)))
+            except BaseException as e:  # not kept: the next request compiles again, as before
+                with self._lock:
+                    if self._compiled.get(constraint) is compiled:
+                        del self._compiled[constraint]
+                compiled.set_exception(e)
+        return compiled.result().deep_copy()
+
+    def _compile(self, constraint: Constraint):
         import llguidance
 
         what = constraint.kind.replace("_", " ")
-
-        def compile():
-            matcher = llguidance.LLMatcher(self._tokenizer, constraint.grammar(), log_level=0)
-            if matcher.is_error():
-                raise RequestError(f"the {what} could not be compiled: {reason(matcher)}")
-            matcher.compute_bitmask()  # the first step's mask: a grammar no output can match fails here
-            if matcher.is_error():
-                raise RequestError(f"the {what} matches no output at all (it cannot be satisfied: a reference "
-                                   f"to itself with no way to end, a character class of nothing, ...): "
-                                   f"{reason(matcher)}")
-            return matcher
-
-        return on_large_stack(compile)
+        matcher = llguidance.LLMatcher(self._tokenizer, constraint.grammar(), log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"the {what} could not be compiled: {reason(matcher)}")
+        matcher.compute_bitmask()  # the first step's mask: a grammar no output can match fails here
+        if matcher.is_error():
+            raise RequestError(f"the {what} matches no output at all (it cannot be satisfied: a reference "
+                               f"to itself with no way to end, a character class of nothing, ...): "
+                               f"{reason(matcher)}")
+        return matcher
 
     def allowed(self, matchers: list) -> torch.Tensor:
         """bool [len(matchers), vocab]: the tokens each matcher accepts next."""

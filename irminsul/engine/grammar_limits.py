@@ -25,6 +25,10 @@ from irminsul.errors import RequestError
 MAX_SCHEMA_DEPTH = 128  # levels of JSON objects and arrays, counting into what each $ref points to
 MAX_SCHEMA_NODES = 8192  # JSON objects and arrays in one schema (5,000 properties compile in ~3 s)
 MAX_RULES = 1024  # rule and terminal definitions in one Lark or GBNF grammar (a tool-call grammar has tools + 2)
+# The symbols and alternatives of one Lark or GBNF grammar, as `grammar_size` counts them: its
+# compile time grows faster than linearly with them, however they are laid out (alternatives one
+# per line escape both MAX_RULES and the per-line MAX_REGEX_SIZE).
+MAX_GRAMMAR_SIZE = 16384
 # Choices compile in time quadratic in their number (1,024: 20 ms, 16,384: 0.9 s, 100,000: minutes).
 MAX_OPTIONS, MAX_OPTION_BYTES = 1024, 65536
 # The text a regular expression spells out, each bounded repetition {n} counted n times:
@@ -212,17 +216,38 @@ def check_regex(pattern: str, what: str, strings: bool = False) -> None:
                            f"times; this server takes at most {MAX_REGEX_SIZE} (use * or + for long runs)")
 
 
+# What a rule's symbols are spelled with: a name, a "literal", a /regex/, a GBNF [class] or `.`,
+# and `|` between alternatives. Counted as characters, not parsed, so no quote or bracket can hide
+# what follows it: an overcount (a literal counts its two quotes and its words).
+_WORD = re.compile(r"[^\W\d][\w-]*")
+
+
+def grammar_size(grammar: str) -> int:
+    """An upper bound on the symbols and alternatives of a Lark or GBNF grammar's text, counted at
+    C speed (the grammar may be megabytes): its names and words, and its characters `"/[.|`."""
+    return len(_WORD.findall(grammar)) + sum(map(grammar.count, '"/[.|'))
+
+
 _DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::(?!:)|::=)", re.M)
 _INLINE_JSON = re.compile(r"%json\s*")
 
 
 def check_lark(grammar: str) -> None:
-    """A Lark (or GBNF) grammar's rule count, its inline %json schemas and its repetitions."""
+    """A Lark (or GBNF) grammar's rule count, its size, its inline %json schemas and its repetitions."""
     if (rules := len(_DEFINITION.findall(grammar))) > MAX_RULES:
         raise RequestError(f"the grammar defines {rules} rules and terminals; this server compiles at most "
                            f"{MAX_RULES}")
     decoder = json.JSONDecoder()
-    rest, at = [], 0  # the grammar without its %json schemas (checked as schemas, not as lines)
+    rest, at, size = [], 0, 0  # the grammar without its %json schemas (checked as schemas, not as lines)
+
+    def keep(text: str) -> None:  # (the size checked as it grows: a grammar may hold thousands of %json)
+        nonlocal size
+        rest.append(text)
+        if (size := size + grammar_size(text)) > MAX_GRAMMAR_SIZE:
+            raise RequestError(f"the grammar has more than {MAX_GRAMMAR_SIZE} symbols and alternatives (names, "
+                               f"literals, regexes, classes and |s, counted outside its %json schemas); this "
+                               f"server compiles at most that many")
+
     for m in _INLINE_JSON.finditer(grammar):
         if m.start() < at:
             continue
@@ -232,11 +257,13 @@ def check_lark(grammar: str) -> None:
             continue  # not a schema: llguidance says what is wrong with it
         except RecursionError:
             raise RequestError(f"a %json schema in the grammar nests more than {MAX_SCHEMA_DEPTH} levels deep") from None
+        keep(grammar[at : m.end()])  # (each %json counts: its name is a word)
         check_schema(schema)
-        rest.append(grammar[at : m.end()])
         at = end
-    rest.append(grammar[at:])
+    keep(grammar[at:])
     for n, line in enumerate("".join(rest).splitlines(), 1):
+        if len(line) <= MAX_REGEX_SIZE and "{" not in line:
+            continue  # (no repetition: it spells out at most its own length)
         # counted both with "..." as literals and as plain text: a quote inside a /regex/ is no literal
         check_regex(line, f"line {n} of the grammar", strings=True)
         check_regex(line, f"line {n} of the grammar")

@@ -40,6 +40,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     constraint: Constraint | None = None  # structured output: the text must match it (engine/grammar.py)
     skip_special_tokens: bool = True  # False: special tokens' text is in the output (tool-call markers)
+    # logit_bias as tensors, built once per (device, vocabulary) and reused every step (`_bias_on`)
+    _bias: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -68,9 +70,13 @@ class SamplingParams:
                 not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens]")
         bias = self.logit_bias
+        if not isinstance(bias, (tuple, list, dict)):
+            raise RequestError("logit_bias must be (token id, bias) pairs or a {token id: bias} dict")
+        if len(bias) > MAX_LOGIT_BIAS:  # (before reading the entries: there may be a vocabulary's worth)
+            raise RequestError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
         if isinstance(bias, dict):  # OpenAI's {token id: bias}
             bias = tuple(bias.items())
-        if not isinstance(bias, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in bias):
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in bias):
             raise RequestError("logit_bias must be (token id, bias) pairs or a {token id: bias} dict")
         if any(not _is_int(t) for t, _ in bias):
             raise RequestError("logit_bias token ids must be integers")
@@ -95,6 +101,26 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens)
 
+    def _bias_on(self, device: torch.device, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """logit_bias as rounds of (ids [n] int64, biases [n] float32) on `device`, ids outside
+        [0, vocab) left out; built on first use, then every step adds each round with one index_add_.
+        An id listed k times is in the first k rounds, so no round repeats an id (index_add_'s order
+        over repeated ids is not fixed on a GPU): each logit gets its biases one at a time, in order."""
+        key = (device, vocab)
+        if key not in self._bias:
+            rounds: list[list[tuple[int, float]]] = []
+            times: dict[int, int] = {}  # id -> how often it came so far
+            for token, bias in self.logit_bias:
+                if 0 <= token < vocab:
+                    k = times[token] = times.get(token, 0) + 1
+                    if k > len(rounds):
+                        rounds.append([])
+                    rounds[k - 1].append((token, bias))
+            self._bias[key] = [(torch.tensor([t for t, _ in r], dtype=torch.long, device=device),
+                                torch.tensor([b for _, b in r], dtype=torch.float32, device=device))
+                               for r in rounds]
+        return self._bias[key]
+
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
                   banned_until_min: list[int]) -> torch.Tensor:
@@ -109,9 +135,8 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int
     if output and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.as_tensor(output, dtype=torch.long), minlength=vocab)[:vocab].float()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
-    for token, bias in params.logit_bias:
-        if 0 <= token < vocab:
-            logits[token] += bias
+    for ids, values in params._bias_on(logits.device, vocab):
+        logits.index_add_(0, ids, values)
     if len(output) < params.min_tokens and banned_until_min:
         logits[torch.as_tensor(banned_until_min, dtype=torch.long)] = float("-inf")
     return logits
@@ -119,6 +144,7 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int
 
 GREEDY_BELOW = 1e-5  # a temperature or top_p below this samples the most likely token
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_LOGIT_BIAS = 300  # OpenAI's limit for logit_bias entries
 
 
 def request_seed(seed: int | None) -> int:

@@ -367,7 +367,13 @@ def requested_logprobs(req: _Common) -> int | None:
 
 
 def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id as a string": bias} -> ((id, bias), ...)."""
+    """OpenAI's {"token id as a string": bias} -> ((id, bias), ...); at most MAX_LOGIT_BIAS entries,
+    counted before any is read."""
+    from irminsul.engine.sampling import MAX_LOGIT_BIAS
+
+    if len(bias or {}) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                       param="logit_bias")
     out = []
     for key, value in (bias or {}).items():
         try:

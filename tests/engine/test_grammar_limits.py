@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from irminsul.engine.grammar import Constraint, Grammars, on_large_stack
-from irminsul.engine.grammar_limits import MAX_OPTIONS, MAX_RULES, MAX_SCHEMA_DEPTH, spelled_out
+from irminsul.engine.grammar_limits import (MAX_GRAMMAR_SIZE, MAX_OPTIONS, MAX_RULES, MAX_SCHEMA_DEPTH, grammar_size,
+                                             spelled_out)
 from irminsul.errors import RequestError
 
 
@@ -157,3 +158,61 @@ def test_bounds_reach_patterns_regex_literals_and_not_inline_schemas():
     Constraint.lark(f"start: %json {json.dumps(big)}")  # 140 kB on one line, and fine
     Constraint.json_schema(True)
     Constraint.json_schema(False)
+
+
+def alternatives_one_per_line(n: int) -> str:
+    return 'start: "opt0"\n' + "".join(f'    | "opt{i}"\n' for i in range(1, n))
+
+
+@pytest.mark.parametrize("grammar", [
+    alternatives_one_per_line(100_000),
+    # across rules, each within MAX_RULES and each line short
+    "start: " + " | ".join(f"r{i}" for i in range(100)) + "\n"
+    + "".join(f"r{i}: " + "".join(f'\n  | "w{i}_{j}"' for j in range(400)) + "\n" for i in range(100)),
+    # GBNF, with a quote in a class that would hide what follows from a parser of literals
+    "root ::= a\n" + '  | [^"] a a a a a a a a a\n' * 5000 + 'a ::= "x"\n',
+])
+def test_alternatives_count_toward_the_grammar_size_however_they_are_laid_out(grammar):
+    """A grammar's symbols and alternatives are bounded in all, not per line or per rule: refused
+    when the Constraint is built, before llguidance compiles anything."""
+    assert grammar_size(grammar) > MAX_GRAMMAR_SIZE
+    with pytest.raises(RequestError, match=f"more than {MAX_GRAMMAR_SIZE} symbols and alternatives"):
+        Constraint.lark(grammar)
+
+
+def test_grammars_within_the_size_compile_and_inline_schemas_do_not_count(grammars):
+    just_within = alternatives_one_per_line(MAX_GRAMMAR_SIZE // 4)  # | "optN": a bar, two quotes, a word
+    assert grammar_size(just_within) <= MAX_GRAMMAR_SIZE
+    grammars.matcher(Constraint.lark(just_within))
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_GRAMMAR_SIZE // 4)}}
+    assert grammar_size(json.dumps(big)) > MAX_GRAMMAR_SIZE
+    Constraint.lark(f"start: %json {json.dumps(big)}")  # (a schema is bounded as a schema)
+    tools = "\n".join(f'call_{i}: "<call>" %json {{"type": "object"}} "</call>"' for i in range(MAX_RULES - 2))
+    Constraint.lark("start: call+\ncall: " + " | ".join(f"call_{i}" for i in range(MAX_RULES - 2)) + "\n" + tools)
+    with pytest.raises(RequestError, match="symbols and alternatives"):
+        Constraint.lark("start: " + " | ".join(["%json {}"] * MAX_GRAMMAR_SIZE))
+
+
+def test_a_constraint_is_compiled_once_for_all_its_matchers(grammars, monkeypatch):
+    """n choices of a request (or requests with the same constraint) share one compiled grammar;
+    each matcher is a state of its own. A constraint that fails to compile is not kept."""
+    compiled = []
+    grammar = Constraint.grammar
+    monkeypatch.setattr(Constraint, "grammar", lambda self: compiled.append(self) or grammar(self))
+    c = Constraint.choice(["yes", "no"])
+    matchers = [grammars.matcher(c) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: matchers.append(grammars.matcher(c))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(compiled) == 1 and len(matchers) == 8
+    first, other = matchers[0], matchers[1]
+    yes = grammars.allowed([first])[0].nonzero().flatten().tolist()
+    assert first.consume_token(yes[0]) and not first.is_error()
+    assert grammars.allowed([other])[0].nonzero().flatten().tolist() == yes  # untouched by the other's token
+    bad = Constraint.lark("start: undefined_rule")
+    for _ in range(2):
+        with pytest.raises(RequestError, match="could not be compiled"):
+            grammars.matcher(bad)
+    assert len(compiled) == 3
