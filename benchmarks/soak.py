@@ -85,18 +85,18 @@ def _tools(n_tools: int, n_props: int, n_enum: int) -> list[dict]:
 
 HI = [{"role": "user", "content": "hi"}]
 HOSTILE = {  # name -> (path, body): each must be answered below 500, in its turn, hurting nobody else
-    "responses 4,000 calls": ("/v1/responses", _responses_calls(4000)),
-    "responses 2,000 calls": ("/v1/responses", _responses_calls(2000)),
+    "4,000 Responses calls": ("/v1/responses", _responses_calls(4000)),
+    "2,000 Responses calls": ("/v1/responses", _responses_calls(2000)),
     "logit_bias, all ids, n=8": ("/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": 16,
                                                      "logit_bias": {str(i): 1 for i in range(8192)}}),
     "logit_bias, 300 ids, n=8": ("/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": 16,
                                                      "logit_bias": {str(i): 1 for i in range(300)}}),
     "tools 20 x 400 x 50": ("/v1/chat/completions", {"messages": HI, "tools": _tools(20, 400, 50)}),
     "metadata 7 MB": ("/v1/responses", {"input": "hi", "stream": True, "metadata": {"k": "v" * 7_000_000}}),
-    "stop 100,000": ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 100_000}),
-    "messages 100,000": ("/v1/chat/completions", {"messages": HI * 100_000}),
-    "detokenize 1,000,000 ids": ("/detokenize", {"tokens": [65] * 1_000_000}),
-    "prompts 10,000": ("/v1/completions", {"prompt": ["hi"] * 10_000}),
+    "100,000 stop strings": ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 100_000}),
+    "100,000 messages": ("/v1/chat/completions", {"messages": HI * 100_000}),
+    "1,000,000 ids to detokenize": ("/detokenize", {"tokens": [65] * 1_000_000}),
+    "10,000 prompts": ("/v1/completions", {"prompt": ["hi"] * 10_000}),
 }
 
 

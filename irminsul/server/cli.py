@@ -46,7 +46,7 @@ def register(sub) -> None:
     p.add_argument("--max-running-requests", type=int, default=DEFAULTS.max_running_requests,
                    help="requests the engine runs at once; the rest wait")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULTS.max_queued_requests,
-                   help="requests admitted and not yet finished; more get a 503")
+                   help="requests admitted and not yet finished; more get a 429 (Retry-After)")
     p.add_argument("--max-prefill-tokens", type=int, default=DEFAULTS.max_prefill_tokens, help="prefill tokens per engine step")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULTS.default_max_tokens, help="max_tokens of a request that sends none")
     p.add_argument("--max-request-bytes", default=f"{DEFAULTS.max_request_bytes / 2**20:g}MiB", help="larger request bodies get a 413 before they are read")

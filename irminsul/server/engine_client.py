@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from irminsul.cache.store import TierStats, tier_stats
-from irminsul.engine.engine import Engine, PoolBusy
+from irminsul.engine.engine import Engine, PoolBusy, ScoringCancelled
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.sequence import RequestStats, Sequence, TokenLogprob
 from irminsul.errors import RequestError
@@ -80,6 +80,7 @@ class Job:
     seq: Sequence | None = None
     last_token_at: float | None = None
     logprobs_sent: int = 0
+    gone: threading.Event = field(default_factory=threading.Event)  # set by abort: its client went away
 
 
 class QueueFull(Exception):
@@ -225,6 +226,7 @@ class EngineClient:
             self._submitted -= 1
 
     def abort(self, job: Job) -> None:
+        job.gone.set()  # (read by a scoring of its prompt on the engine thread, between its passes)
         self._inbox.put(("abort", job))
 
     def call(self, fn: Callable, *args) -> concurrent.futures.Future:
@@ -235,14 +237,18 @@ class EngineClient:
 
     async def score(self, job: Job):
         """The log-probs [len(prompt) - 1, vocab] of every prompt token of `job` but the first, as
-        LLM.score gives them (None without logprobs or with a one-token prompt), on the engine thread."""
+        LLM.score gives them (None without logprobs or with a one-token prompt, or once the job is
+        aborted: the scoring stops between its passes), on the engine thread."""
         return await asyncio.wrap_future(self.call(self._score, job))
 
     def _score(self, job: Job):
         tokens, n = job.tokens, job.params.logprobs
         if len(tokens) < 2 or n is None:
             return None
-        lp, _ = self.engine.score(tokens[:1], tokens[1:], None, job.tenant)
+        try:
+            lp, _ = self.engine.score(tokens[:1], tokens[1:], None, job.tenant, cancelled=job.gone.is_set)
+        except ScoringCancelled:
+            return None
         return lp
 
     async def publish(self, tokens: list[int]) -> Published:

@@ -127,7 +127,7 @@ def dumps(obj, depth: int = 2) -> str:
     return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -271,7 +271,7 @@ class OpenAIServing:
         admission is a 4xx, not an error inside a 200 stream), then `stream(first)` (the SSE chunks) or
         `await whole(finished)` (the JSON response). A client that goes away gets a 499 and its
         job is aborted."""
-        watcher = asyncio.ensure_future(_disconnected(request))
+        watcher = asyncio.ensure_future(disconnected(request))
         first = await self.first_event(job, channel, watcher)
         if first is None:
             return JSONResponse({}, status_code=499)  # nobody reads it
@@ -289,7 +289,7 @@ class OpenAIServing:
     async def finish_all(self, request: Request, jobs: list[Job], channels: list[Channel]) -> list[Finished] | None:
         """Every job's Finished event, in order; None if the client went away (all are aborted). One
         choice failing ends the others too."""
-        watcher = asyncio.ensure_future(_disconnected(request))
+        watcher = asyncio.ensure_future(disconnected(request))
         events = []
         try:
             for job, channel in zip(jobs, channels):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from fastapi import Request
@@ -11,7 +12,7 @@ from irminsul.engine.sequence import TokenLogprob
 from irminsul.server.engine_client import Delta, Finished, Job
 from irminsul.server.protocol import (APIError, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                                       CompletionResponse, check_supported, constraint_of)
-from irminsul.server.serving_base import Merged, OpenAIServing, Prompts, ResponseHead, sse, usage_of
+from irminsul.server.serving_base import Merged, OpenAIServing, Prompts, ResponseHead, disconnected, sse, usage_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +136,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
             async def whole(event):
                 echoes = [await self.echo(request, jobs[0])] if req.echo else None
+                if echoes is not None and echoes[0] is None:
+                    return JSONResponse({}, status_code=499)  # nobody reads it
                 return await self.json_response(request, fmt.response, [event], echoes)
 
             return await self.answer_one(request, jobs[0], channel, stream, whole)
@@ -144,8 +147,12 @@ class OpenAIServingCompletion(OpenAIServing):
         events = await self.finish_all(request, jobs, channels)
         if events is None:
             return JSONResponse({}, status_code=499)
-        echoes = [await self.echo(request, job) for job in jobs] if req.echo else None
-        return await self.json_response(request, fmt.response, events, echoes, prompts)
+        echoes = []
+        for job in jobs if req.echo else ():
+            echoes.append(await self.echo(request, job))
+            if echoes[-1] is None:
+                return JSONResponse({}, status_code=499)
+        return await self.json_response(request, fmt.response, events, echoes or None, prompts)
 
     def prepare(self, request: Request, req: CompletionRequest) -> list[Job]:
         """The request's jobs (on a worker thread): one per prompt and choice."""
@@ -172,13 +179,23 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.state.check_text(len(p), "prompt", "prompt")
         return [self.state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
 
-    async def echo(self, request: Request, job: Job) -> Echo:
+    async def echo(self, request: Request, job: Job) -> Echo | None:
         """The prompt's own log-probs: scored on the engine thread between steps (one scoring per step),
-        read into TokenLogprobs on a worker thread. NOTE: after the job has run: scored first, the
-        prompt's rows would be cached before the job is admitted, and its usage would count the prompt
-        as a prefix hit (cached_tokens) although nothing had sent it before."""
-        scored = await self.client.score(job)
-        return await self.state.prepare(request, _echo, job, scored)
+        read into TokenLogprobs on a worker thread; None if the client went away first (the scoring is
+        stopped between its passes). NOTE: after the job has run: scored first, the prompt's rows
+        would be cached before the job is admitted, and its usage would count the prompt as a prefix
+        hit (cached_tokens) although nothing had sent it before."""
+        watcher = asyncio.ensure_future(disconnected(request))
+        scoring = asyncio.ensure_future(self.client.score(job))
+        try:
+            await asyncio.wait({scoring, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not scoring.done():
+            self.client.abort(job)
+            scoring.cancel()  # (not started yet: never runs)
+            return None
+        return await self.state.prepare(request, _echo, job, scoring.result())
 
 
 def _echo(job: Job, lp) -> Echo:

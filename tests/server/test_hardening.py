@@ -188,6 +188,47 @@ def test_calls_on_the_engine_thread_take_turns_with_steps(keyed):
     assert len(set(at)) == 5, at  # a step between every two calls
 
 
+def test_an_echo_whose_client_left_stops_scoring(tiny_dir, monkeypatch):
+    """completions echo + logprobs scores the prompt on the engine thread after the job ran, in
+    --max-prefill-tokens passes; a client that leaves meanwhile stops it between two passes (it
+    once scored to the end for nobody)."""
+    from irminsul.engine.engine import ScoringCancelled
+
+    s = start(tiny_dir, max_prefill_tokens=64)
+    try:
+        engine = s.app.state.irminsul.client.engine
+        passes, ended = [], []
+        real_logits, real_score = engine.runner.logits, engine.score
+
+        def slow_logits(*a, **k):  # (each pass a little slower, so the client leaves mid-way)
+            passes.append(1)
+            time.sleep(0.05)
+            return real_logits(*a, **k)
+
+        def score(*a, **k):
+            try:
+                out = real_score(*a, **k)
+            except ScoringCancelled:
+                ended.append("cancelled")
+                raise
+            ended.append("finished")
+            return out
+
+        monkeypatch.setattr(engine.runner, "logits", slow_logits)
+        monkeypatch.setattr(engine, "score", score)
+        body = json.dumps({"prompt": [3 + i % 250 for i in range(1920)], "echo": True, "logprobs": 2, "max_tokens": 1}).encode()
+        with socket.create_connection(("127.0.0.1", _port(s.url))) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            wait_for(lambda: len(passes) >= 5, 30, "the scoring to start")
+        wait_for(lambda: ended, 30, "the scoring to end")
+        assert ended == ["cancelled"] and len(passes) < 30, (ended, len(passes))  # 30 passes score it all
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        s.stop()
+
+
 def test_a_large_response_is_built_off_the_event_loop(keyed, monkeypatch):
     from irminsul.server.serving_completion import CompletionFormat
 
