@@ -148,7 +148,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if events is None:
             return JSONResponse({}, status_code=499)
         echoes = []
-        for job in jobs if req.echo else ():
+        for i, job in enumerate(jobs if req.echo else ()):
+            if i % req.n:  # the n choices of one prompt (consecutive jobs) share its scoring
+                echoes.append(echoes[-1])
+                continue
             echoes.append(await self.echo(request, job))
             if echoes[-1] is None:
                 return JSONResponse({}, status_code=499)

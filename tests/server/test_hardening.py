@@ -229,6 +229,19 @@ def test_an_echo_whose_client_left_stops_scoring(tiny_dir, monkeypatch):
         s.stop()
 
 
+def test_n_choices_of_an_echoed_prompt_score_it_once(keyed, monkeypatch):
+    engine = keyed.app.state.irminsul.client.engine
+    calls, real = [], engine.score
+    monkeypatch.setattr(engine, "score", lambda *a, **k: calls.append(1) or real(*a, **k))
+    r = httpx.post(keyed.url + "/v1/completions", headers=KEY_A, timeout=60, json={
+        "prompt": ["hello there", "and here"], "n": 3, "echo": True, "logprobs": 1, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 6 and len(calls) == 2, (len(choices), len(calls))  # one scoring per prompt
+    firsts = [c["logprobs"]["token_logprobs"][:3] for c in choices]
+    assert firsts[0] == firsts[1] == firsts[2] and firsts[3] == firsts[4] == firsts[5]
+
+
 def test_a_large_response_is_built_off_the_event_loop(keyed, monkeypatch):
     from irminsul.server.serving_completion import CompletionFormat
 
