@@ -6,6 +6,11 @@ away (non-streaming: an ``http.disconnect`` while waiting; streaming: the respon
 cancelled) aborts its jobs, and the scheduler frees their rows. Each endpoint's own module
 (serving_chat.py, serving_completion.py, serving_responses.py) turns its request into prompts and
 its events into response objects; everything between is here.
+
+NOTE: the rule every endpoint keeps: nothing proportional to a request's size runs on the event
+loop or the engine thread before its size is checked against a bound (protocol.py's MAX_*, the
+context, --max-request-bytes); work proportional to it runs on the worker threads (`state.prepare`).
+/metrics' irminsul_event_loop_stall_seconds_max shows what slips through.
 """
 
 from __future__ import annotations
