@@ -44,8 +44,8 @@ class DiskFaults:
 
     def __init__(self, monkeypatch, root):
         self.root, self.mode, self.injected = str(root), None, 0
-        real = {name: getattr(pathlib.Path, name) for name in ("read_bytes", "write_bytes", "unlink", "iterdir")}
-        real_utime, real_replace = os.utime, os.replace
+        real = {name: getattr(pathlib.Path, name) for name in ("write_bytes", "unlink", "iterdir")}
+        real_open, real_utime, real_replace = os.open, os.utime, os.replace
 
         def ours(path) -> bool:
             return self.mode is not None and str(path).startswith(self.root)
@@ -54,7 +54,7 @@ class DiskFaults:
             self.injected += 1
             raise OSError(code, os.strerror(code))
 
-        def read_bytes(path):
+        def open_(path, *args, **kwargs):  # (the tier opens entries with os.open to read them)
             if ours(path):
                 if self.mode == "slow":
                     time.sleep(0.005)
@@ -64,8 +64,8 @@ class DiskFaults:
                     self.injected += 1
                     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
                 elif self.mode == "vanishing":
-                    real["unlink"](path, missing_ok=True)
-            return real["read_bytes"](path)
+                    real["unlink"](pathlib.Path(path), missing_ok=True)
+            return real_open(path, *args, **kwargs)
 
         def write_bytes(path, data):
             if ours(path):
@@ -98,11 +98,10 @@ class DiskFaults:
                 fail({"read-only": errno.EROFS, "failing": errno.EIO, "full": errno.ENOSPC}[self.mode])
             return real_replace(src, dst, *args, **kwargs)
 
-        for name, fn in (("read_bytes", read_bytes), ("write_bytes", write_bytes), ("unlink", unlink),
-                         ("iterdir", iterdir)):
+        for name, fn in (("write_bytes", write_bytes), ("unlink", unlink), ("iterdir", iterdir)):
             monkeypatch.setattr(pathlib.Path, name, fn)
-        monkeypatch.setattr(os, "utime", utime)
-        monkeypatch.setattr(os, "replace", replace)
+        for name, fn in (("open", open_), ("utime", utime), ("replace", replace)):
+            monkeypatch.setattr(os, name, fn)
 
 
 class Raising(Registry):

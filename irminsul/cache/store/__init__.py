@@ -19,6 +19,7 @@ class StoreConfig:
     memory_bytes: int = 512 * 2**20  # the engine sizes its memory tier by its pool instead
     disk_bytes: int = 8 * 2**30
     redis_ttl_s: int | None = None  # expire Redis entries after this many seconds (None: never)
+    redis_timeout_s: float = 0.25  # the deadline of one Redis command, connection and whole reply included
 
     def __post_init__(self):
         for spec in self.specs:
@@ -30,6 +31,8 @@ class StoreConfig:
             raise ValueError("store budgets must be >= 0 bytes")
         if self.redis_ttl_s is not None and self.redis_ttl_s < 1:
             raise ValueError(f"--redis-ttl {self.redis_ttl_s} must be >= 1 second")
+        if not self.redis_timeout_s > 0:
+            raise ValueError(f"the Redis command deadline ({self.redis_timeout_s} s) must be > 0 seconds")
 
     @property
     def disk_path(self) -> str | None:
@@ -50,7 +53,8 @@ def open_registry(config: StoreConfig, layout: RowLayout, memory_bytes: int | No
     if config.redis_url:
         from irminsul.cache.store.redis import RedisRegistry
 
-        lower.append(RedisRegistry(config.redis_url, layout, ttl_s=config.redis_ttl_s))
+        lower.append(RedisRegistry(config.redis_url, layout, timeout_s=config.redis_timeout_s,
+                                   ttl_s=config.redis_ttl_s))
     if not lower:
         return memory
     from irminsul.cache.store.tiered import TieredRegistry

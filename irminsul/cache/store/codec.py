@@ -30,10 +30,12 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from irminsul.cache.registry import Entry
+from irminsul.cache.chunker import ChunkerConfig
+from irminsul.cache.registry import Entry, namespace_id
 
 # v4: the writer's namespace (v3: a keyed MAC; v2: k_r un-rotated, an unkeyed checksum; v1: k_r rotated)
 FORMAT = "irminsul-chunk-v4"
+MAC_BYTES = 32
 
 
 class CorruptEntry(Exception):
@@ -60,14 +62,30 @@ class RowLayout:
     dtype: torch.dtype
     device: str = "cpu"
     secret: bytes = field(default=b"", repr=False)  # the store secret keying every entry's MAC
+    max_tokens: int = ChunkerConfig.max_len  # the longest entry: the chunker cuts no longer chunk
 
     def __post_init__(self):
-        if not self.model_id or self.n_layers < 1 or self.row_width < 1:
+        if not self.model_id or self.n_layers < 1 or self.row_width < 1 or self.max_tokens < 1:
             raise ValueError(f"incomplete row layout: {self}")
 
     @property
     def bytes_per_token(self) -> int:
         return row_bytes(self.n_layers, self.row_width, self.dtype)
+
+    @property
+    def max_blob_bytes(self) -> int:
+        """The longest blob ``encode`` writes for this layout: an entry of ``max_tokens`` tokens with
+        every metadata field at its longest. A file or value longer than this is no entry of ours."""
+        n = self.max_tokens
+        shape, data = (self.n_layers, n, self.row_width), n * (self.bytes_per_token + 8)  # rows + int64 ids
+        meta = _metadata(self, 2**64 - 1, "f" * len(namespace_id("", "")), -(2**63), self.dtype, shape)
+        meta["mac"] = "0" * 2 * MAC_BYTES
+        # NOTE: an upper bound on safetensors' header: json.dumps adds spaces and escapes non-ASCII, and
+        # torch's dtype names are longer than safetensors' dtype codes
+        header = {"__metadata__": meta,
+                  "rows": {"dtype": str(self.dtype), "shape": list(shape), "data_offsets": [data, data]},
+                  "token_ids": {"dtype": str(torch.int64), "shape": [n], "data_offsets": [data, data]}}
+        return 8 + len(json.dumps(header)) + 7 + data  # length prefix, header padded to 8 bytes, tensors
 
     @property
     def key_id(self) -> str:
@@ -85,20 +103,24 @@ def _raw(t: torch.Tensor) -> bytes:
 
 
 def _mac(secret: bytes, meta: dict, tokens: torch.Tensor, rows: torch.Tensor) -> str:
-    h = hashlib.blake2b(key=secret, digest_size=32, person=b"irminsul-entry")
+    h = hashlib.blake2b(key=secret, digest_size=MAC_BYTES, person=b"irminsul-entry")
     h.update(json.dumps({k: meta[k] for k in sorted(meta) if k != "mac"}).encode())
     h.update(_raw(tokens))
     h.update(_raw(rows))
     return h.hexdigest()
 
 
+def _metadata(layout: RowLayout, fingerprint: int, namespace: str, base_pos: int, dtype: torch.dtype,
+              shape: tuple[int, ...]) -> dict:
+    return {"format": FORMAT, "model_id": layout.model_id, "namespace": namespace, "fingerprint": f"{fingerprint:016x}",
+            "base_pos": str(base_pos), "dtype": str(dtype).removeprefix("torch."), "shape": ",".join(map(str, shape)),
+            "key_id": layout.key_id}
+
+
 def encode(entry: Entry, layout: RowLayout) -> bytes:
     rows = entry.payload.detach().contiguous().cpu()
     tokens = torch.as_tensor(np.asarray(entry.token_ids, dtype=np.int64))
-    meta = {"format": FORMAT, "model_id": layout.model_id, "namespace": entry.namespace,
-            "fingerprint": f"{entry.fingerprint:016x}",
-            "base_pos": str(entry.base_pos), "dtype": str(rows.dtype).removeprefix("torch."),
-            "shape": ",".join(map(str, rows.shape)), "key_id": layout.key_id}
+    meta = _metadata(layout, entry.fingerprint, entry.namespace, entry.base_pos, rows.dtype, tuple(rows.shape))
     meta["mac"] = _mac(layout.secret, meta, tokens, rows)
     return st_save({"rows": rows, "token_ids": tokens}, metadata=meta)
 

@@ -9,26 +9,40 @@ corrupt or mismatching entry is deleted, counted and reported as a miss, so the 
 it, and a write may replace a file that does not verify (first writer wins only among entries
 that do).
 
+Whoever can write the directory can put anything at an entry's name: only a regular file no longer
+than the longest entry the tier writes (``RowLayout.max_blob_bytes``) is read (entry_file.py), and
+anything else (a FIFO, a link, a device, a directory, a sparse giant) is a miss, dropped and counted
+as corrupt, at a lookup or in the index scan at start. No file is opened, read, touched, renamed or
+removed under the index's lock: a slow or hostile file delays the one lookup that reads it, never
+another.
+
 The disk may fail after start. A failed read, touch, write or delete is a miss or a skipped write,
 counted in ``failures`` and logged at most once per interval; it never raises into the engine.
-A file being written holds no lock, so a slow disk delays that write, never a lookup.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from irminsul.cache.registry import Entry, PinCounts, Registry, RegistryStats
 from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
+from irminsul.cache.store.entry_file import NotAnEntry, read_entry, why_not
 from irminsul.cache.store.stats import TierLog, TierStats
 from irminsul.errors import UserFacingError
 
 SUFFIX = ".safetensors"
+
+
+class _Held(NamedTuple):
+    size: int  # bytes on disk, charged against the budget
+    stamp: int  # which load or write put it in the index: a reader forgets only the file it read
 
 
 class DiskRegistry(Registry):
@@ -37,6 +51,7 @@ class DiskRegistry(Registry):
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.layout, self.budget_bytes = layout, budget_bytes
+        self.max_entry_bytes = layout.max_blob_bytes
         # NOTE: one directory per store secret: an entry under another secret is never at our path,
         # so whatever at our path fails verification was not written by a holder of our secret.
         self.dir = Path(root) / layout.model_id / layout.key_id
@@ -47,8 +62,11 @@ class DiskRegistry(Registry):
             probe.unlink()
         except OSError as e:
             raise UserFacingError(f"--store disk:{root}: cannot use {self.dir} as a store ({e.strerror})") from None
-        self._lock = threading.Lock()  # NOTE: the scheduler reads while a tiered writer may put
-        self._index: OrderedDict[int, int] = OrderedDict()  # fingerprint -> file bytes, LRU first
+        # NOTE: the lock guards the index and the counters only: no file I/O happens under it
+        self._lock = threading.Lock()
+        self._index: OrderedDict[int, _Held] = OrderedDict()  # fingerprint -> file, LRU first
+        self._claimed: set[int] = set()  # in the index, their files still being renamed into place
+        self._stamps = itertools.count()
         self._pins = PinCounts()
         self._bytes = 0
         self._hits = self._misses = self._collisions = self._corrupt = 0
@@ -61,7 +79,8 @@ class DiskRegistry(Registry):
         return self.dir / f"{fingerprint:016x}{SUFFIX}"
 
     def _failed(self, what: str, error: OSError) -> None:
-        self._failures += 1
+        with self._lock:
+            self._failures += 1
         self.log.failed(what, error)
 
     def _load_index(self) -> None:
@@ -76,133 +95,192 @@ class DiskRegistry(Registry):
                 self._unlink(f)  # a write that never finished
                 continue
             try:
-                fp, st = int(f.name.removesuffix(SUFFIX), 16), f.stat()
+                fp = int(f.name.removesuffix(SUFFIX), 16)
             except ValueError:
                 continue
+            if f.name != self._path(fp).name:  # not an entry's name: another file, left alone
+                continue
+            try:
+                st = f.lstat()
             except OSError as e:
                 self._failed(f"reading {f.name}", e)
                 continue
+            why = why_not(st, self.max_entry_bytes)
+            if why is not None:
+                self._bad(fp, why, None)
+                continue
             files.append((st.st_mtime_ns, fp, st.st_size))
         for _, fp, size in sorted(files):
-            self._index[fp] = size
+            self._index[fp] = _Held(size, next(self._stamps))
             self._bytes += size
-        self._evict(0)  # the budget may have shrunk since the last run
+        self._remove(self._evict(0))  # the budget may have shrunk since the last run
 
-    def _read(self, fingerprint: int) -> Entry | None:
-        """The verified entry, or None (a file that does not verify is dropped and counted)."""
+    def _read(self, fingerprint: int) -> tuple[Entry | None, _Held | None]:
+        """The verified entry and the index record it was read under ((None, record) on a miss). A
+        file that is not a verified entry is dropped and counted; one unreadable now is left."""
+        with self._lock:
+            held = None if fingerprint in self._claimed else self._index.get(fingerprint)
+        if held is None:
+            return None, None
         try:
-            blob = self._path(fingerprint).read_bytes()
+            blob = read_entry(self._path(fingerprint), self.max_entry_bytes)
         except FileNotFoundError:  # removed behind our back (an operator, a cleaner): a miss, not corruption
-            self._forget(fingerprint)
-            return None
+            with self._lock:
+                self._forget(fingerprint, held)
+            return None, held
+        except NotAnEntry as e:  # planted: a FIFO, a link, a directory, a giant
+            self._bad(fingerprint, str(e), held)
+            return None, held
         except OSError as e:  # unreadable now (permissions, I/O error): a miss; the file may be fine
             self._failed(f"reading entry {fingerprint:016x}", e)
-            return None
+            return None, held
         try:
-            return decode(blob, self.layout, fingerprint)
+            return decode(blob, self.layout, fingerprint), held
         except CorruptEntry as e:  # foreign ones too: at our path, no holder of our secret wrote them
-            self._corrupt += 1
-            self.log.corrupt(fingerprint, str(e))
-            self._drop(fingerprint)
-            return None
+            self._bad(fingerprint, str(e), held)
+            return None, held
 
     def get(self, fingerprint: int, token_ids: np.ndarray, namespace: str = "") -> Entry | None:
+        entry, held = self._read(fingerprint)
+        hit = entry is not None and entry.matches(token_ids, namespace)
         with self._lock:
-            entry = self._read(fingerprint) if fingerprint in self._index else None
-            if entry is None or not entry.matches(token_ids, namespace):
+            if hit:
+                self._hits += 1
+                if fingerprint in self._index:
+                    self._index.move_to_end(fingerprint)
+            else:
                 self._misses += 1
-                if entry is not None:
-                    self._collisions += 1
-                    if entry.namespace == namespace:  # another chunk of ours: dropped, the caller recomputes
-                        self._drop(fingerprint)  # (another namespace's entry is left to its owner)
-                return None
-            self._index.move_to_end(fingerprint)
-            try:
-                os.utime(self._path(fingerprint))
-            except OSError as e:  # a read-only disk still serves what it holds
-                self._failed(f"touching entry {fingerprint:016x}", e)
-            self._hits += 1
-            return entry
+                self._collisions += entry is not None
+        if not hit:
+            if entry is not None and entry.namespace == namespace:  # another chunk of ours: dropped, the
+                self._drop(fingerprint, held)  # caller recomputes (another namespace's entry is left to its owner)
+            return None
+        try:
+            os.utime(self._path(fingerprint), follow_symlinks=False)
+        except OSError as e:  # a read-only disk still serves what it holds
+            self._failed(f"touching entry {fingerprint:016x}", e)
+        return entry
 
     def peek(self, fingerprint: int) -> Entry | None:
-        with self._lock:
-            return self._read(fingerprint) if fingerprint in self._index else None
+        return self._read(fingerprint)[0]
 
     def put(self, entry: Entry) -> bool:
         """Write an entry; a fingerprint already held by an entry that verifies is kept (first writer
         wins, like Redis SET NX), one held by a file that does not is replaced. False if it was not
-        written (over the budget, or the write failed)."""
+        written (over the budget, longer than any entry, or the write failed)."""
         fp = entry.fingerprint
+        found, held = self._read(fp)
+        if found is not None:
+            return True
         with self._lock:
-            if fp in self._index:
-                if self._read(fp) is not None:
-                    return True
-                if fp in self._index:  # unreadable now, not known bad: neither served nor replaced
-                    self._dropped += 1
-                    return False
+            now = self._index.get(fp)
+            if now is not None and now == held:  # unreadable now, not known bad: neither served nor replaced
+                self._dropped += 1
+                return False
+            if now is not None:  # another writer's copy, written or being written, is kept
+                return True
         blob = encode(entry, self.layout)
         with self._lock:
-            if not self._fits(fp, len(blob)):
+            if len(blob) > self.max_entry_bytes or not self._fits(fp, len(blob)):
                 self._rejected += 1
                 return False
         tmp = self.dir / f"{fp:016x}.{os.getpid()}.{threading.get_ident()}.tmp"
-        done = False
+        claimed, placed = None, False
         try:
-            tmp.write_bytes(blob)  # outside the lock: a slow disk delays this write, not lookups
+            tmp.write_bytes(blob)
             with self._lock:
                 if fp in self._index:  # another thread wrote it meanwhile: theirs is kept
                     return True
                 if not self._fits(fp, len(blob)):
                     self._rejected += 1
                     return False
-                self._evict(len(blob))
-                os.replace(tmp, self._path(fp))
-                done = True
-                self._index[fp] = len(blob)
+                victims = self._evict(len(blob))
+                claimed = self._index[fp] = _Held(len(blob), next(self._stamps))
+                self._claimed.add(fp)
                 self._bytes += len(blob)
+            self._remove(victims)
+            os.replace(tmp, self._path(fp))
+            placed = True
+            with self._lock:
+                self._claimed.discard(fp)
                 self._insertions += 1
-                return True
+            return True
         except OSError as e:  # a full or read-only disk: the write is skipped
+            if claimed is not None:
+                with self._lock:
+                    self._claimed.discard(fp)
+                    self._forget(fp, claimed)
             self._failed(f"writing entry {fp:016x}", e)
-            self._dropped += 1
+            with self._lock:
+                self._dropped += 1
             return False
         finally:
-            if not done:
+            if not placed:
                 self._unlink(tmp)  # NOTE: a failed write must not leave its bytes behind to fill the disk
 
+    # -- the index (each of these runs under the lock) -----------------------------------
+
     def _fits(self, fingerprint: int, size: int) -> bool:
-        pinned = sum(self._index[fp] for fp in self._pins if fp != fingerprint and fp in self._index)
-        return pinned + size <= self.budget_bytes
+        kept = {*self._pins, *self._claimed} - {fingerprint}  # (no eviction makes room there)
+        return sum(self._index[fp].size for fp in kept if fp in self._index) + size <= self.budget_bytes
 
-    def _evict(self, need: int) -> None:
+    def _evict(self, need: int) -> list[Path]:
+        """Take least recently used entries out of the index until `need` more bytes fit; their files,
+        for the caller to remove once it has let go of the lock."""
+        victims = []
         while self._bytes + need > self.budget_bytes:
-            victim = next((fp for fp in self._index if fp not in self._pins), None)
+            victim = next((fp for fp in self._index if fp not in self._pins and fp not in self._claimed), None)
             if victim is None:
-                return
-            self._drop(victim)
+                break
+            self._bytes -= self._index.pop(victim).size
             self._evictions += 1
+            victims.append(self._path(victim))
+        return victims
 
-    def _forget(self, fingerprint: int) -> None:
-        size = self._index.pop(fingerprint, None)
-        if size is not None:
-            self._bytes -= size
+    def _forget(self, fingerprint: int, held: _Held) -> bool:
+        """Take the file `held` names out of the index, if the index still holds that one there."""
+        if self._index.get(fingerprint) != held:
+            return False
+        del self._index[fingerprint]
+        self._bytes -= held.size
+        return True
 
-    def _drop(self, fingerprint: int) -> None:
-        if fingerprint in self._index:
-            self._forget(fingerprint)
+    # -- files (never under the lock) ----------------------------------------------------
+
+    def _bad(self, fingerprint: int, reason: str, held: _Held | None) -> None:
+        """A file at an entry's name that is not a verified entry of ours: counted, logged, dropped."""
+        with self._lock:
+            self._corrupt += 1
+        self.log.corrupt(fingerprint, reason)
+        self._drop(fingerprint, held)
+
+    def _drop(self, fingerprint: int, held: _Held | None) -> None:
+        """Forget the file a reader found (`held`; None: one the index never took) and remove it."""
+        with self._lock:
+            gone = held is None or self._forget(fingerprint, held)
+        if gone:
+            # NOTE: a writer may put a new file here between the two steps; removing it costs one miss
             self._unlink(self._path(fingerprint))
+
+    def _remove(self, paths: list[Path]) -> None:
+        for path in paths:
+            self._unlink(path)
 
     def _unlink(self, path: Path) -> None:
         try:
             path.unlink(missing_ok=True)
+        except IsADirectoryError:  # planted where an entry belongs: left there, out of the index
+            pass
         except OSError as e:  # a read-only disk: the file stays, out of the index
             self._failed(f"removing {path.name}", e)
 
     def pin(self, fingerprint: int) -> None:
-        self._pins.add(fingerprint)
+        with self._lock:
+            self._pins.add(fingerprint)
 
     def unpin(self, fingerprint: int) -> None:
-        self._pins.remove(fingerprint)
+        with self._lock:
+            self._pins.remove(fingerprint)
 
     def __contains__(self, fingerprint: int) -> bool:
         return fingerprint in self._index

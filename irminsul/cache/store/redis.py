@@ -4,13 +4,17 @@ Keys are ``irminsul:<model id>:<key id>:<fingerprint hex>``; values are codec bl
 every read: a corrupt or mismatching one is deleted, counted and a miss. Redis's own ``maxmemory``
 policy bounds its size.
 
-Redis may be down at start or die mid-run. Requests never wait on it: socket timeouts are short,
-there are no client retries, and after a connection failure a circuit breaker skips Redis entirely
-(reads miss, writes are dropped and counted) until a background thread's PING succeeds again,
-probing with exponential backoff. A command Redis answers with an error (a write refused at
-``maxmemory`` under ``noeviction``, a read-only replica) is a failure of that command only: it is
-counted and the write dropped, but Redis is up and reads go on. Writes always go through that
-background thread, so a slow Redis never sits on a request's path.
+Redis may be down at start or die mid-run, or something else may answer on its address. Requests
+never wait on it for long: every command (connect, handshake, send and the whole reply) has one
+deadline, ``timeout_s``, not a timeout per socket read, which a server sending a byte at a time
+would never trip; there are no client retries; and after a connection failure, a command past its
+deadline or a handshake no Redis would answer, a circuit breaker skips Redis entirely (reads miss,
+writes are dropped and counted) until a background thread's PING succeeds again, probing with
+exponential backoff. A backend that fails again soon after it came back (a server that answers
+PING but drips every value) waits twice as long each time. A command Redis answers with an error (a
+write refused at ``maxmemory`` under ``noeviction``, a read-only replica) is a failure of that
+command only: it is counted and the write dropped, but Redis is up and reads go on. Writes always
+go through that background thread, so a slow Redis never sits on a request's path.
 
 First writer wins (``SET NX``) among entries that verify. A key held by a value that does not (a
 planted or damaged entry) is replaced by the next legitimate write, and a read that finds one
@@ -28,6 +32,7 @@ import time
 import numpy as np
 
 from irminsul.cache.registry import Entry, Registry, RegistryStats
+from irminsul.cache.store import deadline
 from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
 from irminsul.cache.store.stats import TierLog, TierStats
 
@@ -47,17 +52,18 @@ return 0
 
 
 class RedisRegistry(Registry):
-    def __init__(self, url: str, layout: RowLayout, socket_timeout: float = 0.25, backoff: tuple = (0.2, 5.0),
+    def __init__(self, url: str, layout: RowLayout, timeout_s: float = 0.25, backoff: tuple = (0.2, 5.0),
                  max_pending: int = 1024, ttl_s: int | None = None):
+        """`timeout_s`: the deadline of one command, its connection and its whole reply included."""
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
         super().__init__()
-        self.url, self.layout, self.ttl_s = url, layout, ttl_s
+        self.url, self.layout, self.ttl_s, self.timeout_s = url, layout, ttl_s, timeout_s
         try:
-            self.client = redis.Redis.from_url(url, socket_timeout=socket_timeout,
-                                               socket_connect_timeout=socket_timeout, retry=Retry(NoBackoff(), 0))
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                               retry=Retry(NoBackoff(), 0), redis_connect_func=deadline.on_connect)
         except ValueError as e:
             raise ValueError(f"--store {url!r} is not a Redis URL ({e}); use redis://host:port/db") from None
         # NOTE: keyed by the store secret's id too: an entry under another secret is never at our key,
@@ -69,7 +75,7 @@ class RedisRegistry(Registry):
         self._delete_if = self.client.register_script(_DELETE)
         self._min_backoff, self._max_backoff = backoff
         self._backoff, self._retry_at = self._min_backoff, 0.0
-        self._up = False  # until the first successful command
+        self._up, self._up_since = False, 0.0  # down until the first successful command
         self._queue: queue.Queue = queue.Queue(max_pending)
         self._wake = threading.Event()
         self._closed = False
@@ -77,7 +83,7 @@ class RedisRegistry(Registry):
         self._failures = self._dropped = self._insertions = self._reconnects = 0
         self.log = TierLog("redis")
         self._entries = self._bytes = 0  # refreshed by the background thread (DBSIZE-like count of our keys)
-        self._probe()
+        self._probe(log=True)
         self._thread = threading.Thread(target=self._run, name="irminsul-redis", daemon=True)
         self._thread.start()
 
@@ -97,22 +103,29 @@ class RedisRegistry(Registry):
 
     def _failed(self) -> None:
         self._failures += 1
-        if self._up:
+        now = time.monotonic()
+        if self._up and now - self._up_since > self._max_backoff:  # after a healthy stretch: start over
             self._backoff = self._min_backoff
-        else:
+        else:  # still down, or down again soon after it came back
             self._backoff = min(self._max_backoff, self._backoff * 2)
-        self._up, self._retry_at = False, time.monotonic() + self._backoff
+        self._up, self._retry_at = False, now + self._backoff
         self._wake.set()
 
-    def _probe(self) -> None:
+    def _probe(self, log: bool = False) -> None:
         try:
-            self.client.ping()
-        except self._errors:
+            self._command(self.client.ping)
+        except self._errors as e:
+            if log:  # (at start; later, the command that failed has said why)
+                self.log.failed(f"connecting to {self.url}", e)
             self._failed()
             return
         if not self._up:
             self._reconnects += 1
-        self._up, self._backoff = True, self._min_backoff
+            self._up, self._up_since = True, time.monotonic()
+
+    def _command(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``: one command or pipeline, its connection and whole reply included."""
+        return deadline.call(self.timeout_s, fn, *args, **kwargs)
 
     def _key(self, fingerprint: int) -> str:
         return f"{self.prefix}{fingerprint:016x}"
@@ -160,17 +173,17 @@ class RedisRegistry(Registry):
             return
         key, blob = self._key(entry.fingerprint), encode(entry, self.layout)
         try:
-            if self.client.set(key, blob, nx=True, ex=self.ttl_s):
+            if self._command(self.client.set, key, blob, nx=True, ex=self.ttl_s):
                 self._insertions += 1
                 return
-            held = self.client.get(key)
+            held = self._command(self.client.get, key)
             problem = self._problem(held, entry.fingerprint) if held is not None else None
             if held is not None and problem is None:
                 return  # first writer wins among entries that verify
             if problem is not None:  # taken by a value that does not verify (planted, damaged)
                 self._corrupt += 1
                 self.log.corrupt(entry.fingerprint, problem)
-            if self._replace(keys=[key], args=[_sha1(held), blob, self.ttl_s or ""]):  # if it is still there
+            if self._command(self._replace, keys=[key], args=[_sha1(held), blob, self.ttl_s or ""]):  # if still there
                 self._insertions += 1
         except self._errors as e:
             self._dropped += 1
@@ -189,17 +202,17 @@ class RedisRegistry(Registry):
         the mean size of one SCAN batch. Both describe the whole Redis db, so give Irminsul a db of
         its own. (Scanning every key every few seconds cost Redis O(keys).)"""
         try:
-            total = self.client.dbsize()
-            _, keys = self.client.scan(cursor=0, count=sample)
+            total = self._command(self.client.dbsize)
+            _, keys = self._command(self.client.scan, cursor=0, count=sample)
             pipe = self.client.pipeline(transaction=False)
             for key in keys[:sample]:
                 pipe.strlen(key)
-            sizes = pipe.execute()
-        except self._errors as e:
+            sizes = self._command(pipe.execute)
+            size = sum(sizes) * total // len(sizes) if sizes else 0
+        except Exception as e:  # NOTE: a reply of the wrong shape (no Redis sent it) too: this thread must live on
             self._error("reading the size", e)
             return
-        self._entries = total
-        self._bytes = sum(sizes) * total // len(sizes) if sizes else 0
+        self._entries, self._bytes = total, size
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until queued writes are done (tests, shutdown); False on timeout."""
@@ -231,7 +244,7 @@ class RedisRegistry(Registry):
         if not self._up:
             return None, None  # NOTE: never wait on a Redis that is known to be down
         try:
-            blob = self.client.get(self._key(fingerprint))
+            blob = self._command(self.client.get, self._key(fingerprint))
         except self._errors as e:
             self._error(f"reading entry {fingerprint:016x}", e)
             return None, None
@@ -248,7 +261,7 @@ class RedisRegistry(Registry):
     def _delete(self, fingerprint: int, blob: bytes) -> None:
         """Delete the key if it still holds ``blob`` (a racing writer's new value is kept)."""
         try:
-            self._delete_if(keys=[self._key(fingerprint)], args=[_sha1(blob)])
+            self._command(self._delete_if, keys=[self._key(fingerprint)], args=[_sha1(blob)])
         except self._errors as e:
             self._error(f"deleting entry {fingerprint:016x}", e)
 
@@ -277,7 +290,7 @@ class RedisRegistry(Registry):
         if not self._up:
             return False
         try:
-            return bool(self.client.exists(self._key(fingerprint)))
+            return bool(self._command(self.client.exists, self._key(fingerprint)))
         except self._errors as e:
             self._error("checking an entry", e)
             return False
