@@ -43,6 +43,9 @@ def register(sub) -> None:
                         "(no persistence, LRU within 2 GB), stopped with the server or the fleet")
     p.add_argument("--redis-ttl", type=int, default=None, metavar="SECONDS",
                    help="expire Redis entries after this long (default: never; Redis's maxmemory policy bounds it)")
+    p.add_argument("--redis-timeout", type=float, default=StoreConfig().redis_timeout_s, metavar="SECONDS",
+                   help="the deadline of one Redis command, connecting and reading the whole reply included; past "
+                        "it the read is a miss and the tier is skipped until Redis answers again")
     p.add_argument("--max-running-requests", type=int, default=DEFAULTS.max_running_requests,
                    help="requests the engine runs at once; the rest wait")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULTS.max_queued_requests,
@@ -103,7 +106,8 @@ def config_from_args(args):
     if disk_bytes < 1 and any(s.startswith("disk:") for s in args.store or ()):
         raise ServerConfigError(f"--disk-budget {args.disk_budget} holds nothing; give it a size, or drop the disk tier")
     try:
-        store = StoreConfig(tuple(args.store or ("memory",)), disk_bytes=disk_bytes, redis_ttl_s=args.redis_ttl)
+        store = StoreConfig(tuple(args.store or ("memory",)), disk_bytes=disk_bytes, redis_ttl_s=args.redis_ttl,
+                            redis_timeout_s=args.redis_timeout)
     except ValueError as e:
         raise ServerConfigError(str(e)) from None
     return ServerConfig(
