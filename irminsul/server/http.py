@@ -68,7 +68,8 @@ def _raw_response(status: int, reason: str, message: str) -> bytes:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with header and body deadlines and a connection cap (module docstring).
+    """uvicorn's h11 protocol with read and write deadlines, a cap on a body's pieces and a connection
+    cap (module docstring).
     uvicorn builds one per connection: `http=functools.partial(GuardedH11Protocol, limits=...)`."""
 
     def __init__(self, *args, limits: ConnectionLimits, **kwargs):
