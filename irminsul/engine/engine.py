@@ -158,7 +158,7 @@ class Engine:
         if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:  # (it could never stop the output)
             raise RequestError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if params.constraint is not None and matcher is None:
-            matcher = self.grammars.matcher(params.constraint)
+            matcher = self.grammars.matcher(params.constraint, tenant)
         if leader is not None and (leader.tokens[: leader.prompt_len] != tokens or leader.tenant != tenant):
             raise ValueError("a leader must be a choice of the same prompt, for the same tenant")
         return Sequence(tokens=tokens, prompt_len=len(tokens), params=params, segment_starts=segment_starts,

@@ -159,9 +159,11 @@ class Grammars:
     """The tokenizer view llguidance needs (built once per engine), the compiled constraints and
     the batched mask.
 
-    A constraint is compiled once while it is among the last KEEP_COMPILED asked for: the n choices
-    of a request, and the requests of an agent that sends the same tools each turn, each get a
-    copy of one compiled matcher (a fresh state: llguidance's deep_copy shares the grammar)."""
+    A constraint is compiled once while it is among the last KEEP_COMPILED asked for in its scope:
+    the n choices of a request, and the requests of an agent that sends the same tools each turn,
+    each get a copy of one compiled matcher (a fresh state: llguidance's deep_copy shares the
+    grammar). NOTE: the scope is the tenant: a compile another tenant's request saved would tell,
+    by the time it took, what that tenant sent."""
 
     KEEP_COMPILED = 16
 
@@ -171,19 +173,20 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self._executor = llguidance.LLExecutor()
-        self._compiled: collections.OrderedDict[Constraint, concurrent.futures.Future] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.Lock()  # (matchers are made on the server's worker threads)
 
-    def matcher(self, constraint: Constraint):
+    def matcher(self, constraint: Constraint, scope: str | None = None):
         """A fresh matcher for one sequence; a grammar that does not compile is the request's error.
         (Compiling may take up to a second for a huge grammar: call it off the engine thread. A
-        thread that asks for a constraint another is compiling waits for that one.)"""
+        thread that asks for a constraint another is compiling in the same `scope` waits for that one.)"""
+        key = (scope, constraint)
         with self._lock:
-            compiled = self._compiled.pop(constraint, None)
+            compiled = self._compiled.pop(key, None)
             mine = compiled is None
             if mine:
                 compiled = concurrent.futures.Future()
-            self._compiled[constraint] = compiled  # (the most recently asked for last)
+            self._compiled[key] = compiled  # (the most recently asked for last)
             while len(self._compiled) > self.KEEP_COMPILED:
                 self._compiled.popitem(last=False)
         if mine:
@@ -191,8 +194,8 @@ class Grammars:
                 compiled.set_result(on_large_stack(lambda: self._compile(constraint)))
             except BaseException as e:  # not kept: the next request compiles again, as before
                 with self._lock:
-                    if self._compiled.get(constraint) is compiled:
-                        del self._compiled[constraint]
+                    if self._compiled.get(key) is compiled:
+                        del self._compiled[key]
                 compiled.set_exception(e)
         return compiled.result().deep_copy()
 

@@ -197,10 +197,11 @@ class EngineClient:
         """Whether one request of `n_tokens` rows (prompt + output) fits the KV pool at all."""
         return n_tokens <= self.kv_rows
 
-    def matcher(self, constraint):
+    def matcher(self, constraint, tenant: str | None = None):
         """A fresh grammar state for a structured-output constraint (compiled on the caller's thread:
-        a worker's, never the engine's); a ValueError when the constraint cannot be compiled."""
-        return self.engine.grammars.matcher(constraint)
+        a worker's, never the engine's, once per tenant while it is recent); a ValueError when the
+        constraint cannot be compiled."""
+        return self.engine.grammars.matcher(constraint, tenant)
 
     def submit(self, job: Job) -> None:
         with self._count_lock:

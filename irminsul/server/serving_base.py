@@ -202,17 +202,17 @@ class OpenAIServing:
                 seeded = params if params.seed is None or i == 0 else \
                     dataclasses.replace(params, seed=(params.seed + i) % SEED_RANGE)
                 jobs.append(Job(tokens=tokens, params=seeded, emit=None, segment_starts=prompts.segment_starts,
-                                tenant=tenant, matcher=self._matcher(prompts), leader=leader,
+                                tenant=tenant, matcher=self._matcher(prompts, tenant), leader=leader,
                                 shown_reason=shown_reason))
                 leader = leader or jobs[-1]  # the other choices share the first one's prompt rows
         return jobs
 
-    def _matcher(self, prompts: Prompts):
+    def _matcher(self, prompts: Prompts, tenant: str | None):
         """A fresh grammar state for one job (compiled here, on a worker thread, not the engine's)."""
         if prompts.constraint is None:
             return None
         try:
-            return self.client.matcher(prompts.constraint)
+            return self.client.matcher(prompts.constraint, tenant)
         except ValueError as e:
             raise APIError(400, f"{prompts.constrained_by}: {e}", param=prompts.constrained_by) from None
 

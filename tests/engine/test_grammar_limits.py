@@ -216,3 +216,15 @@ def test_a_constraint_is_compiled_once_for_all_its_matchers(grammars, monkeypatc
         with pytest.raises(RequestError, match="could not be compiled"):
             grammars.matcher(bad)
     assert len(compiled) == 3
+
+
+def test_tenants_never_share_a_compiled_constraint(grammars, monkeypatch):
+    """A compile one tenant's request saved would tell another, by how long its own took, that the
+    same schema had been sent: the compiled constraints are kept per tenant."""
+    compiled = []
+    grammar = Constraint.grammar
+    monkeypatch.setattr(Constraint, "grammar", lambda self: compiled.append(self) or grammar(self))
+    c = Constraint.choice(["left", "right"])
+    for tenant in ("key:a", "key:a", "key:b", "key:a|salt:x", None, None):
+        grammars.matcher(c, tenant)
+    assert len(compiled) == 4  # a, b, a's salt, the default tenant: once each
