@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from irminsul.integrations.vllm.spans import SpanIndex, rotate_interleaved
+from irminsul.kvcache.namespaces import SHARED
 
 
 def test_a_moved_document_is_loaded_and_its_header_computed():
@@ -35,3 +36,42 @@ def test_rotation_by_delta_is_encoding_at_the_new_position():
         return rotate_interleaved(x, p, inv_freq)
 
     assert torch.allclose(rotate_interleaved(encode(k, 100).float(), 37, inv_freq), encode(k, 137).float(), atol=1e-5)
+
+
+def test_a_chunk_stored_again_gets_a_new_key():
+    """The engine keeps rows under the key of each registration: a chunk evicted and registered again
+    gets a new key, so the drop of its old rows, whenever it reaches the worker, frees nothing new."""
+    rng = np.random.default_rng(1)
+    doc, other = rng.integers(0, 256, 400).tolist(), rng.integers(0, 256, 400).tolist()
+    index = SpanIndex("m", bytes_per_token=1, budget_bytes=450)
+    first = index.plan(doc)
+    old = {s.key for s in index.to_save(first, len(doc))}
+    index.release(first)
+    second = index.plan(other)
+    index.to_save(second, len(other))  # evicts some of the document's chunks
+    index.release(second)
+    dropped = set(index.evicted())
+    assert old & dropped
+    third = index.plan(doc)
+    new = {s.key for s in index.to_save(third, len(doc))}
+    index.release(third)
+    assert new and not new & dropped and not new & old
+
+
+def test_tenants_see_their_own_chunks_and_the_shared_ones():
+    """A tenant's plan loads its own chunks and the shared namespace's, never another tenant's."""
+    rng = np.random.default_rng(2)
+    doc, public, ha, hb = (rng.integers(0, 256, n).tolist() for n in (600, 600, 40, 75))
+    index = SpanIndex("m", bytes_per_token=1, budget_bytes=10**6)
+
+    def loaded(tokens, tenant):
+        spans = index.plan(tokens, tenant)
+        index.to_save(spans, len(tokens))
+        index.release(spans)
+        return sum(len(x) for x in spans.loads)
+
+    assert loaded(ha + doc, "|salt:a") == 0
+    assert loaded(hb + doc, "|salt:b") == 0 and loaded(hb + doc, None) == 0
+    assert loaded(hb + doc, "|salt:a") > 400
+    assert loaded(ha + public, SHARED) == 0
+    assert all(loaded(hb + public, t) > 400 for t in ("|salt:a", "|salt:b", None))

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,38 @@ def test_new_tokens_after_loaded_rows_are_computed_in_one_step(two_layers):
     # vLLM alone computes these rows with its SDPA prefill, vLLM + Irminsul with the decode kernel
     # after loaded rows: within the distance vLLM's two paths have on this checkpoint (docs/vllm.md)
     assert _max_diff(irm["logprobs"], alone["logprobs"]) <= 0.25
+
+
+def _drive(path, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    p = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_driver.py")), str(path), *args],
+                       capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, p.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_a_full_registry_keeps_serving(two_layers):
+    """100 requests, up to four at a time, through a registry smaller than one document (400 tokens of
+    rows; documents of 600 tokens, each behind eight new headers in turn): chunks are evicted in one step
+    and stored again in the next, and every request is served, its stored rows all on the worker. A
+    request whose stored rows the worker lost is recomputed, not an error."""
+    result = _drive(two_layers, "cycle", "100")
+    assert result["finished"] == 100
+    assert result["missed_rows"] == 0  # the worker held every row the registry planned
+    assert sum(x["loaded_tokens"] for x in result["stats"]) > 0 and result["registry_entries"] > 0
+    # rows the worker no longer has are a miss: the request is recomputed and served
+    lost = result["after_loss"]
+    assert lost["tokens"] == 2 and lost["missed_rows"] > 0 and lost["loaded_tokens"] == 0, lost
+
+
+def test_cache_salts_keep_tenants_apart(two_layers):
+    """A document cached under one cache_salt is loaded under the same salt, never under another nor
+    without one (0 rows); one published under the operator's publish_salt is loaded under every salt."""
+    loaded = [(x["salt"], x["loaded_tokens"]) for x in _drive(two_layers, "salts")["requests"]]
+    assert [n for _, n in loaded[:3]] == [0, 0, 0], loaded
+    assert loaded[3][1] >= 400, loaded
+    assert loaded[4][1] == 0 and all(n >= 400 for _, n in loaded[5:]), loaded
 
 
 def test_vllm_rotary_layout_is_what_the_connector_rotates():

@@ -9,10 +9,19 @@ connector does two jobs and `IrminsulScheduler` (scheduler.py) the third:
   metadata which rows to load into which slots (with their RoPE shift δ) and which computed chunks to
   copy out of the cache into the row store; forget a plan when its request finishes;
 - worker side: hold the rows (`[layers, len, kv_lora_rank + rope_dim]`, `k_pe` as vLLM stores it:
-  rotated at the chunk's source positions), write loads into vLLM's MLA cache before the forward
-  (`c_KV` copied, `k_pe` rotated by δ), copy saves out after it;
+  rotated at the chunk's source positions) under the key each registration gets, write loads into
+  vLLM's MLA cache before the forward (`c_KV` copied, `k_pe` rotated by δ), copy saves out after it,
+  then free the rows of the keys dropped. A load whose rows the worker lacks is a miss, never an
+  error: its blocks are reported to vLLM, which recomputes the request from the first of them, and
+  the scheduler side stops planning that entry;
 - the scheduler subclass stops a prefill step at the start of a loaded span, and at the next step
   moves the request's `num_computed_tokens` over the span (see docs/vllm.md).
+
+Tenants: a request's `cache_salt` subdivides the connector's tenant (`kv_connector_extra_config`
+"tenant", default ""), as Irminsul's own server subdivides an API key's; a request without one is the
+tenant itself. Each searches its own namespace, then the operator's shared one (`SHARED`), which a
+request fills when its `cache_salt` is the operator's secret `publish_salt` (extra config; unset, no
+request can publish).
 
 Use: `--kv-transfer-config '{"kv_connector": "IrminsulConnector", "kv_connector_module_path":
 "irminsul.integrations.vllm.connector", "kv_role": "kv_both"}' --scheduler-cls
@@ -21,9 +30,11 @@ irminsul.integrations.vllm.scheduler.IrminsulScheduler`.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,19 +45,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from irminsul.integrations.vllm.spans import Load, RequestSpans, SpanIndex, rotate_interleaved
+from irminsul.kvcache.namespaces import SHARED
 
 log = logging.getLogger("irminsul.vllm")
 
 # every live connector, by role (an in-process engine's tests and benchmarks read their counters)
 INSTANCES: dict[str, list["IrminsulConnector"]] = {"scheduler": [], "worker": []}
+KEEP_FINISHED = 1024  # finished requests whose stats stay readable
 
 
 @dataclass
 class SlotLoad:
-    fingerprint: int
+    request_id: str
+    key: int  # the stored rows (spans.Load.key)
     src_offset: int
     length: int
     delta: int
@@ -55,15 +70,30 @@ class SlotLoad:
 
 @dataclass
 class SlotSave:
-    fingerprint: int
+    request_id: str
+    key: int
     slots: np.ndarray
 
 
 @dataclass
 class IrminsulMetadata(KVConnectorMetadata):
+    """One step's work for the worker: loads before the forward, then saves, then drops."""
     loads: list[SlotLoad] = field(default_factory=list)
     saves: list[SlotSave] = field(default_factory=list)
+    # NOTE: applied after the saves: a key saved and evicted in the same step is then not held; a key
+    # is never saved again, so a drop that arrives late frees nothing a later save wrote
     drops: list[int] = field(default_factory=list)
+
+
+@dataclass
+class IrminsulWorkerMetadata(KVConnectorWorkerMetadata):
+    """What a worker could not do in a step, back to the scheduler side."""
+    missed: dict[str, list[int]] = field(default_factory=dict)  # request id -> keys it lacked for its loads
+    unsaved: list[int] = field(default_factory=list)  # keys not saved: their request read a missed load
+
+    def aggregate(self, other: "IrminsulWorkerMetadata") -> "IrminsulWorkerMetadata":
+        missed = {rid: self.missed.get(rid, []) + other.missed.get(rid, []) for rid in {**self.missed, **other.missed}}
+        return IrminsulWorkerMetadata(missed, self.unsaved + other.unsaved)
 
 
 @dataclass
@@ -107,12 +137,16 @@ class IrminsulConnector(KVConnectorBase_V1):
         n_layers = raw.get("num_hidden_layers", 1)
         if role == KVConnectorRole.SCHEDULER:
             budget = int(float(extra.get("registry_gib", 1.0)) * 2**30)
+            self.tenant = str(extra.get("tenant", ""))
+            self.publish_salt = extra.get("publish_salt")  # a request with this cache_salt writes to SHARED
             self.index = SpanIndex(str(vllm_config.model_config.model), n_layers * self.row_width * 2, budget,
-                                   tenant=str(extra.get("tenant", "")), sink=int(extra.get("sink", 32)))
+                                   tenant=self.tenant, sink=int(extra.get("sink", 32)))
             self.requests: dict[str, Any] = {}  # request id -> the vLLM Request
             self.spans: dict[str, RequestSpans] = {}
             self.pending: dict[str, list[Load]] = {}  # loads moved over, waiting for their blocks
-            self.stats: dict[str, RequestStats] = {}
+            self.loaded: dict[str, list[tuple[int, int]]] = {}  # the rows [start, end) moved over
+            self.stats: dict[str, RequestStats] = {}  # live requests and the last KEEP_FINISHED
+            self.finished: deque[str] = deque()
             # the CPU reference MLA backend cannot prefill after cached rows (no chunked context), so a
             # compute span after a load goes through its decode kernel, `after_load_chunk` tokens a step
             # (cpu_mla.py; 0 when the backend has chunked prefill and the span is one chunk)
@@ -125,9 +159,12 @@ class IrminsulConnector(KVConnectorBase_V1):
 
                 cpu_mla.enable(chunk)  # (before the worker builds its attention metadata builders)
             self.inv_freq = _inv_freq(raw)
-            self.rows: dict[int, torch.Tensor] = {}  # fingerprint -> [layers, len, row_width]
+            self.rows: dict[int, torch.Tensor] = {}  # key -> [layers, len, row_width]
             self.layers: list[torch.Tensor] = []  # each layer's cache viewed as [slots, row_width]
-            self.loaded_rows = self.saved_rows = 0
+            self.loaded_rows = self.saved_rows = self.missed_rows = 0
+            self.missed: dict[str, list[int]] = {}  # this step's loads without rows, by request
+            self.unsaved: list[int] = []
+            self.invalid_blocks: set[int] = set()  # the blocks those loads were to fill
             INSTANCES["worker"].append(self)
 
     # ------------------------------------------------------------------ worker side
@@ -141,7 +178,13 @@ class IrminsulConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         for load in meta.loads:
-            rows = self.rows[load.fingerprint][:, load.src_offset:load.src_offset + load.length]
+            stored = self.rows.get(load.key)
+            if stored is None:  # a miss: vLLM recomputes the request from the first of these blocks
+                self.missed.setdefault(load.request_id, []).append(load.key)
+                self.invalid_blocks.update((load.slots // self.block_size).tolist())
+                self.missed_rows += load.length
+                continue
+            rows = stored[:, load.src_offset:load.src_offset + load.length]
             slots = torch.from_numpy(load.slots)
             k_pe = rotate_interleaved(rows[..., self.kv_lora_rank:], load.delta, self.inv_freq)
             for layer, (c_kv, pe) in zip(self.layers, zip(rows[..., :self.kv_lora_rank], k_pe)):
@@ -160,11 +203,25 @@ class IrminsulConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         for save in meta.saves:
+            if save.request_id in self.missed:  # computed over rows that were never written
+                self.unsaved.append(save.key)
+                continue
             slots = torch.from_numpy(save.slots)
-            self.rows[save.fingerprint] = torch.stack([layer[slots] for layer in self.layers])
+            self.rows[save.key] = torch.stack([layer[slots] for layer in self.layers])
             self.saved_rows += len(save.slots)
-        for fp in meta.drops:
-            self.rows.pop(fp, None)
+        for key in meta.drops:
+            self.rows.pop(key, None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self.invalid_blocks = self.invalid_blocks, set()
+        return out
+
+    def build_connector_worker_meta(self) -> IrminsulWorkerMetadata | None:
+        if not self.missed and not self.unsaved:
+            return None
+        out = IrminsulWorkerMetadata(self.missed, self.unsaved)
+        self.missed, self.unsaved = {}, []
+        return out
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -172,12 +229,23 @@ class IrminsulConnector(KVConnectorBase_V1):
         if rid in self.spans:  # asked again (the request was not admitted, or was preempted)
             self.index.release(self.spans.pop(rid))
         self.pending.pop(rid, None)
-        spans = self.index.plan(request.prompt_token_ids)
+        self.loaded.pop(rid, None)
+        spans = self.index.plan(request.prompt_token_ids, self.tenant_of(request))
         spans.loads = [load for load in spans.loads if load.start >= num_computed_tokens]
         self.requests[rid], self.spans[rid] = request, spans
         self.stats[rid] = RequestStats(prompt_tokens=spans.n,
                                        planned_load_tokens=sum(len(x) for x in spans.loads))
         return 0, False  # nothing right after the prefix: a carve-out or a new header comes first
+
+    def tenant_of(self, request) -> str | None:
+        """The request's namespace: its cache_salt subdivides the connector's tenant (None: no salt, the
+        tenant itself); the operator's publish_salt names the shared namespace."""
+        salt = request.cache_salt
+        if not salt:  # (vLLM's prefix cache ignores an empty salt too)
+            return None
+        if self.publish_salt is not None and hmac.compare_digest(salt.encode(), str(self.publish_salt).encode()):
+            return SHARED
+        return f"{self.tenant}|salt:{salt}"
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         return
@@ -185,12 +253,12 @@ class IrminsulConnector(KVConnectorBase_V1):
     def clip(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """The scheduler's chunk for a request, stopped where a load begins."""
         spans = self.spans.get(request.request_id)
-        if spans is None or not spans.loads or num_computed_tokens >= spans.n:
+        if spans is None or num_computed_tokens >= spans.n:
             return num_new_tokens
         stop = spans.next_load_start(num_computed_tokens - 1)
         if stop is not None and stop > num_computed_tokens:
             num_new_tokens = min(num_new_tokens, stop - num_computed_tokens)
-        if self.after_load_chunk and num_computed_tokens > spans.loads[0].start:
+        if self.after_load_chunk and num_computed_tokens > 0:  # rows before it: loaded, or kept by a recompute
             num_new_tokens = min(num_new_tokens, self.after_load_chunk)
         return num_new_tokens
 
@@ -206,6 +274,7 @@ class IrminsulConnector(KVConnectorBase_V1):
                 continue
             request.num_computed_tokens = run[-1].end
             self.pending.setdefault(request.request_id, []).extend(run)
+            self.loaded.setdefault(request.request_id, []).extend((x.start, x.end) for x in run)
             self.stats[request.request_id].loaded_tokens += sum(len(x) for x in run)
             moved = True
         return moved
@@ -216,13 +285,13 @@ class IrminsulConnector(KVConnectorBase_V1):
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def build_connector_meta(self, scheduler_output) -> IrminsulMetadata:
-        meta = IrminsulMetadata(drops=self.index.evicted())
+        meta = IrminsulMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for rid, loads in list(self.pending.items()):
             if rid not in scheduled:
                 continue  # its blocks come with the step that schedules it
             for load in loads:
-                meta.loads.append(SlotLoad(load.fingerprint, load.src_offset, len(load), load.delta,
+                meta.loads.append(SlotLoad(rid, load.key, load.src_offset, len(load), load.delta,
                                            self._slots(rid, load.start, load.end)))
             del self.pending[rid]
         for rid, n in scheduled.items():
@@ -233,9 +302,28 @@ class IrminsulConnector(KVConnectorBase_V1):
             if start < spans.n:
                 self.stats[rid].computed_prompt_tokens += min(n, spans.n - start)
             upto = min(start + n, spans.n)
-            for chunk in self.index.to_save(spans, upto):
-                meta.saves.append(SlotSave(chunk.fingerprint, self._slots(rid, chunk.start, chunk.end)))
+            for save in self.index.to_save(spans, upto):
+                meta.saves.append(SlotSave(rid, save.key, self._slots(rid, save.start, save.end)))
+        meta.drops = self.index.evicted()  # (this step's evictions included)
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """The worker's misses: vLLM has moved each such request back to the first block a load left
+        unwritten (IrminsulScheduler's recompute policy); here the entries stop being planned, for
+        these requests and every later one."""
+        report = connector_output.kv_connector_worker_meta
+        if not isinstance(report, IrminsulWorkerMetadata):
+            return
+        lost = {key for keys in report.missed.values() for key in keys} | set(report.unsaved)
+        for rid, spans in self.spans.items():
+            spans.loads = [x for x in spans.loads if x.key not in lost]
+            if rid in report.missed and rid in self.requests:
+                log.warning("irminsul: request %s: %d stored chunks were not on the worker; recomputing them",
+                            rid, len(report.missed[rid]))
+                pos = self.requests[rid].num_computed_tokens  # (rows after it are computed again)
+                self.loaded[rid] = [(a, min(b, pos)) for a, b in self.loaded.get(rid, []) if a < pos]
+                self.stats[rid].loaded_tokens = sum(b - a for a, b in self.loaded[rid])
+        self.index.lose(lost)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         rid = request.request_id
@@ -245,6 +333,10 @@ class IrminsulConnector(KVConnectorBase_V1):
             st = self.stats[rid]
             log.info("irminsul: request %s: %d prompt tokens, %d loaded from the registry, %d computed",
                      rid, st.prompt_tokens, st.loaded_tokens, st.computed_prompt_tokens)
+            self.finished.append(rid)
+            while len(self.finished) > KEEP_FINISHED:
+                self.stats.pop(self.finished.popleft(), None)
         self.requests.pop(rid, None)
         self.pending.pop(rid, None)
+        self.loaded.pop(rid, None)
         return False, None

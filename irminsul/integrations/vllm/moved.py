@@ -43,7 +43,10 @@ class VllmRun:
     worker_loaded_rows: int = 0
 
 
-def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: int = 4096, **extra):
+def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: int = 4096,
+              connector_extra: dict | None = None, **extra):
+    """An in-process vLLM engine, with Irminsul's connector and scheduler when `irminsul`
+    (`connector_extra`: its kv_connector_extra_config)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: counters readable
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for these prompts
     from vllm import LLM
@@ -61,7 +64,8 @@ def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: 
 
         from irminsul.integrations.vllm import CONNECTOR, SCHEDULER
 
-        options.update(kv_transfer_config=KVTransferConfig(**CONNECTOR), scheduler_cls=SCHEDULER)
+        transfer = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=connector_extra or {})
+        options.update(kv_transfer_config=transfer, scheduler_cls=SCHEDULER)
     return LLM(path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, max_num_seqs=4,
                async_scheduling=False, max_logprobs=20, seed=0, gpu_memory_utilization=0.15, **options, **extra)
 

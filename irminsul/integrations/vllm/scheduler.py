@@ -10,6 +10,10 @@ scheduler:
 - `schedule` first moves every running request that stands at the start of a loaded span over it
   (`num_computed_tokens += len(span)`; the step's `allocate_slots` then gives it the blocks the
   rows land in), and marks the step's loads synchronous so the worker writes them before the forward.
+
+A load the worker cannot serve is a cache miss, so the scheduler recomputes the request from the
+first block it left unwritten (vLLM's "recompute" load-failure policy, whatever the kv-transfer
+config says), never fails it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from irminsul.integrations.vllm.connector import IrminsulConnector
 
 
 class IrminsulScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self._irminsul() is not None:
+            self.recompute_kv_load_failures = True
+
     def _irminsul(self) -> IrminsulConnector | None:
         return self.connector if isinstance(self.connector, IrminsulConnector) else None
 
