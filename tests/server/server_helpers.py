@@ -1,6 +1,8 @@
 """Helpers for the server tests: start servers, read /metrics, send chat requests."""
 
 import re
+import threading
+import time
 
 import httpx
 
@@ -45,3 +47,64 @@ def chat(url: str, messages, max_tokens: int = 4, headers=None, **extra) -> dict
     r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def loop_stall(url: str) -> float | None:
+    """The server's longest event-loop stall so far (irminsul_event_loop_stall_seconds_max), None
+    where its /metrics has no such gauge."""
+    found = re.findall(r"^irminsul_event_loop_stall_seconds_max(?:\{[^}]*\})?\s+(\S+)$",
+                       httpx.get(url + "/metrics", timeout=30).text, re.M)
+    return max(map(float, found)) if found else None
+
+
+class HealthProbe:
+    """GET /health every `period` seconds, each on a fresh connection, from a thread of its own: how
+    long each took and what it answered (None: no answer within `timeout`)."""
+
+    def __init__(self, url: str, period: float = 0.25, timeout: float = 30.0):
+        self.url, self.period, self.timeout = url, period, timeout
+        self.probes: list[tuple[float, float | None, int | None]] = []  # (start, seconds, status)
+        self.current: float | None = None  # the start of the probe in flight
+        self.started = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-probe", daemon=True)
+
+    def start(self) -> "HealthProbe":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(self.timeout + 5)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            start = self.current = time.monotonic()
+            try:
+                status = httpx.get(self.url + "/health", timeout=self.timeout).status_code
+            except httpx.HTTPError:
+                status = None
+            self.probes.append((start, time.monotonic() - start, status))
+            self.current = None
+            self._done.wait(self.period)
+
+    def worst(self, start: float, end: float) -> float:
+        """The slowest probe in flight at any time in [start, end] (one still in flight: so far)."""
+        spans = [(s, s + d) for s, d, _ in list(self.probes)]
+        if (current := self.current) is not None:
+            spans.append((current, time.monotonic()))
+        return max((e - s for s, e in spans if s < end and e > start), default=0.0)
+
+    def answers(self, start: float, end: float) -> list[int | None]:
+        """The statuses of the probes that started in [start, end]."""
+        return [status for s, _, status in list(self.probes) if start <= s <= end]
+
+    def quick(self, bound: float, timeout: float) -> bool:
+        """Wait until a probe that starts from now answers 200 within `bound` seconds; False if none
+        has within `timeout`."""
+        since, end = time.monotonic(), time.monotonic() + timeout
+        while time.monotonic() < end:
+            if any(s >= since and d <= bound and status == 200 for s, d, status in list(self.probes)):
+                return True
+            time.sleep(0.05)
+        return False
