@@ -294,7 +294,7 @@ def _tokenize(state: ServerState, raw: bytes) -> dict:
     from irminsul.server.protocol import TokenizeRequest, TokenizeResponse, parse_body
     from irminsul.server.serving_base import text_chars
 
-    req = parse_body(raw, TokenizeRequest)
+    req = parse_body(raw, TokenizeRequest, state.context)
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of 'prompt' (a string) or 'messages' (a chat)")
@@ -302,7 +302,7 @@ def _tokenize(state: ServerState, raw: bytes) -> dict:
         state.check_text(len(req.prompt), "prompt", "prompt")
         ids = state.tokenizer.encode(req.prompt, None if req.add_special_tokens else False)
     else:
-        state.check_text(text_chars(req.messages), "messages", "messages")
+        state.check_text(text_chars(req.messages) + text_chars(req.tools), "messages", "messages")
         try:
             ids = state.renderer.render(req.messages, req.tools, req.add_generation_prompt,
                                         req.continue_final_message, req.chat_template_kwargs).token_ids
@@ -314,11 +314,8 @@ def _tokenize(state: ServerState, raw: bytes) -> dict:
 def _detokenize(state: ServerState, raw: bytes) -> dict:
     from irminsul.server.protocol import DetokenizeRequest, DetokenizeResponse, parse_body
 
-    req = parse_body(raw, DetokenizeRequest)
+    req = parse_body(raw, DetokenizeRequest, state.context)
     state.check_model(req.model)
-    if len(req.tokens) > state.context:  # (whatever the model reads or writes fits in its context)
-        raise APIError(400, f"tokens holds {len(req.tokens):,} ids; at most {state.context} (the model's context) "
-                            f"per request", param="tokens")
     vocab = state.client.vocab_size
     if bad := [t for t in req.tokens if not 0 <= t < vocab]:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
@@ -348,7 +345,7 @@ def _publish_tokens(state: ServerState, raw: bytes) -> tuple[list[int], str]:
     """A publish body's document as token ids, and the field it came in (on a worker thread)."""
     from irminsul.server.protocol import PublishRequest, parse_body
 
-    req = parse_body(raw, PublishRequest)
+    req = parse_body(raw, PublishRequest, state.context)
     state.check_model(req.model)
     if state.client.reuse not in ("pic", "naive"):
         raise APIError(400, f"publishing needs content reuse (--reuse pic or naive); this server runs "

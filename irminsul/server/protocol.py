@@ -12,15 +12,18 @@ null when OpenAI's API sends null, and absent when it leaves the field out (a mo
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import threading
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_serializer, model_validator
 from starlette.requests import ClientDisconnect
 
 from irminsul.engine.grammar import Constraint
-from irminsul.engine.grammar_limits import parse_json
-from irminsul.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from irminsul.engine.grammar_limits import MAX_OPTIONS, parse_json
+from irminsul.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from irminsul.engine.sequence import RequestStats
 from irminsul.errors import RequestError
 
@@ -163,6 +166,16 @@ MAX_DEPTH = 64  # nesting of JSON arrays and objects a request may use
 MAX_STOP, MAX_STOP_CHARS = 16, 1024
 MAX_MESSAGES, MAX_TOOLS, MAX_PARTS = 4096, 512, 16384  # MAX_PARTS: content parts in all a request's messages
 MAX_CHOICES = 64  # n x prompts of one request
+# OpenAI's bounds on metadata (it is echoed into the response and three of its stream events)
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+MAX_TEMPLATE_KWARGS = 64  # entries of chat_template_kwargs
+# How many items each list- or map-valued field may hold, checked on the decoded JSON before
+# anything walks it (validation holds Python's lock: a million items of an 8 MiB body are seconds
+# in which no other thread runs). Fields of token ids are bounded by the context (`check_sizes`).
+SIZE_BOUNDS = {"messages": MAX_MESSAGES, "input": MAX_MESSAGES, "tools": MAX_TOOLS, "stop": MAX_STOP,
+               "stop_token_ids": MAX_STOP, "logit_bias": MAX_LOGIT_BIAS, "metadata": MAX_METADATA,
+               "guided_choice": MAX_OPTIONS, "include": 16, "chat_template_kwargs": MAX_TEMPLATE_KWARGS}
+ID_FIELDS = ("tokens", "token_ids")  # /detokenize's and publishing's
 
 
 async def read_body(request, limit: int) -> bytes:
@@ -258,18 +271,69 @@ def body_schema(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-def parse_body(raw: bytes, model: type[BaseModel]):
-    """Raw body -> request model; every failure is a 400 that says what was wrong."""
+def parse_body(raw: bytes, model: type[BaseModel], context: int | None = None):
+    """Raw body -> request model; every failure is a 400 that says what was wrong. `context`: the
+    model's, which bounds lists of token ids (None: left to the checks after parsing)."""
     try:
-        data = json.loads(raw)
+        with _collector_paused():
+            data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     except RecursionError:
         raise APIError(400, f"the request nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_sizes(data, context)
     check_values(data)
     return validated(model, data)
+
+
+_paused = [0]  # parses under way with the collector paused
+_paused_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while a body is decoded: a body of a million small
+    lists makes a million containers, and the collections they set off walk every object the
+    process holds, the model's included, several times over (3x the decode alone, all of it holding
+    Python's lock, so the event loop waits too). Nothing decoded can be garbage yet."""
+    with _paused_lock:
+        _paused[0] += 1
+        if _paused[0] == 1:
+            gc.disable()
+    try:
+        yield
+    finally:
+        with _paused_lock:
+            _paused[0] -= 1
+            if _paused[0] == 0:
+                gc.enable()
+
+
+def check_sizes(data: dict, context: int | None) -> None:
+    """Every list- or map-valued field within its bound (SIZE_BOUNDS; token ids within the context),
+    counted before anything walks the request: O(its fields)."""
+    for field, most in SIZE_BOUNDS.items():
+        value = data.get(field)
+        if isinstance(value, (list, dict)) and len(value) > most:
+            raise APIError(400, f"{field} has {len(value):,} items; at most {most} per request", param=field)
+    if context is None:
+        return
+    for field in ID_FIELDS:
+        value = data.get(field)
+        if isinstance(value, list) and len(value) > context:
+            raise APIError(400, f"{field} holds {len(value):,} ids; at most {context} (the model's context) per "
+                                f"request", param=field)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch of prompts
+        if len(prompt) > MAX_CHOICES:
+            raise APIError(400, f"prompt holds {len(prompt):,} prompts; at most {MAX_CHOICES} per request",
+                           param="prompt")
+        prompt = max((p for p in prompt if isinstance(p, list)), key=len, default=None)
+    if isinstance(prompt, list) and len(prompt) >= context:  # (token ids: one position is left to answer)
+        raise context_exceeded(context, f"your prompt has {len(prompt):,} tokens (at most {context - 1} leave "
+                                        f"room for an answer)", "prompt", "prompt")
 
 
 def validated(model: type[BaseModel], data: dict):
@@ -304,21 +368,17 @@ def check_supported(req: _Common, messages: str = "messages") -> None:
     for param, bad, message in refuse:
         if bad:
             raise APIError(400, message, param=param, code="unsupported_parameter")
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])  # (their number: check_sizes)
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise APIError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each",
                        param="stop")
-    if len(req.stop_token_ids or []) > MAX_STOP:
-        raise APIError(400, f"stop_token_ids takes at most {MAX_STOP} ids", param="stop_token_ids")
     if isinstance(req, ChatCompletionRequest):
-        if len(req.messages) > MAX_MESSAGES:
+        if len(req.messages) > MAX_MESSAGES:  # (a Responses request's input, converted)
             raise APIError(400, f"at most {MAX_MESSAGES} messages per request", param=messages)
         if sum(len(m["content"]) for m in req.messages
                if isinstance(m, dict) and isinstance(m.get("content"), list)) > MAX_PARTS:
             raise APIError(400, f"at most {MAX_PARTS} content parts per request (in all its messages)",
                            param=messages)
-        if len(req.tools or []) > MAX_TOOLS:
-            raise APIError(400, f"at most {MAX_TOOLS} tools per request", param="tools")
     if req.cache_salt is not None and not (0 < len(req.cache_salt) <= 256):
         raise APIError(400, "cache_salt must be a non-empty string of at most 256 characters", param="cache_salt")
 
@@ -369,8 +429,6 @@ def requested_logprobs(req: _Common) -> int | None:
 def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id as a string": bias} -> ((id, bias), ...); at most MAX_LOGIT_BIAS entries,
     counted before any is read."""
-    from irminsul.engine.sampling import MAX_LOGIT_BIAS
-
     if len(bias or {}) > MAX_LOGIT_BIAS:
         raise APIError(400, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
                        param="logit_bias")

@@ -162,7 +162,7 @@ class OpenAIServing:
         state = self.state
         state.key_tenant(request)
         body = await read_body(request, state.config.max_request_bytes)
-        return await state.prepare(request, parse_body, body, self.request_model)
+        return await state.prepare(request, parse_body, body, self.request_model, state.context)
 
     # -- request -> jobs (on a worker thread) -----------------------------------------------
 

@@ -28,15 +28,13 @@ from irminsul.server.protocol import (APIError, ArgumentsDeltaEvent, ArgumentsDo
                                       OutputItemEvent, OutputText, OutputTextDeltaEvent, OutputTextDoneEvent,
                                       ResponseEvent, ResponseFunctionCall, ResponseLifecycleEvent, ResponseMessage,
                                       ResponseObject, ResponsesRequest, ResponseUsage, _Common, usage, validated,
-                                      MAX_MESSAGES, MAX_TOOLS, NON_TEXT_PARTS)
+                                      MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE, NON_TEXT_PARTS)
 from irminsul.server.serving_base import FieldNames
 from irminsul.server.serving_chat import ChatFormat, OpenAIServingChat, call_id
 from irminsul.server.tools import CallStart, Content, ToolEvent
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# OpenAI's bounds on metadata (it is echoed into the response and three of its stream events)
-MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 # chat fields a Responses request may also carry (vLLM accepts its sampling extensions here too)
 _PASSED = set(_Common.model_fields) - {"max_tokens", "n", "stream", "stream_options", "logprobs", "top_logprobs",
                                        "response_format", "best_of"}
@@ -59,12 +57,8 @@ def _refuse(req: ResponsesRequest) -> None:
     for param, bad, message in checks:
         if bad:
             raise APIError(400, message, param=param)
-    if not isinstance(req.input, str) and len(req.input) > MAX_MESSAGES:
-        raise APIError(400, f"input has {len(req.input):,} items; at most {MAX_MESSAGES} per request", param="input")
-    if len(req.tools or []) > MAX_TOOLS:
-        raise APIError(400, f"at most {MAX_TOOLS} tools per request", param="tools")
-    metadata = req.metadata or {}
-    if len(metadata) > MAX_METADATA or any(len(k) > MAX_METADATA_KEY or not isinstance(v, str)
+    metadata = req.metadata or {}  # (its number of pairs, input's items and tools: check_sizes)
+    if any(len(k) > MAX_METADATA_KEY or not isinstance(v, str)
                                            or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()):
         raise APIError(400, f"metadata takes at most {MAX_METADATA} pairs, keys of at most {MAX_METADATA_KEY} "
                             f"characters and string values of at most {MAX_METADATA_VALUE}", param="metadata")
