@@ -1,6 +1,7 @@
 """Helpers for the server tests: start servers, read /metrics, send chat requests."""
 
 import re
+import socket
 import threading
 import time
 
@@ -108,3 +109,17 @@ class HealthProbe:
                 return True
             time.sleep(0.05)
         return False
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the server sent before closing, or None if it still holds the connection after `seconds`."""
+    sock.settimeout(seconds)
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except socket.timeout:
+        return None
+    except ConnectionResetError:
+        pass
+    return out

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from irminsul.server.testing import free_port, wait_for
-from tests.server.server_helpers import start
+from tests.server.server_helpers import HealthProbe, closed_within, start
 
 KEY_A, KEY_B = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
 HI = [{"role": "user", "content": "hi"}]
@@ -315,20 +315,6 @@ def guarded(tiny_dir):
     s.stop()
 
 
-def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
-    """What the server sent before closing, or None if it still holds the connection after `seconds`."""
-    sock.settimeout(seconds)
-    out = b""
-    try:
-        while chunk := sock.recv(4096):
-            out += chunk
-    except socket.timeout:
-        return None
-    except ConnectionResetError:
-        pass
-    return out
-
-
 def test_slow_headers_and_slow_bodies_are_closed_while_others_are_served(guarded):
     slow_headers = [socket.create_connection(("127.0.0.1", guarded.port)) for _ in range(10)]
     slow_body = [socket.create_connection(("127.0.0.1", guarded.port)) for _ in range(5)]
@@ -345,7 +331,7 @@ def test_slow_headers_and_slow_bodies_are_closed_while_others_are_served(guarded
             s.sendall(b"X-Slow: 1\r\n")  # still sending, but not fast enough
         for s, phase in [*((s, b"headers") for s in slow_headers), *((s, b"body") for s in slow_body),
                          (silent, b"headers")]:
-            out = _closed_within(s, 10)
+            out = closed_within(s, 10)
             assert out is not None and out.startswith(b"HTTP/1.1 408") and phase in out, out
         assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
     finally:
@@ -358,7 +344,7 @@ def test_connections_beyond_the_cap_are_refused_at_once(guarded):
     try:
         wait_for(lambda: len(guarded.server.server_state.connections) >= 24, 5, "24 open connections")
         with socket.create_connection(("127.0.0.1", guarded.port)) as extra:
-            out = _closed_within(extra, 5)
+            out = closed_within(extra, 5)
             assert out is not None and out.startswith(b"HTTP/1.1 503"), out
     finally:
         for s in held:
@@ -370,23 +356,13 @@ def test_connections_beyond_the_cap_are_refused_at_once(guarded):
 
 def _health_while(url: str, busy) -> float:
     """The longest /health took while `busy()` ran (probed every 0.1 s from another thread)."""
-    worst, done = [0.0], threading.Event()
-
-    def probe():
-        while not done.is_set():
-            t0 = time.monotonic()
-            httpx.get(url + "/health", timeout=60)
-            worst[0] = max(worst[0], time.monotonic() - t0)
-            time.sleep(0.1)
-
-    t = threading.Thread(target=probe)
-    t.start()
+    probe = HealthProbe(url, period=0.1).start()
+    t0 = time.monotonic()
     try:
         busy()
     finally:
-        done.set()
-        t.join(60)
-    return worst[0]
+        probe.stop()
+    return probe.worst(t0, time.monotonic())
 
 
 def test_answers_nobody_reads_are_dropped_after_the_write_deadline(guarded):
@@ -431,7 +407,7 @@ def test_a_body_of_tiny_chunks_is_refused_without_stalling_the_loop(guarded):
                 s.sendall(head + chunks)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # refused and closed before the rest was sent
-            out.append(_closed_within(s, 20))
+            out.append(closed_within(s, 20))
 
     worst = _health_while(guarded.url, send)
     assert out[0] is not None and out[0].startswith(b"HTTP/1.1 413") and b"pieces" in out[0], out

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from irminsul.server.testing import ServerProcess
-from tests.server.server_helpers import HealthProbe, loop_stall
+from tests.server.server_helpers import HealthProbe, closed_within, loop_stall
 
 KEY = "transport-key"
 AUTH = f"Authorization: Bearer {KEY}\r\n"
@@ -119,20 +119,6 @@ def read_response(f) -> tuple[int, dict, bytes]:
             f.readline()
         f.readline()
     return status, headers, body
-
-
-def closed_within(sock: socket.socket, seconds: float) -> bytes | None:
-    """What the server sent before closing, or None if it still holds the connection after `seconds`."""
-    sock.settimeout(seconds)
-    out = b""
-    try:
-        while chunk := sock.recv(65536):
-            out += chunk
-    except socket.timeout:
-        return None
-    except ConnectionResetError:
-        pass
-    return out
 
 
 def served_normally(served: Served) -> list[str]:
