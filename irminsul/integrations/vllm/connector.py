@@ -23,9 +23,12 @@ tenant itself. Each searches its own namespace, then the operator's shared one (
 request fills when its `cache_salt` is the operator's secret `publish_salt` (extra config; unset, no
 request can publish).
 
-Use: `--kv-transfer-config '{"kv_connector": "IrminsulConnector", "kv_connector_module_path":
-"irminsul.integrations.vllm.connector", "kv_role": "kv_both"}' --scheduler-cls
-irminsul.integrations.vllm.scheduler.IrminsulScheduler`.
+Counters: the worker's rows loaded, saved and missed go to vLLM's stat loggers (its log, /metrics), and
+each request's loaded rows into vLLM's own count of its cached tokens (metrics.py).
+
+Use: `irminsul vllm-serve MODEL ...` (serve.py), or in vLLM's own configuration `--kv-transfer-config
+'{"kv_connector": "IrminsulConnector", "kv_connector_module_path": "irminsul.integrations.vllm.connector",
+"kv_role": "kv_both"}' --scheduler-cls irminsul.integrations.vllm.scheduler.IrminsulScheduler`.
 """
 
 from __future__ import annotations
@@ -48,10 +51,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from irminsul.integrations.vllm.metrics import COUNTERS, IrminsulPromMetrics, IrminsulStats, count_as_cached
 from irminsul.integrations.vllm.spans import Load, RequestSpans, SpanIndex, rotate_interleaved
 from irminsul.kvcache.namespaces import SHARED
 
-log = logging.getLogger("irminsul.vllm")
+# NOTE: a child of vLLM's "vllm" logger, which is the one vLLM gives a handler and a format, so these
+# lines reach the server's log beside vLLM's own
+log = logging.getLogger("vllm.irminsul")
 
 # every live connector, by role (an in-process engine's tests and benchmarks read their counters)
 INSTANCES: dict[str, list["IrminsulConnector"]] = {"scheduler": [], "worker": []}
@@ -102,6 +108,7 @@ class RequestStats:
     planned_load_tokens: int = 0
     loaded_tokens: int = 0
     computed_prompt_tokens: int = 0
+    reported_tokens: int = 0  # loaded tokens added to vLLM's own count of the request's cached tokens
 
 
 def _model_config(vllm_config) -> dict:
@@ -131,6 +138,9 @@ class IrminsulConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         raw = _model_config(vllm_config)
+        if "kv_lora_rank" not in raw:
+            raise ValueError(f"IrminsulConnector serves MLA models (DeepSeek V2/V3 and their family): "
+                             f"{vllm_config.model_config.model} has no kv_lora_rank in its config")
         self.block_size = vllm_config.cache_config.block_size
         self.row_width = raw["kv_lora_rank"] + raw["qk_rope_head_dim"]
         self.kv_lora_rank = raw["kv_lora_rank"]
@@ -161,7 +171,8 @@ class IrminsulConnector(KVConnectorBase_V1):
             self.inv_freq = _inv_freq(raw)
             self.rows: dict[int, torch.Tensor] = {}  # key -> [layers, len, row_width]
             self.layers: list[torch.Tensor] = []  # each layer's cache viewed as [slots, row_width]
-            self.loaded_rows = self.saved_rows = self.missed_rows = 0
+            self.loaded_rows = self.saved_rows = self.missed_rows = 0  # (metrics.COUNTERS)
+            self.reported = dict.fromkeys(COUNTERS, 0)  # the counters as the last get_kv_connector_stats saw them
             self.missed: dict[str, list[int]] = {}  # this step's loads without rows, by request
             self.unsaved: list[int] = []
             self.invalid_blocks: set[int] = set()  # the blocks those loads were to fill
@@ -215,6 +226,24 @@ class IrminsulConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.invalid_blocks = self.invalid_blocks, set()
         return out
+
+    def get_kv_connector_stats(self) -> IrminsulStats | None:
+        """The worker's counters' increase since the last call (vLLM asks after every step); None when
+        nothing changed, and on the scheduler side."""
+        if self.role != KVConnectorRole.WORKER:
+            return None
+        now = {name: getattr(self, name) for name in COUNTERS}
+        step = IrminsulStats({name: now[name] - self.reported[name] for name in COUNTERS})
+        self.reported = now
+        return None if step.is_empty() else step
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> IrminsulStats:
+        return IrminsulStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> IrminsulPromMetrics:
+        return IrminsulPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> IrminsulWorkerMetadata | None:
         if not self.missed and not self.unsaved:
@@ -276,8 +305,16 @@ class IrminsulConnector(KVConnectorBase_V1):
             self.pending.setdefault(request.request_id, []).extend(run)
             self.loaded.setdefault(request.request_id, []).extend((x.start, x.end) for x in run)
             self.stats[request.request_id].loaded_tokens += sum(len(x) for x in run)
+            self._report_cached(request)
             moved = True
         return moved
+
+    def _report_cached(self, request) -> None:
+        """vLLM's own count of the request's reused tokens includes the rows loaded so far
+        (metrics.count_as_cached)."""
+        st = self.stats[request.request_id]
+        count_as_cached(request, st.loaded_tokens - st.reported_tokens)
+        st.reported_tokens = st.loaded_tokens
 
     def _slots(self, request_id: str, start: int, end: int) -> np.ndarray:
         blocks = np.asarray(self._kv_cache_manager.get_block_ids(request_id)[0], dtype=np.int64)
@@ -323,6 +360,7 @@ class IrminsulConnector(KVConnectorBase_V1):
                 pos = self.requests[rid].num_computed_tokens  # (rows after it are computed again)
                 self.loaded[rid] = [(a, min(b, pos)) for a, b in self.loaded.get(rid, []) if a < pos]
                 self.stats[rid].loaded_tokens = sum(b - a for a, b in self.loaded[rid])
+                self._report_cached(self.requests[rid])
         self.index.lose(lost)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:

@@ -41,6 +41,7 @@ class VllmRun:
     seconds: float  # wall time of the moved request
     stats: object | None  # the connector's RequestStats of the moved request (with Irminsul)
     worker_loaded_rows: int = 0
+    num_cached_tokens: int = 0  # vLLM's own count for the moved request (RequestOutput.num_cached_tokens)
 
 
 def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: int = 4096,
@@ -90,7 +91,7 @@ def run_vllm(llm, prompts: MovedPrompts, max_tokens: int = 4, logprobs: int = 20
     out = llm.generate([{"prompt_token_ids": prompts.moved}], params, use_tqdm=False)[0].outputs[0]
     lps = [{tid: lp.logprob for tid, lp in step.items()} for step in out.logprobs]
     worker = INSTANCES["worker"][-1].loaded_rows if INSTANCES["worker"] else 0
-    return VllmRun(lps, list(out.token_ids), seconds, stats, worker)
+    return VllmRun(lps, list(out.token_ids), seconds, stats, worker, timed[0].num_cached_tokens or 0)
 
 
 def irminsul_logprobs(path: str, prompts: MovedPrompts, continuation: list[int], reuse: str = "pic"):
@@ -131,7 +132,8 @@ def main(argv=None) -> int:
         r = run_vllm(llm, prompts, warm=i == 0)
         runs.append({"token_ids": r.token_ids, "seconds": r.seconds,
                      "logprobs": [{str(k): v for k, v in step.items()} for step in r.logprobs],
-                     "stats": dataclasses.asdict(r.stats) if r.stats is not None else None})
+                     "stats": dataclasses.asdict(r.stats) if r.stats is not None else None,
+                     "num_cached_tokens": r.num_cached_tokens})
     print("RESULT " + json.dumps({"mode": args.mode, "runs": runs}))
     return 0
 
