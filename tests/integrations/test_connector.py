@@ -6,20 +6,14 @@ connector base class), not a model.
 """
 
 import json
-import os
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    if os.environ.get("IRMINSUL_REQUIRE_VLLM") == "1":  # .ci/run's vLLM step: a missing vLLM fails, never skips
-        raise
-    pytest.skip("vLLM is not installed: pip install -e '.[vllm]' (the optional extra, docs/vllm.md) to run the "
-                "vLLM integration tests", allow_module_level=True)
+from tests.integrations import require_vllm
+
+require_vllm()
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.metrics.stats import PrefillStats  # noqa: E402

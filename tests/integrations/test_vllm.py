@@ -19,13 +19,9 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    if os.environ.get("IRMINSUL_REQUIRE_VLLM") == "1":  # .ci/run's vLLM step: a missing vLLM fails, never skips
-        raise
-    pytest.skip("vLLM is not installed: pip install -e '.[vllm]' (the optional extra, docs/vllm.md) to run the "
-                "vLLM integration tests", allow_module_level=True)
+from tests.integrations import require_vllm
+
+require_vllm()
 
 from irminsul.cli import main as irminsul_main  # noqa: E402
 from irminsul.integrations.vllm.moved import irminsul_logprobs, moved_prompts  # noqa: E402
