@@ -150,7 +150,7 @@ def _ref_chain(n: int) -> dict:
     ("guided_json", "[" * 100_000 + "]" * 100_000, "levels"),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": {
         "type": "string", "pattern": "((a{1000}){1000}){1000}"}}}, "spells out"),
-    ("guided_choice", [f"option {i}" for i in range(100_000)], "choices"),
+    ("guided_choice", [f"option {i}" for i in range(100_000)], "at most 1024"),
     ("guided_regex", "((a{1000}){1000}){1000}", "spells out"),
     # (a chain short enough to fit the context as text: a longer one is refused as too long first)
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": _ref_chain(300)}}], "$ref"),
