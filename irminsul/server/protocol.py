@@ -288,7 +288,7 @@ def parse_body(raw: bytes, model: type[BaseModel], context: int | None = None):
     return validated(model, data)
 
 
-_paused = [0]  # parses under way with the collector paused
+_paused = [0, False]  # parses under way with the collector paused; whether it was on before the first
 _paused_lock = threading.Lock()
 
 
@@ -301,13 +301,14 @@ def _collector_paused():
     with _paused_lock:
         _paused[0] += 1
         if _paused[0] == 1:
+            _paused[1] = gc.isenabled()
             gc.disable()
     try:
         yield
     finally:
         with _paused_lock:
             _paused[0] -= 1
-            if _paused[0] == 0:
+            if _paused[0] == 0 and _paused[1]:
                 gc.enable()
 
 
@@ -318,6 +319,12 @@ def check_sizes(data: dict, context: int | None) -> None:
         value = data.get(field)
         if isinstance(value, (list, dict)) and len(value) > most:
             raise APIError(400, f"{field} has {len(value):,} items; at most {most} per request", param=field)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch of prompts
+        if len(prompt) > MAX_CHOICES:
+            raise APIError(400, f"prompt holds {len(prompt):,} prompts; at most {MAX_CHOICES} per request",
+                           param="prompt")
+        prompt = max((p for p in prompt if isinstance(p, list)), key=len, default=None)
     if context is None:
         return
     for field in ID_FIELDS:
@@ -325,12 +332,6 @@ def check_sizes(data: dict, context: int | None) -> None:
         if isinstance(value, list) and len(value) > context:
             raise APIError(400, f"{field} holds {len(value):,} ids; at most {context} (the model's context) per "
                                 f"request", param=field)
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch of prompts
-        if len(prompt) > MAX_CHOICES:
-            raise APIError(400, f"prompt holds {len(prompt):,} prompts; at most {MAX_CHOICES} per request",
-                           param="prompt")
-        prompt = max((p for p in prompt if isinstance(p, list)), key=len, default=None)
     if isinstance(prompt, list) and len(prompt) >= context:  # (token ids: one position is left to answer)
         raise context_exceeded(context, f"your prompt has {len(prompt):,} tokens (at most {context - 1} leave "
                                         f"room for an answer)", "prompt", "prompt")
