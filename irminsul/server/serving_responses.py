@@ -58,8 +58,8 @@ def _refuse(req: ResponsesRequest) -> None:
         if bad:
             raise APIError(400, message, param=param)
     metadata = req.metadata or {}  # (its number of pairs, input's items and tools: check_sizes)
-    if any(len(k) > MAX_METADATA_KEY or not isinstance(v, str)
-                                           or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()):
+    if any(len(k) > MAX_METADATA_KEY or not isinstance(v, str) or len(v) > MAX_METADATA_VALUE
+           for k, v in metadata.items()):
         raise APIError(400, f"metadata takes at most {MAX_METADATA} pairs, keys of at most {MAX_METADATA_KEY} "
                             f"characters and string values of at most {MAX_METADATA_VALUE}", param="metadata")
 
