@@ -16,9 +16,11 @@ A retried answer carries `x-irminsul-attempts: N`; `/metrics` counts retries, re
 answered and streams cut, under `replica="ingress"`. With a Redis tier, the ingress also asks the
 store which of the prompt's chunks it holds (`store_keys.py`), for the router's store credit.
 
-`/health` is 200 while any replica's engine runs; `/metrics` is every replica's exposition, each
-sample labelled with `replica="<id>"` (per replica, not summed: a histogram's buckets and a gauge of
-the pool are a replica's own).
+`/health` is a 503 `starting` until every replica has started once (start-up is a state, not an
+error: no replica is waited on), then 200 `ok`, 200 `degraded` while some of the replicas serve, and
+503 `down` when none does; `/metrics` is every replica's exposition, each sample labelled with
+`replica="<id>"` (per replica, not summed: a histogram's buckets and a gauge of the pool are a
+replica's own).
 """
 
 # NOTE: no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request)
@@ -46,7 +48,8 @@ log = logging.getLogger("irminsul.fleet")
 ROUTED = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/cache/chunks"}
 KEYED = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"}
 ATTEMPTS = 3  # replicas one request may be tried on
-TARGETED_TIMEOUT_S = 10.0  # a call to one named replica (metrics, health, a snapshot)
+TARGETED_TIMEOUT_S = 10.0  # a call to one named replica (metrics, a snapshot)
+HEALTH_TIMEOUT_S = 2.0  # a replica's health: a probe must answer well within a load balancer's timeout
 _DROPPED = {b"content-length", b"transfer-encoding", b"connection"}
 _REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
@@ -59,27 +62,37 @@ class _ReplicaGone(Exception):
 
 @serve.ingress(api)
 class FleetIngress:
-    async def __init__(self, replicas, config: ServerConfig, replica_deployment: str = "IrminsulReplica"):
+    async def __init__(self, replicas, config: ServerConfig, replica_deployment: str = "IrminsulReplica",
+                       expected_replicas: int = 1):
         from irminsul.bundled import bundled_model
         from irminsul.model.tokenizer import Tokenizer
         from irminsul.server.chat import ChatRenderer
 
         tokenizer = await asyncio.to_thread(Tokenizer, config.model or bundled_model("mla"))
         self.reader = PromptReader(config, tokenizer, ChatRenderer(tokenizer))
-        self.config, self.replicas = config, replicas
+        self.config, self.replicas, self.expected_replicas = config, replicas, expected_replicas
+        self.started = False  # every replica has served once: fewer is `degraded` from then on, not `starting`
         self.fleet = fleet_view(replica_deployment, serve.get_replica_context().app_name)
         self._store: StoreKeys | None = None
         self.retries = self.unanswered = self.streams_cut = 0  # the ingress's own counters (/metrics)
         self._snapshots = asyncio.ensure_future(self._fetch_snapshots())
+        self._router = asyncio.ensure_future(self._start_router())
 
     # -- the fleet's own endpoints --------------------------------------------------------
 
     @api.get("/health")
     async def health(self):
-        states = await self._each("healthy")
-        body = {"status": "ok" if any(v is True for v in states.values()) else "no replica is serving",
-                "replicas": {rid: "ok" if v is True else "down" for rid, v in states.items()}}
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+        states = {rid: "ok" if v is True else "down"
+                  for rid, v in (await self._each("healthy", HEALTH_TIMEOUT_S)).items()}
+        ready = sum(v == "ok" for v in states.values())
+        self.started = self.started or ready >= self.expected_replicas
+        if not self.started:
+            status = "starting"
+        else:
+            status = "ok" if ready >= self.expected_replicas else "degraded" if ready else "down"
+        body = {"status": status, "replicas_ready": ready, "replicas": self.expected_replicas,
+                "replica_status": states}
+        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     @api.get("/metrics")
     async def metrics(self):
@@ -99,26 +112,32 @@ class FleetIngress:
             lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {value}"]
         return "\n".join(lines) + "\n"
 
-    async def _each(self, method: str) -> dict:
-        """`method` called on every replica the router knows (an exception in place of an answer that
-        failed or took longer than TARGETED_TIMEOUT_S)."""
-        if not self.fleet.replicas:  # (the router starts with the handle's first call)
-            await self._targeted("healthy", None)
+    async def _start_router(self) -> None:
+        """The router starts with the handle's first call, which waits for a replica: it waits here, in
+        the background, so that no endpoint waits on a fleet that is starting."""
+        try:
+            await self.replicas.options(method_name="healthy").remote(target=None)
+        except Exception as e:  # (the replicas' failures are theirs to report: Serve logs them)
+            log.debug("the first call to the replicas failed: %s", e)
+
+    async def _each(self, method: str, timeout_s: float = TARGETED_TIMEOUT_S) -> dict:
+        """`method` called on every replica the router knows, none while it knows none (an exception
+        in place of an answer that failed or took longer than `timeout_s`)."""
         answers = {}
         # NOTE: one after another: Serve gives the calls one request makes the same internal request
         # id, and its router matches a routed replica to a pending call by that id (concurrent calls
         # of one request would wait on each other forever)
         for rid in self.fleet.replicas:
             try:
-                answers[rid] = await self._targeted(method, rid)
+                answers[rid] = await self._targeted(method, rid, timeout_s)
             except Exception as e:
                 answers[rid] = e
         return answers
 
-    async def _targeted(self, method: str, replica_id: str | None):
+    async def _targeted(self, method: str, replica_id: str | None, timeout_s: float = TARGETED_TIMEOUT_S):
         response = self.replicas.options(method_name=method).remote(target=replica_id)
         try:
-            return await asyncio.wait_for(response, TARGETED_TIMEOUT_S)
+            return await asyncio.wait_for(response, timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
             raise
@@ -130,7 +149,8 @@ class FleetIngress:
             await asyncio.sleep(0.25)
             for rid in list(self.fleet.stale):
                 try:
-                    self.fleet.restore(rid, await self._targeted("journal_snapshot", rid))
+                    if (snapshot := await self._targeted("journal_snapshot", rid)) is not None:
+                        self.fleet.restore(rid, snapshot)
                 except Exception as e:  # (gone, or slow: the next round tries again)
                     log.debug("no snapshot from replica %s: %s", rid, e)
 

@@ -161,8 +161,10 @@ class ContentRequestRouter(RequestRouter):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         target = kwargs.get("target")
-        if target is not None:  # (a replica gone by now: nothing to route to, the caller times out)
-            return [[by_id[target]]] if target in by_id else []
+        if target is not None:
+            # NOTE: a replica gone by now goes to any other, which answers None for it: a request Serve
+            # cannot route stays first in its queue, and every request behind it would wait forever
+            return [[by_id[target]]] if target in by_id else [list(by_id.values())]
         route = kwargs.get("route")
         decision = self.fleet.choose(list(by_id), route) if isinstance(route, RouteKey) else None
         if decision is None:  # no prompt to route by: the least loaded first

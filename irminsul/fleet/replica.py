@@ -76,16 +76,20 @@ class IrminsulReplica:
         self._reports += 1
         return RoutingStats(self._reports, self._last_load, *self.feed.cut()).as_dict()
 
-    async def journal_snapshot(self, target: str | None = None) -> Snapshot:
-        return await asyncio.to_thread(self.feed.snapshot)
+    # the targeted calls answer None when their target is another replica (one gone: ray_router.py)
 
-    async def prometheus(self, target: str | None = None) -> str:
+    async def journal_snapshot(self, target: str | None = None) -> Snapshot | None:
+        return await asyncio.to_thread(self.feed.snapshot) if target in (None, self.id) else None
+
+    async def prometheus(self, target: str | None = None) -> str | None:
+        if target not in (None, self.id):
+            return None
         await self.client.refresh_stats()
         text = self.state.metrics.render()
         return text.decode() if isinstance(text, bytes) else text
 
-    async def healthy(self, target: str | None = None) -> bool:
-        return self.client.alive
+    async def healthy(self, target: str | None = None) -> bool | None:
+        return self.client.alive if target in (None, self.id) else None
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine thread stopped is replaced."""

@@ -64,7 +64,7 @@ def build(config: ServerConfig, fleet: FleetConfig):
         health_check_period_s=2.0, graceful_shutdown_timeout_s=10.0)
     ingress = serve.deployment(FleetIngress, name=INGRESS).options(
         num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica.bind(config, fleet.threads), config, REPLICA)
+    return ingress.bind(replica.bind(config, fleet.threads), config, REPLICA, fleet.replicas)
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, FleetConfig]:
@@ -97,9 +97,14 @@ def app_builder(args: dict):
 
 
 def run_fleet(config: ServerConfig, fleet: FleetConfig, log_level: str = "info") -> int:
-    """The fleet on this host until Ctrl-C: a local Ray, Serve's proxy on the server's host and port."""
+    """The fleet on this host until Ctrl-C or SIGTERM: a local Ray, Serve's proxy on the server's host and port.
+
+    Both signals take one path: Serve and Ray shut down, then whatever Ray started and left running
+    (its agents ignore SIGTERM) is killed after REAP_GRACE_S. Ray's workers each lead their own
+    process group, so the processes are found by descent from this one, not by group."""
     import logging
     import os
+    import signal
     import time
 
     import ray
@@ -108,22 +113,88 @@ def run_fleet(config: ServerConfig, fleet: FleetConfig, log_level: str = "info")
     log = logging.getLogger("irminsul.fleet")
     # (Ray's prefix router keeps its tree in an actor that needs a CPU to be placed)
     cpus = max(os.cpu_count() or 1, fleet.replicas * fleet.threads + (fleet.router == "prefix"))
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=log_level.upper(),
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}})
+    before = _descendants()  # (a --start-redis Redis: its owner stops it)
     try:
+        # NOTE: after ray.init, which installs a SIGTERM handler that logs a stack and exits, skipping the shutdown
+        ray.init(num_cpus=cpus, include_dashboard=False, logging_level=log_level.upper(),
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}})
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         serve.start(http_options={"host": config.host, "port": config.port,
                                   "keep_alive_timeout_s": config.timeout_keep_alive})
         serve.run(build(config, fleet), name="irminsul", route_prefix="/")
-        log.info("serving a fleet of %d replicas on http://%s:%d (Ctrl-C stops it)", fleet.replicas, config.host,
-                 config.port)
-        try:
-            while True:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+        log.info("serving a fleet of %d replicas on http://%s:%d (Ctrl-C or SIGTERM stops it)", fleet.replicas,
+                 config.host, config.port)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        log.info("stopping the fleet")
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # (a second signal must not cut the shutdown short)
+            signal.signal(sig, signal.SIG_IGN)
+        started = {pid: start for pid, start in _descendants().items() if before.get(pid) != start}
         try:
-            serve.shutdown()
+            if ray.is_initialized():
+                serve.shutdown()
         finally:
             ray.shutdown()
+            left = _reap(started, REAP_GRACE_S)
+            if left:
+                log.warning("killed %d process(es) Ray left running after its shutdown", left)
     return 0
+
+
+REAP_GRACE_S = 5.0  # how long Ray's processes have to exit after ray.shutdown before they are killed
+
+
+def _descendants() -> dict[int, int]:
+    """This process's living descendants, pid: start time (which tells a reused pid); {} without /proc."""
+    import os
+
+    parents, starts = {}, {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not name.isdigit():
+            continue
+        stat = _stat(int(name))
+        if stat is not None and stat[0] != "Z":
+            parents[int(name)], starts[int(name)] = int(stat[1]), int(stat[19])
+    found, frontier = {}, {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in found}
+        found.update((pid, starts[pid]) for pid in frontier)
+    return found
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command's name (state, ppid, ...), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def _reap(processes: dict[int, int], grace_s: float) -> int:
+    """SIGKILL those of `processes` (pid: start time) still running after `grace_s`; how many were."""
+    import os
+    import signal
+    import time
+
+    def running() -> list[int]:
+        alive = []
+        for pid, start in processes.items():
+            stat = _stat(pid)
+            if stat is not None and stat[0] != "Z" and int(stat[19]) == start:
+                alive.append(pid)
+        return alive
+
+    end = time.monotonic() + grace_s
+    while (left := running()) and time.monotonic() < end:
+        time.sleep(0.1)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # (it exited meanwhile)
+            pass
+    return len(left)

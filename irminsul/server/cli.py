@@ -163,6 +163,10 @@ def check_port(host: str, port: int) -> None:
 
 
 def serve(args) -> int:
+    if args.replicas is not None:  # a fleet stops on SIGTERM as on Ctrl-C, its Redis too (irminsul/fleet/serve.py)
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     if not args.start_redis:
         return serve_one_or_fleet(args)
     from irminsul.server.local_redis import LocalRedis

@@ -87,7 +87,7 @@ def fleet():
                           store=StoreConfig((redis.url,)), store_secret="fleet-test")
     serve.run(build(config, FleetConfig(replicas=2, stats_period_s=0.5)), name="irminsul", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: len(httpx.get(url + "/health", timeout=30).json()["replicas"]) == 2, 60, "two replicas")
+    wait_for(lambda: httpx.get(url + "/health", timeout=30).json()["status"] == "ok", 60, "two replicas")
     yield url, redis
     serve.shutdown()
     ray.shutdown()
