@@ -118,7 +118,8 @@ def resolve(model, compile_decode: bool | None) -> "CompiledDecode | None":
         return None
     step = getattr(model, "_compiled_decode", None)
     if step is None:
-        log.info("compiling the decode steps (once per model; compile_decode=False skips it)")
+        log.info("compiling the decode steps, once per model (irminsul serve --no-compile-decode, or "
+                 "LLM(compile_decode=False), serves at once and decodes eagerly)")
         step = built(compile_decode, lambda: CompiledDecode(model).warmed(), "the compiled decode step failed to compile")
         model._compiled_decode = step
     return step
