@@ -47,6 +47,10 @@ class ServerState:
         from irminsul.server.workers import Workers
 
         self.config = config
+        if config.threads is not None:
+            import torch
+
+            torch.set_num_threads(config.threads)
         path = Path(config.model) if config.model else bundled_model("mla")
         self.model_name = config.served_model_name or path.name
         model = load_model(path, dtype=config.dtype, device=config.device)

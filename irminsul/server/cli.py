@@ -46,6 +46,9 @@ def register(sub) -> None:
     p.add_argument("--redis-timeout", type=float, default=StoreConfig().redis_timeout_s, metavar="SECONDS",
                    help="the deadline of one Redis command, connecting and reading the whole reply included; past "
                         "it the read is a miss and the tier is skipped until Redis answers again")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch's intra-op threads for the engine (default: torch's, the cores it sees); the native "
+                        "CPU kernels run only at 1 thread")
     p.add_argument("--max-running-requests", type=int, default=DEFAULTS.max_running_requests,
                    help="requests the engine runs at once; the rest wait")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULTS.max_queued_requests,
@@ -114,7 +117,7 @@ def config_from_args(args):
         model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
         reuse=args.reuse, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         compile_decode=args.compile_decode, store=store,
-        kv_cache_gib=args.kv_cache_gib, tenant_cache_share=args.tenant_cache_share, max_running_requests=args.max_running_requests,
+        kv_cache_gib=args.kv_cache_gib, tenant_cache_share=args.tenant_cache_share, threads=args.threads, max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.max_prefill_tokens,
         default_max_tokens=args.default_max_tokens, api_keys=parse_api_keys(args.api_key), admin_key=args.admin_key,
         max_request_bytes=parse_bytes(args.max_request_bytes, "--max-request-bytes"),

@@ -66,6 +66,7 @@ class ServerConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     kv_cache_gib: float | None = None  # the latent pool, one budget; None: the device's default (engine.py)
     tenant_cache_share: float | None = None  # each API key's cached rows kept from other keys' admissions, up to this share
+    threads: int | None = None  # torch's intra-op threads; None: torch's default (the cores it sees)
     max_running_requests: int = 64
     max_queued_requests: int = 1024
     max_prefill_tokens: int = 2048  # per engine step; longer prompts are prefilled in chunks
@@ -101,6 +102,8 @@ class ServerConfig:
         for name in ("timeout_header", "timeout_body", "timeout_keep_alive", "timeout_write"):
             if not getattr(self, name) > 0:
                 raise ServerConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ServerConfigError(f"--threads must be >= 1, got {self.threads}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ServerConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
         if self.prep_threads_per_tenant > self.prep_threads:

@@ -430,10 +430,10 @@ def test_serve_options_reach_the_config():
     register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--timeout-header", "3", "--timeout-body", "7", "--timeout-keep-alive", "2",
                               "--max-connections", "99", "--prep-threads", "6", "--prep-threads-per-tenant", "3",
-                              "--log-repeats", "4", "--timeout-write", "9", "--redis-timeout", "0.5"])
+                              "--log-repeats", "4", "--timeout-write", "9", "--redis-timeout", "0.5", "--threads", "1"])
     c = config_from_args(args)
     assert (c.timeout_header, c.timeout_body, c.timeout_keep_alive, c.connection_limit) == (3, 7, 2, 99)
-    assert (c.timeout_write, c.store.redis_timeout_s) == (9, 0.5)
+    assert (c.timeout_write, c.store.redis_timeout_s, c.threads) == (9, 0.5, 1)
     assert (c.prep_threads, c.prep_threads_per_tenant, c.log_repeats) == (6, 3, 4)
     from irminsul.server.config import ServerConfig, ServerConfigError
 
