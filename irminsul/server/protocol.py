@@ -296,8 +296,8 @@ _paused_lock = threading.Lock()
 def _collector_paused():
     """Python's cyclic garbage collector off while a body is decoded: a body of a million small
     lists makes a million containers, and the collections they set off walk every object the
-    process holds, the model's included, several times over (3x the decode alone, all of it holding
-    Python's lock, so the event loop waits too). Nothing decoded can be garbage yet."""
+    process holds, the model's included, several times over, all of it holding Python's lock, so
+    the event loop waits too. Nothing decoded can be garbage yet."""
     with _paused_lock:
         _paused[0] += 1
         if _paused[0] == 1:
