@@ -123,3 +123,11 @@ def closed_within(sock: socket.socket, seconds: float) -> bytes | None:
     except ConnectionResetError:
         pass
     return out
+
+
+def health_status(url: str) -> int | str:
+    """/health's status code, or what went wrong asking for it."""
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from irminsul.model.tokenizer import Tokenizer
 from irminsul.server.testing import ServerProcess
+from tests.server.server_helpers import health_status
 
 ALICE, BOB = "alice-key", "bob-key"  # two tenants: alice sends the hostile corpus, bob streams
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -472,10 +473,7 @@ def test_hostile_requests_get_no_5xx_and_disturb_no_other_tenant(tiny_dir, monke
         streamer.join(REQUEST_TIMEOUT + 5)
         alive = server.proc.poll() is None
         if alive:
-            try:
-                health = httpx.get(server.url + "/health", timeout=5).status_code
-            except httpx.HTTPError as e:
-                health = f"{type(e).__name__}: {e}"
+            health = health_status(server.url)
             if health != 200:
                 failures.append(f"/health answers {health} after the corpus")
         bad_streams = [r for r in streamer.results if r not in ("length", "stop")]

@@ -33,7 +33,7 @@ import httpx
 from irminsul.model.tokenizer import Tokenizer
 from irminsul.server.config import ServerConfig
 from irminsul.server.testing import ServerProcess, rss_mib
-from tests.server.server_helpers import HealthProbe, loop_stall
+from tests.server.server_helpers import HealthProbe, health_status, loop_stall
 
 ALICE, BOB, ADMIN = "alice-key", "bob-key", "admin-key"  # alice sends the sizes, bob streams
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -361,10 +361,7 @@ def test_requests_as_large_as_the_body_limit_stall_nothing(tiny_dir, monkeypatch
                 failures.append(f"the server died (exit status {server.proc.returncode}) after: {m.what}")
                 break
         if server.proc.poll() is None:
-            try:
-                health = httpx.get(server.url + "/health", timeout=5).status_code
-            except httpx.HTTPError as e:
-                health = f"{type(e).__name__}: {e}"
+            health = health_status(server.url)
             if health != 200:
                 failures.append(f"/health answers {health} after the sizes")
     finally:
