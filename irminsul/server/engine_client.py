@@ -84,7 +84,7 @@ class Job:
 
 
 class QueueFull(Exception):
-    """More jobs are queued than --max-queued-requests allows (a 503: a retry may succeed)."""
+    """More jobs are queued than --max-queued-requests allows (a 429: a retry may succeed)."""
 
 
 class Busy(Exception):
