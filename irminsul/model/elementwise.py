@@ -7,10 +7,10 @@ rounds as torch's ops do but for the order of one float32 sum; silu uses the ker
 reciprocal (within ~1e-7 relative of torch's, its special values kept: tests/model/test_elementwise.py).
 
 They run where the native library built, for float32 tensors (RMSNorm also bfloat16: nine norms a
-decode token of the realistic bf16 model, ~40 us each as torch's ops on an AMD EPYC) on a CPU with torch on one thread
-(single-threaded kernels; with more threads torch's own ops run in parallel), outside graphs being
-compiled (inductor fuses these operations itself), unless IRMINSUL_NATIVE_ELEMENTWISE=0. Each
-function returns None where it does not run; the caller computes with torch.
+decode token of the realistic bf16 model, ~40 us each as torch's ops on an AMD EPYC) on a CPU, their
+rows shared among torch's threads, outside graphs being compiled (inductor fuses these operations
+itself), unless IRMINSUL_NATIVE_ELEMENTWISE=0. Each function returns None where it does not run;
+the caller computes with torch.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from irminsul.model import native
 def _runs(x: torch.Tensor, w: torch.Tensor | None = None, dtypes=(torch.float32,)) -> bool:
     # (is_compiling first: inside a graph being traced nothing after it may run, or the graph breaks)
     return (not torch.compiler.is_compiling() and x.dtype in dtypes and (w is None or w.dtype is x.dtype)
-            and x.device.type == "cpu" and (w is None or w.device.type == "cpu") and torch.get_num_threads() == 1
+            and x.device.type == "cpu" and (w is None or w.device.type == "cpu")
             and os.environ.get("IRMINSUL_NATIVE_ELEMENTWISE") != "0" and native.library() is not None)
 
 
@@ -49,7 +49,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     out = torch.empty(x2.shape, dtype=x.dtype)
     kernel = native.library().irm_rms_norm if x.dtype is torch.float32 else native.library().irm_rms_norm_bf16
-    kernel(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), weight.data_ptr(), eps, out.data_ptr(), out.stride(0))
+    kernel(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), weight.data_ptr(), eps, out.data_ptr(), out.stride(0),
+           torch.get_num_threads())
     return out if x2 is x else out.view(x.shape)
 
 
@@ -62,5 +63,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     inner = gu.shape[1] // 2
     out = torch.empty(gu.shape[0], inner, dtype=torch.float32)
-    native.library().irm_silu_mul(gu.data_ptr(), gu.shape[0], inner, gu.stride(0), out.data_ptr(), inner)
+    native.library().irm_silu_mul(gu.data_ptr(), gu.shape[0], inner, gu.stride(0), out.data_ptr(), inner,
+                                  torch.get_num_threads())
     return out if gu is gate_up else out.view(*gate_up.shape[:-1], inner)

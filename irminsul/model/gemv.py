@@ -16,8 +16,8 @@ for one-row products of out-major weights), not a rule: on an Intel Xeon with AM
 reads ~12 GB/s whatever reads, it was 1.1-1.45x F.linear on four of a realistic model's nine bf16
 shapes (the LM head among them) and slower on the others, and was taken for those four. It is a
 candidate only where the kernel built (`available`; a C compiler) and IRMINSUL_GEMV is not 0 (the
-test suite sets 0, and tests/model/test_gemv.py turns it back on). It runs on one thread;
-kernel_choice times it against F.linear at torch's thread count.
+test suite sets 0, and tests/model/test_gemv.py turns it back on). It shares the output rows among
+torch's threads; kernel_choice times it against F.linear at torch's thread count.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
     y = torch.empty(n, out, dtype=x.dtype)
     rc = lib.irm_linear(x2.data_ptr(), DTYPES[x.dtype], n, x2.stride(0), w.data_ptr(), DTYPES[w.dtype], out,
                         w.shape[1], w.stride(0), None if bias is None else bias.data_ptr(),
-                        0 if bias is None else DTYPES[bias.dtype], y.data_ptr(), DTYPES[y.dtype], out)
+                        0 if bias is None else DTYPES[bias.dtype], y.data_ptr(), DTYPES[y.dtype], out,
+                        torch.get_num_threads())
     if rc != 0:  # (no memory for x's fp32 copy)
         return F.linear(x, w, bias)
     return y.view(*x.shape[:-1], out)
@@ -91,5 +92,5 @@ def heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty(n, h, out, dtype=x.dtype)
     rc = lib.irm_heads_linear(x.data_ptr(), DTYPES[x.dtype], n, x.stride(0), x.stride(1), h, w.data_ptr(),
                               DTYPES[w.dtype], w.stride(0), out, inner, w.stride(1), y.data_ptr(), DTYPES[y.dtype],
-                              y.stride(0), y.stride(1))
+                              y.stride(0), y.stride(1), torch.get_num_threads())
     return y if rc == 0 else None

@@ -12,7 +12,8 @@ by the eager steps only (the compiled steps are float32).
 `call_prefill_attention` (model/native/prefill_attention.c) is called by the eager prefill only.
 
 Each has a fake implementation (the output's shape) for the tracer. `available()` says whether the
-kernels can run here (the native library built, torch on one thread).
+kernels can run here (the native library built). Each call shares its work among torch's threads
+(`torch.get_num_threads()`, passed to the kernel), with the same result at any count.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from irminsul.model import native
 
 
 def available() -> bool:
-    return torch.get_num_threads() == 1 and native.library() is not None
+    return native.library() is not None
 
 
 def call_mla_decode(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -44,7 +45,7 @@ def call_mla_decode(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, co
         q.data_ptr(), b, h, r, w - r, pool.data_ptr(), int(pool.dtype == torch.bfloat16), pool.stride(0),
         slots.data_ptr(), slots.shape[1], cos.data_ptr(), sin.data_ptr(), cos.stride(0) if per_sequence else 0,
         int(interleaved), scale, None if own is None else own.data_ptr(), 0 if own is None else own.stride(0),
-        o.data_ptr())
+        o.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("the native decode attention found no memory for its scores")
     return o
@@ -73,7 +74,7 @@ def call_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: tor
     out = torch.empty(b, m, h, vd)
     rc = native.library().irm_prefill_attention(b, m, t, h, q_nope.shape[3], q_pe.shape[3], vd, *args, slots.data_ptr(),
                                                 query_pos.data_ptr(), query_len.data_ptr(), scale, out.data_ptr(),
-                                                *out.stride()[:3])
+                                                *out.stride()[:3], torch.get_num_threads())
     if rc != 0:
         raise MemoryError("the native prefill attention found no memory for its buffers")
     return out
@@ -97,7 +98,7 @@ def _moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate
     out = torch.empty(n, hidden, dtype=torch.float32)
     rc = native.library().irm_moe(x.data_ptr(), n, hidden, x.stride(0), ids.data_ptr(), w.data_ptr(), ids.shape[1],
                                   gate_up.shape[0], gate_up.shape[2] // 2, gate_up.data_ptr(), *gate_up.stride(),
-                                  down.data_ptr(), *down.stride(), out.data_ptr(), hidden)
+                                  down.data_ptr(), *down.stride(), out.data_ptr(), hidden, torch.get_num_threads())
     if rc == -2:
         raise ValueError("the router chose an expert id outside [0, n_routed_experts)")
     if rc != 0:
@@ -126,7 +127,7 @@ def _moe_experts_bf16(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     rc = native.library().irm_moe_bf16(x.data_ptr(), n, hidden, x.stride(0), ids.data_ptr(), w.data_ptr(),
                                        ids.shape[1], gate_up.shape[0], gate_up.shape[2] // 2, gate_up.data_ptr(),
                                        gate_up.stride(0), gate_up.stride(2), down.data_ptr(), down.stride(0),
-                                       down.stride(2), out.data_ptr(), hidden)
+                                       down.stride(2), out.data_ptr(), hidden, torch.get_num_threads())
     if rc == -2:
         raise ValueError("the router chose an expert id outside [0, n_routed_experts)")
     if rc == -3:

@@ -119,20 +119,26 @@ def test_a_query_before_its_last_key_keeps_the_torch_path(monkeypatch):
     assert (got.double() - want).abs().max().item() < 1e-4
 
 
-def test_torch_on_several_threads_keeps_its_own_ops(monkeypatch):
-    """The kernel runs on one thread; with torch on more, its parallel ops are kept (not measured)."""
+def test_torch_on_several_threads_runs_the_kernel_too(monkeypatch):
+    """With torch on two threads the decode groups still take the kernel (it shares their work), and
+    compute what they compute on one."""
     import irminsul.model.attention.torch as ta
 
-    cfg, backend, attn, g = _setup(4)
-    q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [9, 4])
+    cfg, backend, attn, g = _setup(4, **WIDTHS["bundled"])
+    q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [90, 41, 7], holes=True)
     monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", True)
-    monkeypatch.setattr(ta, "_native_decode", lambda *a: pytest.fail("the kernel ran"))
+    calls = []
+    real = ta._native_decode
+    monkeypatch.setattr(ta, "_native_decode", lambda *a: calls.append(torch.get_num_threads()) or real(*a))
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(_run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)[0])
     finally:
         torch.set_num_threads(threads)
+    assert set(calls) == {1, 2} and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("widths", list(WIDTHS))

@@ -2,7 +2,7 @@
 `TorchAttention.NATIVE_PREFILL`): against tests/model/test_attention_flash.py's float64 dense reference
 and against SDPA's path it replaces, for causal prompts, padded batches, chunks after earlier rows,
 holes and moved keys, at widths that reach each of its tiles and their remainders; where it does not
-run (bf16, several threads, switched off, a build without its vector tiles) SDPA's path does; the plain
+run (bf16, switched off, a build without its vector tiles) SDPA's path does; the plain
 loops compute the same; and the engine's tokens are the same with and without it."""
 
 import platform
@@ -82,7 +82,7 @@ def test_a_query_row_sees_no_key_after_its_position(monkeypatch):
     assert torch.equal(moved[:71], base[:71]) and not torch.allclose(moved[71:], base[71:])
 
 
-@pytest.mark.parametrize("why", ["bf16", "threads", "switched off", "flag"])
+@pytest.mark.parametrize("why", ["bf16", "switched off", "flag"])
 def test_where_it_does_not_run_sdpa_does(why, monkeypatch):
     cfg, backend, attn, g = _setup(seed=7)
     dtype = torch.bfloat16 if why == "bf16" else torch.float32
@@ -90,8 +90,6 @@ def test_where_it_does_not_run_sdpa_does(why, monkeypatch):
         attn.kv_b_proj.to(torch.bfloat16)
     q_nope, q_pe, pool, seqs = _case(cfg, g, [(10, 20)], dtype=dtype)
     monkeypatch.setattr(native_ops, "call_prefill_attention", lambda *a: pytest.fail("the kernel ran"))
-    if why == "threads":
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     if why == "switched off":
         monkeypatch.setenv("IRMINSUL_NATIVE_PREFILL", "0")
     if why == "flag":

@@ -8,8 +8,16 @@ library with the C compiler found (`CC`, else cc, gcc or clang) and `-march=nati
 directory keyed by the sources, the flags, the compiler's version and the CPU's model and flags
 (`IRMINSUL_NATIVE_CACHE`, default ~/.cache/irminsul/native), and loads it with ctypes; a second
 process loads the cached library.
+
 With no compiler, or a build that fails, it is None and callers keep torch's kernels
 (`IRMINSUL_NATIVE=0` turns the kernels off). A build takes ~0.5 s.
+
+The kernels share their work among the threads each call is given (`#pragma omp parallel for`, the
+thread count an argument, torch's own count where the wrappers call them). They are built with
+-fopenmp where the compiler takes it and torch's parallel backend is OpenMP: the library's libgomp.so.1
+is then the one torch loaded (its wheel ships it; the dynamic linker finds it by that name), one
+runtime and one pool of threads for torch's operators and these kernels. Elsewhere the pragmas are
+ignored and every kernel runs on one thread.
 """
 
 from __future__ import annotations
@@ -35,9 +43,47 @@ FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-
 
 
 def _flags() -> list[str]:
-    """FLAGS and the target: this CPU (-march=native), or IRMINSUL_NATIVE_MARCH (the tests build the
-    plain-C loops, without AVX-512, with it)."""
-    return [*FLAGS, f"-march={os.environ.get('IRMINSUL_NATIVE_MARCH') or 'native'}"]
+    """FLAGS, -fopenmp where `_openmp` says so, and the target: this CPU (-march=native), or
+    IRMINSUL_NATIVE_MARCH (the tests build the plain-C loops, without AVX-512, with it)."""
+    cc = _compiler()
+    omp = ["-fopenmp"] if cc is not None and _openmp(cc) else []
+    return [*FLAGS, *omp, f"-march={os.environ.get('IRMINSUL_NATIVE_MARCH') or 'native'}"]
+
+
+def _torch_uses_openmp() -> bool:
+    import torch
+
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+_PROBE = ("#include <omp.h>\nint irm_probe(void) { int n = 0;\n#pragma omp parallel reduction(+:n)\nn += 1;\n"
+          "return n + omp_get_thread_num(); }\n")
+
+
+@functools.cache
+def _openmp(cc: str) -> bool:
+    """Whether the kernels are built with -fopenmp: torch's parallel backend is OpenMP, and `cc`
+    builds a shared library with it that names libgomp.so.1 (GCC's runtime, the one torch's wheel
+    loads; clang's -fopenmp would bring a second runtime, libomp). Said once in the log where not."""
+    why = None
+    if not _torch_uses_openmp():
+        why = "torch's parallel backend is not OpenMP"
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            src, out = Path(tmp) / "probe.c", Path(tmp) / "probe.so"
+            src.write_text(_PROBE)
+            try:
+                built = subprocess.run([cc, "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(out)],
+                                       capture_output=True, timeout=60).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                built = False
+            if not built:
+                why = f"{cc} does not build with -fopenmp"
+            elif b"libgomp.so.1" not in out.read_bytes():
+                why = f"{cc}'s OpenMP runtime is not libgomp, torch's"
+    if why:
+        log.info("the native kernels run on one thread: %s", why)
+    return why is None
 
 
 def _compiler() -> str | None:
@@ -127,34 +173,40 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("the native kernels did not build (%s): torch's kernels are used", str(detail).strip()[:500])
         return None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The kernels' signatures; each takes the threads it may use as its last argument."""
     c_long, c_int, c_void = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
     lib.irm_linear.argtypes = [c_void, c_int, c_long, c_long, c_void, c_int, c_long, c_long, c_long,
-                               c_void, c_int, c_void, c_int, c_long]
+                               c_void, c_int, c_void, c_int, c_long, c_int]
     lib.irm_linear.restype = c_int
     lib.irm_heads_linear.argtypes = [c_void, c_int, c_long, c_long, c_long, c_long, c_void, c_int, c_long, c_long,
-                                     c_long, c_long, c_void, c_int, c_long, c_long]
+                                     c_long, c_long, c_void, c_int, c_long, c_long, c_int]
     lib.irm_heads_linear.restype = c_int
     lib.irm_max_rows.restype = c_int
+    lib.irm_openmp.restype = c_int
     lib.irm_mla_decode.argtypes = [c_void, c_long, c_long, c_long, c_long, c_void, c_int, c_long,
-                                   c_void, c_long, c_void, c_void, c_long, c_int, ctypes.c_float, c_void, c_long, c_void]
+                                   c_void, c_long, c_void, c_void, c_long, c_int, ctypes.c_float, c_void, c_long, c_void, c_int]
     lib.irm_mla_decode.restype = c_int
     lib.irm_prefill_attention.argtypes = ([c_long] * 7 + [c_void, c_long, c_long, c_long] * 3 + [c_void, c_long, c_long]
                                           + [c_void, c_long, c_long, c_long] + [c_void] * 3 + [ctypes.c_float]
-                                          + [c_void, c_long, c_long, c_long])
+                                          + [c_void, c_long, c_long, c_long, c_int])
     lib.irm_prefill_attention.restype = c_int
     lib.irm_vectorised.restype = c_int
     c_float = ctypes.c_float
-    lib.irm_rms_norm.argtypes = [c_void, c_long, c_long, c_long, c_void, c_float, c_void, c_long]
+    lib.irm_rms_norm.argtypes = [c_void, c_long, c_long, c_long, c_void, c_float, c_void, c_long, c_int]
     lib.irm_rms_norm.restype = None
-    lib.irm_rms_norm_bf16.argtypes = [c_void, c_long, c_long, c_long, c_void, c_float, c_void, c_long]
+    lib.irm_rms_norm_bf16.argtypes = [c_void, c_long, c_long, c_long, c_void, c_float, c_void, c_long, c_int]
     lib.irm_rms_norm_bf16.restype = None
-    lib.irm_silu_mul.argtypes = [c_void, c_long, c_long, c_long, c_void, c_long]
+    lib.irm_silu_mul.argtypes = [c_void, c_long, c_long, c_long, c_void, c_long, c_int]
     lib.irm_silu_mul.restype = None
     lib.irm_moe.argtypes = [c_void, c_long, c_long, c_long, c_void, c_void, c_long, c_long, c_long,
-                            c_void, c_long, c_long, c_long, c_void, c_long, c_long, c_long, c_void, c_long]
+                            c_void, c_long, c_long, c_long, c_void, c_long, c_long, c_long, c_void, c_long, c_int]
     lib.irm_moe.restype = c_int
     lib.irm_moe_has_bf16.restype = c_int
     lib.irm_moe_bf16.argtypes = [c_void, c_long, c_long, c_long, c_void, c_void, c_long, c_long, c_long,
-                                 c_void, c_long, c_long, c_void, c_long, c_long, c_void, c_long]
+                                 c_void, c_long, c_long, c_void, c_long, c_long, c_void, c_long, c_int]
     lib.irm_moe_bf16.restype = c_int
-    return lib

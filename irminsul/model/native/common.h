@@ -9,6 +9,39 @@
 #include <immintrin.h>
 #endif
 
+/* The least work (multiply-adds; elements for the one-pass kernels) a call shares among its threads:
+ * below it the call runs on the calling thread alone, as waking a team costs more than it saves.
+ * (torch's at::internal::GRAIN_SIZE plays the same part for its parallel loops.) Every kernel splits
+ * only independent outputs among threads, never one sum, so its result is the same at any count. */
+#ifndef IRM_GRAIN
+#define IRM_GRAIN 32768L
+#endif
+
+/* whether a call of `work` units (as IRM_GRAIN's) runs on a team of nthreads */
+static inline int irm_team(int nthreads, double work) { return nthreads > 1 && work >= (double)IRM_GRAIN; }
+
+/* Denormals flushed to zero on the calling thread while a kernel runs (as oneDNN's kernels do): a real
+ * model's softmax has probabilities far below FLT_MIN, and multiplying them at the denormal rate made a
+ * decode call ~2x slower. Each thread of a team sets its own (MXCSR is per thread), so every thread
+ * rounds alike. irm_ftz_on returns the state irm_ftz_off restores. */
+static inline unsigned int irm_ftz_on(void) {
+#if defined(__SSE2__)
+    unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+    return csr;
+#else
+    return 0;
+#endif
+}
+
+static inline void irm_ftz_off(unsigned int csr) {
+#if defined(__SSE2__)
+    _mm_setcsr(csr);
+#else
+    (void)csr;
+#endif
+}
+
 /* Buffers the vector loops load from: 64-byte aligned (a cache line; malloc gives 16, and a 64-byte
  * load from such a buffer spans two lines: the bf16 experts' products ran at half their speed), the
  * size rounded up to a multiple of 64 (as aligned_alloc asks); free() releases them. */

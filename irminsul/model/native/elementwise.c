@@ -5,8 +5,8 @@
  * pass over [n, d] and a dispatch; silu(g) * u as two. These compute the same in one pass: RMSNorm
  * in the same order of roundings but for the sum of squares' order (a sum in float32, reassociated
  * as torch's own vectorised sum is), silu with common.h's exp and reciprocal on AVX-512 (~1e-7
- * relative). One thread; the AVX-512 paths take 16 floats at a time, the plain loops are vectorised
- * by the compiler for any other CPU.
+ * relative). The rows are shared among the threads given; the AVX-512 paths take 16 floats at a time,
+ * the plain loops are vectorised by the compiler for any other CPU.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,7 +14,9 @@
 #include "common.h"
 
 /* out[i, j] = w[j] * (x[i, j] * (1 / sqrt(mean_j x[i, j]^2 + eps))), n rows of d (row strides ldx, ldo) */
-void irm_rms_norm(const float *x, long n, long d, long ldx, const float *w, float eps, float *out, long ldo) {
+void irm_rms_norm(const float *x, long n, long d, long ldx, const float *w, float eps, float *out, long ldo,
+                  int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (irm_team(nthreads, (double)n * d)) schedule(static)
     for (long i = 0; i < n; i++) {
         const float *xi = x + i * ldx;
         float *oi = out + i * ldo;
@@ -47,7 +49,8 @@ void irm_rms_norm(const float *x, long n, long d, long ldx, const float *w, floa
  * tensor (the normalised x rounded to bf16, then times w rounded again: out = bf16(w * bf16(x * scale))),
  * the sum of squares in float32 */
 void irm_rms_norm_bf16(const uint16_t *x, long n, long d, long ldx, const uint16_t *w, float eps, uint16_t *out,
-                       long ldo) {
+                       long ldo, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (irm_team(nthreads, (double)n * d)) schedule(static)
     for (long i = 0; i < n; i++) {
         const uint16_t *xi = x + i * ldx;
         uint16_t *oi = out + i * ldo;
@@ -63,7 +66,8 @@ void irm_rms_norm_bf16(const uint16_t *x, long n, long d, long ldx, const uint16
 }
 
 /* out[i, j] = silu(gu[i, j]) * gu[i, inner + j], j < inner: n rows of [gate | up] (row stride ldg) */
-void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, long ldo) {
+void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, long ldo, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (irm_team(nthreads, (double)n * inner)) schedule(static)
     for (long i = 0; i < n; i++) {
         const float *g = gu + i * ldg, *u = g + inner;
         float *oi = out + i * ldo;

@@ -1,6 +1,7 @@
 /* Products of a few rows that stream their weight: y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]).
  *
- * One thread, fp32 products and sums, for a weight whose rows are contiguous (w[o, i] at
+ * The output rows shared among the threads given (each output's sum on one thread), fp32 products
+ * and sums, for a weight whose rows are contiguous (w[o, i] at
  * w + o * ld + i) in bfloat16 or float32; x, bias and y in either. It reads each weight row once
  * for all the rows of x (at most IRM_MAX_ROWS), which is what a decode step needs: its products
  * are bound by reading the weight. Built by irminsul/model/native/__init__.py with -march=native;
@@ -99,6 +100,14 @@ static void row_f32(const float *x, long rows, long ldx, const void *w, long in,
 
 int irm_max_rows(void) { return IRM_MAX_ROWS; }
 
+int irm_openmp(void) { /* whether the kernels were built with OpenMP (else each runs on one thread) */
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* output o of each row: acc[r] (+ bias[o]) into y (bf16 rounded to nearest even, or float32) */
 static inline void put(const float *acc, long rows, long o, const void *bias, int bias_bf, void *y, int y_bf, long ldy) {
     float b = bias == NULL ? 0.0f : weight_at(bias, o, bias_bf);
@@ -114,16 +123,18 @@ static inline void put(const float *acc, long rows, long o, const void *bias, in
 /* y [rows, ldy] = x [rows, ldx] times w [out, ld]^T (+ bias [out]); *_bf: 1 bfloat16, 0 float32.
  * Returns 0, or -1 for rows outside 1..IRM_MAX_ROWS or no memory for x's fp32 copy. */
 int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int w_bf, long out, long in, long ld,
-               const void *bias, int bias_bf, void *y, int y_bf, long ldy) {
+               const void *bias, int bias_bf, void *y, int y_bf, long ldy, int nthreads) {
     if (rows < 1 || rows > IRM_MAX_ROWS) return -1;
+    const int team = irm_team(nthreads, (double)out * in * rows);
 #if defined(__AVX512BF16__)
     if (x_bf && w_bf) { /* a bf16 model's products: vdpbf16ps over x's own bf16 rows (common.h bf16_dots) */
         long n32 = (in + 31) / 32 * 32;
         uint16_t *xi = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * n32));
         if (!xi) return -1;
         bf16_interleave((const uint16_t *)x, rows, ldx, in, xi);
-        float acc[IRM_MAX_ROWS];
+#pragma omp parallel for num_threads(nthreads) if (team) schedule(static)
         for (long o = 0; o < out; o++) {
+            float acc[IRM_MAX_ROWS];
             bf16_dots(xi, rows, (const uint16_t *)w + o * ld, in, acc);
             put(acc, rows, o, bias, bias_bf, y, y_bf, ldy);
         }
@@ -141,8 +152,9 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
         xf = copy;
         ldx = in;
     }
-    float acc[IRM_MAX_ROWS];
+#pragma omp parallel for num_threads(nthreads) if (team) schedule(static)
     for (long o = 0; o < out; o++) {
+        float acc[IRM_MAX_ROWS];
         if (w_bf)
             row_bf16(xf, rows, ldx, (const uint16_t *)w + o * ld, in, acc);
         else
@@ -155,14 +167,21 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
 
 /* The same per head: y[r, h, o] = sum_i x[r, h, i] * w[h, o, i] for h < H (no bias): x's rows ldx and its
  * heads xh elements apart, w's heads wh and its rows ld, y's rows ldy and heads yh (attention's
- * absorbed W_UK and W_UV products, one small weight per head). Returns irm_linear's code. */
+ * absorbed W_UK and W_UV products, one small weight per head). The heads are shared among the
+ * threads. Returns irm_linear's code (the first head's that failed). */
 int irm_heads_linear(const void *x, int x_bf, long rows, long ldx, long xh, long H, const void *w, int w_bf, long wh,
-                     long out, long in, long ld, void *y, int y_bf, long ldy, long yh) {
+                     long out, long in, long ld, void *y, int y_bf, long ldy, long yh, int nthreads) {
+    if (rows < 1 || rows > IRM_MAX_ROWS) return -1;
+    int rc = 0;
+#pragma omp parallel for num_threads(nthreads) if (irm_team(nthreads, (double)H * out * in * rows)) schedule(static)
     for (long h = 0; h < H; h++) {
-        int rc = irm_linear((const char *)x + h * xh * (x_bf ? 2 : 4), x_bf, rows, ldx,
-                            (const char *)w + h * wh * (w_bf ? 2 : 4), w_bf, out, in, ld, NULL, 0,
-                            (char *)y + h * yh * (y_bf ? 2 : 4), y_bf, ldy);
-        if (rc != 0) return rc;
+        int r = irm_linear((const char *)x + h * xh * (x_bf ? 2 : 4), x_bf, rows, ldx,
+                           (const char *)w + h * wh * (w_bf ? 2 : 4), w_bf, out, in, ld, NULL, 0,
+                           (char *)y + h * yh * (y_bf ? 2 : 4), y_bf, ldy, 1);
+        if (r != 0) {
+#pragma omp atomic write
+            rc = r;
+        }
     }
-    return 0;
+    return rc;
 }

@@ -14,7 +14,8 @@
  * flash attention's), and summed into the outputs while the block is still in cache. With AVX-512 and
  * widths in multiples of 16 the products run in register tiles: scores 4 heads x 4 keys (each key's
  * chunk loaded once for four heads, each head's for four keys), sums 4 heads x 64 outputs (one load of
- * a key's chunk serves four heads, the sums stay in registers across the block).
+ * a key's chunk serves four heads, the sums stay in registers across the block). The threads share the
+ * sequences and groups of their heads.
  */
 #include <math.h>
 
@@ -149,12 +150,28 @@ static void scale_row(float *o, long n, float a) {
     for (long i = 0; i < n; i++) o[i] *= a;
 }
 
-/* `own` (NULL: none): one more key per sequence after its pool rows, own + b * ldown = [c_KV | k_r]
- * in float32, k_r already rotated (a compiled step's new token, whose row is not in the pool yet).
- * Returns 0, or -1 when no memory could be had for the buffers. */
-int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void *pool, int pool_bf, long ldp,
-                   const int64_t *slots, long T, const float *cos, const float *sin, long cs_stride, int interleaved,
-                   float scale, const float *own, long ldown, float *o) {
+/* One sequence's attention for heads h0 .. h1 (h0 a multiple of 4, so a head takes the same register
+ * tile, and computes the same, however the heads are grouped), into ob = o + b * H * r. `buf` holds
+ * the thread's buffers (decode_buffers). */
+typedef struct {
+    float *s, *mx, *kbuf, *cbuf, *zero;
+} decode_buffers;
+
+static int buffers_alloc(decode_buffers *d, long H, long r, long rope, long w, int pool_bf) {
+    d->s = (float *)irm_alloc(sizeof(float) * (size_t)(H * KB));     /* a block's scores, then probabilities */
+    d->mx = (float *)irm_alloc(sizeof(float) * (size_t)(2 * H));     /* each head's maximum so far, then its sum */
+    d->kbuf = (float *)irm_alloc(sizeof(float) * (size_t)(KB * (rope > 0 ? rope : 1)));  /* rotated k_r */
+    d->cbuf = pool_bf ? (float *)irm_alloc(sizeof(float) * (size_t)(KB * (r > 0 ? r : 1))) : NULL;
+    d->zero = (float *)irm_calloc((size_t)(w > 0 ? w : 1), sizeof(float)); /* the row of a key not there */
+    return d->s && d->mx && d->kbuf && (!pool_bf || d->cbuf) && d->zero;
+}
+
+static void buffers_free(decode_buffers *d) { free(d->s), free(d->mx), free(d->kbuf), free(d->cbuf), free(d->zero); }
+
+static void decode_heads(const float *q, long b, long H, long h0, long h1, long r, long rope, const void *pool,
+                         int pool_bf, long ldp, const int64_t *slots, long T, const float *cos, const float *sin,
+                         long cs_stride, int interleaved, float scale, const float *own, long ldown, float *o,
+                         const decode_buffers *buf) {
     long w = r + rope, half = rope / 2, keys = T + (own != NULL);
 #if defined(__AVX512F__)
     const int tiles = r % 16 == 0 && rope % 16 == 0; /* the register tiles cover these widths */
@@ -162,99 +179,112 @@ int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void
     const int tiles = 0;
 #endif
     const long esize = pool_bf ? 2 : 4;
-    float *s = (float *)irm_alloc(sizeof(float) * (size_t)(H * KB)); /* a block's scores, then probabilities */
-    float *mx = (float *)irm_alloc(sizeof(float) * (size_t)(2 * H));  /* each head's maximum so far, then its sum */
-    float *kbuf = (float *)irm_alloc(sizeof(float) * (size_t)(KB * (rope > 0 ? rope : 1)));  /* rotated k_r */
-    float *cbuf = pool_bf ? (float *)irm_alloc(sizeof(float) * (size_t)(KB * (r > 0 ? r : 1))) : NULL;
-    float *zero = (float *)irm_calloc((size_t)(w > 0 ? w : 1), sizeof(float)); /* the row of a key not there */
-    if (!s || !mx || !kbuf || (pool_bf && !cbuf) || !zero) {
-        free(s), free(mx), free(kbuf), free(cbuf), free(zero);
-        return -1;
-    }
-    float *sum = mx + H;
-#if defined(__SSE2__)
-    /* denormals flushed to zero while it runs (as oneDNN's kernels do): a real model's softmax has
-     * probabilities far below FLT_MIN, and multiplying them at the denormal rate made a call ~2x slower */
-    unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);
-#endif
-    for (long b = 0; b < B; b++) {
-        const float *qb = q + b * H * w;
-        const int64_t *sb = slots + b * T;
-        const float *cb = cos + b * cs_stride, *snb = sin + b * cs_stride;
-        float *ob = o + b * H * r;
-        memset(ob, 0, sizeof(float) * (size_t)(H * r));
-        for (long h = 0; h < H; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
-        for (long j0 = 0; j0 < keys; j0 += KB) {
-            long n = keys - j0 < KB ? keys - j0 : KB;
-            long np = tiles ? (n + 3) & ~3L : n; /* the tiles take keys 4 at a time: the rest are absent keys */
-            for (long j = j0 + KB; j < j0 + 2 * KB && j < T; j++) /* the next block's rows, asked for early */
-                for (long at = 0; at < w * esize; at += 64)
-                    __builtin_prefetch((const char *)pool + sb[j] * ldp * esize + at);
-            const float *c[KB], *kr[KB];
-            char seen[KB];
-            for (long k = 0; k < np; k++) {
-                long j = j0 + k;
-                c[k] = zero, kr[k] = zero, seen[k] = 0;
-                if (k >= n || (j < T && sb[j] == 0)) /* no row: zeros (a stale row could hold a NaN, and 0 * NaN is NaN) */
-                    continue;
-                seen[k] = 1;
-                if (j == T) { /* the token's own row */
-                    c[k] = own + b * ldown, kr[k] = c[k] + r;
-                    continue;
-                }
-                const void *kr_row;
-                if (pool_bf) { /* c_KV converted, k_r rotated from the row */
-                    const uint16_t *row = (const uint16_t *)pool + sb[j] * ldp;
-                    bf16_row(row, r, cbuf + k * r);
-                    c[k] = cbuf + k * r, kr_row = row + r;
-                } else { /* c_KV read where it lies */
-                    c[k] = (const float *)pool + sb[j] * ldp, kr_row = c[k] + r;
-                }
-                rotate(kbuf + k * rope, kr_row, pool_bf, rope, cb + j * half, snb + j * half, interleaved);
-                kr[k] = kbuf + k * rope;
+    float *s = buf->s, *mx = buf->mx, *sum = buf->mx + H, *kbuf = buf->kbuf, *cbuf = buf->cbuf, *zero = buf->zero;
+    const float *qb = q + b * H * w;
+    const int64_t *sb = slots + b * T;
+    const float *cb = cos + b * cs_stride, *snb = sin + b * cs_stride;
+    float *ob = o + b * H * r;
+    memset(ob + h0 * r, 0, sizeof(float) * (size_t)((h1 - h0) * r));
+    for (long h = h0; h < h1; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
+    for (long j0 = 0; j0 < keys; j0 += KB) {
+        long n = keys - j0 < KB ? keys - j0 : KB;
+        long np = tiles ? (n + 3) & ~3L : n; /* the tiles take keys 4 at a time: the rest are absent keys */
+        for (long j = j0 + KB; j < j0 + 2 * KB && j < T; j++) /* the next block's rows, asked for early */
+            for (long at = 0; at < w * esize; at += 64)
+                __builtin_prefetch((const char *)pool + sb[j] * ldp * esize + at);
+        const float *c[KB], *kr[KB];
+        char seen[KB];
+        for (long k = 0; k < np; k++) {
+            long j = j0 + k;
+            c[k] = zero, kr[k] = zero, seen[k] = 0;
+            if (k >= n || (j < T && sb[j] == 0)) /* no row: zeros (a stale row could hold a NaN, and 0 * NaN is NaN) */
+                continue;
+            seen[k] = 1;
+            if (j == T) { /* the token's own row */
+                c[k] = own + b * ldown, kr[k] = c[k] + r;
+                continue;
             }
-            /* scores */
-            long h0 = 0;
-#if defined(__AVX512F__)
-            if (tiles)
-                for (; h0 + 4 <= H; h0 += 4)
-                    for (long k = 0; k < np; k += 4) scores_4x4(qb + h0 * w, w, r, rope, c + k, kr + k, s + h0 * KB + k);
-#endif
-            for (long h = h0; h < H; h++)
-                for (long k = 0; k < np; k++) s[h * KB + k] = dot(qb + h * w, c[k], r) + dot(qb + h * w + r, kr[k], rope);
-            /* the running softmax: each head's maximum, its output rescaled when that grows */
-            for (long h = 0; h < H; h++) {
-                float *sh = s + h * KB, bm = -INFINITY;
-                for (long k = 0; k < np; k++) {
-                    sh[k] = seen[k] ? scale * sh[k] : -INFINITY;
-                    bm = sh[k] > bm ? sh[k] : bm;
-                }
-                softmax_fold(sh, np, bm, &mx[h], &sum[h], ob + h * r, r);
+            const void *kr_row;
+            if (pool_bf) { /* c_KV converted, k_r rotated from the row */
+                const uint16_t *row = (const uint16_t *)pool + sb[j] * ldp;
+                bf16_row(row, r, cbuf + k * r);
+                c[k] = cbuf + k * r, kr_row = row + r;
+            } else { /* c_KV read where it lies */
+                c[k] = (const float *)pool + sb[j] * ldp, kr_row = c[k] + r;
             }
-            /* the outputs: probabilities times c_KV */
-            h0 = 0;
-#if defined(__AVX512F__)
-            if (tiles)
-                for (; h0 + 4 <= H; h0 += 4) {
-                    long i = 0;
-                    for (; i + 64 <= r; i += 64) values_4x64(ob + h0 * r, r, s + h0 * KB, c, np, i);
-                    for (; i < r; i += 16) values_4x16(ob + h0 * r, r, s + h0 * KB, c, np, i);
-                }
-#endif
-            for (long h = h0; h < H; h++)
-                for (long k = 0; k < np; k++) {
-                    float p = s[h * KB + k];
-                    if (p != 0.0f)
-                        for (long i = 0; i < r; i++) ob[h * r + i] += p * c[k][i];
-                }
+            rotate(kbuf + k * rope, kr_row, pool_bf, rope, cb + j * half, snb + j * half, interleaved);
+            kr[k] = kbuf + k * rope;
         }
-        for (long h = 0; h < H; h++) /* a head with no visible key keeps zeros */
-            scale_row(ob + h * r, r, sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f);
-    }
-#if defined(__SSE2__)
-    _mm_setcsr(csr);
+        /* scores */
+        long ht = h0;
+#if defined(__AVX512F__)
+        if (tiles)
+            for (; ht + 4 <= h1; ht += 4)
+                for (long k = 0; k < np; k += 4) scores_4x4(qb + ht * w, w, r, rope, c + k, kr + k, s + ht * KB + k);
 #endif
-    free(s), free(mx), free(kbuf), free(cbuf), free(zero);
-    return 0;
+        for (long h = ht; h < h1; h++)
+            for (long k = 0; k < np; k++) s[h * KB + k] = dot(qb + h * w, c[k], r) + dot(qb + h * w + r, kr[k], rope);
+        /* the running softmax: each head's maximum, its output rescaled when that grows */
+        for (long h = h0; h < h1; h++) {
+            float *sh = s + h * KB, bm = -INFINITY;
+            for (long k = 0; k < np; k++) {
+                sh[k] = seen[k] ? scale * sh[k] : -INFINITY;
+                bm = sh[k] > bm ? sh[k] : bm;
+            }
+            softmax_fold(sh, np, bm, &mx[h], &sum[h], ob + h * r, r);
+        }
+        /* the outputs: probabilities times c_KV */
+        ht = h0;
+#if defined(__AVX512F__)
+        if (tiles)
+            for (; ht + 4 <= h1; ht += 4) {
+                long i = 0;
+                for (; i + 64 <= r; i += 64) values_4x64(ob + ht * r, r, s + ht * KB, c, np, i);
+                for (; i < r; i += 16) values_4x16(ob + ht * r, r, s + ht * KB, c, np, i);
+            }
+#endif
+        for (long h = ht; h < h1; h++)
+            for (long k = 0; k < np; k++) {
+                float p = s[h * KB + k];
+                if (p != 0.0f)
+                    for (long i = 0; i < r; i++) ob[h * r + i] += p * c[k][i];
+            }
+    }
+    for (long h = h0; h < h1; h++) /* a head with no visible key keeps zeros */
+        scale_row(ob + h * r, r, sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f);
+}
+
+/* `own` (NULL: none): one more key per sequence after its pool rows, own + b * ldown = [c_KV | k_r]
+ * in float32, k_r already rotated (a compiled step's new token, whose row is not in the pool yet).
+ * The work is shared among nthreads threads by sequence and group of heads (groups of a multiple of
+ * 4 heads: as many as it takes to give each thread work; each group converts and rotates the
+ * sequence's keys for itself). Returns 0, or -1 when no memory could be had for the buffers. */
+int irm_mla_decode(const float *q, long B, long H, long r, long rope, const void *pool, int pool_bf, long ldp,
+                   const int64_t *slots, long T, const float *cos, const float *sin, long cs_stride, int interleaved,
+                   float scale, const float *own, long ldown, float *o, int nthreads) {
+    long w = r + rope, keys = T + (own != NULL);
+    long quads = (H + 3) / 4, per = (nthreads + B - 1) / (B > 0 ? B : 1); /* head groups a sequence wants */
+    long groups = per < 1 ? 1 : per > quads ? quads : per, gh = (quads + groups - 1) / groups * 4;
+    groups = (H + gh - 1) / gh;
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (irm_team(nthreads, (double)B * keys * H * (w + r)))
+    {
+        decode_buffers buf;
+        int ok = buffers_alloc(&buf, H, r, rope, w, pool_bf);
+        if (!ok) {
+#pragma omp atomic write
+            rc = -1;
+        }
+        unsigned int csr = irm_ftz_on();
+#pragma omp for schedule(static)
+        for (long item = 0; item < B * groups; item++) {
+            long b = item / groups, h0 = item % groups * gh, h1 = h0 + gh < H ? h0 + gh : H;
+            if (ok)
+                decode_heads(q, b, H, h0, h1, r, rope, pool, pool_bf, ldp, slots, T, cos, sin, cs_stride, interleaved,
+                             scale, own, ldown, o, &buf);
+        }
+        irm_ftz_off(csr);
+        buffers_free(&buf);
+    }
+    return rc;
 }

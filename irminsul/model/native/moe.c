@@ -21,14 +21,16 @@
 #define RB 8 /* rows per block */
 #define RB_BF16 64 /* ... in irm_moe_bf16, whose products read each weight row once for all of them */
 
-void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, long ldo); /* elementwise.c */
+void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, long ldo, int nthreads); /* elementwise.c */
 
-/* c[r][o] = sum_i a[r][i] * w[i*si + o*so], r < R <= RB, o < out; a rows of `in` at stride lda */
+/* c[r][o] = sum_i a[r][i] * w[i*si + o*so], r < R <= RB, o0 <= o < o1 of the product's `out` outputs; a
+ * rows of `in` at stride lda. The path is chosen by the whole product's shape, and o0 (and o1, unless it
+ * is `out`) is a multiple of SLICE: an output's sum is the same whichever slice computes it. */
 static void product(const float *restrict a, long R, long in, long lda, const float *restrict w, long si, long so,
-                    long out, float *restrict c, long ldc) {
+                    long out, long o0, long o1, float *restrict c, long ldc) {
 #if defined(__AVX512F__)
     if (so == 1 && R == RB && out % 32 == 0) { /* input-major, a full block: 8 x 32 sums in registers */
-        for (long o = 0; o < out; o += 32) {
+        for (long o = o0; o < o1; o += 32) {
             __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
                    c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
             const float *wp = w + o;
@@ -54,12 +56,12 @@ static void product(const float *restrict a, long R, long in, long lda, const fl
     if (si == 1 && in % 16 == 0 && out % 8 == 0) { /* out-major: eight outputs' dot products at a time, folded together */
         for (long r = 0; r < R; r++) {
             const float *ar = a + r * lda;
-            for (long o = 0; o < out; o += 8) dots8(ar, w + o * so, so, in, c + r * ldc + o);
+            for (long o = o0; o < o1; o += 8) dots8(ar, w + o * so, so, in, c + r * ldc + o);
         }
         return;
     }
     if (si == 1 && in % 16 == 0) { /* out-major: each output a dot product per row */
-        for (long o = 0; o < out; o++) {
+        for (long o = o0; o < o1; o++) {
             const float *wo = w + o * so;
             __m512 acc[RB];
             for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -72,13 +74,14 @@ static void product(const float *restrict a, long R, long in, long lda, const fl
         return;
     }
 #endif
+    (void)out;
     for (long r = 0; r < R; r++) {
         float *cr = c + r * ldc;
-        for (long o = 0; o < out; o++) cr[o] = 0.0f;
+        for (long o = o0; o < o1; o++) cr[o] = 0.0f;
         for (long i = 0; i < in; i++) {
             float x = a[r * lda + i];
             const float *wi = w + i * si;
-            for (long o = 0; o < out; o++) cr[o] += x * wi[o * so];
+            for (long o = o0; o < o1; o++) cr[o] += x * wi[o * so];
         }
     }
 }
@@ -97,54 +100,107 @@ static int sort_by_expert(const int64_t *ids, long nk, long E, long *start, long
     return 0;
 }
 
+/* The assignments in blocks of up to `rb` rows of one expert each (expert e's run cut into pieces):
+ * block i is expert blk[i].e's sorted assignments order[blk[i].at .. + blk[i].R). Returns the count. */
+typedef struct {
+    long e, at, R;
+} expert_block;
+
+static long expert_blocks(const long *start, long E, long rb, expert_block *blk) {
+    long nb = 0;
+    for (long e = 0; e < E; e++)
+        for (long b = start[e]; b < start[e + 1]; b += rb)
+            blk[nb].e = e, blk[nb].at = b, blk[nb].R = start[e + 1] - b < rb ? start[e + 1] - b : rb, nb++;
+    return nb;
+}
+
+/* acc[j] = sum over token t's k assignments, by expert (then by assignment), of weights[a] * y[row[a]][j],
+ * j < H: each token's sum in one order whatever the threads */
+static void token_sum(long t, long k, const int64_t *ids, const float *weights, const long *row, const float *y,
+                      long H, float *acc) {
+    long a_sorted[64];
+    long kk = k < 64 ? k : 64;
+    for (long j = 0; j < kk; j++) { /* insertion sort of the token's assignments by (expert, index) */
+        long a = t * k + j, at = j;
+        while (at > 0 && ids[a_sorted[at - 1]] > ids[a]) a_sorted[at] = a_sorted[at - 1], at--;
+        a_sorted[at] = a;
+    }
+    for (long j = 0; j < H; j++) acc[j] = 0.0f;
+    for (long m = 0; m < kk; m++) {
+        long a = a_sorted[m];
+        float wt = weights[a];
+        const float *yr = y + row[a] * H;
+        for (long j = 0; j < H; j++) acc[j] += wt * yr[j];
+    }
+}
+
+#define SLICE 64 /* outputs per piece of work: a multiple of the product paths' 32 and 8 */
+
 /* x [n, H] (row stride ldx), ids / weights [n, k]; gate_up element [e, i, o] at gu + e*gu0 + i*gu1 + o*gu2
  * (i < H, o < 2I), down [e, i, o] at dn + e*dn0 + i*dn1 + o*dn2 (i < I, o < H); out [n, H] (stride ldo),
- * overwritten. Returns 0, or -1 without memory for its buffers (out untouched), -2 for an expert id
- * outside [0, E). */
+ * overwritten; k at most 64. The threads share the blocks of an expert's rows, then slices of SLICE
+ * outputs of each block's products, then the tokens' sums. Returns 0, or -1 without memory for its
+ * buffers (out untouched), -2 for an expert id outside [0, E). */
 int irm_moe(const float *x, long n, long H, long ldx, const int64_t *ids, const float *weights, long k, long E,
             long I, const float *gu, long gu0, long gu1, long gu2, const float *dn, long dn0, long dn1, long dn2,
-            float *out, long ldo) {
+            float *out, long ldo, int nthreads) {
     long nk = n * k;
+    if (k > 64) return -1;
     for (long a = 0; a < nk; a++)
         if (ids[a] < 0 || ids[a] >= E) return -2;
+    long nbmax = nk / RB + E + 1;
     long *start = (long *)calloc((size_t)E + 1, sizeof(long));
     long *order = (long *)malloc(sizeof(long) * (size_t)(nk > 0 ? nk : 1));
-    float *xs = (float *)irm_alloc(sizeof(float) * (size_t)(RB * H));
-    float *h = (float *)irm_alloc(sizeof(float) * (size_t)(RB * 2 * I));
-    float *act = (float *)irm_alloc(sizeof(float) * (size_t)(RB * I));
-    float *y = (float *)irm_alloc(sizeof(float) * (size_t)(RB * H));
-    if (!start || !order || !xs || !h || !act || !y) {
-        free(start), free(order), free(xs), free(h), free(act), free(y);
-        return -1;
-    }
-    if (sort_by_expert(ids, nk, E, start, order) != 0) {
-        free(start), free(order), free(xs), free(h), free(act), free(y);
-        return -1;
-    }
-    for (long t = 0; t < n; t++) memset(out + t * ldo, 0, sizeof(float) * (size_t)H);
-    for (long e = 0; e < E; e++) {
-        for (long b = start[e]; b < start[e + 1]; b += RB) {
-            long R = start[e + 1] - b < RB ? start[e + 1] - b : RB;
+    long *row = (long *)malloc(sizeof(long) * (size_t)(nk > 0 ? nk : 1)); /* assignment -> its row of y */
+    expert_block *blk = (expert_block *)malloc(sizeof(expert_block) * (size_t)nbmax);
+    int rc = -1;
+    float *xs = NULL, *h = NULL, *act = NULL, *y = NULL;
+    if (!start || !order || !row || !blk || sort_by_expert(ids, nk, E, start, order) != 0) goto done;
+    long nb = expert_blocks(start, E, RB, blk), rows = nb * RB; /* each block RB rows (a short one padded with zeros) */
+    xs = (float *)irm_alloc(sizeof(float) * (size_t)(rows * H + 1));
+    h = (float *)irm_alloc(sizeof(float) * (size_t)(rows * 2 * I + 1));
+    act = (float *)irm_alloc(sizeof(float) * (size_t)(rows * I + 1));
+    y = (float *)irm_alloc(sizeof(float) * (size_t)(rows * H + 1));
+    if (!xs || !h || !act || !y) goto done;
+    for (long i = 0; i < nb; i++)
+        for (long r = 0; r < blk[i].R; r++) row[order[blk[i].at + r]] = i * RB + r;
+    long gslices = (2 * I + SLICE - 1) / SLICE, dslices = (H + SLICE - 1) / SLICE;
+#pragma omp parallel num_threads(nthreads) if (irm_team(nthreads, (double)nk * 3 * H * I))
+    {
+#pragma omp for schedule(static)
+        for (long i = 0; i < nb; i++)
             for (long r = 0; r < RB; r++) /* (a short block's missing rows are zeros: the 8-row kernel runs) */
-                if (r < R)
-                    memcpy(xs + r * H, x + (order[b + r] / k) * ldx, sizeof(float) * (size_t)H);
+                if (r < blk[i].R)
+                    memcpy(xs + (i * RB + r) * H, x + (order[blk[i].at + r] / k) * ldx, sizeof(float) * (size_t)H);
                 else
-                    memset(xs + r * H, 0, sizeof(float) * (size_t)H);
-            long RR = (gu2 == 1 && (2 * I) % 32 == 0) ? RB : R;
-            product(xs, RR, H, H, gu + e * gu0, gu1, gu2, 2 * I, h, 2 * I);
-            irm_silu_mul(h, RR, I, 2 * I, act, I);
-            RR = (dn2 == 1 && H % 32 == 0) ? RB : R;
-            product(act, RR, I, I, dn + e * dn0, dn1, dn2, H, y, H);
-            for (long r = 0; r < R; r++) {
-                long a = order[b + r];
-                float wt = weights[a], *ot = out + (a / k) * ldo;
-                const float *yr = y + r * H;
-                for (long j = 0; j < H; j++) ot[j] += wt * yr[j];
-            }
+                    memset(xs + (i * RB + r) * H, 0, sizeof(float) * (size_t)H);
+        long RRg = (gu2 == 1 && (2 * I) % 32 == 0) ? RB : -1, RRd = (dn2 == 1 && H % 32 == 0) ? RB : -1;
+#pragma omp for schedule(static)
+        for (long item = 0; item < nb * gslices; item++) {
+            long i = item / gslices, o0 = item % gslices * SLICE, o1 = o0 + SLICE < 2 * I ? o0 + SLICE : 2 * I;
+            product(xs + i * RB * H, RRg > 0 ? RRg : blk[i].R, H, H, gu + blk[i].e * gu0, gu1, gu2, 2 * I, o0, o1,
+                    h + i * RB * 2 * I, 2 * I);
         }
+#pragma omp for schedule(static)
+        for (long i = 0; i < nb; i++) {
+            long R = RRg > 0 ? RRg : blk[i].R;
+            irm_silu_mul(h + i * RB * 2 * I, R, I, 2 * I, act + i * RB * I, I, 1);
+            /* (the down kernel may read all RB rows: a short block's missing ones are zeros) */
+            memset(act + (i * RB + R) * I, 0, sizeof(float) * (size_t)((RB - R) * I));
+        }
+#pragma omp for schedule(static)
+        for (long item = 0; item < nb * dslices; item++) {
+            long i = item / dslices, o0 = item % dslices * SLICE, o1 = o0 + SLICE < H ? o0 + SLICE : H;
+            product(act + i * RB * I, RRd > 0 ? RRd : blk[i].R, I, I, dn + blk[i].e * dn0, dn1, dn2, H, o0, o1,
+                    y + i * RB * H, H);
+        }
+#pragma omp for schedule(static)
+        for (long t = 0; t < n; t++) token_sum(t, k, ids, weights, row, y, H, out + t * ldo);
     }
-    free(start), free(order), free(xs), free(h), free(act), free(y);
-    return 0;
+    rc = 0;
+done:
+    free(start), free(order), free(row), free(blk), free(xs), free(h), free(act), free(y);
+    return rc;
 }
 
 int irm_moe_has_bf16(void) { /* whether irm_moe_bf16 was built (AVX512-BF16) */
@@ -162,63 +218,85 @@ int irm_moe_has_bf16(void) { /* whether irm_moe_bf16 was built (AVX512-BF16) */
  * rows go through common.h's bf16_dots (vdpbf16ps: bf16 products, float32 sums):
  * gate|up in float32, silu * up rounded to bf16 for the down product (as torch's bf16 experts
  * round it), the weighted outputs summed in float32 and rounded once. An expert's rows go 64 at a
- * time (RB_BF16), so its weights are read once for them all. Returns 0, -1 without memory,
- * -2 for an expert id outside [0, E), -3 where it was not built. */
+ * time (RB_BF16), so its weights are read once for them all; the threads share them as irm_moe's.
+ * Returns 0, -1 without memory, -2 for an expert id outside [0, E), -3 where it was not built. */
 int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids, const float *weights, long k,
                  long E, long I, const uint16_t *gu, long gu0, long gu2, const uint16_t *dn, long dn0, long dn2,
-                 uint16_t *out, long ldo) {
+                 uint16_t *out, long ldo, int nthreads) {
 #if defined(__AVX512BF16__)
     long nk = n * k;
+    if (k > 64) return -1;
     for (long a = 0; a < nk; a++)
         if (ids[a] < 0 || ids[a] >= E) return -2;
-    long H32 = (H + 31) / 32 * 32, I32 = (I + 31) / 32 * 32;
+    long H32 = (H + 31) / 32 * 32, I32 = (I + 31) / 32 * 32, nbmax = nk / RB_BF16 + E + 1, rows = nk > 0 ? nk : 1;
     long *start = (long *)calloc((size_t)E + 1, sizeof(long));
-    long *order = (long *)malloc(sizeof(long) * (size_t)(nk > 0 ? nk : 1));
-    uint16_t *xs = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(RB_BF16 * H));
-    uint16_t *xi = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(RB_BF16 * H32));
-    float *h = (float *)irm_alloc(sizeof(float) * (size_t)(RB_BF16 * 2 * I));
-    float *act = (float *)irm_alloc(sizeof(float) * (size_t)(RB_BF16 * I));
-    uint16_t *ab = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(RB_BF16 * I));
-    uint16_t *ai = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(RB_BF16 * I32));
-    float *y = (float *)irm_alloc(sizeof(float) * (size_t)(RB_BF16 * H));
-    float *acc = (float *)irm_calloc((size_t)(n > 0 ? n : 1) * (size_t)H, sizeof(float));
+    long *order = (long *)malloc(sizeof(long) * (size_t)rows);
+    long *row = (long *)malloc(sizeof(long) * (size_t)rows);
+    expert_block *blk = (expert_block *)malloc(sizeof(expert_block) * (size_t)nbmax);
+    /* rows in sorted order: block i's at blk[i].at (its interleaved ones at blk[i].at * H32 or * I32) */
+    uint16_t *xs = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * H));
+    uint16_t *xi = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * H32));
+    float *h = (float *)irm_alloc(sizeof(float) * (size_t)(rows * 2 * I));
+    float *act = (float *)irm_alloc(sizeof(float) * (size_t)(rows * I));
+    uint16_t *ab = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * I));
+    uint16_t *ai = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * I32));
+    float *y = (float *)irm_alloc(sizeof(float) * (size_t)(rows * H));
+    float *acc = (float *)irm_alloc(sizeof(float) * (size_t)((n > 0 ? n : 1) * H));
     int rc = -1;
-    if (!start || !order || !xs || !xi || !h || !act || !ab || !ai || !y || !acc) goto done;
+    if (!start || !order || !row || !blk || !xs || !xi || !h || !act || !ab || !ai || !y || !acc) goto done;
     if (sort_by_expert(ids, nk, E, start, order) != 0) goto done;
-    for (long e = 0; e < E; e++) {
-        for (long b = start[e]; b < start[e + 1]; b += RB_BF16) {
-            long R = start[e + 1] - b < RB_BF16 ? start[e + 1] - b : RB_BF16;
+    long nb = expert_blocks(start, E, RB_BF16, blk);
+    for (long p = 0; p < nk; p++) row[order[p]] = p;
+    long gslices = (2 * I + SLICE - 1) / SLICE, dslices = (H + SLICE - 1) / SLICE;
+#pragma omp parallel num_threads(nthreads) if (irm_team(nthreads, (double)nk * 3 * H * I))
+    {
+#pragma omp for schedule(static)
+        for (long i = 0; i < nb; i++) {
+            long at = blk[i].at, R = blk[i].R;
+            for (long r = 0; r < R; r++) memcpy(xs + (at + r) * H, x + (order[at + r] / k) * ldx, sizeof(uint16_t) * (size_t)H);
+            bf16_interleave(xs + at * H, R, H, H, xi + at * H32);
+        }
+#pragma omp for schedule(static)
+        for (long item = 0; item < nb * gslices; item++) {
+            long i = item / gslices, o0 = item % gslices * SLICE, o1 = o0 + SLICE < 2 * I ? o0 + SLICE : 2 * I;
+            long at = blk[i].at, R = blk[i].R;
             float d[RB_BF16];
-            for (long r = 0; r < R; r++) memcpy(xs + r * H, x + (order[b + r] / k) * ldx, sizeof(uint16_t) * (size_t)H);
-            bf16_interleave(xs, R, H, H, xi);
-            for (long o = 0; o < 2 * I; o++) {
-                bf16_dots(xi, R, gu + e * gu0 + o * gu2, H, d);
-                for (long r = 0; r < R; r++) h[r * 2 * I + o] = d[r];
-            }
-            irm_silu_mul(h, R, I, 2 * I, act, I);
-            for (long j = 0; j < R * I; j++) ab[j] = f32_to_bf16(act[j]);
-            bf16_interleave(ab, R, I, I, ai);
-            for (long o = 0; o < H; o++) {
-                bf16_dots(ai, R, dn + e * dn0 + o * dn2, I, d);
-                for (long r = 0; r < R; r++) y[r * H + o] = d[r];
-            }
-            for (long r = 0; r < R; r++) {
-                long a = order[b + r];
-                float wt = weights[a], *at = acc + (a / k) * H;
-                const float *yr = y + r * H;
-                for (long j = 0; j < H; j++) at[j] += wt * yr[j];
+            for (long o = o0; o < o1; o++) {
+                bf16_dots(xi + at * H32, R, gu + blk[i].e * gu0 + o * gu2, H, d);
+                for (long r = 0; r < R; r++) h[(at + r) * 2 * I + o] = d[r];
             }
         }
+#pragma omp for schedule(static)
+        for (long i = 0; i < nb; i++) {
+            long at = blk[i].at, R = blk[i].R;
+            irm_silu_mul(h + at * 2 * I, R, I, 2 * I, act + at * I, I, 1);
+            for (long j = 0; j < R * I; j++) ab[at * I + j] = f32_to_bf16(act[at * I + j]);
+            bf16_interleave(ab + at * I, R, I, I, ai + at * I32);
+        }
+#pragma omp for schedule(static)
+        for (long item = 0; item < nb * dslices; item++) {
+            long i = item / dslices, o0 = item % dslices * SLICE, o1 = o0 + SLICE < H ? o0 + SLICE : H;
+            long at = blk[i].at, R = blk[i].R;
+            float d[RB_BF16];
+            for (long o = o0; o < o1; o++) {
+                bf16_dots(ai + at * I32, R, dn + blk[i].e * dn0 + o * dn2, I, d);
+                for (long r = 0; r < R; r++) y[(at + r) * H + o] = d[r];
+            }
+        }
+#pragma omp for schedule(static)
+        for (long t = 0; t < n; t++) {
+            token_sum(t, k, ids, weights, row, y, H, acc + t * H);
+            for (long j = 0; j < H; j++) out[t * ldo + j] = f32_to_bf16(acc[t * H + j]);
+        }
     }
-    for (long t = 0; t < n; t++)
-        for (long j = 0; j < H; j++) out[t * ldo + j] = f32_to_bf16(acc[t * H + j]);
     rc = 0;
 done:
-    free(start), free(order), free(xs), free(xi), free(h), free(act), free(ab), free(ai), free(y), free(acc);
+    free(start), free(order), free(row), free(blk), free(xs), free(xi), free(h), free(act), free(ab), free(ai), free(y),
+        free(acc);
     return rc;
 #else
     (void)x, (void)n, (void)H, (void)ldx, (void)ids, (void)weights, (void)k, (void)E, (void)I, (void)gu, (void)gu0,
-        (void)gu2, (void)dn, (void)dn0, (void)dn2, (void)out, (void)ldo;
+        (void)gu2, (void)dn, (void)dn0, (void)dn2, (void)out, (void)ldo, (void)nthreads;
     return -3;
 #endif
 }

@@ -1,4 +1,4 @@
-/* Prefill attention in MLA's expanded form, one thread, float32 (what SDPA's flash kernel computes for
+/* Prefill attention in MLA's expanded form, float32 (what SDPA's flash kernel computes for
  * model/attention/torch.py `_expanded`, without assembling padded head-major copies for it).
  *
  * Per sequence b and head h: queries i < qlen[b] at positions qpos[b, i], keys j < T whose slot is not 0
@@ -16,7 +16,11 @@
  * rows, so that with AVX-512 a score tile is an outer product: per q·k column, QB broadcast query values
  * times up to 4 vectors of 16 keys (QB x 64 sums in registers), and an output tile the same with
  * values: QB probabilities times up to 4 vectors of one value row. Elsewhere the same loops in plain C.
- * Memory: one head's transposed keys and values, linear in T.
+ *
+ * Threads share the work by (sequence, head, run of superblocks): each item transposes its head's keys
+ * up to the last its queries see, into its thread's buffers (one head's keys and values, linear in T);
+ * a sequence's heads are split into runs of superblocks only where there are too few (sequence, head)
+ * pairs to go round. A query row computes the same whichever item holds it.
  */
 #include <math.h>
 
@@ -163,6 +167,22 @@ int irm_vectorised(void) {
 #endif
 }
 
+typedef struct {
+    float *kt, *vb, *bias, *q, *s, *o;
+} prefill_buffers;
+
+static int prefill_alloc(prefill_buffers *p, long d, long Tp, long vd) {
+    p->kt = (float *)irm_alloc(sizeof(float) * (size_t)(d * Tp + 1));  /* block jb: kt + jb d KB, [d, KB] */
+    p->vb = (float *)irm_alloc(sizeof(float) * (size_t)(Tp * vd + 1)); /* one head's values, [Tp, vd] */
+    p->bias = (float *)irm_alloc(sizeof(float) * (size_t)(Tp + 1));    /* 0: a key; -inf: none */
+    p->q = (float *)irm_alloc(sizeof(float) * (size_t)(QS * d + 1));   /* a superblock's query rows, scaled */
+    p->s = (float *)irm_alloc(sizeof(float) * (size_t)(QB * KB));
+    p->o = (float *)irm_alloc(sizeof(float) * (size_t)(QS * vd + 1));  /* their running outputs */
+    return p->kt && p->vb && p->bias && p->q && p->s && p->o;
+}
+
+static void prefill_free(prefill_buffers *p) { free(p->kt), free(p->vb), free(p->bias), free(p->q), free(p->s), free(p->o); }
+
 int irm_prefill_attention(long B, long M, long T, long H, long nope, long rope, long vd,
                           const float *qn, long qn_b, long qn_m, long qn_h,
                           const float *qp, long qp_b, long qp_m, long qp_h,
@@ -170,43 +190,54 @@ int irm_prefill_attention(long B, long M, long T, long H, long nope, long rope, 
                           const float *kr, long kr_b, long kr_t,
                           const float *v, long v_b, long v_t, long v_h,
                           const int64_t *slots, const int64_t *qpos, const int64_t *qlen, float scale,
-                          float *out, long o_b, long o_m, long o_h) {
+                          float *out, long o_b, long o_m, long o_h, int nthreads) {
     long d = nope + rope, nb = (T + KB - 1) / KB, Tp = nb * KB; /* key blocks, zeros past the last key */
-    float *kt = (float *)irm_alloc(sizeof(float) * (size_t)(d * Tp + 1));    /* block jb: kt + jb d KB, [d, KB] */
-    float *vb = (float *)irm_alloc(sizeof(float) * (size_t)(Tp * vd + 1));   /* one head's values, [Tp, vd] */
-    float *bias = (float *)irm_alloc(sizeof(float) * (size_t)(Tp + 1));      /* 0: a key; -inf: none */
-    float *q = (float *)irm_alloc(sizeof(float) * (size_t)(QS * d + 1));     /* a superblock's query rows, scaled */
-    float *s = (float *)irm_alloc(sizeof(float) * (size_t)(QB * KB));
-    float *o = (float *)irm_alloc(sizeof(float) * (size_t)(QS * vd + 1));    /* their running outputs */
-    if (!kt || !vb || !bias || !q || !s || !o) {
-        free(kt), free(vb), free(bias), free(q), free(s), free(o);
-        return -1;
-    }
-#if defined(__SSE2__)
-    unsigned int csr = _mm_getcsr(); /* denormals flushed to zero (a softmax's far tail), as in mla_decode.c */
-    _mm_setcsr(csr | 0x8040);
-#endif
-    for (long b = 0; b < B; b++) {
-        long n = qlen[b] < M ? qlen[b] : M;
-        const int64_t *pos = qpos + b * M;
-        for (long i = n; i < M; i++) /* rows past the sequence's queries: zeros */
-            for (long h = 0; h < H; h++) memset(out + b * o_b + i * o_m + h * o_h, 0, sizeof(float) * (size_t)vd);
-        long kmax = 0; /* keys past every query's position are never read */
-        for (long i = 0; i < n; i++) kmax = pos[i] + 1 > kmax ? pos[i] + 1 : kmax;
-        kmax = kmax < T ? kmax : T;
-        for (long j = 0; j < Tp; j++) bias[j] = j < kmax && slots[b * T + j] != 0 ? 0.0f : -INFINITY;
-        memset(kt, 0, sizeof(float) * (size_t)(d * Tp));
-        memset(vb, 0, sizeof(float) * (size_t)(Tp * vd));
-        for (long j = 0; j < kmax; j++) /* k_r's rows of kt, the same for every head */
-            for (long e = 0; e < rope; e++) kt[(j / KB * d + nope + e) * KB + j % KB] = kr[b * kr_b + j * kr_t + e];
-        for (long h = 0; h < H; h++) {
-            for (long j = 0; j < kmax; j++) {
-                const float *src = kn + b * kn_b + j * kn_t + h * kn_h;
+    long nsb = (M + QS - 1) / QS, pairs = B * H;
+    /* runs of superblocks per (sequence, head): one unless the pairs are too few for the threads */
+    long runs = pairs >= 2 * nthreads ? 1 : (2 * nthreads + pairs - 1) / (pairs > 0 ? pairs : 1);
+    runs = runs > nsb ? nsb : runs < 1 ? 1 : runs;
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (irm_team(nthreads, (double)B * M * T * H * (d + vd) / 2))
+    {
+        prefill_buffers buf;
+        int ok = prefill_alloc(&buf, d, Tp, vd);
+        if (!ok) {
+#pragma omp atomic write
+            rc = -1;
+        }
+        float *kt = buf.kt, *vb = buf.vb, *bias = buf.bias, *q = buf.q, *s = buf.s, *o = buf.o;
+        unsigned int csr = irm_ftz_on();
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < pairs * runs; item++) {
+            long b = item / (H * runs), h = item / runs % H, run = item % runs;
+            long n = qlen[b] < M ? qlen[b] : M;
+            const int64_t *pos = qpos + b * M;
+            if (!ok)
+                continue;
+            if (run == 0)
+                for (long i = n; i < M; i++) /* rows past the sequence's queries: zeros */
+                    memset(out + b * o_b + i * o_m + h * o_h, 0, sizeof(float) * (size_t)vd);
+            long sbs = (n + QS - 1) / QS, sb0 = run * sbs / runs, sb1 = (run + 1) * sbs / runs;
+            if (sb0 >= sb1)
+                continue;
+            long kmax = 0; /* keys past every query's position are never read */
+            for (long i = 0; i < n; i++) kmax = pos[i] + 1 > kmax ? pos[i] + 1 : kmax;
+            kmax = kmax < T ? kmax : T;
+            long kneed = 0; /* ... nor past this run's queries' */
+            for (long i = sb0 * QS; i < n && i < sb1 * QS; i++) kneed = pos[i] + 1 > kneed ? pos[i] + 1 : kneed;
+            kneed = kneed < kmax ? kneed : kmax;
+            long kp = (kneed + KB - 1) / KB * KB;
+            for (long j = 0; j < kp; j++) bias[j] = j < kmax && slots[b * T + j] != 0 ? 0.0f : -INFINITY;
+            memset(kt, 0, sizeof(float) * (size_t)(d * kp));
+            memset(vb, 0, sizeof(float) * (size_t)(kp * vd));
+            for (long j = 0; j < kneed; j++) {
                 float *dst = kt + j / KB * d * KB + j % KB;
+                const float *src = kn + b * kn_b + j * kn_t + h * kn_h, *rsrc = kr + b * kr_b + j * kr_t;
                 for (long e = 0; e < nope; e++) dst[e * KB] = src[e];
+                for (long e = 0; e < rope; e++) dst[(nope + e) * KB] = rsrc[e];
                 memcpy(vb + j * vd, v + b * v_b + j * v_t + h * v_h, sizeof(float) * (size_t)vd);
             }
-            for (long s0 = 0; s0 < n; s0 += QS) { /* a superblock of QS rows: each key block serves all its tiles */
+            for (long s0 = sb0 * QS; s0 < n && s0 < sb1 * QS; s0 += QS) { /* a superblock of QS rows: each key block serves all its tiles */
                 long rows_s = n - s0 < QS ? n - s0 : QS;
                 float mx[QS], sum[QS];
                 int64_t lo[QS / QB], hi[QS / QB], top = -1;
@@ -252,10 +283,8 @@ int irm_prefill_attention(long B, long M, long T, long H, long nope, long rope, 
                 }
             }
         }
+        irm_ftz_off(csr);
+        prefill_free(&buf);
     }
-#if defined(__SSE2__)
-    _mm_setcsr(csr);
-#endif
-    free(kt), free(vb), free(bias), free(q), free(s), free(o);
-    return 0;
+    return rc;
 }
