@@ -1,6 +1,7 @@
 """Each native kernel (model/native) against torch's path for the same work, at 1 and 2 threads.
 
-    python benchmarks/bench_native_kernels.py [--threads 1,2] [--repeats 7] [--only decode,moe]
+    python benchmarks/bench_native_kernels.py [--threads 1,2] [--repeats 7] [--only mla_decode,moe]
+        [--variants native,x86-64]
 
 Shapes: the bundled model's (irminsul/bundled/mla, float32: hidden 256, 8 heads, kv_lora 128 + rope
 16, nope 32, v 48, 8 experts of 128, top 2) and a realistic bf16 model's (DeepSeek-V2-Lite /
@@ -9,13 +10,18 @@ Moonlight widths, bench_real_shapes.py: hidden 2048, 16 heads, kv_lora 512 + rop
 is what the engine runs without the kernel: RMSNorm's and silu * up's ops, F.linear, the absorbed
 decode attention's gather + two products + softmax, SDPA, the loop over the experts hit. Each time
 is the best of --repeats medians of a few calls, the two paths interleaved (a neighbour's burst on a
-shared machine hits both alike); ratio > 1: the kernel is faster. Prints the machine and the build.
+shared machine hits both alike); ratio > 1: the kernel is faster. --variants: the builds timed
+(model/native VARIANTS; each loaded side by side, selected through IRMINSUL_NATIVE_MARCH, which
+`native.library()` reads at each call). Prints the machine and the builds.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,17 +41,25 @@ def _time(fn, calls: int) -> float:
     return (time.perf_counter() - t) / calls
 
 
-def compare(torch_fn, native_fn, repeats: int) -> tuple[float, float]:
-    """(torch s, native s) per call: each the best of `repeats` rounds, the two interleaved."""
-    torch_fn(), native_fn()
+def _on(variant: str, fn):
+    os.environ["IRMINSUL_NATIVE_MARCH"] = variant
+    return fn()
+
+
+def compare(torch_fn, native_fn, variants: list[str], repeats: int) -> list[float]:
+    """[torch s, native s on each variant] per call: each the best of `repeats` rounds, all interleaved."""
+    torch_fn()
+    for v in variants:
+        _on(v, native_fn)
     t0 = time.perf_counter()
     torch_fn()
     calls = max(1, min(50, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
-    a, b = [], []
+    times = [[] for _ in range(len(variants) + 1)]
     for _ in range(repeats):
-        a.append(_time(torch_fn, calls))
-        b.append(_time(native_fn, calls))
-    return min(a), min(b)
+        times[0].append(_time(torch_fn, calls))
+        for i, v in enumerate(variants):
+            times[i + 1].append(_on(v, lambda: _time(native_fn, calls)))
+    return [min(t) for t in times]
 
 
 def _rms_torch(x, w, eps=1e-6):
@@ -141,22 +155,27 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--only", default=None, help="kernels, comma-separated")
+    ap.add_argument("--variants", default="native", help="builds, comma-separated (model/native VARIANTS)")
     args = ap.parse_args(argv)
-    lib = native.library()
+    variants = args.variants.split(",")
     print("machine:", describe())
-    built = "none" if lib is None else f"{native.fingerprint()} ({'OpenMP' if lib.irm_openmp() else 'one thread'})"
-    print("library:", built)
-    if lib is None:
-        return 1
+    for v in variants:
+        lib = native.library(v)
+        if lib is None:
+            print(f"no {v} build here")
+            return 1
+        print(f"build {v}: {Path(lib._name).name} ({'OpenMP' if lib.irm_openmp() else 'one thread'})")
     rows = []
     for kernel, shape, torch_fn, native_fn in cases(set(args.only.split(",")) if args.only else None):
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
             with torch.no_grad():
-                a, b = compare(torch_fn, native_fn, args.repeats)
-            rows.append((kernel, shape, threads, f"{a * 1e3:.3f}", f"{b * 1e3:.3f}", f"{a / b:.2f}"))
+                t = compare(torch_fn, native_fn, variants, args.repeats)
+            rows.append((kernel, shape, threads, f"{t[0] * 1e3:.3f}",
+                         *[c for x in t[1:] for c in (f"{x * 1e3:.3f}", f"{t[0] / x:.2f}")]))
             print(*rows[-1], sep="\t", flush=True)
-    print(table(("kernel", "shape", "threads", "torch ms", "native ms", "torch / native"), rows))
+    print(table(("kernel", "shape", "threads", "torch ms", *[c for v in variants for c in (f"{v} ms", "torch / it")]),
+                rows))
     return 0
 
 

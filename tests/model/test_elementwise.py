@@ -1,9 +1,7 @@
 """RMSNorm and silu(gate) * up through the native kernels (model/elementwise.py,
-model/native/elementwise.c): float64 references over shapes with vector tails, strided rows and
-special values; where they do not run they return None (other dtypes, switched off) and the
+model/native/elementwise.c), on each build this CPU executes (tests/model/native_variants.py): float64
+references over shapes with vector tails, strided rows and special values; where they do not run they return None (other dtypes, switched off) and the
 layers compute with torch; the layers and the engine give the same results with and without them."""
-
-import platform
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from irminsul import LLM
 from irminsul.model import elementwise, native
 from irminsul.model.layers import MLP, RMSNorm
 from irminsul.model.tiny import make_tiny_checkpoint
+from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(native._compiler() is None, reason="the native kernels need a C compiler")
 
@@ -29,10 +28,10 @@ def _silu_mul_reference(gu):
     return g * torch.sigmoid(g) * u
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(0, 40), d=st.integers(1, 300), pad=st.integers(0, 20), scale=st.sampled_from([1e-3, 1.0, 1e3]),
        seed=st.integers(0, 2**16))
-def test_rms_norm_equals_the_reference(rows, d, pad, scale, seed):
+def test_rms_norm_equals_the_reference(variant, rows, d, pad, scale, seed):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(rows, d + pad, generator=g) * scale
     x = base[:, :d]  # rows pad floats apart when pad > 0 (a view into a wider tensor)
@@ -43,10 +42,10 @@ def test_rms_norm_equals_the_reference(rows, d, pad, scale, seed):
     assert (got.double() - want).abs().max().item() <= 1e-6 * max(want.abs().max().item(), 1e-30) if rows else True
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(0, 30), inner=st.integers(1, 130), pad=st.integers(0, 9), scale=st.sampled_from([0.1, 3.0, 40.0]),
        seed=st.integers(0, 2**16))
-def test_silu_mul_equals_the_reference(rows, inner, pad, scale, seed):
+def test_silu_mul_equals_the_reference(variant, rows, inner, pad, scale, seed):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(rows, 2 * inner + pad, generator=g) * scale
     gu = base[:, : 2 * inner]
@@ -57,10 +56,10 @@ def test_silu_mul_equals_the_reference(rows, inner, pad, scale, seed):
     assert (err <= 1e-6 * want.abs() + 1e-30 * scale).all() if rows else True
 
 
-def test_special_values_behave_as_torch():
+def test_special_values_behave_as_torch(variant):
     """NaN stays NaN, +inf gives inf, -inf gives NaN (torch's x / (1 + e^-x) is -inf / inf), large
     negatives give ~0; a NaN in a row makes that row of RMSNorm NaN and no other. In the vector body
-    (16 at a time) and in the tail."""
+    (8 or 16 at a time) and in the tail."""
     specials = torch.tensor([float("nan"), float("inf"), float("-inf"), -200.0, -88.0, -87.0, -86.0, 0.0, -0.0,
                              1e-30, 20.0, -20.0, 88.0, 100.0, 3.0, -3.0])
     for g in (specials.repeat(2), specials[:7]):  # (32: two vectors; 7: the tail only)
@@ -78,7 +77,7 @@ def test_special_values_behave_as_torch():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 12), d=st.sampled_from([1, 7, 64, 300, 2048]), scale=st.sampled_from([1e-3, 1.0, 40.0]),
        seed=st.integers(0, 2**16))
-def test_bf16_rms_norm_rounds_as_torchs_ops(monkeypatch, rows, d, scale, seed):
+def test_bf16_rms_norm_rounds_as_torchs_ops(variant, monkeypatch, rows, d, scale, seed):
     """A bf16 model's RMSNorm: what layers.RMSNorm's torch ops give in bf16 (the normalised x rounded,
     then its product with the weight), but for the float32 sum's order: all but a few elements equal,
     none more than one bf16 step apart."""
@@ -137,21 +136,3 @@ def test_the_engines_greedy_tokens_are_the_same_with_and_without(tmp_path, monke
         llm = LLM(path, compile_decode=False)
         got.append([o.token_ids for o in llm.generate(prompts, max_tokens=12, ignore_eos=True)])
     assert got[0] == got[1]
-
-
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v2")
-def test_the_plain_loops_compute_the_same(monkeypatch, tmp_path):
-    """Built without AVX-512 (the loops the compiler vectorises on an AVX2 or ARM machine)."""
-    monkeypatch.setenv("IRMINSUL_NATIVE_CACHE", str(tmp_path / "native"))
-    monkeypatch.setenv("IRMINSUL_NATIVE_MARCH", "x86-64-v2")
-    native.library.cache_clear()
-    try:
-        assert native.library() is not None
-        g = torch.Generator().manual_seed(2)
-        x, w, gu = torch.randn(9, 70, generator=g), torch.randn(70, generator=g), 4 * torch.randn(9, 74, generator=g)
-        want = _rms_reference(x, w, 1e-6)
-        assert (elementwise.rms_norm(x, w, 1e-6).double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
-        want = _silu_mul_reference(gu)
-        assert (elementwise.silu_mul(gu).double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
-    finally:
-        native.library.cache_clear()

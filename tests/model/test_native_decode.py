@@ -1,19 +1,21 @@
 """Decode attention through the native kernel (model/native/mla_decode.c, `TorchAttention.NATIVE_DECODE`):
 one query per sequence, read straight from the pool, against tests/model/test_attention_flash.py's
-float64 dense reference and against the torch ops it replaces: batches of sequences of different
+float64 dense reference and against the torch ops it replaces, on each build this CPU executes
+(tests/model/native_variants.py): batches of sequences of different
 lengths (padding slots), holes, keys at moved RoPE positions, both pair layouts, float32 and bfloat16
 pools; and the engine's greedy decode is the same with and without it."""
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from irminsul import LLM
 from irminsul.model import native
 from irminsul.model.attention.torch import TorchAttention
 from irminsul.model.tiny import make_tiny_checkpoint
+from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 from tests.model.test_attention_flash import _case, _reference, _run, _setup
 
 pytestmark = pytest.mark.skipif(native._compiler() is None, reason="the native kernel needs a C compiler")
@@ -35,10 +37,10 @@ WIDTHS = {"tiny": {}, "bundled": dict(kv_lora_rank=128, qk_rope_head_dim=16, num
 
 @pytest.mark.parametrize("widths", list(WIDTHS))
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=6), holes=st.booleans(), moved=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_decode_groups_equal_the_dense_reference(widths, layout, lengths, holes, moved, seed):
+def test_decode_groups_equal_the_dense_reference(variant, widths, layout, lengths, holes, moved, seed):
     cfg, backend, attn, g = _setup(seed, **WIDTHS[widths])
     backend.rotary.out_layout = layout
     q_nope, q_pe, pool, seqs = _decode_case(cfg, g, lengths, holes=holes, moved=moved)
@@ -57,7 +59,7 @@ def test_decode_groups_equal_the_dense_reference(widths, layout, lengths, holes,
 
 @pytest.mark.parametrize("widths", list(WIDTHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_computes_what_the_torch_ops_compute(dtype, widths, monkeypatch):
+def test_the_kernel_computes_what_the_torch_ops_compute(variant, dtype, widths, monkeypatch):
     """A padded batch with holes and moved keys: the kernel's output is the torch path's (bf16: within
     its roundings; the kernel keeps fp32 where the torch path rounds keys and probabilities to bf16)."""
     cfg, backend, attn, g = _setup(5, **WIDTHS[widths])
@@ -143,9 +145,9 @@ def test_torch_on_several_threads_runs_the_kernel_too(monkeypatch):
 
 @pytest.mark.parametrize("widths", list(WIDTHS))
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=5), seed=st.integers(0, 2**16))
-def test_the_compiled_steps_operator_equals_beside(widths, layout, lengths, seed):
+def test_the_compiled_steps_operator_equals_beside(variant, widths, layout, lengths, seed):
     """`native_ops.mla_decode` (the kernel with each token's own row as one more key, as model/compiled.py's
     batched step calls it) against the torch backend's `beside` over the same rows gathered: sequences of
     different lengths padded with empty slots (a sequence with no earlier row sees its own only)."""

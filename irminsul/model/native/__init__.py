@@ -4,7 +4,8 @@
 attention read from the latent pool; `prefill_attention.c`: expanded prefill attention;
 `elementwise.c`: RMSNorm and SwiGLU's silu(gate) * up in one pass; `moe.c`: the routed experts of
 a few tokens; `common.h`: what they share) into one shared
-library with the C compiler found (`CC`, else cc, gcc or clang) and `-march=native`, into a cache
+library with the C compiler found (`CC`, else cc, gcc or clang) and `-march=native` (or a named
+variant: `VARIANTS`, `library(variant)`), into a cache
 directory keyed by the sources, the flags, the compiler's version and the CPU's model and flags
 (`IRMINSUL_NATIVE_CACHE`, default ~/.cache/irminsul/native), and loads it with ctypes; a second
 process loads the cached library.
@@ -27,6 +28,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -36,18 +38,46 @@ log = logging.getLogger("irminsul.model")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "prefill_attention.c", "elementwise.c",
                                                  "moe.c")]
-HEADERS = [Path(__file__).with_name("common.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "simd.h")]
 # reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder
 # them too) lets the compiler vectorise the plain loops; no -ffast-math (it would also assume no NaN)
 FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC", "-shared"]
 
 
-def _flags() -> list[str]:
-    """FLAGS, -fopenmp where `_openmp` says so, and the target: this CPU (-march=native), or
-    IRMINSUL_NATIVE_MARCH (the tests build the plain-C loops, without AVX-512, with it)."""
+# The named builds (-march targets, x86-64 psABI levels) and the /proc/cpuinfo flags a CPU needs to run
+# each: the kernels' vector layer (simd.h) takes AVX-512 on v4, AVX2 + FMA on v3, its plain loops on
+# x86-64 (SSE2). "native" is the CPU it is built on.
+_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+VARIANTS = {"x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}, "x86-64-v3": _V3,
+            "x86-64": frozenset(), "native": frozenset()}
+
+
+def default_variant() -> str:
+    """IRMINSUL_NATIVE_MARCH (a VARIANTS name, or any -march value), else "native"."""
+    return os.environ.get("IRMINSUL_NATIVE_MARCH") or "native"
+
+
+def runnable(variant: str) -> bool:
+    """Whether this CPU executes `variant`'s build: native always; an x86 one where /proc/cpuinfo lists
+    every flag it needs (on x86-64); any other -march value is taken on trust."""
+    if variant == "native" or variant not in VARIANTS:
+        return True
+    from irminsul.machine import cpu_flags
+
+    return platform.machine() in ("x86_64", "AMD64") and VARIANTS[variant] <= cpu_flags()
+
+
+def variants() -> list[str]:
+    """The named builds other than native that this CPU executes (the tests run each kernel on each)."""
+    return [v for v in VARIANTS if v != "native" and runnable(v)]
+
+
+def _flags(variant: str | None = None) -> list[str]:
+    """FLAGS, -fopenmp where `_openmp` says so, and the target: -march=`variant` (default_variant())."""
     cc = _compiler()
     omp = ["-fopenmp"] if cc is not None and _openmp(cc) else []
-    return [*FLAGS, *omp, f"-march={os.environ.get('IRMINSUL_NATIVE_MARCH') or 'native'}"]
+    return [*FLAGS, *omp, f"-march={variant or default_variant()}"]
 
 
 def _torch_uses_openmp() -> bool:
@@ -118,11 +148,11 @@ def _compiler_version(cc: str) -> str:
     return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
-def _key(cc: str, sources: list[Path] | None = None) -> str:
-    """What the built library (or the kernel in `sources`) depends on: the sources, the shared header,
-    the flags, the compiler's version, the CPU."""
+def _key(cc: str, sources: list[Path] | None = None, variant: str | None = None) -> str:
+    """What the built library (or the kernel in `sources`) depends on: the sources, the shared headers,
+    the flags (the variant's among them), the compiler's version, the CPU."""
     parts = [src.read_text() for src in (SOURCES if sources is None else sources) + HEADERS]
-    parts += [" ".join(_flags()), _compiler_version(cc), _cpu_line()]
+    parts += [" ".join(_flags(variant)), _compiler_version(cc), _cpu_line()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -141,8 +171,8 @@ def fingerprint(source: str | None = None) -> str:
     return _key(_compiler(), [Path(__file__).with_name(source)])[:8]
 
 
-def _build(cc: str) -> Path:
-    key = _key(cc)
+def _build(cc: str, variant: str) -> Path:
+    key = _key(cc, variant=variant)
     lib = cache_dir() / f"kernels-{key}.so"
     if lib.exists():
         return lib
@@ -150,7 +180,8 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # built beside it, then renamed: no half-written library
     os.close(fd)
     try:
-        subprocess.run([cc, *_flags(), *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([cc, *_flags(variant), *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -158,23 +189,36 @@ def _build(cc: str) -> Path:
     return lib
 
 
+def library(variant: str | None = None) -> ctypes.CDLL | None:
+    """The built kernels, or None (no compiler, a failed build, IRMINSUL_NATIVE=0); built once per
+    process. `variant` (a VARIANTS name, default default_variant()): that build, side by side with the
+    others in its own cache file; None where this CPU cannot execute it (`runnable`)."""
+    return _library(variant or default_variant())
+
+
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built kernels, or None (no compiler, a failed build, IRMINSUL_NATIVE=0); built once per process."""
+def _library(variant: str) -> ctypes.CDLL | None:
+    """library(variant), cached per variant (library.cache_clear() forgets every one)."""
     if os.environ.get("IRMINSUL_NATIVE") == "0":
         return None
     cc = _compiler()
     if cc is None:
         log.info("no C compiler found: the native kernels are off")
         return None
+    if not runnable(variant):
+        log.info("this CPU cannot execute the %s build of the native kernels", variant)
+        return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = ctypes.CDLL(str(_build(cc, variant)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("the native kernels did not build (%s): torch's kernels are used", str(detail).strip()[:500])
         return None
     _declare(lib)
     return lib
+
+
+library.cache_clear = _library.cache_clear
 
 
 def _declare(lib: ctypes.CDLL) -> None:

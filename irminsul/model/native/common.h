@@ -9,6 +9,8 @@
 #include <immintrin.h>
 #endif
 
+#include "simd.h"
+
 /* The least work (multiply-adds; elements for the one-pass kernels) a call shares among its threads:
  * below it the call runs on the calling thread alone, as waking a team costs more than it saves.
  * (torch's at::internal::GRAIN_SIZE plays the same part for its parallel loops.) Every kernel splits
@@ -122,24 +124,34 @@ static inline void reduce8(__m512 c0, __m512 c1, __m512 c2, __m512 c3, __m512 c4
 }
 #endif
 
+#if IRM_VEC
 #if defined(__AVX512F__)
-/* acc[k] += a[0..n) . rows[k][0..n) for k < 8, n a multiple of 16: one load of `a` serves the eight
+#define vf_exp_nonpositive exp_nonpositive
+#define vf_silu silu16
+#define vf_reduce8 reduce8
+#else
+#define vf_exp_nonpositive exp_nonpositive8
+#define vf_silu silu8
+#define vf_reduce8 reduce8_avx2
+#endif
+
+/* acc[k] += a[0..n) . rows[k][0..n) for k < 8, n a multiple of IRM_W: one load of `a` serves the eight
  * rows (the constant count, unrolled once inlined, keeps the sums in registers) */
-static inline void fma8(const float *restrict a, const float *const *rows, long n, __m512 *acc) {
-    for (long i = 0; i < n; i += 16) {
-        __m512 av = _mm512_loadu_ps(a + i);
-        for (int k = 0; k < 8; k++) acc[k] = _mm512_fmadd_ps(av, _mm512_loadu_ps(rows[k] + i), acc[k]);
+static inline void fma8(const float *restrict a, const float *const *rows, long n, vf *acc) {
+    for (long i = 0; i < n; i += IRM_W) {
+        vf av = vf_load(a + i);
+        for (int k = 0; k < 8; k++) acc[k] = vf_fma(av, vf_load(rows[k] + i), acc[k]);
     }
 }
 
-/* out[k] = a[0..n) . (b + k * ld)[0..n) for k < 8, n a multiple of 16: eight dot products with rows
+/* out[k] = a[0..n) . (b + k * ld)[0..n) for k < 8, n a multiple of IRM_W: eight dot products with rows
  * `ld` floats apart, folded together */
 static inline void dots8(const float *restrict a, const float *b, long ld, long n, float *out) {
     const float *rows[8] = {b, b + ld, b + 2 * ld, b + 3 * ld, b + 4 * ld, b + 5 * ld, b + 6 * ld, b + 7 * ld};
-    __m512 acc[8];
-    for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
+    vf acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = vf_zero();
     fma8(a, rows, n, acc);
-    reduce8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7], out);
+    vf_reduce8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7], out);
 }
 #endif
 
@@ -249,6 +261,24 @@ static inline void softmax_fold(float *p, long n, float bm, float *mx, float *su
         acc = _mm512_add_ps(acc, e);
     }
     *sum += _mm512_reduce_add_ps(acc);
+#elif IRM_VEC /* AVX2: the lanes past n and the keys not seen (-inf) masked by compares */
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), m = _mm256_set1_ps(*mx);
+    __m256 acc = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 8 <= n; k += 8) {
+        __m256 x = _mm256_loadu_ps(p + k);
+        __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), exp_nonpositive8(_mm256_sub_ps(x, m)));
+        _mm256_storeu_ps(p + k, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    if (k < n) {
+        __m256i in = vf_mask(n - k);
+        __m256 x = _mm256_blendv_ps(ninf, _mm256_maskload_ps(p + k, in), _mm256_castsi256_ps(in));
+        __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), exp_nonpositive8(_mm256_sub_ps(x, m)));
+        _mm256_maskstore_ps(p + k, in, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    *sum += vf_hsum(acc);
 #else
     float add = 0.0f;
     for (long k = 0; k < n; k++) {

@@ -4,9 +4,9 @@
  * torch computes RMSNorm as five operations (x^2, the mean, + eps, rsqrt, two products), each a
  * pass over [n, d] and a dispatch; silu(g) * u as two. These compute the same in one pass: RMSNorm
  * in the same order of roundings but for the sum of squares' order (a sum in float32, reassociated
- * as torch's own vectorised sum is), silu with common.h's exp and reciprocal on AVX-512 (~1e-7
- * relative). The rows are shared among the threads given; the AVX-512 paths take 16 floats at a time,
- * the plain loops are vectorised by the compiler for any other CPU.
+ * as torch's own vectorised sum is), silu with simd.h's exp (and on AVX-512 its reciprocal, ~1e-7
+ * relative). The rows are shared among the threads given; the vector paths (simd.h) take IRM_W floats
+ * at a time (16 with AVX-512, 8 with AVX2), the plain loops are vectorised by the compiler elsewhere.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,24 +22,23 @@ void irm_rms_norm(const float *x, long n, long d, long ldx, const float *w, floa
         float *oi = out + i * ldo;
         float ss;
         long j = 0;
-#if defined(__AVX512F__)
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-        for (; j + 32 <= d; j += 32) {
-            __m512 v0 = _mm512_loadu_ps(xi + j), v1 = _mm512_loadu_ps(xi + j + 16);
-            a0 = _mm512_fmadd_ps(v0, v0, a0);
-            a1 = _mm512_fmadd_ps(v1, v1, a1);
+#if IRM_VEC
+        vf a0 = vf_zero(), a1 = a0;
+        for (; j + 2 * IRM_W <= d; j += 2 * IRM_W) {
+            vf v0 = vf_load(xi + j), v1 = vf_load(xi + j + IRM_W);
+            a0 = vf_fma(v0, v0, a0);
+            a1 = vf_fma(v1, v1, a1);
         }
-        ss = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        ss = vf_hsum(vf_add(a0, a1));
 #else
         ss = 0.0f;
 #endif
         for (; j < d; j++) ss += xi[j] * xi[j];
         float scale = 1.0f / sqrtf(ss / (float)d + eps);
         j = 0;
-#if defined(__AVX512F__)
-        __m512 s = _mm512_set1_ps(scale);
-        for (; j + 16 <= d; j += 16)
-            _mm512_storeu_ps(oi + j, _mm512_mul_ps(_mm512_loadu_ps(w + j), _mm512_mul_ps(_mm512_loadu_ps(xi + j), s)));
+#if IRM_VEC
+        vf s = vf_set1(scale);
+        for (; j + IRM_W <= d; j += IRM_W) vf_store(oi + j, vf_mul(vf_load(w + j), vf_mul(vf_load(xi + j), s)));
 #endif
         for (; j < d; j++) oi[j] = w[j] * (xi[j] * scale);
     }
@@ -72,9 +71,8 @@ void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, lon
         const float *g = gu + i * ldg, *u = g + inner;
         float *oi = out + i * ldo;
         long j = 0;
-#if defined(__AVX512F__)
-        for (; j + 16 <= inner; j += 16)
-            _mm512_storeu_ps(oi + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)), _mm512_loadu_ps(u + j)));
+#if IRM_VEC
+        for (; j + IRM_W <= inner; j += IRM_W) vf_store(oi + j, vf_mul(vf_silu(vf_load(g + j)), vf_load(u + j)));
 #endif
         for (; j < inner; j++) oi[j] = silu1(g[j]) * u[j];
     }

@@ -11,10 +11,11 @@
  *
  * Keys go in blocks of KB, each read from the pool once: scored against every head, folded into a
  * running softmax (each head's maximum and sum so far, its output rescaled when the maximum grows, as
- * flash attention's), and summed into the outputs while the block is still in cache. With AVX-512 and
- * widths in multiples of 16 the products run in register tiles: scores 4 heads x 4 keys (each key's
- * chunk loaded once for four heads, each head's for four keys), sums 4 heads x 64 outputs (one load of
- * a key's chunk serves four heads, the sums stay in registers across the block). The threads share the
+ * flash attention's), and summed into the outputs while the block is still in cache. With vectors
+ * (simd.h: AVX-512 or AVX2) and widths in multiples of their IRM_W lanes the products run in register
+ * tiles: scores 4 heads x 4 keys (each key's chunk loaded once for four heads, each head's for four
+ * keys), sums 4 heads x 4 vectors of outputs (one load of a key's chunk serves four heads, the sums
+ * stay in registers across the block). The threads share the
  * sequences and groups of their heads.
  */
 #include <math.h>
@@ -32,11 +33,8 @@
 /* n bfloat16 values as float32 */
 static void bf16_row(const uint16_t *src, long n, float *dst) {
     long i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
-        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-    }
+#if IRM_VEC
+    for (; i + IRM_W <= n; i += IRM_W) vf_store(dst + i, vf_load_bf16(src + i));
 #endif
     for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
 }
@@ -75,6 +73,31 @@ static void rotate(float *dst, const void *src, int bf, long rope, const float *
         return;
     }
 #undef LOAD16
+#elif IRM_VEC && IRM_W == 8
+#define LOAD8(off) (bf ? vf_load_bf16((const uint16_t *)src + (off)) : _mm256_loadu_ps((const float *)src + (off)))
+    if (rope % 16 == 0 && !interleaved) { /* halves: a = k[i], b = k[i + half], 8 pairs at a time */
+        for (long i = 0; i < half; i += 8) {
+            __m256 a = LOAD8(i), b = LOAD8(half + i), c = _mm256_loadu_ps(cos + i), sn = _mm256_loadu_ps(sin + i);
+            _mm256_storeu_ps(dst + i, _mm256_fmsub_ps(a, c, _mm256_mul_ps(b, sn)));
+            _mm256_storeu_ps(dst + half + i, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, sn)));
+        }
+        return;
+    }
+    if (rope % 8 == 0 && interleaved) { /* pairs (x0, x1), ...: 4 pairs a vector, cos/sin each spread to both */
+        const __m256i spread = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+        const __m256 even = _mm256_castsi256_ps(_mm256_setr_epi32((int)0x80000000, 0, (int)0x80000000, 0,
+                                                                  (int)0x80000000, 0, (int)0x80000000, 0));
+        for (long i = 0; i < rope; i += 8) {
+            __m256 v = LOAD8(i);
+            __m256 c = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(cos + i / 2)), spread);
+            __m256 sn = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(sin + i / 2)), spread);
+            /* even lanes a c - b s, odd lanes b c + a s: the swapped pair times s, its sign flipped on the even lanes */
+            __m256 t = _mm256_xor_ps(_mm256_mul_ps(_mm256_permute_ps(v, 0xB1), sn), even);
+            _mm256_storeu_ps(dst + i, _mm256_fmadd_ps(v, c, t));
+        }
+        return;
+    }
+#undef LOAD8
 #endif
     for (long i = 0; i < half; i++) {
         long ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
@@ -92,58 +115,57 @@ static inline float dot(const float *restrict a, const float *restrict b, long n
     return s;
 }
 
-#if defined(__AVX512F__)
+#if IRM_VEC
 /* s[h * KB + k] = q_h . [c[k] | kr[k]] for 4 heads (q_h = q + h * w) and 4 keys, r and rope multiples
- * of 16: sixteen sums in registers, each chunk of a key loaded once for the four heads */
+ * of IRM_W: sixteen sums in registers, each chunk of a key loaded once for the four heads */
 static void scores_4x4(const float *q, long w, long r, long rope, const float *const *c, const float *const *kr,
                        float *s) {
-    __m512 a[16];
-    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    vf a[16];
+    for (int i = 0; i < 16; i++) a[i] = vf_zero();
     for (int part = 0; part < 2; part++) {
         const float *const *rows = part ? kr : c;
         const float *qp = q + (part ? r : 0);
         long n = part ? rope : r;
-        for (long i = 0; i < n; i += 16) {
-            __m512 k0 = _mm512_loadu_ps(rows[0] + i), k1 = _mm512_loadu_ps(rows[1] + i),
-                   k2 = _mm512_loadu_ps(rows[2] + i), k3 = _mm512_loadu_ps(rows[3] + i);
+        for (long i = 0; i < n; i += IRM_W) {
+            vf k0 = vf_load(rows[0] + i), k1 = vf_load(rows[1] + i), k2 = vf_load(rows[2] + i), k3 = vf_load(rows[3] + i);
             for (int h = 0; h < 4; h++) {
-                __m512 qh = _mm512_loadu_ps(qp + h * w + i);
-                a[4 * h] = _mm512_fmadd_ps(qh, k0, a[4 * h]);
-                a[4 * h + 1] = _mm512_fmadd_ps(qh, k1, a[4 * h + 1]);
-                a[4 * h + 2] = _mm512_fmadd_ps(qh, k2, a[4 * h + 2]);
-                a[4 * h + 3] = _mm512_fmadd_ps(qh, k3, a[4 * h + 3]);
+                vf qh = vf_load(qp + h * w + i);
+                a[4 * h] = vf_fma(qh, k0, a[4 * h]);
+                a[4 * h + 1] = vf_fma(qh, k1, a[4 * h + 1]);
+                a[4 * h + 2] = vf_fma(qh, k2, a[4 * h + 2]);
+                a[4 * h + 3] = vf_fma(qh, k3, a[4 * h + 3]);
             }
         }
     }
     float t[8];
-    reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], t); /* heads 0 and 1 */
+    vf_reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], t); /* heads 0 and 1 */
     memcpy(s, t, sizeof(float) * 4);
     memcpy(s + KB, t + 4, sizeof(float) * 4);
-    reduce8(a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15], t); /* heads 2 and 3 */
+    vf_reduce8(a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15], t); /* heads 2 and 3 */
     memcpy(s + 2 * KB, t, sizeof(float) * 4);
     memcpy(s + 3 * KB, t + 4, sizeof(float) * 4);
 }
 
-/* o_h[i0 .. i0 + 16 * NV) += sum_k p_h[k] c[k][..] for 4 heads (o_h = o + h * r, p_h = p + h * KB),
+/* o_h[i0 .. i0 + IRM_W * NV) += sum_k p_h[k] c[k][..] for 4 heads (o_h = o + h * r, p_h = p + h * KB),
  * n keys: the 4 x NV sums held in registers across the keys, each key's chunk loaded once */
 #define VALUES_TILE(NAME, NV)                                                                              \
     static void NAME(float *o, long r, const float *p, const float *const *c, long n, long i0) {           \
-        __m512 a[4][NV];                                                                                   \
+        vf a[4][NV];                                                                                       \
         for (int h = 0; h < 4; h++)                                                                        \
-            for (int v = 0; v < NV; v++) a[h][v] = _mm512_loadu_ps(o + h * r + i0 + 16 * v);               \
+            for (int v = 0; v < NV; v++) a[h][v] = vf_load(o + h * r + i0 + IRM_W * v);                    \
         for (long k = 0; k < n; k++) {                                                                     \
-            __m512 ck[NV];                                                                                 \
-            for (int v = 0; v < NV; v++) ck[v] = _mm512_loadu_ps(c[k] + i0 + 16 * v);                      \
+            vf ck[NV];                                                                                     \
+            for (int v = 0; v < NV; v++) ck[v] = vf_load(c[k] + i0 + IRM_W * v);                           \
             for (int h = 0; h < 4; h++) {                                                                  \
-                __m512 ph = _mm512_set1_ps(p[h * KB + k]);                                                 \
-                for (int v = 0; v < NV; v++) a[h][v] = _mm512_fmadd_ps(ph, ck[v], a[h][v]);                \
+                vf ph = vf_set1(p[h * KB + k]);                                                            \
+                for (int v = 0; v < NV; v++) a[h][v] = vf_fma(ph, ck[v], a[h][v]);                         \
             }                                                                                              \
         }                                                                                                  \
         for (int h = 0; h < 4; h++)                                                                        \
-            for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + h * r + i0 + 16 * v, a[h][v]);               \
+            for (int v = 0; v < NV; v++) vf_store(o + h * r + i0 + IRM_W * v, a[h][v]);                    \
     }
-VALUES_TILE(values_4x64, 4)
-VALUES_TILE(values_4x16, 1)
+VALUES_TILE(values_4x4w, 4)
+VALUES_TILE(values_4x1w, 1)
 #endif
 
 static void scale_row(float *o, long n, float a) {
@@ -173,8 +195,8 @@ static void decode_heads(const float *q, long b, long H, long h0, long h1, long 
                          long cs_stride, int interleaved, float scale, const float *own, long ldown, float *o,
                          const decode_buffers *buf) {
     long w = r + rope, half = rope / 2, keys = T + (own != NULL);
-#if defined(__AVX512F__)
-    const int tiles = r % 16 == 0 && rope % 16 == 0; /* the register tiles cover these widths */
+#if IRM_VEC
+    const int tiles = r % IRM_W == 0 && rope % IRM_W == 0; /* the register tiles cover these widths */
 #else
     const int tiles = 0;
 #endif
@@ -217,7 +239,7 @@ static void decode_heads(const float *q, long b, long H, long h0, long h1, long 
         }
         /* scores */
         long ht = h0;
-#if defined(__AVX512F__)
+#if IRM_VEC
         if (tiles)
             for (; ht + 4 <= h1; ht += 4)
                 for (long k = 0; k < np; k += 4) scores_4x4(qb + ht * w, w, r, rope, c + k, kr + k, s + ht * KB + k);
@@ -235,12 +257,12 @@ static void decode_heads(const float *q, long b, long H, long h0, long h1, long 
         }
         /* the outputs: probabilities times c_KV */
         ht = h0;
-#if defined(__AVX512F__)
+#if IRM_VEC
         if (tiles)
             for (; ht + 4 <= h1; ht += 4) {
                 long i = 0;
-                for (; i + 64 <= r; i += 64) values_4x64(ob + ht * r, r, s + ht * KB, c, np, i);
-                for (; i < r; i += 16) values_4x16(ob + ht * r, r, s + ht * KB, c, np, i);
+                for (; i + 4 * IRM_W <= r; i += 4 * IRM_W) values_4x4w(ob + ht * r, r, s + ht * KB, c, np, i);
+                for (; i < r; i += IRM_W) values_4x1w(ob + ht * r, r, s + ht * KB, c, np, i);
             }
 #endif
         for (long h = ht; h < h1; h++)
