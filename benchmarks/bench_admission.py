@@ -88,6 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, reuse="pic")
+    llm.wait_compiled()  # timed once the decode steps compiling in the background are ready
     print(f"machine: {describe()}")
     print(f"{args.streams} streams decoding; a burst of {args.burst} prompts of {args.burst_len} new tokens arrives\n")
     print(f"{'prefill sizing':18} {'window':>7} {'ITL p50 alone':>14} {'ITL p99 alone':>14} {'ITL p50 burst':>14} "

@@ -109,6 +109,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else bundled_model("mla")
     llm = LLM(path)
+    llm.wait_compiled()  # timed once the decode steps compiling in the background are ready
     vocab = llm.model.config.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, vocab, args.prompt).tolist() for _ in range(args.batch)]

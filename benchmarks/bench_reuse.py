@@ -99,6 +99,8 @@ def main() -> None:
     print(f"machine: {describe()}\nmodel: {model}\n")
 
     llms = {mode: LLM(model, reuse=mode) for mode in ("prefix", "pic")}
+    for llm in llms.values():
+        llm.wait_compiled()  # timed once the decode steps compiling in the background are ready
     requests = agent_meta_requests(llms["pic"], args.requests + 1, args.seed)
     results = {}
     for mode, llm in llms.items():

@@ -33,15 +33,27 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# the instruction sets that decide which kernels run, in the order they grow
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "sve")
+
+
+def instruction_sets() -> str:
+    """The vector instruction sets this CPU has among ISA_FLAGS, space-separated ("" where unknown)."""
+    flags = cpu_flags()
+    return " ".join(f for f in ISA_FLAGS if f in flags)
+
+
 def describe() -> str:
-    """One line: OS, CPU, cores, Python and torch versions."""
+    """One line: OS, CPU, its instruction sets, cores, Python and torch versions (and torch's threads)."""
     try:
         import torch
 
         extra = f", torch {torch.__version__} ({torch.get_num_threads()} threads)"
     except ImportError:
         extra = ""
-    return (f"{platform.platform()} | {cpu_model()} | {os.cpu_count()} cores | "
+    return (f"{platform.platform()} | {cpu_model()} [{instruction_sets() or 'instruction sets unknown'}] | "
+            f"{os.cpu_count()} cores | "
             f"python {platform.python_version()}{extra}")
 
 

@@ -75,9 +75,10 @@ def normalize_prompt(prompt, tokenizer: Tokenizer) -> tuple[list[int], list[int]
 class LLM:
     """An MLA model with Irminsul's cache. `reuse` is one of off | prefix | naive | pic;
     `kv_cache_gib` sizes the latent pool that running requests and cached content share;
-    `compile_decode` (default: where available) compiles the decode steps at
-    construction (model/compiled.py on a CPU; CUDA graphs of the triton backend on a GPU,
-    model/graphs.py; False decodes eagerly and starts at once)."""
+    `compile_decode` compiles the decode steps (model/compiled.py on a CPU; CUDA graphs of the
+    triton backend on a GPU, model/graphs.py): None (default) where available, on a CPU in the
+    background while the eager path runs (`wait_compiled` waits for it); True before this returns;
+    False never."""
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",
                  device: str = "cpu", kv_cache_gib: float | None = None, max_running_requests: int = 256,
@@ -96,6 +97,11 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, reuse=reuse, kv_cache_gib=kv_cache_gib,
                              compile_decode=compile_decode, max_running_requests=max_running_requests,
                              decode_slowdown=None, **cache_options)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until the decode steps compiling in the background are ready (a benchmark's steady
+        state); whether compiled steps run now."""
+        return self.engine.runner.wait_compiled(timeout)
 
     @property
     def reuse(self) -> str:

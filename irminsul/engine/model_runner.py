@@ -20,6 +20,8 @@ from irminsul.errors import RequestError
 from irminsul.kvcache.pool import LatentPool
 from irminsul.model.attention import EMPTY_SLOT, PADDING_SLACK, SeqAttention, consecutive
 from irminsul.model.base import CapturedStep, CompiledStep, Model
+from irminsul.model import compiled
+from irminsul.model.compiled import Compiling
 from irminsul.model.mla import ForwardBatch
 
 
@@ -39,18 +41,42 @@ class ModelRunner:
         """`compile_decode`: decode steps run compiled: with the torch backend on a CPU, one sequence and
         small batches through torch.compile (model/compiled.py, once per model); with the triton
         backend on a GPU, batches up to 128 as CUDA graphs (model/graphs.py, once per runner: they
-        hold its pool). None: where available, True: required, False: never (vLLM's enforce_eager)."""
+        hold its pool). None: where available (on a CPU compiled in the background, the eager path
+        serving until it is ready), True: required and built before this returns, False: never
+        (vLLM's enforce_eager)."""
         self.model, self.pool = model, pool
         self.device = model.device
         self.capabilities = model.capabilities
-        try:
-            step = model.decode_step(pool.rows, compile_decode)
-        except ValueError as e:
-            raise RequestError(f"compile_decode: {e}") from None
         # the triton backend's steps are captured CUDA graphs (GPU), the torch backend's compiled (CPU)
         captured = self.capabilities.backend == "triton"
-        self.compiled: CompiledStep | None = None if captured else step
+        try:
+            if captured:
+                from irminsul.model import graphs  # (triton's modules: loaded where that backend runs)
+
+                step = graphs.resolve(model, pool.rows, compile_decode)
+            else:
+                step = compiled.resolve(model, compile_decode)
+        except ValueError as e:
+            raise RequestError(f"compile_decode: {e}") from None
+        self._compiled: CompiledStep | Compiling | None = None if captured else step
         self.graphs: CapturedStep | None = step if captured else None
+
+    @property
+    def compiled(self) -> CompiledStep | None:
+        """The compiled CPU step, once built (None before: the eager path decodes)."""
+        step = self._compiled
+        if not isinstance(step, Compiling):
+            return step
+        ready = step.ready()
+        if ready is not None:
+            self._compiled = ready
+        return ready
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for a compiled step being built in the background; whether one runs now."""
+        if isinstance(self._compiled, Compiling):
+            self._compiled.wait(timeout)
+        return self.compiled is not None
 
     @property
     def supports_recompute(self) -> bool:
@@ -60,7 +86,7 @@ class ModelRunner:
         """The next-token logits [vocab] of each sequence whose prompt is done after this step (None
         for the others). `stale_keys`: keys read at the position they were computed at (`naive`).
         The logits may be views of a captured step's output buffer: valid until the next step."""
-        if (self.compiled is not None or self.graphs is not None) and not stale_keys and batch.decode_only:
+        if not stale_keys and batch.decode_only and (self.compiled is not None or self.graphs is not None):
             logits = self.decode(batch.seqs)
             if logits is not None:
                 return list(logits)

@@ -26,17 +26,22 @@ It computes what the engine's step computes (the same layers, the absorbed atten
 `[c_KV | k_r]` with RoPE at read from the model's own cos/sin tables), and is tested against that
 path (tests/engine/test_compiled.py); the engine takes its own path for anything else (prefill,
 `naive`, batches whose padding would exceed PADDING_SLACK), and `unavailable` says when none of it
-applies. It is on by default where it is available (as vLLM compiles unless told `enforce_eager`):
-`LLM(compile_decode=False)` / `irminsul serve --no-compile-decode`, or the environment variable
-IRMINSUL_COMPILE_DECODE=0 (the test suite sets it), turn it off. The engine compiles it when it is
-built (here 55 s cold, 10 s with torch.compile's on-disk caches warm), so no request waits for it;
-one compiled step is kept per model and shared by its engines.
+applies. It is on by default where it is available (as vLLM compiles unless told `enforce_eager`),
+and by default it is compiled **in the background** (`Compiling`): compiling takes a minute or more
+on a small CPU the first time (torch.compile's on-disk caches make a restart quicker), so the eager
+path serves from the start and each engine takes the compiled step at its first decode step after
+it is ready. `LLM(compile_decode=True)` / `irminsul serve --compile-decode` compiles before the
+engine serves (and fails if it cannot); `LLM(compile_decode=False)` / `--no-compile-decode`, or the
+environment variable IRMINSUL_COMPILE_DECODE=0 (the test suite sets it), turn it off. One compiled
+step is kept per model and shared by its engines.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import torch
 from tqdm import tqdm
@@ -112,17 +117,62 @@ def built(compile_decode: bool | None, build, failed: str):
         return None
 
 
-def resolve(model, compile_decode: bool | None) -> "CompiledDecode | None":
-    """The model's compiled step, built and warmed, or None (`wanted` says when)."""
+def resolve(model, compile_decode: bool | None) -> "CompiledDecode | Compiling | None":
+    """The model's compiled step (`wanted` says when there is one): with compile_decode=True built
+    and warmed now; with None (auto) a `Compiling`, built on a thread of its own while the eager
+    path serves (or the step itself, when an earlier engine's build has finished)."""
     if not wanted(compile_decode, unavailable(model), "the compiled decode step"):
         return None
     step = getattr(model, "_compiled_decode", None)
+    if isinstance(step, Compiling) and compile_decode:  # required now: wait for the background build
+        step = step.wait()
+        if step is None:
+            raise ValueError("the compiled decode step failed to compile (see the log)")
     if step is None:
-        log.info("compiling the decode steps, once per model (irminsul serve --no-compile-decode, or "
-                 "LLM(compile_decode=False), serves at once and decodes eagerly)")
-        step = built(compile_decode, lambda: CompiledDecode(model).warmed(), "the compiled decode step failed to compile")
+        if compile_decode:
+            log.info("compiling the decode steps before serving (irminsul serve --no-compile-decode, or "
+                     "LLM(compile_decode=False), never compiles them)")
+            step = built(True, lambda: CompiledDecode(model).warmed(), "the compiled decode step failed to compile")
+        else:
+            step = Compiling(model)
         model._compiled_decode = step
     return step
+
+
+class Compiling:
+    """The compiled decode step being built on a thread of its own (`resolve` with compile_decode=None):
+    `ready()` is None until it is built (and stays None if the build fails: the eager path serves,
+    with a warning), then the step. Engines ask at each decode step, so a build that finishes mid-run
+    takes over at the next one."""
+
+    def __init__(self, model: DeepseekModel):
+        self._model = model
+        self._step: CompiledDecode | None = None
+        self._done = threading.Event()
+        log.info("compiling the decode steps in the background; decoding eagerly until they are ready "
+                 "(irminsul serve --compile-decode waits for them before serving, --no-compile-decode never "
+                 "compiles them)")
+        threading.Thread(target=self._build, name="irminsul-compile-decode", daemon=True).start()
+
+    def _build(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._step = built(None, lambda: CompiledDecode(self._model).warmed(progress=False),
+                               "the compiled decode step failed to compile")
+        finally:
+            self._done.set()
+        if self._step is not None:
+            log.info("the compiled decode steps are ready (%.0f s); engines use them from their next decode step",
+                     time.perf_counter() - start)
+            self._model._compiled_decode = self._step  # (later engines take the step itself)
+
+    def ready(self) -> "CompiledDecode | None":
+        return self._step
+
+    def wait(self, timeout: float | None = None) -> "CompiledDecode | None":
+        """The step once built (None if the build failed, or `timeout` seconds passed first)."""
+        self._done.wait(timeout)
+        return self._step
 
 
 class CompiledDecode:
@@ -158,19 +208,19 @@ class CompiledDecode:
         dense_ok = not cfg.n_routed_experts or cfg.n_routed_experts <= DENSE_EXPERTS * cfg.num_experts_per_tok
         self.max_batch = NATIVE_MAX_BATCH if self.native else MAX_BATCH if dense_ok else 1
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress: bool = True) -> None:
         """Compile now, on scratch rows laid out as the pool's (sizes 0 and 1 would be specialised:
         2 and up share the dynamic graphs). Without duck sizing: sizes that happen to be equal here
         (scratch slots and a layer count, say) must not become one size, or a real step recompiles."""
         with torch.fx.experimental._config.patch(use_duck_shape=False), \
                 torch._dynamo.config.patch(capture_scalar_outputs=True):  # (`MoE.one_token`'s expert ids)
-            self._warm_up()
+            self._warm_up(progress)
 
-    def warmed(self) -> "CompiledDecode":
-        self.warm_up()
+    def warmed(self, progress: bool = True) -> "CompiledDecode":
+        self.warm_up(progress)
         return self
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, progress: bool) -> None:
         cfg = self.model.config
         dev = self.model.device
         pool = torch.zeros(cfg.num_hidden_layers, 11, cfg.row_width, dtype=self.model.dtype, device=dev)
@@ -182,8 +232,8 @@ class CompiledDecode:
             steps.append(lambda: self.batch(torch.tensor([0, 1], device=dev), torch.tensor([3, 2], device=dev),
                                             torch.tensor([[1, 2, 3], [4, 5, 0]], device=dev), pool,
                                             torch.tensor([6, 7], device=dev)))
-        # (a minute the first time on a small CPU: people see it move)
-        for step in tqdm(steps, desc="compiling decode steps", unit="graph", leave=False):
+        # (a minute the first time on a small CPU: people who wait for it see it move)
+        for step in tqdm(steps, desc="compiling decode steps", unit="graph", leave=False, disable=not progress):
             step()
 
     def __call__(self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int,

@@ -26,9 +26,10 @@ def register(sub) -> None:
     p.add_argument("--attention-backend", default=DEFAULTS.attention_backend, choices=["torch", "triton"],
                    help="triton: Triton kernels over the pool (a GPU, or TRITON_INTERPRET=1 for its CPU interpreter)")
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode steps run compiled, built at startup: torch.compile'd graphs (fp32 MLA on a CPU "
-                        "with a C++ compiler) or CUDA graphs (--attention-backend triton on a GPU); default: "
-                        "on where available; --no-compile-decode: eager (vLLM's --enforce-eager)")
+                   help="decode steps run compiled: torch.compile'd graphs (fp32 MLA on a CPU with a C++ "
+                        "compiler) or CUDA graphs (--attention-backend triton on a GPU); default: where "
+                        "available, on a CPU compiled in the background while requests decode eagerly; "
+                        "--compile-decode: built before serving; --no-compile-decode: eager (vLLM's --enforce-eager)")
     p.add_argument("--store", action="append", default=None, metavar="SPEC",
                    help="chunk store tier: memory (always), disk:PATH, redis://host:port/db; repeat to tier them")
     p.add_argument("--kv-cache-gib", type=float, default=None,

@@ -1,5 +1,7 @@
 """The compiled one-sequence decode step (model/compiled.py) against the engine's own path."""
 
+import threading
+
 import numpy as np
 import pytest
 from torch._dynamo.utils import counters
@@ -112,14 +114,49 @@ def test_serve_flag_reaches_the_engine():
     assert ServerState(config()).client.engine.runner.compiled is None
 
 
-def test_compiled_by_default_where_available_once_per_model(tmp_path, monkeypatch):
+def test_compiled_by_default_in_the_background_once_per_model(tmp_path, monkeypatch):
+    """By default the step compiles on a thread of its own: the engine serves at once, eagerly, and
+    takes the step at its first decode step after it is ready; later engines share it."""
     monkeypatch.delenv("IRMINSUL_COMPILE_DECODE")
-    path = make_tiny_checkpoint(tmp_path / "v2", "v2")
-    llm = LLM(path)
-    assert llm.engine.runner.compiled is not None  # built (and compiled) with the engine
     from irminsul.engine.engine import Engine
+    from irminsul.model import compiled
+
+    path = make_tiny_checkpoint(tmp_path / "v2", "v2")
+    release, real = threading.Event(), compiled.CompiledDecode.warmed
+
+    def held(self, progress=True):  # the build waits until the test lets it finish
+        release.wait(120)
+        return real(self, progress)
+
+    monkeypatch.setattr(compiled.CompiledDecode, "warmed", held)
+    llm = LLM(path)
+    assert llm.engine.runner.compiled is None  # still compiling: the eager path decodes
+    eager = llm.generate(_rand(40, 1), max_tokens=6, ignore_eos=True)
+    assert llm.engine.runner.compiled is None
+    release.set()
+    assert llm.wait_compiled(300)
+    step = llm.engine.runner.compiled
+    calls = []
+    real_fn = step._fn
+    step._fn = lambda *a: calls.append(1) or real_fn(*a)
+    again = llm.generate(_rand(40, 1), max_tokens=6, ignore_eos=True)
+    assert calls and again.token_ids == eager.token_ids  # the compiled step took over, the same tokens
 
     other = Engine(llm.model, llm.tokenizer, reuse="pic", pool=llm.engine.pool)
-    assert other.runner.compiled is llm.engine.runner.compiled  # one per model, shared by its engines
+    assert other.runner.compiled is step  # one per model, shared by its engines
     assert Engine(llm.model, llm.tokenizer, compile_decode=False).runner.compiled is None
     assert LLM(make_tiny_checkpoint(tmp_path / "v32", "v32")).engine.runner.compiled is None  # not covered: eager
+
+
+def test_a_background_build_that_fails_leaves_the_eager_path_serving(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("IRMINSUL_COMPILE_DECODE")
+    from irminsul.model import compiled
+
+    def broken(self, progress=True):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(compiled.CompiledDecode, "warmed", broken)
+    llm = LLM(make_tiny_checkpoint(tmp_path / "v2", "v2"))
+    assert not llm.wait_compiled(60)
+    assert "no compiler today" in caplog.text
+    assert len(llm.generate(_rand(20, 2), max_tokens=3, ignore_eos=True).token_ids) == 3
