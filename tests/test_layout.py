@@ -61,3 +61,49 @@ def test_comments_and_docs_stand_without_the_tracker():
 def test_the_tracker_check_finds_references():
     assert tracker_references("a\n# see issue 30\nb (#12)\nIssue #4\nstop 23 landed\nissues 3") == [2, 3, 4, 5, 6]
     assert tracker_references("stop tokens\n3 stops\nissued 30 requests\nthe stop 'x'") == []
+
+
+def _module_imports(package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (inside functions too), for every module in it."""
+    folder = ROOT / Path(*package.split("."))
+    modules = {}
+    for path in folder.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            graph[name] |= {n for n in names if n in modules and n != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    circles, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return circles
+
+
+def test_the_model_layer_has_no_import_circles():
+    """Each module of irminsul.model imports only what sits below it (a package's __init__ counts as
+    a module); an import inside a function counts as much as one at the top."""
+    assert _circles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]  # (the check finds one)
+    assert _circles(_module_imports("irminsul.model")) == []

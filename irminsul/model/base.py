@@ -15,12 +15,12 @@ A runner holds a `Model` and calls only this:
   method), the rows [N, row_width] pool layer `layer`
   would store for the batch in its current context (pic+r's check of reused rows); the pool is untouched
   beyond the batch's own write slots of the layers before `layer`;
-- `decode_step(pool_rows, compile_decode)`: the family's compiled or captured decode step over the pool
-  `pool_rows` [layers, slots, width], or None (`DecodeStep`);
 - `set_attention_backend(name)`: "torch" or "triton" (a `RequestError` / `ConfigError` where the family
   has no such backend).
 
-Families register their class by `model_type` in registry.py.
+Families register their class by `model_type` in registry.py. Compiled and captured decode steps
+(`CompiledStep`, `CapturedStep`) are the runner's to build (model/compiled.py, model/graphs.py): each
+says which models it covers.
 """
 
 from __future__ import annotations
@@ -63,9 +63,6 @@ class CapturedStep(Protocol):
     def __call__(self, tokens, lengths, slots) -> torch.Tensor: ...
 
 
-DecodeStep = CompiledStep | CapturedStep
-
-
 @runtime_checkable
 class Model(Protocol):
     config: object
@@ -83,7 +80,5 @@ class Model(Protocol):
     def __call__(self, batch) -> torch.Tensor: ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def decode_step(self, pool_rows: torch.Tensor, compile_decode: bool | None) -> DecodeStep | None: ...
 
     def set_attention_backend(self, name: str) -> None: ...

@@ -12,15 +12,19 @@ cases; the engine batches any mix of them (`ForwardBatch`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from irminsul.errors import CheckpointError
 from irminsul.model import attention
 from irminsul.model.attention import AttentionBackend, TorchAttention
 from irminsul.model.base import Capabilities
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import MLP, Linear, LongcatMoE, MoE, RMSNorm
+from irminsul.model.loader import owned, read_tensors, resolve_dtype, weight_files
 from irminsul.model.mla import ForwardBatch, MLAttention, SequenceRows
 from irminsul.model.rope import Rotary
 
@@ -96,27 +100,47 @@ class DeepseekModel(nn.Module):
         self._embed_from: int | None = None  # the data pointer of the table it was copied from
 
     @classmethod
-    def load(cls, path, dtype="float32", device: str = "cpu", pack: bool = True) -> "DeepseekModel":
-        from irminsul.model.loader import load_mla
-
-        return load_mla(path, dtype, device, pack)
+    def load(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+             pack: bool = True) -> "DeepseekModel":
+        """An MLA checkpoint (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash, LongCat-Flash) as a DeepseekModel
+        (`loader.load_model` reaches it through the registry); `pack`: laid out for inference."""
+        path = Path(path)
+        cfg = ModelConfig.from_file(path / "config.json")
+        dtype = resolve_dtype(dtype)
+        tensors = read_tensors(weight_files(path), cfg.num_blocks)
+        rotary = Rotary(cfg.rope, device)  # built outside the meta context: it holds real buffers
+        with torch.device("meta"):
+            model = cls(cfg, rotary)
+        expected = model.state_dict()
+        if cfg.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        missing = [k for k in expected if k not in tensors and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise CheckpointError(f"{path}: weights missing for {shown}; is config.json the one for these weights?")
+        state = {}
+        for key, ref in expected.items():
+            if key not in tensors:
+                continue
+            t = tensors[key]
+            if tuple(t.shape) != tuple(ref.shape):
+                raise CheckpointError(
+                    f"{path}: {key} has shape {tuple(t.shape)} but config.json implies {tuple(ref.shape)}"
+                )
+            # kept in float32 whatever the model dtype, as transformers keeps them: routers, the V3.2
+            # indexer's head weights
+            keep_fp32 = key.endswith(("mlp.gate.weight", "e_score_correction_bias", "router.classifier.weight",
+                                      "indexer.weights_proj.weight"))
+            state[key] = owned(t, t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype))
+        model.load_state_dict(state, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.eval()
+        return model.pack() if pack else model
 
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(backend=self.attention.name, fresh_rows=True, indexer=bool(self.config.index_n_heads))
-
-    def decode_step(self, pool_rows: torch.Tensor, compile_decode: bool | None):
-        """The decode step the backend compiles: the torch backend's through torch.compile on a CPU
-        (model/compiled.py, one per model), the triton backend's as CUDA graphs over `pool_rows`
-        (model/graphs.py, one set per pool); None where there is none (`compiled.wanted`). Raises
-        ValueError when compile_decode=True asks for one that cannot be built."""
-        if self.attention.name == "triton":
-            from irminsul.model import graphs
-
-            return graphs.resolve(self, pool_rows, compile_decode)
-        from irminsul.model import compiled
-
-        return compiled.resolve(self, compile_decode)
 
     def set_attention_backend(self, name: str) -> None:
         """"torch" (the reference, any device) or "triton" (a GPU, or Triton's interpreter on CPU

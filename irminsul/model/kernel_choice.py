@@ -39,7 +39,7 @@ layout is chosen with its times counted as the out-major layout's.
 
 `IRMINSUL_KERNEL_CHOICE=fixed` (or `DeepseekModel.pack(kernels="fixed")`) keeps the earlier fixed rule
 instead (input-major everywhere; oneDNN copies for 256, 32 and 8 rows of every float32 weight large
-enough, `layers.DNN_MIN_MACS`), for comparing. `IRMINSUL_KERNEL_CACHE` names the cache file;
+enough, `DNN_MIN_MACS`), for comparing. `IRMINSUL_KERNEL_CACHE` names the cache file;
 `IRMINSUL_KERNEL_COPIES` the copy budget (a fraction of the weight bytes; 0: no copies).
 """
 
@@ -62,6 +62,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger("irminsul.model")
 
+# the fixed rule's threshold: a block of `rows` is copied for a weight where rows x its size reaches
+# this many multiply-adds (below, oneDNN's fixed cost per call loses to MKL:
+# `python benchmarks/bench_gemv_layout.py`)
+DNN_MIN_MACS = 1_500_000
 ROWS = (1, 8, 32, 256)  # the row counts timed: a decode step, small and larger batches, a prefill
 BLOCKS = (256, 32, 8)  # the row blocks oneDNN copies are made for (layers.DNN_BLOCKS)
 MIN_GAIN = 1.15  # a blocked copy must be this much faster than the dense product at its own block
@@ -141,9 +145,7 @@ def dnn_applies(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 
 def fixed_choice(out: int, inp: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Choice:
     """The earlier fixed rule: input-major; oneDNN copies for each block whose rows x weight size reach
-    layers.DNN_MIN_MACS, float32 on a CPU only."""
-    from irminsul.model.layers import DNN_MIN_MACS
-
+    DNN_MIN_MACS, float32 on a CPU only."""
     numel = out * inp
     if (torch.device(device).type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available()
             or BLOCKS[0] * numel < DNN_MIN_MACS):

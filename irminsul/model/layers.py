@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
 from irminsul.machine import cpu_flags
-from irminsul.model import elementwise, gemv, native_ops
+from irminsul.model import elementwise, gemv, kernel_choice, native_ops
 from irminsul.model.config import ModelConfig
 
 
@@ -45,10 +45,6 @@ class RMSNorm(nn.Module):
 # without end (~0.75 MB more per row count for a 1.5 MB weight); blocked for 32 and 8 rows, and
 # called on multiples of 256 for the bulk, it sees at most a few row counts per weight
 DNN_BLOCKS = (256, 32, 8)
-# a block of `rows` is used for a weight where rows x its size reaches this many multiply-adds: below,
-# oneDNN's ~10 us more per call loses to MKL (an expert's down product of the bundled model, 1.0 M
-# at 32 rows, runs 0.75x as fast; `python benchmarks/bench_gemv_layout.py`)
-DNN_MIN_MACS = 1_500_000
 
 
 def dnn_weight(w: torch.Tensor, blocks: tuple[int, ...] | None = None,
@@ -61,13 +57,12 @@ def dnn_weight(w: torch.Tensor, blocks: tuple[int, ...] | None = None,
     measured on this machine for this shape, if any (`kernel_choice`: at most one, where it pays and
     fits the copy budget; `layout`: "out" for a weight that keeps nn.Linear's layout, None for one
     laid out by the choices); else the fixed rule (float32 only: every block whose rows x weight size
-    reach DNN_MIN_MACS). Each copy is one more copy of the weight.
+    reach `kernel_choice.DNN_MIN_MACS`). Each copy is one more copy of the weight.
 
     torch's CPU GEMM is MKL's, and MKL runs its AVX2 code on AMD processors: on this project's first
     EPYC oneDNN's product over a pre-blocked weight reached ~220 GFLOP/s at 32 rows where MKL reached
     ~115; on an Intel Xeon it lost to MKL on most products (`python benchmarks/bench_gemv_layout.py`).
     """
-    from irminsul.model import kernel_choice
 
     if blocks is None:
         choices = kernel_choice.current()
@@ -134,7 +129,6 @@ _dnn_op = torch.library.custom_op("irminsul::dnn_rows", _dnn_rows, mutates_args=
 def chosen_layout(out: int, inp: int, dtype: torch.dtype, device) -> str:
     """The dense layout a weight [out, in] is stored in: "in" ([in, out], x @ W) or "out" ([out, in]),
     as the choices being packed by measured it (`kernel_choice`), else input-major (the fixed rule)."""
-    from irminsul.model import kernel_choice
 
     choices = kernel_choice.current()
     if choices is None or choices.kernels == "fixed":
@@ -146,7 +140,6 @@ def gemv_rows(w: torch.Tensor, layout: str | None = None) -> int:
     """How many rows at most the products of w [out, in] take `gemv.product` for (0: none): while
     `DeepseekModel.pack` packs, what its choices measured for this shape (`kernel_choice.Choice.gemv`),
     where w's rows are contiguous and the kernel is available; 0 outside a pack (the fixed rule)."""
-    from irminsul.model import kernel_choice
 
     choices = kernel_choice.current()
     if choices is None or choices.kernels == "fixed" or w.stride(1) != 1 or not gemv.available(w.device, w.dtype):
@@ -259,12 +252,11 @@ class MLP(nn.Module):
 
     def products(self, uses: float = 1.0, stacked: bool = False) -> list:
         """The products `pack` lays out (`kernel_choice.Product`s): gate|up, down; `uses` per token each."""
-        from irminsul.model.kernel_choice import Product
 
         inner, hidden = self.gate_proj.weight.shape
         dtype = self.gate_proj.weight.dtype
-        return [Product(2 * inner, hidden, dtype, 1, uses),
-                Product(hidden, inner, dtype, 1, uses, None if stacked else "out")]
+        return [kernel_choice.Product(2 * inner, hidden, dtype, 1, uses),
+                kernel_choice.Product(hidden, inner, dtype, 1, uses, None if stacked else "out")]
 
     @property
     def packed(self) -> bool:

@@ -10,9 +10,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from irminsul.errors import CheckpointError, RequestError
-from irminsul.model.config import ModelConfig, read_json_config
+from irminsul.model.config import read_json_config
 from irminsul.model.registry import model_class
-from irminsul.model.rope import Rotary
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -115,42 +114,3 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     check_device(device)
     return model_class(read_config(path).get("model_type")).load(path, dtype=dtype, device=device, pack=pack)
-
-
-def load_mla(path: Path, dtype: str | torch.dtype = "float32", device: str = "cpu", pack: bool = True):
-    """An MLA checkpoint (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash, LongCat-Flash) as a DeepseekModel."""
-    from irminsul.model.deepseek import DeepseekModel
-
-    path = Path(path)
-    cfg = ModelConfig.from_file(path / "config.json")
-    dtype = resolve_dtype(dtype)
-    tensors = read_tensors(weight_files(path), cfg.num_blocks)
-    rotary = Rotary(cfg.rope, device)  # built outside the meta context: it holds real buffers
-    with torch.device("meta"):
-        model = DeepseekModel(cfg, rotary)
-    expected = model.state_dict()
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    missing = [k for k in expected if k not in tensors and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{path}: weights missing for {shown}; is config.json the one for these weights?")
-    state = {}
-    for key, ref in expected.items():
-        if key not in tensors:
-            continue
-        t = tensors[key]
-        if tuple(t.shape) != tuple(ref.shape):
-            raise CheckpointError(
-                f"{path}: {key} has shape {tuple(t.shape)} but config.json implies {tuple(ref.shape)}"
-            )
-        # kept in float32 whatever the model dtype, as transformers keeps them: routers, the V3.2
-        # indexer's head weights
-        keep_fp32 = key.endswith(("mlp.gate.weight", "e_score_correction_bias", "router.classifier.weight",
-                                  "indexer.weights_proj.weight"))
-        state[key] = owned(t, t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype))
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.eval()
-    return model.pack() if pack else model

@@ -115,11 +115,6 @@ class V4Model(nn.Module):
         if name != "torch":
             raise ConfigError(f"attention_backend={name!r}: DeepSeek-V4 runs on the torch backend only for now")
 
-    def decode_step(self, pool_rows: torch.Tensor, compile_decode: bool | None) -> None:
-        if compile_decode:
-            raise ValueError("a compiled decode step needs an MLA model (DeepSeek-V4 decodes eagerly for now)")
-        return None
-
     @torch.inference_mode()
     def forward(self, batch) -> torch.Tensor:
         """A ForwardBatch whose plan is a V4Plan -> final hidden states [N, hidden]; every computed

@@ -38,6 +38,8 @@ def test_the_loader_picks_the_class_and_the_model_declares_what_it_can(tmp_path)
     assert mla.capabilities == Capabilities(backend="torch", fresh_rows=True, indexer=False)
     assert v32.capabilities.indexer
     assert v4.capabilities == Capabilities(backend="torch", fresh_rows=False)
-    assert v4.decode_step(None, None) is None
+    from irminsul.model import compiled
+
+    assert compiled.resolve(v4, None) is None  # no compiled step covers it: eager
     with pytest.raises(ValueError, match="MLA"):
-        v4.decode_step(None, True)
+        compiled.resolve(v4, True)
