@@ -13,9 +13,10 @@
  * maximum grows), then probabilities times values, while the block is in cache. Keys past a tile's last
  * query position are never read. A head's keys are first transposed into blocks of KB, each [d, KB]
  * contiguous (the rope rows once per sequence, shared by the heads), and its values copied into [T, vd]
- * rows, so that with AVX-512 a score tile is an outer product: per q·k column, QB broadcast query values
- * times up to 4 vectors of 16 keys (QB x 64 sums in registers), and an output tile the same with
- * values: QB probabilities times up to 4 vectors of one value row. Elsewhere the same loops in plain C.
+ * rows, so that with vectors (simd.h) a score tile is an outer product: per q·k column, QB broadcast
+ * query values times up to TV vectors of keys (AVX-512: 4 of 16, QB x 64 sums in registers; AVX2: 2 of
+ * 8), and an output tile the same with values: QB probabilities times up to TV vectors of one value
+ * row. Elsewhere the same loops in plain C.
  *
  * Threads share the work by (sequence, head, run of superblocks): each item transposes its head's keys
  * up to the last its queries see, into its thread's buffers (one head's keys and values, linear in T);
@@ -36,33 +37,43 @@
 #define KB 64 /* keys per block (4 vectors of 16) */
 #define QS 48 /* query rows per superblock: QS / QB tiles share each key block while it is in cache */
 
+#if IRM_VEC
+/* The register tiles (simd.h's vectors): a score tile QB query rows x up to TV vectors of keys, a value
+ * tile QB rows x up to TV vectors of value columns: 4 with AVX-512 (32 registers), 2 with AVX2 (16) */
 #if defined(__AVX512F__)
+#define TV 4
 static inline __mmask16 tail_mask(long n) { return (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1); }
+#else
+#define TV 2
+#endif
 
-/* s[i * KB + 16 v + l] = sum_e q[i * d + e] kt[e * ldk + 16 v + l], i < QB, v < NV */
+/* s[i * KB + W v + l] = sum_e q[i * d + e] kt[e * ldk + W v + l], i < QB, v < NV (W = IRM_W) */
 #define SCORE_TILE(NAME, NV)                                                                              \
     static void NAME(const float *q, long d, const float *kt, long ldk, float *s) {                       \
-        __m512 a[QB][NV];                                                                                 \
+        vf a[QB][NV];                                                                                     \
         for (int i = 0; i < QB; i++)                                                                      \
-            for (int v = 0; v < NV; v++) a[i][v] = _mm512_setzero_ps();                                   \
+            for (int v = 0; v < NV; v++) a[i][v] = vf_zero();                                             \
         for (long e = 0; e < d; e++) {                                                                    \
-            __m512 k[NV];                                                                                 \
-            for (int v = 0; v < NV; v++) k[v] = _mm512_loadu_ps(kt + e * ldk + 16 * v);                   \
+            vf k[NV];                                                                                     \
+            for (int v = 0; v < NV; v++) k[v] = vf_load(kt + e * ldk + IRM_W * v);                        \
             for (int i = 0; i < QB; i++) {                                                                \
-                __m512 qi = _mm512_set1_ps(q[i * d + e]);                                                 \
-                for (int v = 0; v < NV; v++) a[i][v] = _mm512_fmadd_ps(qi, k[v], a[i][v]);                \
+                vf qi = vf_set1(q[i * d + e]);                                                            \
+                for (int v = 0; v < NV; v++) a[i][v] = vf_fma(qi, k[v], a[i][v]);                         \
             }                                                                                             \
         }                                                                                                 \
         for (int i = 0; i < QB; i++)                                                                      \
-            for (int v = 0; v < NV; v++) _mm512_storeu_ps(s + i * KB + 16 * v, a[i][v]);                  \
+            for (int v = 0; v < NV; v++) vf_store(s + i * KB + IRM_W * v, a[i][v]);                       \
     }
 SCORE_TILE(score_tile1, 1)
 SCORE_TILE(score_tile2, 2)
+#if defined(__AVX512F__)
 SCORE_TILE(score_tile3, 3)
 SCORE_TILE(score_tile4, 4)
+#endif
 
 /* o[i * ldo + c0 + ..] += sum_k p[i * KB + k] v_k[c0 + ..] for i < QB, n keys, the columns c0 .. c0 +
  * 16 NV (the last vector masked to `last` lanes); v_k = v + k * ldv */
+#if defined(__AVX512F__)
 #define VALUE_TILE(NAME, NV)                                                                              \
     static void NAME(float *o, long ldo, const float *p, const float *v, long ldv, long n, long c0,       \
                      __mmask16 last) {                                                                    \
@@ -87,6 +98,35 @@ VALUE_TILE(value_tile1, 1)
 VALUE_TILE(value_tile2, 2)
 VALUE_TILE(value_tile3, 3)
 VALUE_TILE(value_tile4, 4)
+#else
+/* AVX2's: the same with the last vector's `last` lanes loaded and stored by simd.h's _n forms */
+#define VALUE_TILE(NAME, NV)                                                                              \
+    static void NAME(float *o, long ldo, const float *p, const float *v, long ldv, long n, long c0, long last) { \
+        vf a[QB][NV];                                                                                     \
+        for (int i = 0; i < QB; i++)                                                                      \
+            for (int u = 0; u < NV; u++)                                                                  \
+                a[i][u] = u == NV - 1 ? vf_load_n(o + i * ldo + c0 + IRM_W * u, last)                     \
+                                      : vf_load(o + i * ldo + c0 + IRM_W * u);                            \
+        for (long k = 0; k < n; k++) {                                                                    \
+            vf x[NV];                                                                                     \
+            for (int u = 0; u < NV; u++)                                                                  \
+                x[u] = u == NV - 1 ? vf_load_n(v + k * ldv + c0 + IRM_W * u, last)                        \
+                                   : vf_load(v + k * ldv + c0 + IRM_W * u);                               \
+            for (int i = 0; i < QB; i++) {                                                                \
+                vf pi = vf_set1(p[i * KB + k]);                                                           \
+                for (int u = 0; u < NV; u++) a[i][u] = vf_fma(pi, x[u], a[i][u]);                         \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int i = 0; i < QB; i++)                                                                      \
+            for (int u = 0; u < NV; u++)                                                                  \
+                if (u == NV - 1)                                                                          \
+                    vf_store_n(o + i * ldo + c0 + IRM_W * u, a[i][u], last);                              \
+                else                                                                                      \
+                    vf_store(o + i * ldo + c0 + IRM_W * u, a[i][u]);                                      \
+    }
+VALUE_TILE(value_tile1, 1)
+VALUE_TILE(value_tile2, 2)
+#endif
 #endif
 
 /* s [QB, KB] = q [QB, d] times kt[:, 0 .. n) (ldk apart), n <= KB */
@@ -98,6 +138,12 @@ static void scores(const float *q, long d, const float *kt, long ldk, long n, fl
     case 3: score_tile3(q, d, kt, ldk, s); return;
     default: score_tile4(q, d, kt, ldk, s); return;
     }
+#elif IRM_VEC
+    for (long k0 = 0; k0 < n; k0 += TV * IRM_W) /* (kt holds zeros up to a multiple of IRM_W past the last key) */
+        if (n - k0 > IRM_W)
+            score_tile2(q, d, kt + k0, ldk, s + k0);
+        else
+            score_tile1(q, d, kt + k0, ldk, s + k0);
 #else
     for (int i = 0; i < QB; i++)
         for (long k = 0; k < n; k++) {
@@ -120,6 +166,14 @@ static void values(float *o, long ldo, const float *p, const float *v, long ldv,
         case 3: value_tile3(o, ldo, p, v, ldv, n, c0, last); break;
         default: value_tile4(o, ldo, p, v, ldv, n, c0, last); break;
         }
+    }
+#elif IRM_VEC
+    for (long c0 = 0; c0 < vd; c0 += TV * IRM_W) {
+        long left = vd - c0;
+        if (left > IRM_W)
+            value_tile2(o, ldo, p, v, ldv, n, c0, left - IRM_W);
+        else
+            value_tile1(o, ldo, p, v, ldv, n, c0, left);
     }
 #else
     for (int i = 0; i < QB; i++)
@@ -149,6 +203,18 @@ static void fold_row(float *si, const float *bias, long n, long last, float *mx,
         mv = _mm512_max_ps(mv, x);
     }
     bm = _mm512_reduce_max_ps(mv);
+#elif IRM_VEC /* AVX2: the visible lanes by compares (si and bias are readable a whole vector past n) */
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 mv = ninf;
+    for (long k = 0; k < n; k += 8) {
+        long lim = last - k < -1 ? -1 : last - k > 7 ? 7 : last - k, top = n - k - 1 < lim ? n - k - 1 : lim;
+        __m256 in = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)top + 1), lane));
+        __m256 x = _mm256_blendv_ps(ninf, _mm256_add_ps(_mm256_loadu_ps(si + k), _mm256_loadu_ps(bias + k)), in);
+        _mm256_storeu_ps(si + k, x);
+        mv = _mm256_max_ps(mv, x);
+    }
+    bm = vf_hmax(mv);
 #else
     for (long k = 0; k < n; k++) {
         si[k] = k > last ? -INFINITY : si[k] + bias[k];
@@ -158,9 +224,9 @@ static void fold_row(float *si, const float *bias, long n, long last, float *mx,
     softmax_fold(si, n, bm, mx, sum, o, vd);
 }
 
-/* 1 when built with the AVX-512 tiles (without them torch's SDPA is faster: the caller asks) */
+/* 1 when built with the vector tiles (AVX-512 or AVX2; without them torch's SDPA is faster: the caller asks) */
 int irm_vectorised(void) {
-#if defined(__AVX512F__)
+#if IRM_VEC
     return 1;
 #else
     return 0;
