@@ -56,7 +56,7 @@ DENSE_EXPERTS = 4  # the batched step runs every expert when that is at most thi
 # this was set: compiled 1.1-1.2x eager's speed at 2-8 sequences, 0.95-0.98x at 16, 0.91-1.0x at 32)
 MAX_BATCH = 8
 # ... and with the native kernels inside the graph (`CompiledDecode.native`), up to this many: the
-# batches MoE.NATIVE_TOKENS covers
+# batches of a decode step's size, where the native experts pay (`MoE.native_tokens`)
 NATIVE_MAX_BATCH = 64
 
 

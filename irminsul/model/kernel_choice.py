@@ -529,6 +529,58 @@ def choose(products: list[Product], model_bytes: int, decode_bytes: int | None =
     return KernelChoices(how, choices, streamed, seconds)
 
 
+# --- the routed experts' native kernel: up to how many tokens it runs ------------------------------
+
+EXPERT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the token counts the native experts are timed at
+
+
+def native_experts_tokens(moe, dtype: torch.dtype, kernels: str | None = None) -> int:
+    """The most tokens an MoE layer's routed experts run through its native kernel (`MoE._native`):
+    measured on this machine, at torch's thread count, against the layer's own torch path
+    (`MoE.torch_experts`), on its own weights with random routing. The counts of EXPERT_TOKENS are
+    timed in turn until the kernel loses (it wins on a decode step's few tokens, where torch pays a
+    dispatch per expert hit, and loses on a prefill's thousands of rows, where torch's tuned products
+    run); the bound is the last count it won. 0 where the kernel does not run here. Cached per CPU
+    (`cache_path`), keyed by the layer's shape, the thread count and the kernel's build. The fixed
+    rule (kernels="fixed" / IRMINSUL_KERNEL_CHOICE=fixed) and forced choices take `MoE.NATIVE_TOKENS`
+    unmeasured."""
+    kernel = moe.native_kernel(dtype)
+    if kernel is None:
+        return 0
+    if kernels == "forced" or mode(kernels) == "fixed":  # (forced: `KernelChoices.every`, for comparisons)
+        return moe.NATIVE_TOKENS
+    from irminsul.model import native
+
+    gate_up, down = moe.stacked()
+    experts, hidden, inner2 = gate_up.shape
+    k = moe.gate.cfg.num_experts_per_tok
+    key = (f"experts|{str(dtype).removeprefix('torch.')}|{experts}x{hidden}x{inner2 // 2}|k{k}"
+           f"|layout{gate_up.stride(2) == 1}{down.stride(2) == 1}|threads{torch.get_num_threads()}"
+           f"|moe{native.fingerprint('moe.c')}")
+    path = cache_path()
+    cached = _memory.get(key) or _read_cache(path).get(key)
+    if cached is not None and "bound" in cached:
+        return int(cached["bound"])
+    g = torch.Generator().manual_seed(experts * 131 + hidden)
+    bound, times = 0, {}
+    with torch.inference_mode():
+        for n in EXPERT_TOKENS:
+            x = torch.randn(n, hidden, generator=g).to(dtype)
+            ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+            weights = torch.rand(n, k, generator=g).softmax(-1)
+            t = _time({"native": lambda: kernel(x, weights, ids, gate_up, down),
+                       "torch": lambda: moe.torch_experts(x, weights, ids)})
+            times[str(n)] = t
+            if t["native"] > t["torch"]:
+                break
+            bound = n
+    entry = {"bound": bound, "times": times}
+    _memory[key] = entry
+    _write_cache(path, {key: entry})
+    log.info("native experts %s: up to %d tokens (measured)", key.split("|threads")[0], bound)
+    return bound
+
+
 # --- the choices packing follows -----------------------------------------------------------------------
 
 _active: list[KernelChoices] = []

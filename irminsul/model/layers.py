@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
-from irminsul.machine import cpu_flags
 from irminsul.model import elementwise, gemv, kernel_choice, native_ops
 from irminsul.model.config import ModelConfig
 
@@ -329,7 +328,7 @@ class MoE(nn.Module):
     of a few sequences: the grouped product would read every expert's weights), or routing is so
     uneven that its padding would cost more than the loop's calls (`_padding_pays`), it loops over
     the experts hit. On a CPU, float32, the experts of a decode step's few tokens run in one native
-    call instead (`_native`: model/native/moe.c).
+    call instead (model/native/moe.c), up to the token count measured to pay (`routed`).
     """
 
     grouped = True  # False: always loop (exact FLOPs: the grouped path also multiplies its padding)
@@ -388,6 +387,9 @@ class MoE(nn.Module):
         self.layouts = (chosen_layout(2 * inner, hidden, dtype, device), chosen_layout(hidden, inner, dtype, device))
         self._stacked = None
         self.stacked()
+        choices = kernel_choice.current()
+        self.native_tokens = (kernel_choice.native_experts_tokens(self, dtype, choices.kernels if choices else None)
+                              if device.type == "cpu" else 0)
 
     def products(self) -> list:
         """The routed experts' products (`kernel_choice.Product`s), each expert used by k / E of the tokens."""
@@ -396,75 +398,70 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [n, k]
-        n, k = ids.shape
-        experts = len(self.experts)
-        if self.kernel is not None:
-            out = self.kernel(x, weights, ids, *self.stacked())
-            return out if self.shared_experts is None else out + self.shared_experts(x)
-        if torch.compiler.is_compiling():
-            # NOTE: in a graph no shape may follow the routing, and the grouped batch is sized on the
-            # host: one token takes its k experts, several run every expert (model/compiled.py
-            # bounds how many, `DENSE_EXPERTS`)
-            if n > 1 and self.native_graph:  # (model/compiled.py's batched step, with the native kernels)
-                out = native_ops.moe_experts(x, weights, ids, *self._stacked)
-            else:
-                out = self.one_token(x, weights, ids) if n == 1 else self.dense(x, weights, ids)
-        elif (out := self._native(x, weights, ids)) is not None:  # (a decode batch's few tokens, on a CPU)
-            pass
-        # grouped when most experts are hit (it reads every expert's weights) and padding at most
-        # doubles the work (up to 256 padded rows per expert are always fine)
-        # (on a GPU always grouped: two launches instead of a loop of launches over the experts hit)
-        elif n == 1 and not (self.grouped and (x.is_cuda or 2 * k >= experts)):
-            out = self.one_token(x, weights, ids)
-        else:
-            flat = ids.reshape(-1)
-            counts = torch.bincount(flat, minlength=experts)
-            cap = int(counts.max())
-            # (on a CPU with oneDNN's copies of the experts the loop is faster: its products run at
-            # oneDNN's speed, the grouped batched product at MKL's)
-            if self.grouped and self.experts[0].gate_up_dnn is None and (
-                    x.is_cuda or self._padding_pays(n * k, int((counts > 0).sum()), cap)):
-                out = self._grouped(x, weights, flat, counts, cap)
-            else:
-                out = expert_loop(x, weights, ids, lambda e, xs: self.experts[e](xs))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        out = self.routed(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
-    # The routed experts of at most this many tokens (a decode step's batch) go through
-    # model/native/moe.c, where it runs: one call instead of ~10 torch operations per expert hit. A
-    # prefill's thousands of rows keep torch's products (oneDNN's and MKL's, tuned per CPU).
-    NATIVE_TOKENS = 64
-    # ... and of a bf16 model on a CPU without AMX, up to this many: there torch's bf16 products run on
-    # the same AVX512-BF16 instructions, and on a Zen 5 EPYC (one thread, one MoE layer of the realistic
-    # checkpoint) the kernel was 2.1x torch's at 32-64 tokens, 1.36x at 100, 0.82x at 160. Where the
-    # CPU has AMX, torch's products of many rows take its matrix units (not measured against the
-    # kernel): NATIVE_TOKENS there.
-    NATIVE_TOKENS_BF16 = 128
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output [n, H], through one of four backends: the triton kernel (where
+        `set_attention_backend("triton")` set it), the graph forms (inside a compiled decode step), the
+        native kernel (a CPU, at most `native_tokens` tokens: the bound measured at `pack`), else
+        torch's products (`torch_experts`)."""
+        if self.kernel is not None:
+            return self.kernel(x, weights, ids, *self.stacked())
+        if torch.compiler.is_compiling():
+            return self._in_graph(x, weights, ids)
+        out = self._native(x, weights, ids)
+        return self.torch_experts(x, weights, ids) if out is None else out
 
     def _native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """The routed experts' output [n, H] through the native kernel, or None where it does not run:
-        more than NATIVE_TOKENS tokens (a bf16 model: NATIVE_TOKENS_BF16 where the CPU has no AMX), not
-        on a CPU, torch on more than one thread (the kernel runs on one), the library not built,
-        IRMINSUL_NATIVE_MOE=0, or neither float32 nor bfloat16 with out-major stacks on a CPU with
-        AVX512-BF16 (`native_ops.moe_bf16_available`: its vdpbf16ps products; a bf16 model elsewhere
-        keeps torch's products)."""
-        n = x.shape[0]
-        if (n > max(self.NATIVE_TOKENS, self.NATIVE_TOKENS_BF16) or x.device.type != "cpu"
-                or os.environ.get("IRMINSUL_NATIVE_MOE") == "0"):
+        """The routed experts through the native kernel, or None where it does not run: more than
+        `native_tokens` tokens, not on a CPU, or no kernel for them here (`native_kernel`)."""
+        if x.shape[0] > self.native_tokens or x.device.type != "cpu":
             return None
         kernel = self.native_kernel(x.dtype)
-        if kernel is None:
-            return None
-        bound = self.NATIVE_TOKENS if x.dtype == torch.float32 or "amx_bf16" in cpu_flags() else self.NATIVE_TOKENS_BF16
-        return kernel(x, weights, ids, *self.stacked()) if n <= bound else None
+        return None if kernel is None else kernel(x, weights, ids, *self.stacked())
+
+    def _in_graph(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # NOTE: in a graph no shape may follow the routing, and the grouped batch is sized on the
+        # host: one token takes its k experts, several run every expert (model/compiled.py bounds how
+        # many, `DENSE_EXPERTS`), or the native kernel as a torch operator (model/compiled.py's
+        # batched step, where the native kernels run)
+        if x.shape[0] > 1 and self.native_graph:
+            return native_ops.moe_experts(x, weights, ids, *self._stacked)
+        return self.one_token(x, weights, ids) if x.shape[0] == 1 else self.dense(x, weights, ids)
+
+    def torch_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts through torch's products: one token's k experts alone where few experts
+        are hit; else grouped (one batched product over every expert's padded rows) where most experts
+        are hit and the padding costs less than a loop's calls (`_padding_pays`; on a GPU always),
+        else a loop over the experts hit."""
+        n, k = ids.shape
+        experts = len(self.experts)
+        if n == 1 and not (self.grouped and (x.is_cuda or 2 * k >= experts)):
+            return self.one_token(x, weights, ids)
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=experts)
+        cap = int(counts.max())
+        # (on a CPU with oneDNN's copies of the experts the loop is faster: its products run at
+        # oneDNN's speed, the grouped batched product at MKL's)
+        if self.grouped and self.experts[0].gate_up_dnn is None and (
+                x.is_cuda or self._padding_pays(n * k, int((counts > 0).sum()), cap)):
+            return self._grouped(x, weights, flat, counts, cap)
+        return expert_loop(x, weights, ids, lambda e, xs: self.experts[e](xs))
+
+    # The routed experts of at most `native_tokens` tokens (a decode step's batch) go through
+    # model/native/moe.c, where it runs: one call instead of ~10 torch operations per expert hit. The
+    # bound is measured per layer shape when the model is packed (`kernel_choice.native_experts_tokens`);
+    # NATIVE_TOKENS is the fixed rule's (IRMINSUL_KERNEL_CHOICE=fixed) and an unpacked model's.
+    NATIVE_TOKENS = 64
+    native_tokens = NATIVE_TOKENS
 
     def native_kernel(self, dtype: torch.dtype):
         """The native experts' call for tokens of `dtype` over this layer's stacks, whatever the token
-        count (`_native` bounds it; benchmarks/bench_moe.py times it), or None where it cannot run: the
-        library not built, torch on more than one thread, or stacks it does not read (float32, or
-        bfloat16 out-major where the CPU has AVX512-BF16)."""
-        if not native_ops.available():
+        count (`native_tokens` bounds it; benchmarks/bench_moe.py times it), or None where it cannot
+        run: the library not built, IRMINSUL_NATIVE_MOE=0, or stacks it does not read (float32, or
+        bfloat16 out-major where the bf16 experts were built: `native_ops.moe_bf16_available`)."""
+        if not native_ops.available() or os.environ.get("IRMINSUL_NATIVE_MOE") == "0":
             return None
         gate_up, down = self.stacked()
         if dtype == gate_up.dtype == down.dtype == torch.float32:

@@ -289,3 +289,49 @@ def test_bf16_packing_keeps_w_uk_and_w_uv_in_their_own_memory_and_equal_to_kv_bs
     assert model.attention.absorbed_weights(attn)[0] is not uk
     fp32 = load_model(tiny_dir, pack=False).pack(kernels=KernelChoices.every("out"))
     assert all(layer.self_attn.absorbed is None for layer in fp32.model.layers)  # (fp32 reads the slices in place)
+
+
+def test_the_native_experts_bound_is_the_last_token_count_the_kernel_won(tmp_path, monkeypatch):
+    """`native_experts_tokens` times the native kernel against the layer's torch path at growing token
+    counts, stops at the first loss and keeps the count before it; cached per CPU like the linear
+    times; the fixed rule takes MoE.NATIVE_TOKENS; a layer with no native kernel here gets 0."""
+    from irminsul.model.config import ModelConfig
+    from irminsul.model.tiny import tiny_config
+
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    moe = MoE(ModelConfig.from_dict(tiny_config("v2", hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
+                                                num_experts_per_tok=2)))
+    seen = []
+    monkeypatch.setattr(moe, "native_kernel", lambda dtype: lambda x, *rest: seen.append(x.shape[0]))
+
+    def timed(cands):  # (deterministic: the kernel's cost grows with the tokens, torch's is flat)
+        cands["native"]()
+        return {"native": 0.1e-3 * seen[-1], "torch": 1.2e-3}
+
+    monkeypatch.setattr(kernel_choice, "_time", timed)
+    assert kernel_choice.native_experts_tokens(moe, torch.float32) == 8  # won at 1..8, lost at 16
+    assert seen == [1, 2, 4, 8, 16]  # nothing timed past the first loss
+    monkeypatch.setattr(kernel_choice, "_memory", {})  # a new process reads the file
+    monkeypatch.setattr(kernel_choice, "_time", lambda cands: pytest.fail("measured again"))
+    assert kernel_choice.native_experts_tokens(moe, torch.float32) == 8
+    assert kernel_choice.native_experts_tokens(moe, torch.float32, "fixed") == MoE.NATIVE_TOKENS
+    monkeypatch.setattr(moe, "native_kernel", lambda dtype: None)
+    assert kernel_choice.native_experts_tokens(moe, torch.float32) == 0
+
+
+def test_a_packed_moe_routes_by_its_measured_bound(tiny_dir, tmp_path, monkeypatch):
+    """A packed model's MoE layers carry the measured bound, and `routed` sends a batch to the native
+    kernel exactly when its tokens are within it."""
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    monkeypatch.setattr(kernel_choice, "native_experts_tokens", lambda moe, dtype, kernels=None: 3)
+    model = load_model(tiny_dir)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes and all(m.native_tokens == 3 for m in moes)
+    moe, ran = moes[0], []
+    monkeypatch.setattr(moe, "native_kernel", lambda dtype: lambda x, w, ids, *stacks: ran.append(len(x)) or x)
+    for n in (1, 3, 4):
+        x = torch.randn(n, model.config.hidden_size)
+        moe.routed(x, *moe.gate(x))
+    assert ran == [1, 3]
