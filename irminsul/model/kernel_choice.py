@@ -581,6 +581,35 @@ def native_experts_tokens(moe, dtype: torch.dtype, kernels: str | None = None) -
     return bound
 
 
+def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:
+    """(seconds of one call of the expert loop on one row, multiply-adds per second of the grouped
+    batched product) for an MoE layer on this machine, at torch's thread count: what `MoE._padding_pays`
+    weighs (the loop's calls against the grouped product's padding rows). Timed on the layer's own
+    weights, cached per CPU as the other times are."""
+    gate_up, down = moe.stacked()
+    experts, hidden, inner2 = gate_up.shape
+    key = (f"expert-costs|{str(dtype).removeprefix('torch.')}|{experts}x{hidden}x{inner2 // 2}"
+           f"|layout{gate_up.stride(2) == 1}{down.stride(2) == 1}|threads{torch.get_num_threads()}")
+    path = cache_path()
+    cached = _memory.get(key) or _read_cache(path).get(key)
+    if cached is not None and "loop_call_s" in cached:
+        return float(cached["loop_call_s"]), float(cached["macs_per_s"])
+    from irminsul.model.layers import expert_loop
+
+    g = torch.Generator().manual_seed(experts * 7 + hidden)
+    rows = 32  # a grouped batch's rows per expert
+    with torch.inference_mode():
+        one = torch.randn(1, hidden, generator=g).to(dtype)
+        ids, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
+        batch = torch.randn(experts, rows, hidden, generator=g).to(dtype)
+        t = _time({"loop": lambda: expert_loop(one, weights, ids, lambda e, xs: moe.experts[e](xs)),
+                   "grouped": lambda: torch.bmm(torch.bmm(batch, gate_up)[..., : inner2 // 2], down)})
+    entry = {"loop_call_s": t["loop"], "macs_per_s": experts * rows * 3 * hidden * (inner2 // 2) / t["grouped"]}
+    _memory[key] = entry
+    _write_cache(path, {key: entry})
+    return entry["loop_call_s"], entry["macs_per_s"]
+
+
 # --- the choices packing follows -----------------------------------------------------------------------
 
 _active: list[KernelChoices] = []

@@ -388,8 +388,13 @@ class MoE(nn.Module):
         self._stacked = None
         self.stacked()
         choices = kernel_choice.current()
-        self.native_tokens = (kernel_choice.native_experts_tokens(self, dtype, choices.kernels if choices else None)
-                              if device.type == "cpu" else 0)
+        if device.type == "cpu":
+            how = choices.kernels if choices else None
+            self.native_tokens = kernel_choice.native_experts_tokens(self, dtype, how)
+            if how not in ("fixed", "forced") and kernel_choice.mode(how) == "measured":
+                self.loop_call_s, self.macs_per_s = kernel_choice.expert_costs(self, dtype)
+        else:
+            self.native_tokens = 0
 
     def products(self) -> list:
         """The routed experts' products (`kernel_choice.Product`s), each expert used by k / E of the tokens."""
@@ -471,11 +476,12 @@ class MoE(nn.Module):
             return native_ops._moe_experts_bf16
         return None
 
-    # A CPU's cost of the expert loop's per-expert calls (gather, three products, the scatter back),
-    # and the rate its products multiply at, one thread: measured on an AMD EPYC
-    # (`python benchmarks/bench_moe.py` times both paths and the choice on this machine)
-    LOOP_CALL_S = 60e-6
-    MACS_PER_S = 20e9
+    # The cost of the expert loop's per-expert calls (gather, three products, the scatter back) and the
+    # rate the grouped product multiplies at: measured on this machine when the model is packed
+    # (`kernel_choice.expert_costs`); these are an unpacked model's (`python benchmarks/bench_moe.py`
+    # times both paths and the choice)
+    loop_call_s = 60e-6
+    macs_per_s = 20e9
 
     def _padding_pays(self, assignments: int, hit: int, cap: int) -> bool:
         """On a CPU: the grouped product computes every expert's `cap` rows, the busiest expert's
@@ -489,8 +495,8 @@ class MoE(nn.Module):
         if 2 * hit < experts:
             return False
         inner, hidden = self.experts[0].gate_proj.weight.shape
-        padding_s = (experts * cap - assignments) * 3 * inner * hidden / (self.MACS_PER_S * torch.get_num_threads())
-        return padding_s <= hit * self.LOOP_CALL_S
+        padding_s = (experts * cap - assignments) * 3 * inner * hidden / self.macs_per_s
+        return padding_s <= hit * self.loop_call_s
 
     def one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One token's k experts (a single sequence's decode step), each as two products over its own

@@ -335,3 +335,20 @@ def test_a_packed_moe_routes_by_its_measured_bound(tiny_dir, tmp_path, monkeypat
         x = torch.randn(n, model.config.hidden_size)
         moe.routed(x, *moe.gate(x))
     assert ran == [1, 3]
+
+
+def test_the_expert_loops_costs_are_measured_once_per_cpu(tmp_path, monkeypatch):
+    """`expert_costs`: a positive time per loop call and rate of the grouped product, timed on the
+    layer's weights and read back from the cache by a new process."""
+    from irminsul.model.config import ModelConfig
+    from irminsul.model.tiny import tiny_config
+
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    moe = MoE(ModelConfig.from_dict(tiny_config("v2", hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
+                                                num_experts_per_tok=2)))
+    call_s, macs = kernel_choice.expert_costs(moe, torch.float32)
+    assert 0 < call_s < 1 and macs > 1e6
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    monkeypatch.setattr(kernel_choice, "_time", lambda cands: pytest.fail("measured again"))
+    assert kernel_choice.expert_costs(moe, torch.float32) == (call_s, macs)
