@@ -594,15 +594,13 @@ def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:
     cached = _memory.get(key) or _read_cache(path).get(key)
     if cached is not None and "loop_call_s" in cached:
         return float(cached["loop_call_s"]), float(cached["macs_per_s"])
-    from irminsul.model.layers import expert_loop
-
     g = torch.Generator().manual_seed(experts * 7 + hidden)
     rows = 32  # a grouped batch's rows per expert
     with torch.inference_mode():
         one = torch.randn(1, hidden, generator=g).to(dtype)
         ids, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
         batch = torch.randn(experts, rows, hidden, generator=g).to(dtype)
-        t = _time({"loop": lambda: expert_loop(one, weights, ids, lambda e, xs: moe.experts[e](xs)),
+        t = _time({"loop": lambda: moe.loop_experts(one, weights, ids),
                    "grouped": lambda: torch.bmm(torch.bmm(batch, gate_up)[..., : inner2 // 2], down)})
     entry = {"loop_call_s": t["loop"], "macs_per_s": experts * rows * 3 * hidden * (inner2 // 2) / t["grouped"]}
     _memory[key] = entry

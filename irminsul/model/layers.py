@@ -452,6 +452,10 @@ class MoE(nn.Module):
         if self.grouped and self.experts[0].gate_up_dnn is None and (
                 x.is_cuda or self._padding_pays(n * k, int((counts > 0).sum()), cap)):
             return self._grouped(x, weights, flat, counts, cap)
+        return self.loop_experts(x, weights, ids)
+
+    def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts by a loop over the experts hit (`expert_loop`)."""
         return expert_loop(x, weights, ids, lambda e, xs: self.experts[e](xs))
 
     # The routed experts of at most `native_tokens` tokens (a decode step's batch) go through
