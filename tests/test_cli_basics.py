@@ -24,6 +24,37 @@ def test_python_dash_m():
     assert done.stdout.startswith("usage: irminsul") and "LLM serving engine" in done.stdout
 
 
+def test_help_and_version_do_not_load_torch():
+    """Every option's help, and the version, without importing torch (seconds on a busy machine): a
+    mistyped flag is answered at once."""
+    code = ("import sys\nfrom irminsul.cli import build_parser\nparser = build_parser()\n"
+            "for name in ('serve', 'demo', 'checkpoint', 'vllm-serve', 'bench'):\n"
+            "    try:\n        parser.parse_args([name, '--help'])\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_option_says_what_it_does():
+    """No option of any subcommand is left without help text."""
+    import argparse
+
+    from irminsul.cli import build_parser
+
+    missing = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif action.help is None and not isinstance(action, argparse._HelpAction):
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "irminsul")
+    assert missing == []
+
+
 def test_serve_help_shows_defaults(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])

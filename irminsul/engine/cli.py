@@ -24,7 +24,7 @@ QUESTION, ANSWER_PREFIX = "\n\nWhat is the passkey?", "The passkey is"
 def register(sub) -> None:
     p = sub.add_parser("demo", help="ask about a moved document with prefix caching and with pic reuse")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled MLA model)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
     # NOTE: the bundled model finds the passkey for 7 of seeds 0-9 (at both header lengths; its
     # recall is in its model card); the default is one it gets right, so the demo shows reuse.
     p.add_argument("--seed", type=int, default=3, help="picks the passkey and where it sits in the document")

@@ -34,11 +34,11 @@ from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
 from irminsul.kvcache.eviction import EvictionOrder
 from irminsul.kvcache.journal import ChunkJournal
+from irminsul.kvcache.modes import MODES
 from irminsul.kvcache.namespaces import SHARED, Namespaces, owner_of
 from irminsul.kvcache.pool import LatentPool
 from irminsul.model.attention import EMPTY_SLOT
 
-MODES = ("off", "prefix", "naive", "pic")
 UNBOUNDED = 2**62  # the tree's and the registry's own byte budgets: the pool is the one budget
 # an eviction takes at least this many rows (or a 32nd of the pool, if less): decoding on a full pool
 # then walks the caches once every few steps, not on every step (`python benchmarks/bench_eviction.py`)

@@ -111,6 +111,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     `pack`: lay its weights out for inference where the family does (`DeepseekModel.pack`)."""
     path = Path(path)
     if not path.is_dir():
+        text = str(path)
+        if not path.is_absolute() and len(path.parts) == 2 and not text.startswith("."):  # "org/name": a Hub id
+            raise CheckpointError(f"checkpoint directory {text} does not exist; --model / LLM(model) reads a local "
+                                  f"checkpoint directory, not a model hub id: download it first (e.g. `huggingface-cli "
+                                  f"download {text} --local-dir DIR`) and give DIR")
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     check_device(device)
     return model_class(read_config(path).get("model_type")).load(path, dtype=dtype, device=device, pack=pack)

@@ -56,7 +56,7 @@ def register(sub) -> None:
     r.add_argument("--context", type=at_least(1), help="max_position_embeddings")
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the stored weights")
     r.add_argument("--shards", type=at_least(1), default=1, help="safetensors files (more than 1 adds the index)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     r.set_defaults(func=run)
 
 

@@ -24,9 +24,9 @@ def register_bench(sub) -> None:
     p.add_argument("trace", help="trace JSONL (irminsul workloads build ...)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--concurrency", type=int, default=4, help="sessions replayed at once (turns stay in order)")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens each request generates")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="bearer key, if the server asks for one")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run_bench)
 

@@ -62,7 +62,7 @@ def _fleet(args) -> int:
 
 def register_bench(bench_subparsers) -> None:
     f = bench_subparsers.add_parser("fleet", help="simulate a fleet of replicas per routing policy, model-free")
-    f.add_argument("trace")
+    f.add_argument("trace", help="trace JSONL (irminsul workloads build ...)")
     f.add_argument("--replicas", type=_sizes, default=[1, 2, 4, 8, 16, 32, 64], metavar="N,N,...",
                    help="fleet sizes (default 1,2,4,8,16,32,64)")
     f.add_argument("--pool-tokens", type=at_least(1), default=None, metavar="N",

@@ -6,7 +6,7 @@ import argparse
 
 from irminsul.cache.store import StoreConfig
 from irminsul.cli import DefaultsHelpFormatter
-from irminsul.kvcache.manager import MODES
+from irminsul.kvcache.modes import MODES
 from irminsul.server.config import ServerConfig
 
 DEFAULTS = ServerConfig()  # every default is the config's: the flags only name them

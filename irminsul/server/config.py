@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from irminsul.cache.store import StoreConfig
-from irminsul.kvcache.manager import MODES
+from irminsul.kvcache.modes import MODES
 from irminsul.errors import UserFacingError
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

@@ -152,6 +152,8 @@ def test_score_reads_the_whole_context(llm):
 def test_missing_and_corrupt_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         LLM(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="not a model hub id: download it first"):
+        LLM("deepseek-ai/DeepSeek-V2-Lite")  # (a Hub id: only local directories are read)
     ckpt = make_tiny_checkpoint(tmp_path / "c")
     (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="safetensors"):

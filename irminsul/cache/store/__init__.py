@@ -6,11 +6,25 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from irminsul.cache.registry import MemoryRegistry, Registry
-from irminsul.cache.store.codec import CorruptEntry, ForeignEntry, RowLayout, decode, encode
 from irminsul.cache.store.stats import TierStats, memory_tier_stats
+
+if TYPE_CHECKING:
+    from irminsul.cache.store.codec import CorruptEntry, ForeignEntry, RowLayout, decode, encode
+
+# the codec's names (it imports torch) are loaded when first asked for: the server's command line
+# reads StoreConfig without loading torch
+_CODEC = ("CorruptEntry", "ForeignEntry", "RowLayout", "decode", "encode")
+
+
+def __getattr__(name: str):
+    if name in _CODEC:
+        return getattr(importlib.import_module("irminsul.cache.store.codec"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     # has no option prefix of its own, so it hands them all over as they are
     p = subparsers.add_parser("vllm-serve", help="vLLM's OpenAI server with Irminsul's connector (docs/vllm.md)",
                               usage=USAGE, add_help=False, prefix_chars="\x01")
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM's own arguments, passed on as they are")
     p.set_defaults(func=lambda args: serve(args.vllm_args))
 
 

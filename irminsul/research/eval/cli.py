@@ -17,7 +17,7 @@ def _common(p, n: int) -> None:
     p.add_argument("--model", default=None, help="MLA checkpoint directory (default: the bundled MLA model)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", default="runs/eval", help="folder for <name>.json/.md/.png (default runs/eval)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled items")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -27,11 +27,11 @@ def register(subparsers) -> None:
 
     q = sub.add_parser("quality", help="KL, agreement, divergence and accuracy of each reuse strategy")
     _common(q, 24)
-    q.add_argument("--tasks", default="niah,musique,agent_meta")
+    q.add_argument("--tasks", default="niah,musique,agent_meta", help="comma-separated tasks")
     q.add_argument("--strategies", default=None, help="comma-separated subset (default: all seven)")
     q.add_argument("--greedy-tokens", type=int, default=16, help="length of the greedy first-divergence probe")
     q.add_argument("--context", type=int, default=None, help="size tasks for this many tokens (default: model's)")
-    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
     q.add_argument("--no-segments", action="store_true",
                    help="plan requests as flat token ids (CDC alone), not as segmented chat requests (S2)")
     q.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
@@ -39,15 +39,15 @@ def register(subparsers) -> None:
 
     r = sub.add_parser("rotation", help="relative L2 error of δ-rotated k_r, layer 0 and every layer")
     _common(r, 8)
-    r.add_argument("--data", default=None)
+    r.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
     r.set_defaults(func=rotation)
 
     c = sub.add_parser("roc", help="position-invariance AUC of c_KV, k_r, V and the GQA twin's K, V")
     _common(c, 100)  # the paper used 500 blocks: about 40 minutes on 2 cores
     c.add_argument("--gqa", default=None, help="GQA (Llama) checkpoint, or 'random-twin' for the twin's "
                    "architecture with random weights (default: the bundled twin, if present)")
-    c.add_argument("--block-tokens", type=int, default=64)
-    c.add_argument("--data", default=None)
+    c.add_argument("--block-tokens", type=int, default=64, help="tokens per block whose rows are compared")
+    c.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
     c.set_defaults(func=roc)
 
     k = sub.add_parser("cost", help="FLOPs, bytes, energy and CPU wall time a hit saves vs a miss")
@@ -56,8 +56,10 @@ def register(subparsers) -> None:
                    "twin, else its architecture with random weights: FLOPs and wall time do not depend on them)")
     k.add_argument("--prompt-tokens", type=int, default=4096, help="request length for the analytic models")
     k.add_argument("--shared-fraction", type=float, default=0.875, help="reused share of the request")
-    k.add_argument("--pj-per-flop", type=float, default=None)
-    k.add_argument("--pj-per-byte", type=float, default=None)
+    k.add_argument("--pj-per-flop", type=float, default=None,
+                   help="energy per FLOP, picojoules (default: the cost model's)")
+    k.add_argument("--pj-per-byte", type=float, default=None,
+                   help="energy per byte moved, picojoules (default: the cost model's)")
     k.set_defaults(func=cost)
 
 

@@ -141,11 +141,11 @@ def register(subparsers) -> None:
     w = subparsers.add_parser("workloads", help="build agentic workload traces from real data")
     wsub = w.add_subparsers(dest="workloads_command", required=True)
     b = wsub.add_parser("build", help="build a trace: a pattern applied to a source")
-    b.add_argument("pattern", choices=sorted(PATTERNS))
-    b.add_argument("--source", required=True, choices=sorted(SOURCES))
+    b.add_argument("pattern", choices=sorted(PATTERNS), help="the agent pattern applied to each session")
+    b.add_argument("--source", required=True, choices=sorted(SOURCES), help="the data the sessions come from")
     b.add_argument("--out", required=True, help="the JSONL trace to write")
     b.add_argument("--n", type=at_least(1), default=None, help="keep the first N sessions of the source")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of the pattern's random choices")
     b.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
     b.add_argument("--max-prompt-tokens", type=at_least(1), default=None, metavar="N",
                    help="cut each session before its first prompt longer than N tokens, as `census` renders it "
@@ -155,7 +155,7 @@ def register(subparsers) -> None:
     b.set_defaults(func=_build)
 
     c = subparsers.add_parser("census", help="class a trace's tokens as prefix / shifted / novel")
-    c.add_argument("trace")
+    c.add_argument("trace", help="trace JSONL (irminsul workloads build ...)")
     c.add_argument("--window", type=int, default=64, help="fingerprint window in tokens (default 64)")
     _add_tokenizer(c)
     c.set_defaults(func=_census)
@@ -165,7 +165,7 @@ def register_bench(bench_subparsers) -> None:
     from irminsul.research.fleet_cli import register_bench as fleet_bench
 
     r = bench_subparsers.add_parser("recovery", help="replay a trace through the planner, per strategy")
-    r.add_argument("trace")
+    r.add_argument("trace", help="trace JSONL (irminsul workloads build ...)")
     r.add_argument("--strategies", nargs="+", default=None, help="a subset of the strategies")
     r.add_argument("--budget-gib", type=float, default=None,
                    help="content store budget per strategy in GiB at 31,104 B/token (default: unbounded)")
