@@ -6,8 +6,9 @@ calls them inside its graph instead of breaking it (a ctypes call cannot be trac
   more key;
 - `irminsul::moe_experts`: model/native/moe.c, the routed experts of a few tokens (`MoE._native`).
 
-`_moe_experts_bf16` (the same kernel for a bfloat16 model, where the CPU has AVX512-BF16) is called
-by the eager steps only (the compiled steps are float32).
+`_moe_experts_bf16` (the same kernel for a bfloat16 model: vdpbf16ps where the CPU has AVX512-BF16,
+the weights widened to float32 elsewhere) is called by the eager steps only (the compiled steps are
+float32).
 
 `call_prefill_attention` (model/native/prefill_attention.c) is called by the eager prefill only.
 
@@ -107,7 +108,7 @@ def _moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate
 
 
 def moe_bf16_available() -> bool:
-    """Whether the bfloat16 experts (`_moe_experts_bf16`) were built: a CPU with AVX512-BF16."""
+    """Whether the bfloat16 experts (`_moe_experts_bf16`) were built (every build has them)."""
     return available() and bool(native.library().irm_moe_has_bf16())
 
 
@@ -115,7 +116,7 @@ def _moe_experts_bf16(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       down: torch.Tensor) -> torch.Tensor:
     """`_moe_experts` for a bfloat16 model (model/native/moe.c irm_moe_bf16): x [n, H], gate_up
     [E, H, 2I] and down [E, I, H] bfloat16, both stacks out-major (stride 1 along the input)
-    -> [n, H] bfloat16. Where `moe_bf16_available()`."""
+    -> [n, H] bfloat16."""
     n, hidden = x.shape
     if x.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
         raise ValueError("the bf16 experts read bfloat16 tokens and weights")
@@ -130,8 +131,6 @@ def _moe_experts_bf16(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                                        down.stride(2), out.data_ptr(), hidden, torch.get_num_threads())
     if rc == -2:
         raise ValueError("the router chose an expert id outside [0, n_routed_experts)")
-    if rc == -3:
-        raise RuntimeError("the native library was built without the bf16 experts (no AVX512-BF16)")
     if rc != 0:
         raise MemoryError("the native experts found no memory for their buffers")
     return out

@@ -80,7 +80,8 @@ def test_special_values_behave_as_torch(variant):
 def test_bf16_rms_norm_rounds_as_torchs_ops(variant, monkeypatch, rows, d, scale, seed):
     """A bf16 model's RMSNorm: what layers.RMSNorm's torch ops give in bf16 (the normalised x rounded,
     then its product with the weight), but for the float32 sum's order: all but a few elements equal,
-    none more than one bf16 step apart."""
+    none more than two bf16 steps apart (a sum in another order can move the normalised x's rounding by
+    one step, and the product's rounding then adds up to one more)."""
     from irminsul.model.layers import RMSNorm
 
     g = torch.Generator().manual_seed(seed)
@@ -94,7 +95,7 @@ def test_bf16_rms_norm_rounds_as_torchs_ops(variant, monkeypatch, rows, d, scale
     monkeypatch.delenv("IRMINSUL_NATIVE_ELEMENTWISE")
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == want.shape
     step = want.float().abs() * 2.0**-7 + 1e-30
-    assert ((got.float() - want.float()).abs() <= step).all()
+    assert ((got.float() - want.float()).abs() <= 2 * step).all()
     assert (got == want).float().mean().item() >= 0.97
 
 

@@ -1,5 +1,6 @@
 """The native product kernel (model/gemv.py, model/native/gemv.c) and where it runs: it computes
-F.linear's product for one to eight rows at any shape, stride and dtype it reads, kernel_choice takes it only where it measured faster for an
+F.linear's product for one to eight rows at any shape, stride and dtype it reads (on each build this CPU
+executes: tests/model/native_variants.py), kernel_choice takes it only where it measured faster for an
 out-major weight, and a model packed with it computes the same logits through every path that
 has one row (attention's input product, the LM head, the dense MLP, each routed expert)."""
 
@@ -13,6 +14,7 @@ from irminsul.model import gemv, kernel_choice, native
 from irminsul.model.kernel_choice import Choice, KernelChoices, Product
 from irminsul.model.layers import MLP, MoE
 from irminsul.model.loader import load_model
+from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(native._compiler() is None, reason="the native kernel needs a C compiler")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # relative to the product's largest value
@@ -20,7 +22,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # relative to the product's l
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_f, in_f", [(1, 1), (7, 3), (96, 80), (1030, 136), (129, 2049)])
-def test_one_row_computes_f_linear(dtype, out_f, in_f):
+def test_one_row_computes_f_linear(variant, dtype, out_f, in_f):
     g = torch.Generator().manual_seed(out_f * 7 + in_f)
     w = (torch.randn(out_f, in_f, generator=g) / in_f**0.5).to(dtype)
     bias = torch.randn(out_f, generator=g).to(dtype)
@@ -34,11 +36,12 @@ def test_one_row_computes_f_linear(dtype, out_f, in_f):
             assert (got.double() - ref).abs().max().item() <= TOL[dtype] * scale, (x.shape, b is None)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, gemv.MAX_ROWS + 1), out_f=st.integers(1, 70), in_f=st.integers(1, 300),
        dtypes=st.tuples(*[st.sampled_from([torch.float32, torch.bfloat16])] * 3), with_bias=st.booleans(),
        x_pad=st.integers(0, 20), seed=st.integers(0, 2**16))
-def test_rows_of_any_shape_stride_and_dtype_compute_f_linear(rows, out_f, in_f, dtypes, with_bias, x_pad, seed):
+def test_rows_of_any_shape_stride_and_dtype_compute_f_linear(variant, rows, out_f, in_f, dtypes, with_bias, x_pad,
+                                                             seed):
     """1 to MAX_ROWS rows in one call (each weight row read once for all), x's rows a slice of a wider
     tensor, x, w and bias each float32 or bfloat16: the result is F.linear's in x's dtype (a row count
     the kernel does not take is F.linear itself, which takes one dtype)."""
@@ -68,7 +71,7 @@ def test_a_bf16_result_is_rounded_to_nearest_as_f_linear_rounds():
     assert (got == want).float().mean().item() > 0.97
 
 
-def test_special_values_propagate():
+def test_special_values_propagate(variant):
     """A NaN or infinity in x reaches the outputs it touches (the bf16 rounding keeps a NaN a NaN)."""
     w = torch.ones(3, 40, dtype=torch.bfloat16)
     x = torch.zeros(2, 40, dtype=torch.bfloat16)

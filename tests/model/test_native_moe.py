@@ -1,12 +1,13 @@
 """The routed experts of a few tokens through the native kernel (model/native/moe.c, `MoE._native`,
 `native_ops.moe_experts`): the expert loop's output over random routings, both stacked layouts, sizes
-with and without the vector kernels' multiples; where it does not run it is None; a bad expert id is an
+with and without the vector kernels' multiples, float32 and bfloat16, on each build this CPU executes
+(tests/model/native_variants.py); where it does not run it is None; a bad expert id is an
 error, not a wild read; the engine's tokens are the same with and without it."""
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from irminsul import LLM
@@ -14,6 +15,7 @@ from irminsul.model import layers, native
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import MoE
 from irminsul.model.tiny import make_tiny_checkpoint, tiny_config
+from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(native._compiler() is None, reason="the native kernels need a C compiler")
 
@@ -31,10 +33,10 @@ def _moe(hidden, inner, experts, k, layouts, seed) -> MoE:
     return moe
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 64), experts=st.integers(2, 9), k=st.integers(1, 3), size=st.sampled_from([(64, 32), (48, 40), (37, 13)]),
        layouts=st.sampled_from([("in", "in"), ("out", "in"), ("in", "out"), ("out", "out")]), seed=st.integers(0, 2**16))
-def test_the_kernel_equals_the_expert_loop(n, experts, k, size, layouts, seed):
+def test_the_kernel_equals_the_expert_loop(variant, n, experts, k, size, layouts, seed):
     k = min(k, experts)
     moe = _moe(*size, experts, k, layouts, seed)
     x = torch.randn(n, size[0], generator=torch.Generator().manual_seed(seed))
@@ -78,15 +80,10 @@ def test_the_engine_decodes_the_same_tokens(tmp_path, monkeypatch):
     assert calls and got["0"] == got["1"]
 
 
-bf16_built = pytest.mark.skipif(not layers.native_ops.moe_bf16_available(),
-                                reason="the bf16 experts are built for CPUs with AVX512-BF16")
-
-
-@bf16_built
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 64), experts=st.integers(2, 9), k=st.integers(1, 3),
        size=st.sampled_from([(64, 32), (96, 80), (37, 13)]), seed=st.integers(0, 2**16))
-def test_the_bf16_kernel_equals_the_expert_loop_in_float64(n, experts, k, size, seed):
+def test_the_bf16_kernel_equals_the_expert_loop_in_float64(variant, n, experts, k, size, seed):
     """A bfloat16 model's experts (out-major stacks, sizes with and without 32-element tails) against
     the same bf16 weights and tokens in float64: within what bf16's rounding of the result and of
     silu * up allows, no worse than torch's own bf16 expert loop by more than that."""
@@ -108,7 +105,6 @@ def test_the_bf16_kernel_equals_the_expert_loop_in_float64(n, experts, k, size, 
     assert err <= 2e-2 and err <= 1.5 * (torch_bf16.double() - want).abs().max().item() / scale + 8e-3
 
 
-@bf16_built
 def test_the_bf16_kernel_reads_only_out_major_stacks_and_checks_ids():
     moe = _moe(64, 32, 4, 2, ("in", "out"), 0).to(torch.bfloat16)
     moe._stacked = None
@@ -123,7 +119,6 @@ def test_the_bf16_kernel_reads_only_out_major_stacks_and_checks_ids():
         moe._native(x, weights, bad)
 
 
-@bf16_built
 def test_a_bf16_engine_decodes_the_same_tokens_as_torchs_experts(tmp_path, monkeypatch):
     """The tiny V3 in bf16, a batch decoded with the kernel and without: the kernel ran, and the
     greedy tokens agree (bf16 rounds differently in the two; a near-tie may flip a late token, so
@@ -146,14 +141,14 @@ def test_a_bf16_engine_decodes_the_same_tokens_as_torchs_experts(tmp_path, monke
         assert a[:3] == b[:3] and sum(x == y for x, y in zip(a, b)) >= 9
 
 
-@bf16_built
-def test_the_bf16_kernel_takes_up_to_native_tokens_bf16_without_amx(monkeypatch):
-    moe = _moe(64, 32, 4, 2, ("out", "out"), 1).to(torch.bfloat16)
-    moe._stacked = None
-    for flags, bound in ((frozenset(), MoE.NATIVE_TOKENS_BF16), (frozenset({"amx_bf16"}), MoE.NATIVE_TOKENS)):
-        monkeypatch.setattr(layers, "cpu_flags", lambda f=flags: f)
-        for n, runs in ((bound, True), (bound + 1, False)):
-            x = torch.randn(n, 64).bfloat16()
-            assert (moe._native(x, *moe.gate(x)) is not None) == runs
-    x = torch.randn(MoE.NATIVE_TOKENS + 1, 64)  # (float32: NATIVE_TOKENS whatever the CPU)
-    assert _moe(64, 32, 4, 2, ("out", "out"), 1)._native(x, *moe.gate(x)) is None
+def test_the_kernel_takes_up_to_the_layers_measured_bound_in_either_dtype():
+    """`native_tokens` (measured when a model is packed: tests/model/test_kernel_choice.py) bounds the
+    tokens the kernel takes, float32 and bfloat16 alike: no rule by CPU flags."""
+    dtypes = [torch.float32] + ([torch.bfloat16] if layers.native_ops.moe_bf16_available() else [])
+    for dtype in dtypes:
+        moe = _moe(64, 32, 4, 2, ("out", "out"), 1).to(dtype)
+        moe._stacked = None
+        moe.native_tokens = 5
+        for n, runs in ((5, True), (6, False)):
+            x = torch.randn(n, 64).to(dtype)
+            assert (moe._native(x, *moe.gate(x)) is not None) == runs, (dtype, n)

@@ -224,6 +224,38 @@ static inline void bf16_dots(const uint16_t *xi, long rows, const uint16_t *w, l
 }
 #endif
 
+/* out[r] = x_r . w[0 .. n) for M (<= 4, a constant where it is inlined) float32 rows x_r = x + r * ldx
+ * and a bfloat16 weight row w, widened to float32 IRM_W at a time (the products of a bf16 model where
+ * the CPU has no vdpbf16ps: bf16 times bf16 is exact in float32, as there) */
+static inline __attribute__((always_inline)) void widen_group(const float *x, const int M, long ldx,
+                                                              const uint16_t *w, long n, float *out) {
+    vf a[4];
+    for (int r = 0; r < M; r++) a[r] = vf_zero();
+    long i = 0;
+    for (; i + IRM_W <= n; i += IRM_W) {
+        vf wv = vf_load_bf16(w + i);
+        for (int r = 0; r < M; r++) a[r] = vf_fma(vf_load(x + r * ldx + i), wv, a[r]);
+    }
+    if (i < n) {
+        vf wv = vf_load_bf16_n(w + i, n - i);
+        for (int r = 0; r < M; r++) a[r] = vf_fma(vf_load_n(x + r * ldx + i, n - i), wv, a[r]);
+    }
+    for (int r = 0; r < M; r++) out[r] = vf_hsum(a[r]);
+}
+
+/* out[r] = x_r . w[0 .. n) for r < rows: widen_group over groups of four rows */
+static inline void widen_dots(const float *x, long rows, long ldx, const uint16_t *w, long n, float *out) {
+    for (long r0 = 0; r0 < rows; r0 += 4) {
+        const float *xg = x + r0 * ldx;
+        switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 1: widen_group(xg, 1, ldx, w, n, out + r0); break;
+        case 2: widen_group(xg, 2, ldx, w, n, out + r0); break;
+        case 3: widen_group(xg, 3, ldx, w, n, out + r0); break;
+        default: widen_group(xg, 4, ldx, w, n, out + r0); break;
+        }
+    }
+}
+
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
     uint32_t u;
     memcpy(&u, &f, 4);

@@ -5,9 +5,10 @@
  * w + o * ld + i) in bfloat16 or float32; x, bias and y in either. It reads each weight row once
  * for all the rows of x (at most IRM_MAX_ROWS), which is what a decode step needs: its products
  * are bound by reading the weight. Built by irminsul/model/native/__init__.py with -march=native;
- * the AVX-512 path keeps four independent sums per row (one FMA chain per sum was latency-bound:
- * it read bf16 at ~12 GB/s where the memory gave more), any other CPU takes the plain loops, which
- * the compiler vectorises for it (the flags allow reassociating the sums). Where x and w are both
+ * the vector paths (AVX-512, and AVX2 through simd.h) keep four independent sums per row (one FMA
+ * chain per sum was latency-bound: it read bf16 at ~12 GB/s where the memory gave more), a build
+ * without them takes the plain loops, which the compiler vectorises (the flags allow reassociating
+ * the sums). Where x and w are both
  * bfloat16 (a bf16 model) and the CPU has AVX512-BF16, the products are vdpbf16ps over x's own bf16
  * rows instead (common.h bf16_dots: ~35 GB/s for one row on a Zen 5 EPYC where the float32
  * conversion read ~33, and 23 for eight rows where the conversion's four-row passes read ~4).
@@ -38,6 +39,17 @@ static inline __m512 load16_masked(const void *w, long i, __mmask16 m, int bf) {
         return _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i)), 16));
     return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+}
+#endif
+
+#if IRM_VEC && !defined(__AVX512F__)
+/* IRM_W weights from w + i (bf: bfloat16, else float32) as floats; the _n form the first n */
+static inline vf vf_weights(const void *w, long i, int bf) {
+    return bf ? vf_load_bf16((const uint16_t *)w + i) : vf_load((const float *)w + i);
+}
+
+static inline vf vf_weights_n(const void *w, long i, long n, int bf) {
+    return bf ? vf_load_bf16_n((const uint16_t *)w + i, n) : vf_load_n((const float *)w + i, n);
 }
 #endif
 
@@ -79,6 +91,39 @@ static inline __attribute__((always_inline)) void row(const float *x, long rows,
             for (long r = 0; r < n; r++) a[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x0 + r * ldx + i), a[r]);
         }
         for (long r = 0; r < n; r++) acc[r0 + r] = _mm512_reduce_add_ps(a[r]);
+    }
+#elif IRM_VEC /* simd.h's vectors (AVX2): the same loops, the tails by its _n loads */
+    if (rows == 1) {
+        vf a0 = vf_zero(), a1 = a0, a2 = a0, a3 = a0;
+        long i = 0;
+        const char *bytes = (const char *)w;
+        for (; i + 4 * IRM_W <= in; i += 4 * IRM_W) {
+            for (int c = 0; c < (bf ? 2 : 4) * IRM_W / 16; c++) /* the weights' bytes, IRM_PREFETCH ahead */
+                _mm_prefetch(bytes + i * (bf ? 2 : 4) + IRM_PREFETCH + 64 * c, _MM_HINT_T0);
+            a0 = vf_fma(vf_weights(w, i, bf), vf_load(x + i), a0);
+            a1 = vf_fma(vf_weights(w, i + IRM_W, bf), vf_load(x + i + IRM_W), a1);
+            a2 = vf_fma(vf_weights(w, i + 2 * IRM_W, bf), vf_load(x + i + 2 * IRM_W), a2);
+            a3 = vf_fma(vf_weights(w, i + 3 * IRM_W, bf), vf_load(x + i + 3 * IRM_W), a3);
+        }
+        for (; i + IRM_W <= in; i += IRM_W) a0 = vf_fma(vf_weights(w, i, bf), vf_load(x + i), a0);
+        if (i < in) a1 = vf_fma(vf_weights_n(w, i, in - i, bf), vf_load_n(x + i, in - i), a1);
+        acc[0] = vf_hsum(vf_add(vf_add(a0, a1), vf_add(a2, a3)));
+        return;
+    }
+    for (long r0 = 0; r0 < rows; r0 += 4) { /* four rows of x per pass over the (cached) weight row */
+        long n = rows - r0 < 4 ? rows - r0 : 4;
+        const float *x0 = x + r0 * ldx;
+        vf a[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+        long i = 0;
+        for (; i + IRM_W <= in; i += IRM_W) {
+            vf wv = vf_weights(w, i, bf);
+            for (long r = 0; r < n; r++) a[r] = vf_fma(wv, vf_load(x0 + r * ldx + i), a[r]);
+        }
+        if (i < in) {
+            vf wv = vf_weights_n(w, i, in - i, bf);
+            for (long r = 0; r < n; r++) a[r] = vf_fma(wv, vf_load_n(x0 + r * ldx + i, in - i), a[r]);
+        }
+        for (long r = 0; r < n; r++) acc[r0 + r] = vf_hsum(a[r]);
     }
 #else
     for (long r = 0; r < rows; r++) {

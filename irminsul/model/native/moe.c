@@ -9,8 +9,8 @@
  * [E, I, H], either input-major (element [e, i, o] at e*s0 + i*s1 + o, s2 = 1: eight rows times
  * 32 outputs summed in registers) or out-major (s1 = 1: dot products). Sums in float32 in another
  * order than torch's products (as oneDNN's and MKL's differ among themselves). irm_moe_bf16 is the
- * same for a bfloat16 model on a CPU with AVX512-BF16 (out-major stacks only), its products common.h's
- * bf16_dots.
+ * same for a bfloat16 model (out-major stacks only). The products' vector paths: simd.h's (AVX-512 or
+ * AVX2); a build without them takes the plain loops.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,6 +19,11 @@
 #include "common.h"
 
 #define RB 8 /* rows per block */
+#if defined(__AVX512F__)
+#define TILE_OUT 32 /* outputs of product()'s input-major register tile (8 rows x 2 vectors) */
+#else
+#define TILE_OUT 8 /* (8 rows x 1 vector: AVX2's 16 registers hold no more) */
+#endif
 #define RB_BF16 64 /* ... in irm_moe_bf16, whose products read each weight row once for all of them */
 
 void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, long ldo, int nthreads); /* elementwise.c */
@@ -28,8 +33,9 @@ void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, lon
  * is `out`) is a multiple of SLICE: an output's sum is the same whichever slice computes it. */
 static void product(const float *restrict a, long R, long in, long lda, const float *restrict w, long si, long so,
                     long out, long o0, long o1, float *restrict c, long ldc) {
+#if IRM_VEC
 #if defined(__AVX512F__)
-    if (so == 1 && R == RB && out % 32 == 0) { /* input-major, a full block: 8 x 32 sums in registers */
+    if (so == 1 && R == RB && out % TILE_OUT == 0) { /* input-major, a full block: 8 x 32 sums in registers */
         for (long o = o0; o < o1; o += 32) {
             __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
                    c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
@@ -53,23 +59,38 @@ static void product(const float *restrict a, long R, long in, long lda, const fl
         }
         return;
     }
-    if (si == 1 && in % 16 == 0 && out % 8 == 0) { /* out-major: eight outputs' dot products at a time, folded together */
+#else
+    if (so == 1 && R == RB && out % TILE_OUT == 0) { /* input-major, a full block: 8 rows x 8 sums in registers */
+        for (long o = o0; o < o1; o += IRM_W) {
+            vf acc[RB];
+            for (int r = 0; r < RB; r++) acc[r] = vf_zero();
+            const float *wp = w + o;
+            for (long i = 0; i < in; i++, wp += si) {
+                vf wv = vf_load(wp);
+                for (int r = 0; r < RB; r++) acc[r] = vf_fma(vf_set1(a[r * lda + i]), wv, acc[r]);
+            }
+            for (int r = 0; r < RB; r++) vf_store(c + r * ldc + o, acc[r]);
+        }
+        return;
+    }
+#endif
+    if (si == 1 && in % IRM_W == 0 && out % 8 == 0) { /* out-major: eight outputs' dot products at a time, folded together */
         for (long r = 0; r < R; r++) {
             const float *ar = a + r * lda;
             for (long o = o0; o < o1; o += 8) dots8(ar, w + o * so, so, in, c + r * ldc + o);
         }
         return;
     }
-    if (si == 1 && in % 16 == 0) { /* out-major: each output a dot product per row */
+    if (si == 1 && in % IRM_W == 0) { /* out-major: each output a dot product per row */
         for (long o = o0; o < o1; o++) {
             const float *wo = w + o * so;
-            __m512 acc[RB];
-            for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-            for (long i = 0; i < in; i += 16) {
-                __m512 wv = _mm512_loadu_ps(wo + i);
-                for (long r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a + r * lda + i), wv, acc[r]);
+            vf acc[RB];
+            for (long r = 0; r < R; r++) acc[r] = vf_zero();
+            for (long i = 0; i < in; i += IRM_W) {
+                vf wv = vf_load(wo + i);
+                for (long r = 0; r < R; r++) acc[r] = vf_fma(vf_load(a + r * lda + i), wv, acc[r]);
             }
-            for (long r = 0; r < R; r++) c[r * ldc + o] = _mm512_reduce_add_ps(acc[r]);
+            for (long r = 0; r < R; r++) c[r * ldc + o] = vf_hsum(acc[r]);
         }
         return;
     }
@@ -174,7 +195,8 @@ int irm_moe(const float *x, long n, long H, long ldx, const int64_t *ids, const 
                     memcpy(xs + (i * RB + r) * H, x + (order[blk[i].at + r] / k) * ldx, sizeof(float) * (size_t)H);
                 else
                     memset(xs + (i * RB + r) * H, 0, sizeof(float) * (size_t)H);
-        long RRg = (gu2 == 1 && (2 * I) % 32 == 0) ? RB : -1, RRd = (dn2 == 1 && H % 32 == 0) ? RB : -1;
+        long RRg = (IRM_VEC && gu2 == 1 && (2 * I) % TILE_OUT == 0) ? RB : -1,
+             RRd = (IRM_VEC && dn2 == 1 && H % TILE_OUT == 0) ? RB : -1;
 #pragma omp for schedule(static)
         for (long item = 0; item < nb * gslices; item++) {
             long i = item / gslices, o0 = item % gslices * SLICE, o1 = o0 + SLICE < 2 * I ? o0 + SLICE : 2 * I;
@@ -203,47 +225,49 @@ done:
     return rc;
 }
 
-int irm_moe_has_bf16(void) { /* whether irm_moe_bf16 was built (AVX512-BF16) */
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int irm_moe_has_bf16(void) { return 1; } /* irm_moe_bf16 is built for every CPU */
 
-/* irm_moe for a bfloat16 model, where the CPU has AVX512-BF16: x [n, H] bf16 (row stride ldx), ids /
- * weights (float32) [n, k], out [n, H] bf16 (stride ldo), overwritten; gate_up and down bf16 and
- * out-major (each output's weights contiguous along the input): gate|up output o of expert e at
- * gu + e*gu0 + o*gu2 (H elements), down output o at dn + e*dn0 + o*dn2 (I elements). Each expert's
- * rows go through common.h's bf16_dots (vdpbf16ps: bf16 products, float32 sums):
- * gate|up in float32, silu * up rounded to bf16 for the down product (as torch's bf16 experts
- * round it), the weighted outputs summed in float32 and rounded once. An expert's rows go 64 at a
- * time (RB_BF16), so its weights are read once for them all; the threads share them as irm_moe's.
- * Returns 0, -1 without memory, -2 for an expert id outside [0, E), -3 where it was not built. */
+/* irm_moe for a bfloat16 model: x [n, H] bf16 (row stride ldx), ids / weights (float32) [n, k], out [n, H]
+ * bf16 (stride ldo), overwritten; gate_up and down bf16 and out-major (each output's weights contiguous
+ * along the input): gate|up output o of expert e at gu + e*gu0 + o*gu2 (H elements), down output o at
+ * dn + e*dn0 + o*dn2 (I elements). The products: with AVX512-BF16 common.h's bf16_dots (vdpbf16ps over
+ * the rows interleaved), elsewhere widen_dots (the rows in float32, the weights widened as they are
+ * read); bf16 products, float32 sums either way. gate|up in float32, silu * up rounded to bf16 for the
+ * down product (as torch's bf16 experts round it), the weighted outputs summed in float32 and rounded
+ * once. An expert's rows go 64 at a time (RB_BF16), so its weights are read once for them all; the
+ * threads share them as irm_moe's. Returns 0, -1 without memory, -2 for an expert id outside [0, E). */
 int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids, const float *weights, long k,
                  long E, long I, const uint16_t *gu, long gu0, long gu2, const uint16_t *dn, long dn0, long dn2,
                  uint16_t *out, long ldo, int nthreads) {
-#if defined(__AVX512BF16__)
     long nk = n * k;
     if (k > 64) return -1;
     for (long a = 0; a < nk; a++)
         if (ids[a] < 0 || ids[a] >= E) return -2;
-    long H32 = (H + 31) / 32 * 32, I32 = (I + 31) / 32 * 32, nbmax = nk / RB_BF16 + E + 1, rows = nk > 0 ? nk : 1;
+    long nbmax = nk / RB_BF16 + E + 1, rows = nk > 0 ? nk : 1;
+#if defined(__AVX512BF16__)
+    long H32 = (H + 31) / 32 * 32, I32 = (I + 31) / 32 * 32;
+#endif
     long *start = (long *)calloc((size_t)E + 1, sizeof(long));
     long *order = (long *)malloc(sizeof(long) * (size_t)rows);
     long *row = (long *)malloc(sizeof(long) * (size_t)rows);
     expert_block *blk = (expert_block *)malloc(sizeof(expert_block) * (size_t)nbmax);
-    /* rows in sorted order: block i's at blk[i].at (its interleaved ones at blk[i].at * H32 or * I32) */
+    /* rows in sorted order: block i's from row blk[i].at (its interleaved ones at blk[i].at * H32 or * I32) */
+#if defined(__AVX512BF16__)
     uint16_t *xs = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * H));
     uint16_t *xi = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * H32));
-    float *h = (float *)irm_alloc(sizeof(float) * (size_t)(rows * 2 * I));
-    float *act = (float *)irm_alloc(sizeof(float) * (size_t)(rows * I));
     uint16_t *ab = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * I));
     uint16_t *ai = (uint16_t *)irm_alloc(sizeof(uint16_t) * (size_t)(rows * I32));
+    int have = xs && xi && ab && ai;
+#else
+    float *xf = (float *)irm_alloc(sizeof(float) * (size_t)(rows * H)); /* the rows in float32 */
+    int have = xf != NULL;
+#endif
+    float *h = (float *)irm_alloc(sizeof(float) * (size_t)(rows * 2 * I));
+    float *act = (float *)irm_alloc(sizeof(float) * (size_t)(rows * I));
     float *y = (float *)irm_alloc(sizeof(float) * (size_t)(rows * H));
     float *acc = (float *)irm_alloc(sizeof(float) * (size_t)((n > 0 ? n : 1) * H));
     int rc = -1;
-    if (!start || !order || !row || !blk || !xs || !xi || !h || !act || !ab || !ai || !y || !acc) goto done;
+    if (!start || !order || !row || !blk || !have || !h || !act || !y || !acc) goto done;
     if (sort_by_expert(ids, nk, E, start, order) != 0) goto done;
     long nb = expert_blocks(start, E, RB_BF16, blk);
     for (long p = 0; p < nk; p++) row[order[p]] = p;
@@ -253,8 +277,15 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
 #pragma omp for schedule(static)
         for (long i = 0; i < nb; i++) {
             long at = blk[i].at, R = blk[i].R;
+#if defined(__AVX512BF16__)
             for (long r = 0; r < R; r++) memcpy(xs + (at + r) * H, x + (order[at + r] / k) * ldx, sizeof(uint16_t) * (size_t)H);
             bf16_interleave(xs + at * H, R, H, H, xi + at * H32);
+#else
+            for (long r = 0; r < R; r++) {
+                const uint16_t *src = x + (order[at + r] / k) * ldx;
+                for (long j = 0; j < H; j++) xf[(at + r) * H + j] = bf16_to_f32(src[j]);
+            }
+#endif
         }
 #pragma omp for schedule(static)
         for (long item = 0; item < nb * gslices; item++) {
@@ -262,7 +293,11 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
             long at = blk[i].at, R = blk[i].R;
             float d[RB_BF16];
             for (long o = o0; o < o1; o++) {
+#if defined(__AVX512BF16__)
                 bf16_dots(xi + at * H32, R, gu + blk[i].e * gu0 + o * gu2, H, d);
+#else
+                widen_dots(xf + at * H, R, H, gu + blk[i].e * gu0 + o * gu2, H, d);
+#endif
                 for (long r = 0; r < R; r++) h[(at + r) * 2 * I + o] = d[r];
             }
         }
@@ -270,8 +305,12 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
         for (long i = 0; i < nb; i++) {
             long at = blk[i].at, R = blk[i].R;
             irm_silu_mul(h + at * 2 * I, R, I, 2 * I, act + at * I, I, 1);
+#if defined(__AVX512BF16__)
             for (long j = 0; j < R * I; j++) ab[at * I + j] = f32_to_bf16(act[at * I + j]);
             bf16_interleave(ab + at * I, R, I, I, ai + at * I32);
+#else
+            for (long j = 0; j < R * I; j++) act[at * I + j] = bf16_to_f32(f32_to_bf16(act[at * I + j]));
+#endif
         }
 #pragma omp for schedule(static)
         for (long item = 0; item < nb * dslices; item++) {
@@ -279,7 +318,11 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
             long at = blk[i].at, R = blk[i].R;
             float d[RB_BF16];
             for (long o = o0; o < o1; o++) {
+#if defined(__AVX512BF16__)
                 bf16_dots(ai + at * I32, R, dn + blk[i].e * dn0 + o * dn2, I, d);
+#else
+                widen_dots(act + at * I, R, I, dn + blk[i].e * dn0 + o * dn2, I, d);
+#endif
                 for (long r = 0; r < R; r++) y[(at + r) * H + o] = d[r];
             }
         }
@@ -291,12 +334,11 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
     }
     rc = 0;
 done:
-    free(start), free(order), free(row), free(blk), free(xs), free(xi), free(h), free(act), free(ab), free(ai), free(y),
-        free(acc);
-    return rc;
+#if defined(__AVX512BF16__)
+    free(xs), free(xi), free(ab), free(ai);
 #else
-    (void)x, (void)n, (void)H, (void)ldx, (void)ids, (void)weights, (void)k, (void)E, (void)I, (void)gu, (void)gu0,
-        (void)gu2, (void)dn, (void)dn0, (void)dn2, (void)out, (void)ldo, (void)nthreads;
-    return -3;
+    free(xf);
 #endif
+    free(start), free(order), free(row), free(blk), free(h), free(act), free(y), free(acc);
+    return rc;
 }
