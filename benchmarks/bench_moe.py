@@ -6,7 +6,7 @@ For each token count, one MoE layer's forward (random hidden states, the checkpo
 timed grouped (`MoE._grouped`: every expert padded to the busiest one's rows, two batched products)
 and looped (`expert_loop`: each expert hit on its own rows), middle of five, one thread; then the path
 `MoE.forward` chose (`MoE._padding_pays`) and its time over the faster one's; and the native kernel
-(model/native/moe.c, `MoE._native`: float32, or bf16 with out-major stacks on a CPU with AVX512-BF16)
+(model/native/moe.c, `MoE._native`: float32, or bf16 with out-major stacks)
 timed at every token count, with whether the engine takes it there (MoE.NATIVE_TOKENS,
 NATIVE_TOKENS_BF16). Default model: the
 bundled one. A realistic one: `irminsul checkpoint random DIR --family deepseek_v3 --layers 2

@@ -38,7 +38,7 @@ def main() -> None:
     print("machine:", describe())
     lib = native.library()
     if lib is None or not lib.irm_vectorised():
-        print("the native prefill attention is not built with its AVX-512 tiles here: the engine keeps SDPA")
+        print("the native prefill attention is not built with its vector tiles here: the engine keeps SDPA")
         return
     g = torch.Generator().manual_seed(0)
     print(f"{'shape':<18} {'SDPA ms':>9} {'native ms':>10} {'ratio':>7} {'max diff':>9}")
