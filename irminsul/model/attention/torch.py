@@ -110,8 +110,8 @@ class TorchAttention(AttentionBackend):
     # read, no gathered copy (the gather alone was ~1 ms a layer for 32 sequences of ~110 rows on an
     # AMX Xeon, the batched products ~1 ms more). False: the torch ops (the reference).
     NATIVE_DECODE = True
-    # Expanded prefill groups run model/native/prefill_attention.c where it is built with its AVX-512
-    # tiles: flash attention's blocks over the kv_b product's k_nope and v where they lie (no padded
+    # Expanded prefill groups run model/native/prefill_attention.c where it is built with its vector
+    # tiles (AVX2 or AVX-512): flash attention's blocks over the kv_b product's k_nope and v where they lie (no padded
     # head-major copies), the mask from the slots and positions, memory linear in the keys. On an AMX
     # Xeon, one thread, one layer's attention against SDPA with its copies
     # (`python benchmarks/bench_prefill_attention.py`): 1.86x for 21 prompts of 100 tokens, 1.32x for one
@@ -281,16 +281,16 @@ class TorchAttention(AttentionBackend):
     def _native_decode(self, pool: torch.Tensor) -> bool:
         """Whether decode groups (one query per sequence) take the native kernel (`_native_decode`):
         a CPU pool of float32 or bfloat16 rows, the kernel built, NATIVE_DECODE and not
-        IRMINSUL_NATIVE_DECODE=0, and torch on one thread (the kernel runs on one; with more, torch's
-        own ops run in parallel, and which is faster there has not been measured)."""
+        IRMINSUL_NATIVE_DECODE=0 (the kernel shares sequences and heads among torch's threads)."""
         return (self.NATIVE_DECODE and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
                 and pool.stride(1) == 1 and os.environ.get("IRMINSUL_NATIVE_DECODE") != "0"
                 and native_ops.available())
 
     def _native_prefill(self, kv: torch.Tensor, keys: torch.Tensor) -> bool:
         """Whether an expanded group takes model/native/prefill_attention.c (`NATIVE_PREFILL`): float32
-        on a CPU, torch on one thread (the kernel runs on one), the library built with its vector tiles
-        (its plain loops are slower than SDPA), not IRMINSUL_NATIVE_PREFILL=0."""
+        on a CPU, the library built with its vector tiles (its plain loops are slower than SDPA), not
+        IRMINSUL_NATIVE_PREFILL=0 (the kernel shares sequences, heads and query blocks among torch's
+        threads)."""
         return (self.NATIVE_PREFILL and kv.device.type == "cpu" and kv.dtype == keys.dtype == torch.float32
                 and os.environ.get("IRMINSUL_NATIVE_PREFILL") != "0" and native_ops.available()
                 and bool(native.library().irm_vectorised()))
