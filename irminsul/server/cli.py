@@ -48,8 +48,8 @@ def register(sub) -> None:
                    help="the deadline of one Redis command, connecting and reading the whole reply included; past "
                         "it the read is a miss and the tier is skipped until Redis answers again")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch's intra-op threads for the engine (default: torch's, the cores it sees); the native "
-                        "CPU kernels run only at 1 thread")
+                   help="threads for the engine's torch operations and native kernels (default: torch's, the "
+                        "cores it sees); 1 on a machine whose other cores are busy")
     p.add_argument("--max-running-requests", type=int, default=DEFAULTS.max_running_requests,
                    help="requests the engine runs at once; the rest wait")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULTS.max_queued_requests,
