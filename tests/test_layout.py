@@ -107,3 +107,15 @@ def test_the_model_layer_has_no_import_circles():
     a module); an import inside a function counts as much as one at the top."""
     assert _circles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]  # (the check finds one)
     assert _circles(_module_imports("irminsul.model")) == []
+
+
+def test_the_model_layer_reads_the_environment_only_in_its_settings():
+    """Every switch of irminsul.model is named in model/settings.py (its table says what each does)."""
+    reads = re.compile(r"os\.environ|os\.getenv|getenv\(")
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "irminsul" / "model").rglob("*.py"))
+             if path.name != "settings.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if reads.search(line)]
+    assert found == []
+    table = (ROOT / "irminsul" / "model" / "settings.py").read_text()
+    for name in re.findall(r'_(?:flag|text)\("(\w+)"\)', table):
+        assert f"| {name} |" in table, f"{name} is read but not in the settings' table"

@@ -39,7 +39,6 @@ step is kept per model and shared by its engines.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
@@ -49,6 +48,7 @@ from tqdm import tqdm
 from irminsul.model import native_ops
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MoE
+from irminsul.model.settings import settings
 
 log = logging.getLogger("irminsul.model")
 DENSE_EXPERTS = 4  # the batched step runs every expert when that is at most this many times the routed work
@@ -96,7 +96,7 @@ def wanted(compile_decode: bool | None, why_not: str | None, what: str) -> bool:
     """Whether to build compiled decode steps (here, or model/graphs.py's). compile_decode: True
     (required: a clear error when `why_not` says they cannot be), False, or None (auto: where they
     can be, unless IRMINSUL_COMPILE_DECODE=0)."""
-    if compile_decode is False or (compile_decode is None and os.environ.get("IRMINSUL_COMPILE_DECODE") == "0"):
+    if compile_decode is False or (compile_decode is None and not settings.compile_decode):
         return False
     if why_not is not None:
         if compile_decode:
@@ -191,14 +191,13 @@ class CompiledDecode:
         # one thread: decode at depth 1,500 241-248 vs 253-260 ms for 63 tokens, 32 x (100 + 64) within
         # 0-6% faster (the same tokens)
         # (IRMINSUL_COMPILE_CPP_WRAPPER=0: Python's, read when the step is built as the other switches are)
-        options = {"cpp_wrapper": os.environ.get("IRMINSUL_COMPILE_CPP_WRAPPER") != "0"}
+        options = {"cpp_wrapper": settings.compile_cpp_wrapper}
         self._fn = torch.compile(self._step, dynamic=True, fullgraph=True, options=options)
         self._batch_fn = torch.compile(self._step_batch, dynamic=True, fullgraph=True, options=options)
         cfg = model.config
         # the batched step's attention and routed experts through the native kernels, as torch
         # operators (model/native_ops.py), where they run; else the torch ops and every expert
-        self.native = native_ops.available() and os.environ.get("IRMINSUL_NATIVE_DECODE") != "0" and \
-            os.environ.get("IRMINSUL_NATIVE_MOE") != "0"
+        self.native = native_ops.available() and settings.native_decode and settings.native_moe
         for layer in model.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.native_graph = self.native

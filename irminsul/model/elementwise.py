@@ -15,18 +15,18 @@ the caller computes with torch.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from irminsul.model import native
+from irminsul.model.settings import settings
 
 
 def _runs(x: torch.Tensor, w: torch.Tensor | None = None, dtypes=(torch.float32,)) -> bool:
     # (is_compiling first: inside a graph being traced nothing after it may run, or the graph breaks)
     return (not torch.compiler.is_compiling() and x.dtype in dtypes and (w is None or w.dtype is x.dtype)
             and x.device.type == "cpu" and (w is None or w.device.type == "cpu")
-            and os.environ.get("IRMINSUL_NATIVE_ELEMENTWISE") != "0" and native.library() is not None)
+            and settings.native_elementwise and native.library() is not None)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:

@@ -22,12 +22,12 @@ torch's threads; kernel_choice times it against F.linear at torch's thread count
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 from irminsul.model import native
+from irminsul.model.settings import settings
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernel reads: the flag it takes per tensor
 MAX_ROWS = 8  # (the C source's IRM_MAX_ROWS)
@@ -36,7 +36,7 @@ MAX_ROWS = 8  # (the C source's IRM_MAX_ROWS)
 def available(device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> bool:
     """Whether the kernel can run here: a CPU, the native library built, IRMINSUL_GEMV not 0, and
     (when given) a weight dtype it reads."""
-    if torch.device(device).type != "cpu" or os.environ.get("IRMINSUL_GEMV") == "0":
+    if torch.device(device).type != "cpu" or not settings.gemv:
         return False
     if dtype is not None and dtype not in DTYPES:
         return False
@@ -83,7 +83,7 @@ def heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     n, h, inner = x.shape
     if (torch.compiler.is_compiling() or not 1 <= n <= MAX_ROWS or x.device.type != "cpu" or w.shape[0] != h
             or w.shape[2] != inner or x.stride(2) != 1 or w.stride(2) != 1 or x.dtype not in DTYPES
-            or w.dtype not in DTYPES or os.environ.get("IRMINSUL_GEMV") == "0"):
+            or w.dtype not in DTYPES or not settings.gemv):
         return None
     lib = native.library()
     if lib is None:

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import xxhash
 
+from irminsul.model.settings import settings
+
 ROW_FORMAT = "irminsul-rows-v2"  # c_KV and un-rotated k_r per token and layer (see kvcache/pool.py)
 
 
 def _memo_file() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = settings.cache_home
     return root / "irminsul" / "weight-hashes.json"
 
 

@@ -60,6 +60,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from irminsul.model.settings import settings
+
 log = logging.getLogger("irminsul.model")
 
 # the fixed rule's threshold: a block of `rows` is copied for a weight where rows x its size reaches
@@ -125,7 +127,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def mode(kernels: str | None = None) -> str:
     """"measured" or "fixed": the argument when given, else IRMINSUL_KERNEL_CHOICE (default measured)."""
-    value = (kernels or os.environ.get("IRMINSUL_KERNEL_CHOICE") or "measured").strip().lower()
+    value = (kernels or settings.kernel_choice or "measured").strip().lower()
     if value in ("fixed", "0", "off", "false", "no"):
         return "fixed"
     if value in ("measured", "1", "on", "true", "yes", "auto"):
@@ -165,10 +167,9 @@ def cpu_key() -> str:
 def cache_path() -> Path:
     """IRMINSUL_KERNEL_CACHE, else kernels-<hash of the CPU model>.json in the user's cache directory
     ($XDG_CACHE_HOME or ~/.cache, then irminsul/)."""
-    named = os.environ.get("IRMINSUL_KERNEL_CACHE")
-    if named:
-        return Path(named).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    if settings.kernel_cache is not None:
+        return settings.kernel_cache
+    base = settings.cache_home
     digest = hashlib.sha1(cpu_key().encode()).hexdigest()[:12]
     return base / "irminsul" / f"kernels-{digest}.json"
 
@@ -505,7 +506,7 @@ def choose(products: list[Product], model_bytes: int, decode_bytes: int | None =
         return KernelChoices("fixed", {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products})
     streamed = stream_bytes(decode_bytes if decode_bytes is not None else model_bytes)
     if budget is None:
-        budget = float(os.environ.get("IRMINSUL_KERNEL_COPIES", COPY_BUDGET))
+        budget = settings.kernel_copies if settings.kernel_copies is not None else COPY_BUDGET
     start = time.perf_counter()
     times = _times(products, streamed, progress)
     seconds = time.perf_counter() - start

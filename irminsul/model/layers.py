@@ -11,7 +11,6 @@ DeepSeek's own `inference/model.py`:
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from irminsul.model import elementwise, gemv, kernel_choice, native_ops
 from irminsul.model.config import ModelConfig
+from irminsul.model.settings import settings
 
 
 class RMSNorm(nn.Module):
@@ -470,7 +470,7 @@ class MoE(nn.Module):
         count (`native_tokens` bounds it; benchmarks/bench_moe.py times it), or None where it cannot
         run: the library not built, IRMINSUL_NATIVE_MOE=0, or stacks it does not read (float32, or
         bfloat16 out-major where the bf16 experts were built: `native_ops.moe_bf16_available`)."""
-        if not native_ops.available() or os.environ.get("IRMINSUL_NATIVE_MOE") == "0":
+        if not native_ops.available() or not settings.native_moe:
             return None
         gate_up, down = self.stacked()
         if dtype == gate_up.dtype == down.dtype == torch.float32:

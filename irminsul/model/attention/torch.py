@@ -20,7 +20,6 @@ sparse prefill) and is masked out. A query at position p attends to every row at
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +31,7 @@ from irminsul.model.attention.base import (EMPTY_SLOT, PADDING_SLACK, AttentionB
 from irminsul.model import native, native_ops
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import encode_half, encode_pairwise
+from irminsul.model.settings import settings
 
 
 @dataclass
@@ -283,7 +283,7 @@ class TorchAttention(AttentionBackend):
         a CPU pool of float32 or bfloat16 rows, the kernel built, NATIVE_DECODE and not
         IRMINSUL_NATIVE_DECODE=0 (the kernel shares sequences and heads among torch's threads)."""
         return (self.NATIVE_DECODE and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
-                and pool.stride(1) == 1 and os.environ.get("IRMINSUL_NATIVE_DECODE") != "0"
+                and pool.stride(1) == 1 and settings.native_decode
                 and native_ops.available())
 
     def _native_prefill(self, kv: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -292,7 +292,7 @@ class TorchAttention(AttentionBackend):
         IRMINSUL_NATIVE_PREFILL=0 (the kernel shares sequences, heads and query blocks among torch's
         threads)."""
         return (self.NATIVE_PREFILL and kv.device.type == "cpu" and kv.dtype == keys.dtype == torch.float32
-                and os.environ.get("IRMINSUL_NATIVE_PREFILL") != "0" and native_ops.available()
+                and settings.native_prefill and native_ops.available()
                 and bool(native.library().irm_vectorised()))
 
     def _absorbed_in_place(self, q_lat, q_pe, pool, g: AttentionGroup) -> torch.Tensor:

@@ -26,7 +26,6 @@ here: a fused indexer kernel that hands the attention kernel a key list per quer
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +35,7 @@ from irminsul.errors import RequestError
 from irminsul.model.attention.base import AttentionBackend, SeqAttention, absorb_output, absorb_query, dsa_selection
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import Rotary, encode_half
+from irminsul.model.settings import settings
 
 try:
     import triton
@@ -46,14 +46,14 @@ except ImportError:  # the torch backend needs none of this
 
 # Triton's interpreter computes a bf16 tl.dot wrongly (NumPy has no bf16): there, the kernel takes its
 # fp32 path for every pool dtype, and the bf16 tensor-core path is exercised on a GPU only.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = settings.triton_interpret
 
 
 def available() -> str | None:
     """None if the triton backend can run here, else why not."""
     if triton is None:
         return "the triton backend needs the `triton` package (pip install triton)"
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not settings.triton_interpret:
         return ("the triton backend needs a GPU, or TRITON_INTERPRET=1 in the environment before Python starts "
                 "(Triton's CPU interpreter: slow, for tests)")
     return None

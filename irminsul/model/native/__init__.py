@@ -34,6 +34,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from irminsul.model.settings import settings
+
 log = logging.getLogger("irminsul.model")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "prefill_attention.c", "elementwise.c",
@@ -55,7 +57,7 @@ VARIANTS = {"x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "
 
 def default_variant() -> str:
     """IRMINSUL_NATIVE_MARCH (a VARIANTS name, or any -march value), else "native"."""
-    return os.environ.get("IRMINSUL_NATIVE_MARCH") or "native"
+    return settings.native_march or "native"
 
 
 def runnable(variant: str) -> bool:
@@ -117,7 +119,7 @@ def _openmp(cc: str) -> bool:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for name in (settings.c_compiler, "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
     return None
@@ -137,10 +139,9 @@ def _cpu_line() -> str:
 def cache_dir() -> Path:
     """IRMINSUL_NATIVE_CACHE, else irminsul/native in the user's cache directory ($XDG_CACHE_HOME or
     ~/.cache, as kernel_choice's cache)."""
-    named = os.environ.get("IRMINSUL_NATIVE_CACHE")
-    if named:
-        return Path(named)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "irminsul" / "native"
+    if settings.native_cache is not None:
+        return settings.native_cache
+    return settings.cache_home / "irminsul" / "native"
 
 
 @functools.cache
@@ -199,7 +200,7 @@ def library(variant: str | None = None) -> ctypes.CDLL | None:
 @functools.cache
 def _library(variant: str) -> ctypes.CDLL | None:
     """library(variant), cached per variant (library.cache_clear() forgets every one)."""
-    if os.environ.get("IRMINSUL_NATIVE") == "0":
+    if not settings.native:
         return None
     cc = _compiler()
     if cc is None:
