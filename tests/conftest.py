@@ -3,13 +3,17 @@ import os
 
 import pytest
 import torch
-from hypothesis import settings
 
-# No example database in the clone (hypothesis's default, .hypothesis/): a failing example found once
-# would be replayed by every later run there. A failure prints the blob that reproduces it instead
-# (@reproduce_failure), and a test pins what it must always try with @example.
-settings.register_profile("irminsul", database=None, print_blob=True)
-settings.load_profile("irminsul")
+try:  # (the vLLM step's venv has pytest and not hypothesis: its tests use none)
+    from hypothesis import settings
+except ImportError:
+    settings = None
+if settings is not None:
+    # No example database in the clone (hypothesis's default, .hypothesis/): a failing example found
+    # once would be replayed by every later run there. A failure prints the blob that reproduces it
+    # instead (@reproduce_failure), and a test pins what it must always try with @example.
+    settings.register_profile("irminsul", database=None, print_blob=True)
+    settings.load_profile("irminsul")
 
 # No GPU: Triton kernels run under Triton's interpreter (read when triton is imported, so set first)
 if not torch.cuda.is_available():
