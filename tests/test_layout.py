@@ -117,5 +117,5 @@ def test_the_model_layer_reads_the_environment_only_in_its_settings():
              for n, line in enumerate(path.read_text().splitlines(), 1) if reads.search(line)]
     assert found == []
     table = (ROOT / "irminsul" / "model" / "settings.py").read_text()
-    for name in re.findall(r'_(?:flag|text)\("(\w+)"\)', table):
+    for name in re.findall(r'_Variable\("(\w+)"', table):
         assert f"| {name} |" in table, f"{name} is read but not in the settings' table"

@@ -31,83 +31,43 @@ import os
 from pathlib import Path
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name) != "0"
+class _Variable:
+    """A class attribute that reads its environment variable whenever it is read, through `parse`."""
+
+    def __init__(self, name: str, parse=lambda value: value):
+        self.name, self.parse = name, parse
+
+    def __get__(self, obj, owner=None):
+        return self.parse(os.environ.get(self.name) or None)
 
 
-def _text(name: str) -> str | None:
-    return os.environ.get(name) or None
+def _flag(value: str | None) -> bool:  # on unless "0"
+    return value != "0"
+
+
+def _path(value: str | None) -> Path | None:
+    return Path(value).expanduser() if value else None
 
 
 class Settings:
     """The switches, each read from the environment when asked for (`settings`)."""
 
-    @property
-    def native(self) -> bool:
-        return _flag("IRMINSUL_NATIVE")
-
-    @property
-    def native_decode(self) -> bool:
-        return _flag("IRMINSUL_NATIVE_DECODE")
-
-    @property
-    def native_prefill(self) -> bool:
-        return _flag("IRMINSUL_NATIVE_PREFILL")
-
-    @property
-    def native_moe(self) -> bool:
-        return _flag("IRMINSUL_NATIVE_MOE")
-
-    @property
-    def native_elementwise(self) -> bool:
-        return _flag("IRMINSUL_NATIVE_ELEMENTWISE")
-
-    @property
-    def gemv(self) -> bool:
-        return _flag("IRMINSUL_GEMV")
-
-    @property
-    def native_march(self) -> str | None:
-        return _text("IRMINSUL_NATIVE_MARCH")
-
-    @property
-    def native_cache(self) -> Path | None:
-        named = _text("IRMINSUL_NATIVE_CACHE")
-        return Path(named) if named else None
-
-    @property
-    def c_compiler(self) -> str | None:
-        return _text("CC")
-
-    @property
-    def compile_decode(self) -> bool:
-        return _flag("IRMINSUL_COMPILE_DECODE")
-
-    @property
-    def compile_cpp_wrapper(self) -> bool:
-        return _flag("IRMINSUL_COMPILE_CPP_WRAPPER")
-
-    @property
-    def kernel_choice(self) -> str | None:
-        return _text("IRMINSUL_KERNEL_CHOICE")
-
-    @property
-    def kernel_cache(self) -> Path | None:
-        named = _text("IRMINSUL_KERNEL_CACHE")
-        return Path(named).expanduser() if named else None
-
-    @property
-    def kernel_copies(self) -> float | None:
-        named = _text("IRMINSUL_KERNEL_COPIES")
-        return float(named) if named is not None else None
-
-    @property
-    def cache_home(self) -> Path:
-        return Path(_text("XDG_CACHE_HOME") or Path.home() / ".cache")
-
-    @property
-    def triton_interpret(self) -> bool:
-        return os.environ.get("TRITON_INTERPRET") == "1"
+    native = _Variable("IRMINSUL_NATIVE", _flag)
+    native_decode = _Variable("IRMINSUL_NATIVE_DECODE", _flag)
+    native_prefill = _Variable("IRMINSUL_NATIVE_PREFILL", _flag)
+    native_moe = _Variable("IRMINSUL_NATIVE_MOE", _flag)
+    native_elementwise = _Variable("IRMINSUL_NATIVE_ELEMENTWISE", _flag)
+    gemv = _Variable("IRMINSUL_GEMV", _flag)
+    native_march = _Variable("IRMINSUL_NATIVE_MARCH")
+    native_cache = _Variable("IRMINSUL_NATIVE_CACHE", _path)
+    c_compiler = _Variable("CC")
+    compile_decode = _Variable("IRMINSUL_COMPILE_DECODE", _flag)
+    compile_cpp_wrapper = _Variable("IRMINSUL_COMPILE_CPP_WRAPPER", _flag)
+    kernel_choice = _Variable("IRMINSUL_KERNEL_CHOICE")
+    kernel_cache = _Variable("IRMINSUL_KERNEL_CACHE", _path)
+    kernel_copies = _Variable("IRMINSUL_KERNEL_COPIES", lambda value: float(value) if value else None)
+    cache_home = _Variable("XDG_CACHE_HOME", lambda value: Path(value) if value else Path.home() / ".cache")
+    triton_interpret = _Variable("TRITON_INTERPRET", lambda value: value == "1")
 
 
 settings = Settings()
