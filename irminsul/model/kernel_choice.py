@@ -533,23 +533,29 @@ def choose(products: list[Product], model_bytes: int, decode_bytes: int | None =
 # --- the routed experts' native kernel: up to how many tokens it runs ------------------------------
 
 EXPERT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the token counts the native experts are timed at
+EXPERT_CALL_LIMIT_S = 0.25  # counts whose calls take longer than this are not timed (a prefill's: torch's)
 
 
-def native_experts_tokens(moe, dtype: torch.dtype, kernels: str | None = None) -> int:
-    """The most tokens an MoE layer's routed experts run through its native kernel (`MoE._native`):
-    measured on this machine, at torch's thread count, against the layer's own torch path
-    (`MoE.torch_experts`), on its own weights with random routing. The counts of EXPERT_TOKENS are
-    timed in turn until the kernel loses (it wins on a decode step's few tokens, where torch pays a
-    dispatch per expert hit, and loses on a prefill's thousands of rows, where torch's tuned products
-    run); the bound is the last count it won. 0 where the kernel does not run here. Cached per CPU
-    (`cache_path`), keyed by the layer's shape, the thread count and the kernel's build. The fixed
-    rule (kernels="fixed" / IRMINSUL_KERNEL_CHOICE=fixed) and forced choices take `MoE.NATIVE_TOKENS`
-    unmeasured."""
+def expert_bucket(tokens: int) -> int | None:
+    """The EXPERT_TOKENS count a call of `tokens` tokens is judged by (the next one up; None past them)."""
+    return next((n for n in EXPERT_TOKENS if n >= tokens), None)
+
+
+def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -> tuple[int, ...]:
+    """The EXPERT_TOKENS counts at which an MoE layer's routed experts run faster through its native
+    kernel (`MoE._native`) than through its own torch path (`MoE.torch_experts`): measured on this
+    machine, at torch's thread count, on the layer's own weights with random routing. Every count is
+    timed (which wins need not be monotone in the count: on a CPU without bf16 instructions the bf16
+    kernel loses at one token, where torch's product streams the same weights, and wins at eight),
+    until a call takes EXPERT_CALL_LIMIT_S (larger counts are then left to torch). Empty where the
+    kernel does not run here. Cached per CPU (`cache_path`), keyed by the layer's shape, the thread
+    count and the kernel's build. The fixed rule (kernels="fixed" / IRMINSUL_KERNEL_CHOICE=fixed) and
+    forced choices take every count up to `MoE.NATIVE_TOKENS`, unmeasured."""
     kernel = moe.native_kernel(dtype)
     if kernel is None:
-        return 0
+        return ()
     if kernels == "forced" or mode(kernels) == "fixed":  # (forced: `KernelChoices.every`, for comparisons)
-        return moe.NATIVE_TOKENS
+        return tuple(n for n in EXPERT_TOKENS if n <= moe.NATIVE_TOKENS)
     from irminsul.model import native
 
     gate_up, down = moe.stacked()
@@ -560,10 +566,10 @@ def native_experts_tokens(moe, dtype: torch.dtype, kernels: str | None = None) -
            f"|moe{native.fingerprint('moe.c')}")
     path = cache_path()
     cached = _memory.get(key) or _read_cache(path).get(key)
-    if cached is not None and "bound" in cached:
-        return int(cached["bound"])
+    if cached is not None and "wins" in cached:
+        return tuple(cached["wins"])
     g = torch.Generator().manual_seed(experts * 131 + hidden)
-    bound, times = 0, {}
+    wins, times = [], {}
     with torch.inference_mode():
         for n in EXPERT_TOKENS:
             x = torch.randn(n, hidden, generator=g).to(dtype)
@@ -572,14 +578,15 @@ def native_experts_tokens(moe, dtype: torch.dtype, kernels: str | None = None) -
             t = _time({"native": lambda: kernel(x, weights, ids, gate_up, down),
                        "torch": lambda: moe.torch_experts(x, weights, ids)})
             times[str(n)] = t
-            if t["native"] > t["torch"]:
+            if t["native"] <= t["torch"]:
+                wins.append(n)
+            if max(t.values()) > EXPERT_CALL_LIMIT_S:
                 break
-            bound = n
-    entry = {"bound": bound, "times": times}
+    entry = {"wins": wins, "times": times}
     _memory[key] = entry
     _write_cache(path, {key: entry})
-    log.info("native experts %s: up to %d tokens (measured)", key.split("|threads")[0], bound)
-    return bound
+    log.info("native experts %s: at %s tokens (measured)", key.split("|threads")[0], wins or "no count")
+    return tuple(wins)
 
 
 def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:

@@ -390,11 +390,12 @@ class MoE(nn.Module):
         choices = kernel_choice.current()
         if device.type == "cpu":
             how = choices.kernels if choices else None
-            self.native_tokens = kernel_choice.native_experts_tokens(self, dtype, how)
+            self.native_counts = kernel_choice.native_experts_counts(self, dtype, how)
+            self.native_tokens = max(self.native_counts, default=0)
             if how not in ("fixed", "forced") and kernel_choice.mode(how) == "measured":
                 self.loop_call_s, self.macs_per_s = kernel_choice.expert_costs(self, dtype)
         else:
-            self.native_tokens = 0
+            self.native_counts, self.native_tokens = (), 0
 
     def products(self) -> list:
         """The routed experts' products (`kernel_choice.Product`s), each expert used by k / E of the tokens."""
@@ -409,7 +410,7 @@ class MoE(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' output [n, H], through one of four backends: the triton kernel (where
         `set_attention_backend("triton")` set it), the graph forms (inside a compiled decode step), the
-        native kernel (a CPU, at most `native_tokens` tokens: the bound measured at `pack`), else
+        native kernel (a CPU, the token counts measured to pay at `pack`), else
         torch's products (`torch_experts`)."""
         if self.kernel is not None:
             return self.kernel(x, weights, ids, *self.stacked())
@@ -420,8 +421,12 @@ class MoE(nn.Module):
 
     def _native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """The routed experts through the native kernel, or None where it does not run: more than
-        `native_tokens` tokens, not on a CPU, or no kernel for them here (`native_kernel`)."""
-        if x.shape[0] > self.native_tokens or x.device.type != "cpu":
+        `native_tokens` tokens, a count the kernel lost at when it was measured (`native_counts`), not
+        on a CPU, or no kernel for them here (`native_kernel`)."""
+        n = x.shape[0]
+        if n > self.native_tokens or x.device.type != "cpu":
+            return None
+        if self.native_counts is not None and kernel_choice.expert_bucket(n) not in self.native_counts:
             return None
         kernel = self.native_kernel(x.dtype)
         return None if kernel is None else kernel(x, weights, ids, *self.stacked())
@@ -460,10 +465,13 @@ class MoE(nn.Module):
 
     # The routed experts of at most `native_tokens` tokens (a decode step's batch) go through
     # model/native/moe.c, where it runs: one call instead of ~10 torch operations per expert hit. The
-    # bound is measured per layer shape when the model is packed (`kernel_choice.native_experts_tokens`);
+    # counts are measured per layer shape when the model is packed (`kernel_choice.native_experts_counts`);
     # NATIVE_TOKENS is the fixed rule's (IRMINSUL_KERNEL_CHOICE=fixed) and an unpacked model's.
     NATIVE_TOKENS = 64
     native_tokens = NATIVE_TOKENS
+    # the measured token counts (`kernel_choice.EXPERT_TOKENS`) where the kernel won; None: unmeasured
+    # (an unpacked model), every count up to native_tokens
+    native_counts: tuple[int, ...] | None = None
 
     def native_kernel(self, dtype: torch.dtype):
         """The native experts' call for tokens of `dtype` over this layer's stacks, whatever the token

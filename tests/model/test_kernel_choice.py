@@ -291,10 +291,11 @@ def test_bf16_packing_keeps_w_uk_and_w_uv_in_their_own_memory_and_equal_to_kv_bs
     assert all(layer.self_attn.absorbed is None for layer in fp32.model.layers)  # (fp32 reads the slices in place)
 
 
-def test_the_native_experts_bound_is_the_last_token_count_the_kernel_won(tmp_path, monkeypatch):
-    """`native_experts_tokens` times the native kernel against the layer's torch path at growing token
-    counts, stops at the first loss and keeps the count before it; cached per CPU like the linear
-    times; the fixed rule takes MoE.NATIVE_TOKENS; a layer with no native kernel here gets 0."""
+def test_the_native_experts_run_at_the_token_counts_where_they_won(tmp_path, monkeypatch):
+    """`native_experts_counts` times the native kernel against the layer's torch path at every count of
+    EXPERT_TOKENS (what wins need not be monotone: here the kernel loses at one token and wins from
+    four to 32), stops once a call takes EXPERT_CALL_LIMIT_S, is cached per CPU like the linear times;
+    the fixed rule takes every count up to MoE.NATIVE_TOKENS; a layer with no native kernel gets none."""
     from irminsul.model.config import ModelConfig
     from irminsul.model.tiny import tiny_config
 
@@ -304,37 +305,39 @@ def test_the_native_experts_bound_is_the_last_token_count_the_kernel_won(tmp_pat
                                                 num_experts_per_tok=2)))
     seen = []
     monkeypatch.setattr(moe, "native_kernel", lambda dtype: lambda x, *rest: seen.append(x.shape[0]))
+    native = {1: 2.0, 2: 1.5, 4: 0.5, 8: 0.6, 16: 0.9, 32: 1.9, 64: 5.0, 128: 400.0}  # ms; torch: 1 + n / 32 ms
 
-    def timed(cands):  # (deterministic: the kernel's cost grows with the tokens, torch's is flat)
+    def timed(cands):  # (deterministic)
         cands["native"]()
-        return {"native": 0.1e-3 * seen[-1], "torch": 1.2e-3}
+        n = seen[-1]
+        return {"native": native[n] / 1e3, "torch": (1 + n / 32) / 1e3}
 
     monkeypatch.setattr(kernel_choice, "_time", timed)
-    assert kernel_choice.native_experts_tokens(moe, torch.float32) == 8  # won at 1..8, lost at 16
-    assert seen == [1, 2, 4, 8, 16]  # nothing timed past the first loss
+    assert kernel_choice.native_experts_counts(moe, torch.float32) == (4, 8, 16, 32)
+    assert seen == [1, 2, 4, 8, 16, 32, 64, 128]  # every count, until a call passed the limit (128: 0.4 s)
     monkeypatch.setattr(kernel_choice, "_memory", {})  # a new process reads the file
     monkeypatch.setattr(kernel_choice, "_time", lambda cands: pytest.fail("measured again"))
-    assert kernel_choice.native_experts_tokens(moe, torch.float32) == 8
-    assert kernel_choice.native_experts_tokens(moe, torch.float32, "fixed") == MoE.NATIVE_TOKENS
+    assert kernel_choice.native_experts_counts(moe, torch.float32) == (4, 8, 16, 32)
+    assert kernel_choice.native_experts_counts(moe, torch.float32, "fixed") == (1, 2, 4, 8, 16, 32, 64)
     monkeypatch.setattr(moe, "native_kernel", lambda dtype: None)
-    assert kernel_choice.native_experts_tokens(moe, torch.float32) == 0
+    assert kernel_choice.native_experts_counts(moe, torch.float32) == ()
 
 
-def test_a_packed_moe_routes_by_its_measured_bound(tiny_dir, tmp_path, monkeypatch):
-    """A packed model's MoE layers carry the measured bound, and `routed` sends a batch to the native
-    kernel exactly when its tokens are within it."""
+def test_a_packed_moe_routes_by_its_measured_counts(tiny_dir, tmp_path, monkeypatch):
+    """A packed model's MoE layers carry the measured counts, and `routed` sends a batch to the native
+    kernel exactly when the count it is judged by (the next EXPERT_TOKENS one up) won."""
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     monkeypatch.setattr(kernel_choice, "_memory", {})
-    monkeypatch.setattr(kernel_choice, "native_experts_tokens", lambda moe, dtype, kernels=None: 3)
+    monkeypatch.setattr(kernel_choice, "native_experts_counts", lambda moe, dtype, kernels=None: (4, 8))
     model = load_model(tiny_dir)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    assert moes and all(m.native_tokens == 3 for m in moes)
+    assert moes and all(m.native_counts == (4, 8) and m.native_tokens == 8 for m in moes)
     moe, ran = moes[0], []
     monkeypatch.setattr(moe, "native_kernel", lambda dtype: lambda x, w, ids, *stacks: ran.append(len(x)) or x)
-    for n in (1, 3, 4):
+    for n in (1, 2, 3, 4, 5, 8, 9):
         x = torch.randn(n, model.config.hidden_size)
         moe.routed(x, *moe.gate(x))
-    assert ran == [1, 3]
+    assert ran == [3, 4, 5, 8]  # 1 and 2: the kernel lost there; 9: past what won
 
 
 def test_the_expert_loops_costs_are_measured_once_per_cpu(tmp_path, monkeypatch):
