@@ -328,7 +328,7 @@ class MoE(nn.Module):
     of a few sequences: the grouped product would read every expert's weights), or routing is so
     uneven that its padding would cost more than the loop's calls (`_padding_pays`), it loops over
     the experts hit. On a CPU, float32, the experts of a decode step's few tokens run in one native
-    call instead (model/native/moe.c), up to the token count measured to pay (`routed`).
+    call instead (model/native/moe.c), at the token counts measured to pay (`routed`).
     """
 
     grouped = True  # False: always loop (exact FLOPs: the grouped path also multiplies its padding)
