@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from irminsul.engine.sequence import Sequence
-from irminsul.engine.threads import StepThreads
 from irminsul.errors import RequestError
 from irminsul.kvcache.pool import LatentPool
 from irminsul.model.attention import EMPTY_SLOT, PADDING_SLACK, SeqAttention, consecutive
@@ -61,8 +60,6 @@ class ModelRunner:
             raise RequestError(f"compile_decode: {e}") from None
         self._compiled: CompiledStep | Compiling | None = None if captured else step
         self.graphs: CapturedStep | None = step if captured else None
-        # decode steps on one thread or all, whichever this machine ran faster (a CPU only)
-        self.threads = StepThreads() if self.device.type == "cpu" else StepThreads(1)
 
     @property
     def compiled(self) -> CompiledStep | None:
@@ -89,12 +86,6 @@ class ModelRunner:
         """The next-token logits [vocab] of each sequence whose prompt is done after this step (None
         for the others). `stale_keys`: keys read at the position they were computed at (`naive`).
         The logits may be views of a captured step's output buffer: valid until the next step."""
-        if batch.decode_only:
-            with self.threads.decode_step(len(batch.seqs)):
-                return self._execute(batch, stale_keys)
-        return self._execute(batch, stale_keys)
-
-    def _execute(self, batch: ScheduledBatch, stale_keys: bool) -> list[torch.Tensor | None]:
         if not stale_keys and batch.decode_only and (self.compiled is not None or self.graphs is not None):
             logits = self.decode(batch.seqs)
             if logits is not None:
