@@ -530,7 +530,7 @@ def choose(products: list[Product], model_bytes: int, decode_bytes: int | None =
     return KernelChoices(how, choices, streamed, seconds)
 
 
-# --- the routed experts' native kernel: up to how many tokens it runs ------------------------------
+# --- the routed experts: at which token counts the native kernel runs, what the loop costs ------------
 
 EXPERT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the token counts the native experts are timed at
 EXPERT_CALL_LIMIT_S = 0.25  # counts whose calls take longer than this are not timed (a prefill's: torch's)
@@ -564,29 +564,26 @@ def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -
     key = (f"experts|{str(dtype).removeprefix('torch.')}|{experts}x{hidden}x{inner2 // 2}|k{k}"
            f"|layout{gate_up.stride(2) == 1}{down.stride(2) == 1}|threads{torch.get_num_threads()}"
            f"|moe{native.fingerprint('moe.c')}")
-    path = cache_path()
-    cached = _memory.get(key) or _read_cache(path).get(key)
-    if cached is not None and "wins" in cached:
-        return tuple(cached["wins"])
-    g = torch.Generator().manual_seed(experts * 131 + hidden)
-    wins, times = [], {}
-    with torch.inference_mode():
-        for n in EXPERT_TOKENS:
-            x = torch.randn(n, hidden, generator=g).to(dtype)
-            ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
-            weights = torch.rand(n, k, generator=g).softmax(-1)
-            t = _time({"native": lambda: kernel(x, weights, ids, gate_up, down),
-                       "torch": lambda: moe.torch_experts(x, weights, ids)})
-            times[str(n)] = t
-            if t["native"] <= t["torch"]:
-                wins.append(n)
-            if max(t.values()) > EXPERT_CALL_LIMIT_S:
-                break
-    entry = {"wins": wins, "times": times}
-    _memory[key] = entry
-    _write_cache(path, {key: entry})
-    log.info("native experts %s: at %s tokens (measured)", key.split("|threads")[0], wins or "no count")
-    return tuple(wins)
+
+    def measure() -> dict:
+        g = torch.Generator().manual_seed(experts * 131 + hidden)
+        wins, times = [], {}
+        with torch.inference_mode():
+            for n in EXPERT_TOKENS:
+                x = torch.randn(n, hidden, generator=g).to(dtype)
+                ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+                weights = torch.rand(n, k, generator=g).softmax(-1)
+                t = _time({"native": lambda: kernel(x, weights, ids, gate_up, down),
+                           "torch": lambda: moe.torch_experts(x, weights, ids)})
+                times[str(n)] = t
+                if t["native"] <= t["torch"]:
+                    wins.append(n)
+                if max(t.values()) > EXPERT_CALL_LIMIT_S:
+                    break
+        log.info("native experts %s: at %s tokens (measured)", key.split("|threads")[0], wins or "no count")
+        return {"wins": wins, "times": times}
+
+    return tuple(_measured(key, "wins", measure)["wins"])
 
 
 def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:
@@ -598,22 +595,32 @@ def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:
     experts, hidden, inner2 = gate_up.shape
     key = (f"expert-costs|{str(dtype).removeprefix('torch.')}|{experts}x{hidden}x{inner2 // 2}"
            f"|layout{gate_up.stride(2) == 1}{down.stride(2) == 1}|threads{torch.get_num_threads()}")
-    path = cache_path()
-    cached = _memory.get(key) or _read_cache(path).get(key)
-    if cached is not None and "loop_call_s" in cached:
-        return float(cached["loop_call_s"]), float(cached["macs_per_s"])
-    g = torch.Generator().manual_seed(experts * 7 + hidden)
-    rows = 32  # a grouped batch's rows per expert
-    with torch.inference_mode():
-        one = torch.randn(1, hidden, generator=g).to(dtype)
-        ids, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
-        batch = torch.randn(experts, rows, hidden, generator=g).to(dtype)
-        t = _time({"loop": lambda: moe.loop_experts(one, weights, ids),
-                   "grouped": lambda: torch.bmm(torch.bmm(batch, gate_up)[..., : inner2 // 2], down)})
-    entry = {"loop_call_s": t["loop"], "macs_per_s": experts * rows * 3 * hidden * (inner2 // 2) / t["grouped"]}
+
+    def measure() -> dict:
+        g = torch.Generator().manual_seed(experts * 7 + hidden)
+        rows = 32  # a grouped batch's rows per expert
+        with torch.inference_mode():
+            one = torch.randn(1, hidden, generator=g).to(dtype)
+            ids, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
+            batch = torch.randn(experts, rows, hidden, generator=g).to(dtype)
+            t = _time({"loop": lambda: moe.loop_experts(one, weights, ids),
+                       "grouped": lambda: torch.bmm(torch.bmm(batch, gate_up)[..., : inner2 // 2], down)})
+        return {"loop_call_s": t["loop"], "macs_per_s": experts * rows * 3 * hidden * (inner2 // 2) / t["grouped"]}
+
+    entry = _measured(key, "loop_call_s", measure)
+    return float(entry["loop_call_s"]), float(entry["macs_per_s"])
+
+
+def _measured(key: str, field: str, measure) -> dict:
+    """The cache entry `key` (this process's, else the cache file's) when it holds `field`, else
+    `measure()`'s, kept in both."""
+    cached = _memory.get(key) or _read_cache(cache_path()).get(key)
+    if cached is not None and field in cached:
+        return cached
+    entry = measure()
     _memory[key] = entry
-    _write_cache(path, {key: entry})
-    return entry["loop_call_s"], entry["macs_per_s"]
+    _write_cache(cache_path(), {key: entry})
+    return entry
 
 
 # --- the choices packing follows -----------------------------------------------------------------------
