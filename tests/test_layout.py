@@ -1,4 +1,4 @@
-"""The serving path (server, engine, model, cache, kvcache, fleet, integrations) imports no research code: `irminsul.research` (trace
+"""The serving path (server, engine, model, kvcache, fleet, integrations) imports no research code: `irminsul.research` (trace
 building, the fidelity study, training the reference models) is a tool over the engine, never a
 part of it. Every import is checked, those inside functions included."""
 
@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVING = ("server", "engine", "model", "cache", "kvcache", "fleet", "integrations")
+SERVING = ("server", "engine", "model", "kvcache", "fleet", "integrations")
 RESEARCH = ("irminsul.research", "irminsul.workloads", "irminsul.eval", "irminsul.train")
 
 

@@ -62,7 +62,7 @@ class Sequence:
     segment_starts: list[int] | None = None
     tenant: str | None = None  # cache namespace; None means the engine's default
     stats: RequestStats = field(default_factory=RequestStats)
-    reuse_plan: object | None = None  # the cache planner's plan (irminsul.cache.planner.Plan), until freed
+    reuse_plan: object | None = None  # the cache planner's plan (irminsul.kvcache.planner.Plan), until freed
     registered: int = 0  # prompt positions whose chunks were offered to the cache (in-flight reuse)
     seed: int = 0  # sampling randomness is a function of (seed, output position): engine/sampling.py
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from irminsul.cache.chunker import ChunkerConfig
+from irminsul.kvcache.chunker import ChunkerConfig
 from irminsul.fleet.feed import RoutingStats, Snapshot, follow, restore
 from irminsul.fleet.prompt import RouteKey
 from irminsul.fleet.router import ContentRouter, Decision, ReplicaView

@@ -10,7 +10,7 @@ the prompt tokens it would not have to compute there:
   document once per replica before any poll shows it;
 - a smaller credit (`store_credit`) for chunks only in the store every replica shares (Redis): a
   miss there is loaded, not computed, but loading is not free;
-- as the planner counts them (`irminsul/cache/planner.py`): rows at target positions below the
+- as the planner counts them (`irminsul/kvcache/planner.py`): rows at target positions below the
   sink are computed (the carve-out), and the last prompt token is always computed.
 
 Its cost, lowest wins:
@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from irminsul.cache.chunker import ChunkerConfig, as_tokens, chunk, fingerprint, namespace_seed
-from irminsul.cache.planner import PlannerConfig
+from irminsul.kvcache.chunker import ChunkerConfig, as_tokens, chunk, fingerprint, namespace_seed
+from irminsul.kvcache.planner import PlannerConfig
 from irminsul.fleet.fingerprints import FingerprintSet
 from irminsul.kvcache.journal import JournalDelta
 from irminsul.kvcache.namespaces import SHARED

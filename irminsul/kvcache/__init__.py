@@ -1,4 +1,9 @@
-"""The KV cache's owner: the latent pool (`pool.py`), the one eviction order over rows only caches hold
-(`eviction.py`), tenants' namespaces (`namespaces.py`) and the KV manager that turns the cache's plans
-into slot tables (`manager.py`). The bookkeeping it drives (chunker, registry, radix tree, windows,
-planner) is engine-agnostic and lives in `irminsul/cache/`."""
+"""The reuse layer: everything that decides which rows a prompt computes and which it reuses.
+
+The bookkeeping needs no torch and works on token and slot ids: the CDC chunker (`chunker.py`), the
+content registry (`registry.py`), the S1 window index (`windows.py`), the exact-prefix radix tree
+(`radix.py`) and the reuse planner (`planner.py`). Around it sit the KV cache's owner: the latent pool
+(`pool.py`), the one eviction order over rows only caches hold (`eviction.py`), tenants' namespaces
+(`namespaces.py`), the journal a fleet router reads (`journal.py`), the store tiers that serialise rows
+(`store/`) and the KV manager that turns plans into slot tables (`manager.py`).
+"""

@@ -10,7 +10,7 @@ caches hold (`eviction.py`), and turns the cache's plans into slot tables:
   pic     prefix + content-addressed chunks with the sink carve-out; every row read at its position
           in the new sequence, which is the δ-rotation done when attention reads the key.
 
-The radix tree, the registry and the S1 windows (`irminsul/cache/`) are pure bookkeeping over token
+The radix tree, the registry and the S1 windows (`irminsul/kvcache/`) are pure bookkeeping over token
 ids and slot ids; this module is where slots are taken, shared and freed. A hit never copies: a
 sequence that reuses a chunk takes one more reference on its slots. Chunks are offered to the
 registry as soon as their rows are computed (in-flight reuse), and a request whose chunks a running
@@ -26,10 +26,10 @@ import inspect
 
 import numpy as np
 
-from irminsul.cache.chunker import ChunkerConfig, chunk
-from irminsul.cache.planner import Plan, Planner, PlannerConfig
-from irminsul.cache.radix import RadixCache
-from irminsul.cache.registry import Entry, MemoryRegistry, Registry
+from irminsul.kvcache.chunker import ChunkerConfig, chunk
+from irminsul.kvcache.planner import Plan, Planner, PlannerConfig
+from irminsul.kvcache.radix import RadixCache
+from irminsul.kvcache.registry import Entry, MemoryRegistry, Registry
 from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
 from irminsul.kvcache.eviction import EvictionOrder

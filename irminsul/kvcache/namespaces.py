@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from irminsul.cache.chunker import namespace_seed
-from irminsul.cache.planner import Planner, PlannerConfig
-from irminsul.cache.radix import PrefixMatch, PrefixPiece, RadixCache
-from irminsul.cache.registry import Registry, ScopedRegistry, namespace_id
-from irminsul.cache.windows import WindowIndex
+from irminsul.kvcache.chunker import namespace_seed
+from irminsul.kvcache.planner import Planner, PlannerConfig
+from irminsul.kvcache.radix import PrefixMatch, PrefixPiece, RadixCache
+from irminsul.kvcache.registry import Registry, ScopedRegistry, namespace_id
+from irminsul.kvcache.windows import WindowIndex
 from irminsul.model.attention import EMPTY_SLOT
 
 SHARED = "\x00shared"  # the operator's published namespace; no request can name it as its tenant

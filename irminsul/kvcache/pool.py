@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from irminsul.cache.store.codec import row_bytes
+from irminsul.kvcache.store.codec import row_bytes
 from irminsul.model.attention import EMPTY_SLOT
 from irminsul.model.config import ModelConfig
 

@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from irminsul.cache.chunker import ChunkerConfig, namespace_seed
-from irminsul.cache.planner import Planner, PlannerConfig
-from irminsul.cache.radix import RadixCache
-from irminsul.cache.registry import MemoryRegistry
-from irminsul.cache.windows import WindowIndex
+from irminsul.kvcache.chunker import ChunkerConfig, namespace_seed
+from irminsul.kvcache.planner import Planner, PlannerConfig
+from irminsul.kvcache.radix import RadixCache
+from irminsul.kvcache.registry import MemoryRegistry
+from irminsul.kvcache.windows import WindowIndex
 from irminsul.fleet.router import ContentRouter, ReplicaLoad, ReplicaView, RouterWeights
 from irminsul.kvcache.journal import ChunkJournal
 from irminsul.research.workloads.recovery import BYTES_PER_TOKEN

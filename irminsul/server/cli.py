@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from irminsul.cache.store import StoreConfig
+from irminsul.kvcache.store import StoreConfig
 from irminsul.cli import DefaultsHelpFormatter
 from irminsul.kvcache.modes import MODES
 from irminsul.server.config import ServerConfig

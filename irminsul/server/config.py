@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from irminsul.cache.store import StoreConfig
+from irminsul.kvcache.store import StoreConfig
 from irminsul.kvcache.modes import MODES
 from irminsul.errors import UserFacingError
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from irminsul.cache.store import TierStats, tier_stats
+from irminsul.kvcache.store import TierStats, tier_stats
 from irminsul.engine.engine import Engine, PoolBusy, ScoringCancelled
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.sequence import RequestStats, Sequence, TokenLogprob
@@ -144,7 +144,7 @@ class EngineClient:
     @classmethod
     def create(cls, model, tokenizer, model_id: str, config, metrics=None) -> EngineClient:
         """The engine over a loaded model, with its chunk store and pool sized by the server's `config`."""
-        from irminsul.cache.store import RowLayout, open_registry
+        from irminsul.kvcache.store import RowLayout, open_registry
         from irminsul.engine.engine import default_kv_cache_gib
 
         layout = RowLayout.of(model, model_id, secret=(config.store_secret or "").encode())

@@ -76,7 +76,7 @@ def fleet():
 
     from irminsul.fleet.serve import FleetConfig, build
     from irminsul.server.config import ServerConfig
-    from irminsul.cache.store import StoreConfig
+    from irminsul.kvcache.store import StoreConfig
 
     redis = RedisProcess()
     env = {"OMP_NUM_THREADS": "1", "IRMINSUL_COMPILE_DECODE": "0"}

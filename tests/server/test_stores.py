@@ -5,8 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from irminsul.cache.store import StoreConfig
-from irminsul.cache.store.codec import decode
+from irminsul.kvcache.store import StoreConfig
+from irminsul.kvcache.store.codec import decode
 from irminsul.server.testing import ServerProcess, wait_for
 from tests.server.server_helpers import chat, metric, start, text
 
@@ -158,7 +158,7 @@ def stream_chat(url: str, messages) -> tuple[str, str, dict]:
 def test_a_disk_that_turns_read_only_mid_run_costs_no_request(tiny_dir, tmp_path, monkeypatch):
     """The disk tier's directory becomes read-only while the server runs: streams keep completing,
     reads still hit, every refused touch and write is counted and the log stays short."""
-    from tests.store.test_faults import DiskFaults
+    from tests.kvcache.store.test_faults import DiskFaults
 
     s = start(tiny_dir, store=StoreConfig(("memory", f"disk:{tmp_path}")))
     try:

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from irminsul.cache.chunker import ChunkerConfig
-from irminsul.cache.planner import Plan, Planner, PlannerConfig
-from irminsul.cache.radix import RadixCache
-from irminsul.cache.registry import MemoryRegistry
+from irminsul.kvcache.chunker import ChunkerConfig
+from irminsul.kvcache.planner import Plan, Planner, PlannerConfig
+from irminsul.kvcache.radix import RadixCache
+from irminsul.kvcache.registry import MemoryRegistry
 from irminsul.kvcache.namespaces import Namespaces
 
 

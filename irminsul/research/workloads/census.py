@@ -20,7 +20,7 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
-from irminsul.cache.radix import common_prefix
+from irminsul.kvcache.radix import common_prefix
 from irminsul.research.workloads.prefix import PrefixIndex
 
 

@@ -14,7 +14,7 @@ from bisect import bisect_left
 import numpy as np
 import xxhash
 
-from irminsul.cache.radix import common_prefix
+from irminsul.kvcache.radix import common_prefix
 
 ROOT = 0
 

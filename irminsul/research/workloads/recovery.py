@@ -24,11 +24,11 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
-from irminsul.cache.chunker import ChunkerConfig, namespace_seed
-from irminsul.cache.planner import Planner, PlannerConfig
-from irminsul.cache.radix import RadixCache
-from irminsul.cache.registry import MemoryRegistry
-from irminsul.cache.windows import WindowIndex
+from irminsul.kvcache.chunker import ChunkerConfig, namespace_seed
+from irminsul.kvcache.planner import Planner, PlannerConfig
+from irminsul.kvcache.radix import RadixCache
+from irminsul.kvcache.registry import MemoryRegistry
+from irminsul.kvcache.windows import WindowIndex
 from irminsul.research.workloads.census import CensusConfig, CensusResult, run_census
 from irminsul.research.workloads.prefix import PrefixIndex
 from irminsul.research.workloads.render import Rendered

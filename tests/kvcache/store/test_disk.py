@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul.cache.registry import Entry
-from irminsul.cache.store import CorruptEntry, ForeignEntry, RowLayout, decode, encode
-from irminsul.cache.store.disk import DiskRegistry
-from tests.store.conftest import LAYOUT
+from irminsul.kvcache.registry import Entry
+from irminsul.kvcache.store import CorruptEntry, ForeignEntry, RowLayout, decode, encode
+from irminsul.kvcache.store.disk import DiskRegistry
+from tests.kvcache.store.conftest import LAYOUT
 
 
 def entry(fp, n=8, base=0, seed=0, layout=None):

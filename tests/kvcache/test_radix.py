@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from irminsul.cache.radix import RadixCache
+from irminsul.kvcache.radix import RadixCache
 
 
 def _concat(match):

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul.cache.registry import Entry
-from irminsul.cache.store import StoreConfig, open_registry, tier_stats
-from irminsul.cache.store.disk import DiskRegistry
-from irminsul.cache.store.redis import RedisRegistry
-from tests.store.conftest import LAYOUT
+from irminsul.kvcache.registry import Entry
+from irminsul.kvcache.store import StoreConfig, open_registry, tier_stats
+from irminsul.kvcache.store.disk import DiskRegistry
+from irminsul.kvcache.store.redis import RedisRegistry
+from tests.kvcache.store.conftest import LAYOUT
 
 HOSTILE = ("fifo", "link-to-dev-zero", "link-to-an-entry", "sparse", "directory")
 SPARSE_BYTES = 2**30  # far beyond the largest entry: truncate makes it without using the disk

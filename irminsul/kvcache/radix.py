@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from irminsul.cache.chunker import TokenArray, as_tokens
+from irminsul.kvcache.chunker import TokenArray, as_tokens
 
 SplitFn = Callable[[Any, int], tuple[Any, Any]]
 

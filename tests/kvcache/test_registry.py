@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from irminsul.cache.registry import Entry, MemoryRegistry
+from irminsul.kvcache.registry import Entry, MemoryRegistry
 
 
 def _entry(fp, n=4, nbytes=10, tokens=None):

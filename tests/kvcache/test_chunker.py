@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from irminsul.cache.chunker import (
+from irminsul.kvcache.chunker import (
     GEAR_SEED, Chunk, ChunkerConfig, boundaries, candidates, chunk, clamp, fingerprint, gear,
     marker_ends, namespace_seed, reference_candidates, reference_clamp, segment_starts_of,
 )

@@ -4,16 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul.cache.registry import MemoryRegistry
-from irminsul.cache.store import StoreConfig, open_registry, tier_stats
-from irminsul.cache.store.redis import RedisRegistry
-from irminsul.cache.store.tiered import TieredRegistry
+from irminsul.kvcache.registry import MemoryRegistry
+from irminsul.kvcache.store import StoreConfig, open_registry, tier_stats
+from irminsul.kvcache.store.redis import RedisRegistry
+from irminsul.kvcache.store.tiered import TieredRegistry
 from irminsul.server.testing import wait_for
 
 
 def entry(fp, n=8, seed=0):
     rows = torch.randn(2, n, 6, generator=torch.Generator().manual_seed(seed))
-    from irminsul.cache.registry import Entry
+    from irminsul.kvcache.registry import Entry
 
     return Entry(fp, np.arange(seed, seed + n, dtype=np.int64), 0, rows, rows.numel() * 4)
 
@@ -83,7 +83,7 @@ def test_tiered_falls_through_promotes_and_pins(tmp_path, redis_proc, layout):
 
 
 def test_prefetch_stages_lower_tier_entries_so_the_lookup_does_no_io(tmp_path, layout):
-    from irminsul.cache.store.disk import DiskRegistry
+    from irminsul.kvcache.store.disk import DiskRegistry
 
     disk = DiskRegistry(tmp_path, layout, 10**7)
     disk.put(entry(11, seed=1))
@@ -131,7 +131,7 @@ def test_lower_tier_writes_never_wait_on_the_caller(tmp_path, layout):
     disk never stalls the thread that decodes, and with it every stream."""
     import threading
 
-    from irminsul.cache.store.disk import DiskRegistry
+    from irminsul.kvcache.store.disk import DiskRegistry
 
     disk = DiskRegistry(tmp_path, layout, 10**7)
     release = threading.Event()

@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
 
-from irminsul.cache.chunker import ChunkerConfig
-from irminsul.cache.planner import Plan, Planner, PlannerConfig
-from irminsul.cache.radix import RadixCache
-from irminsul.cache.registry import MemoryRegistry
-from irminsul.cache.windows import WindowIndex
+from irminsul.kvcache.chunker import ChunkerConfig
+from irminsul.kvcache.planner import Plan, Planner, PlannerConfig
+from irminsul.kvcache.radix import RadixCache
+from irminsul.kvcache.registry import MemoryRegistry
+from irminsul.kvcache.windows import WindowIndex
 
 VOCAB = 50_000
 

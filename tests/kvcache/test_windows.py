@@ -1,7 +1,7 @@
 import numpy as np
 
-from irminsul.cache.chunker import gear
-from irminsul.cache.windows import _BASE, WindowHit, WindowIndex
+from irminsul.kvcache.chunker import gear
+from irminsul.kvcache.windows import _BASE, WindowHit, WindowIndex
 
 
 def _slow_hash(tokens, s, w):

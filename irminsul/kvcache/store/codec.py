@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from irminsul.cache.chunker import ChunkerConfig
-from irminsul.cache.registry import Entry, namespace_id
+from irminsul.kvcache.chunker import ChunkerConfig
+from irminsul.kvcache.registry import Entry, namespace_id
 
 # v4: the writer's namespace (v3: a keyed MAC; v2: k_r un-rotated, an unkeyed checksum; v1: k_r rotated)
 FORMAT = "irminsul-chunk-v4"

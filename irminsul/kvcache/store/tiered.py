@@ -37,8 +37,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from irminsul.cache.registry import Entry, MemoryRegistry, PinCounts, Registry, RegistryStats
-from irminsul.cache.store.stats import TierLog, TierStats, memory_tier_stats
+from irminsul.kvcache.registry import Entry, MemoryRegistry, PinCounts, Registry, RegistryStats
+from irminsul.kvcache.store.stats import TierLog, TierStats, memory_tier_stats
 
 
 class TieredRegistry(Registry):

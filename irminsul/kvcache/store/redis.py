@@ -31,10 +31,10 @@ import time
 
 import numpy as np
 
-from irminsul.cache.registry import Entry, Registry, RegistryStats
-from irminsul.cache.store import deadline
-from irminsul.cache.store.codec import CorruptEntry, RowLayout, decode, encode
-from irminsul.cache.store.stats import TierLog, TierStats
+from irminsul.kvcache.registry import Entry, Registry, RegistryStats
+from irminsul.kvcache.store import deadline
+from irminsul.kvcache.store.codec import CorruptEntry, RowLayout, decode, encode
+from irminsul.kvcache.store.stats import TierLog, TierStats
 
 # Compare-and-set on the SHA-1 of the value a client saw: a key is replaced or deleted only if it
 # still holds that value (or, for a replacement, nothing).

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from irminsul.cache.chunker import TokenArray, as_tokens, gear
+from irminsul.kvcache.chunker import TokenArray, as_tokens, gear
 
 _BASE = 0x9E3779B97F4A7C15  # odd
 _BASE_INV = pow(_BASE, -1, 1 << 64)

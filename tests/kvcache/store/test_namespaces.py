@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul.cache import chunker
-from irminsul.cache.registry import Entry, MemoryRegistry, ScopedRegistry, namespace_id
-from irminsul.cache.store import StoreConfig, decode, encode, open_registry
-from irminsul.cache.store.disk import DiskRegistry
-from irminsul.cache.store.redis import RedisRegistry
-from tests.store.conftest import LAYOUT
+from irminsul.kvcache import chunker
+from irminsul.kvcache.registry import Entry, MemoryRegistry, ScopedRegistry, namespace_id
+from irminsul.kvcache.store import StoreConfig, decode, encode, open_registry
+from irminsul.kvcache.store.disk import DiskRegistry
+from irminsul.kvcache.store.redis import RedisRegistry
+from tests.kvcache.store.conftest import LAYOUT
 
 ALICE, BOB = namespace_id("m", "alice"), namespace_id("m", "bob")
 
@@ -55,7 +55,7 @@ def test_the_same_chunk_under_the_same_fingerprint_is_a_hit_only_in_its_namespac
 def tiny_fingerprints(monkeypatch, bits=6):
     """Fingerprints of the content alone, in 2**bits values: every tenant's copy of a chunk lands on
     the same fingerprint, and different chunks collide too."""
-    from irminsul.cache import planner
+    from irminsul.kvcache import planner
     from irminsul.kvcache import manager
 
     def fp(ids, seed):
@@ -74,7 +74,7 @@ def _rand(n, seed):
 
 
 def test_no_row_crosses_tenants_when_fingerprints_collide(tiny_dir, monkeypatch, tmp_path):
-    from irminsul.cache.store import RowLayout
+    from irminsul.kvcache.store import RowLayout
     from irminsul.engine.llm import LLM
     from irminsul.engine.sampling import SamplingParams
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from irminsul.cache.registry import Entry, MemoryRegistry, Registry
-from irminsul.cache.store import RowLayout, StoreConfig, open_registry, tier_stats
-from irminsul.cache.store.disk import DiskRegistry
-from irminsul.cache.store.redis import RedisRegistry
-from irminsul.cache.store.tiered import TieredRegistry
+from irminsul.kvcache.registry import Entry, MemoryRegistry, Registry
+from irminsul.kvcache.store import RowLayout, StoreConfig, open_registry, tier_stats
+from irminsul.kvcache.store.disk import DiskRegistry
+from irminsul.kvcache.store.redis import RedisRegistry
+from irminsul.kvcache.store.tiered import TieredRegistry
 from irminsul.server.testing import RedisProcess
-from tests.store.conftest import LAYOUT
+from tests.kvcache.store.conftest import LAYOUT
 
 DISK_FAULTS = ("read-only", "full", "slow", "failing", "vanishing", "denied")
 
@@ -199,7 +199,7 @@ def forged(blob: bytes, **changes) -> bytes:
 
 
 def test_a_planted_disk_file_is_replaced_by_the_legitimate_write(tmp_path):
-    from irminsul.cache.store.codec import encode
+    from irminsul.kvcache.store.codec import encode
 
     disk = DiskRegistry(tmp_path, LAYOUT, budget_bytes=1 << 20)
     for fp, blob in ((0x51, b"garbage"), (0x52, forged(encode(entry(0x52), LAYOUT), base_pos="7")),
@@ -215,7 +215,7 @@ def test_a_planted_disk_file_is_replaced_by_the_legitimate_write(tmp_path):
 
 
 def test_a_planted_redis_value_is_replaced_and_a_racing_writer_is_not_clobbered(redis_proc):
-    from irminsul.cache.store.codec import encode
+    from irminsul.kvcache.store.codec import encode
 
     r = RedisRegistry(redis_proc.url, LAYOUT)
     client = redis_proc.client()

@@ -10,11 +10,11 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from irminsul.cache.registry import MemoryRegistry, Registry
-from irminsul.cache.store.stats import TierStats, memory_tier_stats
+from irminsul.kvcache.registry import MemoryRegistry, Registry
+from irminsul.kvcache.store.stats import TierStats, memory_tier_stats
 
 if TYPE_CHECKING:
-    from irminsul.cache.store.codec import CorruptEntry, ForeignEntry, RowLayout, decode, encode
+    from irminsul.kvcache.store.codec import CorruptEntry, ForeignEntry, RowLayout, decode, encode
 
 # the codec's names (it imports torch) are loaded when first asked for: the server's command line
 # reads StoreConfig without loading torch
@@ -23,7 +23,7 @@ _CODEC = ("CorruptEntry", "ForeignEntry", "RowLayout", "decode", "encode")
 
 def __getattr__(name: str):
     if name in _CODEC:
-        return getattr(importlib.import_module("irminsul.cache.store.codec"), name)
+        return getattr(importlib.import_module("irminsul.kvcache.store.codec"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -61,24 +61,24 @@ def open_registry(config: StoreConfig, layout: RowLayout, memory_bytes: int | No
     memory = MemoryRegistry(config.memory_bytes if memory_bytes is None else memory_bytes)
     lower: list[Registry] = []
     if config.disk_path:
-        from irminsul.cache.store.disk import DiskRegistry
+        from irminsul.kvcache.store.disk import DiskRegistry
 
         lower.append(DiskRegistry(config.disk_path, layout, config.disk_bytes))
     if config.redis_url:
-        from irminsul.cache.store.redis import RedisRegistry
+        from irminsul.kvcache.store.redis import RedisRegistry
 
         lower.append(RedisRegistry(config.redis_url, layout, timeout_s=config.redis_timeout_s,
                                    ttl_s=config.redis_ttl_s))
     if not lower:
         return memory
-    from irminsul.cache.store.tiered import TieredRegistry
+    from irminsul.kvcache.store.tiered import TieredRegistry
 
     return TieredRegistry(memory, lower)
 
 
 def tier_stats(registry: Registry) -> list[TierStats]:
     """One TierStats per tier of any registry this package builds."""
-    from irminsul.cache.store.tiered import TieredRegistry
+    from irminsul.kvcache.store.tiered import TieredRegistry
 
     if isinstance(registry, TieredRegistry):
         return registry.all_tier_stats

@@ -25,10 +25,10 @@ from typing import Literal
 
 import numpy as np
 
-from irminsul.cache.chunker import Chunk, ChunkerConfig, FingerprintFn, TokenArray, as_tokens, chunk, fingerprint
-from irminsul.cache.radix import PrefixMatch, RadixCache, common_prefix
-from irminsul.cache.registry import Entry, Registry
-from irminsul.cache.windows import WindowIndex
+from irminsul.kvcache.chunker import Chunk, ChunkerConfig, FingerprintFn, TokenArray, as_tokens, chunk, fingerprint
+from irminsul.kvcache.radix import PrefixMatch, RadixCache, common_prefix
+from irminsul.kvcache.registry import Entry, Registry
+from irminsul.kvcache.windows import WindowIndex
 
 
 @dataclass(frozen=True)
