@@ -2,7 +2,8 @@
 
 Each area of the project owns its subcommands in a module of AREAS, which defines
 `register(subparsers)` and, optionally, `register_bench(bench_subparsers)` for `irminsul bench ...`.
-This file only discovers them.
+This file only discovers them, in this order (a later area may add options to an earlier one's
+command: the fleet's to `serve`).
 """
 
 import argparse
@@ -11,7 +12,8 @@ import importlib.metadata
 import sys
 
 AREAS = ("irminsul.engine.cli", "irminsul.research.train.cli", "irminsul.research.workloads.cli",
-         "irminsul.research.eval.cli", "irminsul.server.cli", "irminsul.research.bench_serve",
+         "irminsul.research.eval.cli", "irminsul.server.cli", "irminsul.fleet.cli",
+         "irminsul.research.bench_serve",
          "irminsul.model.random_checkpoint", "irminsul.integrations.vllm.serve")
 
 

@@ -84,20 +84,6 @@ def register(sub) -> None:
                    help="log a repeated warning or error at most N times a minute (then say how many were left out)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="the least severe log level printed")
-    fleet = p.add_argument_group("fleet", "N engine replicas on Ray Serve behind one ingress, routed by content "
-                                          "(pip install 'irminsul[fleet]'; docs/fleet.md)")
-    fleet.add_argument("--replicas", type=int, default=None, metavar="N",
-                       help="run N replicas on a local Ray (each its own process, with the options above; the "
-                            "ingress listens on --host/--port); default: one engine in this process")
-    fleet.add_argument("--router", choices=("content", "prefix", "pow2"), default="content",
-                       help="how the fleet routes: by content (default), or Ray Serve's prefix-affinity or "
-                            "power-of-two router, to compare against")
-    fleet.add_argument("--replica-threads", type=int, default=1, metavar="N",
-                       help="torch / OpenMP threads (and Ray CPUs) of each replica")
-    fleet.add_argument("--replica-gpus", type=float, default=0, metavar="N",
-                       help="GPUs each replica reserves (1: one replica per device)")
-    fleet.add_argument("--stats-period", type=float, default=1.0, metavar="SECONDS",
-                       help="how often each replica reports its load and its chunk journal's changes to the router")
     p.set_defaults(func=serve)
 
 
@@ -167,12 +153,15 @@ def check_port(host: str, port: int) -> None:
 
 
 def serve(args) -> int:
-    if args.replicas is not None:  # a fleet stops on SIGTERM as on Ctrl-C, its Redis too (irminsul/fleet/serve.py)
-        import signal
+    """One engine in this process (with --start-redis, the Redis of its shared tier too). The fleet's
+    `--replicas N` is irminsul/fleet/cli.py's, which adds its options to this command."""
+    return with_local_redis(args, serve_one)
 
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+def with_local_redis(args, run) -> int:
+    """``run(args)``, within the lifetime of the redis-server --start-redis asks for."""
     if not args.start_redis:
-        return serve_one_or_fleet(args)
+        return run(args)
     from irminsul.server.local_redis import LocalRedis
     from irminsul.server.config import ServerConfigError
 
@@ -183,16 +172,13 @@ def serve(args) -> int:
     print(f"started redis-server on {redis.host}:{redis.port} for the shared tier (stopped with the server)",
           flush=True)
     try:
-        return serve_one_or_fleet(args)
+        return run(args)
     finally:
         redis.stop()
 
 
-def serve_one_or_fleet(args) -> int:
+def serve_one(args) -> int:
     import logging
-
-    if args.replicas is not None:
-        return serve_fleet(args)
 
     import uvicorn
 
@@ -217,22 +203,3 @@ def serve_one_or_fleet(args) -> int:
         # stopped before the interpreter exits, or it dies inside a torch call and the process aborts
         state.close()
     return 0
-
-
-def serve_fleet(args) -> int:
-    """`--replicas N`: the Ray Serve fleet on this host (irminsul/fleet/serve.py)."""
-    import logging
-
-    from irminsul.server.config import ServerConfigError
-
-    try:
-        import ray.serve  # noqa: F401
-    except ImportError as e:
-        raise ServerConfigError(f"--replicas needs Ray Serve ({e.name} is not installed): "
-                                f"pip install 'irminsul[fleet]'") from None
-    from irminsul.fleet.serve import configs_from_args, run_fleet
-
-    config, fleet = configs_from_args(args)
-    check_port(config.host, config.port)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_fleet(config, fleet, args.log_level)
