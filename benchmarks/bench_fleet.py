@@ -100,7 +100,7 @@ def run_fleet(router: str, requests, model: Path, kv_cache_gib: float, replicas:
 
     from irminsul.fleet.serve import FleetConfig, build
     from irminsul.server.config import ServerConfig
-    from irminsul.server.testing import free_port, wait_for
+    from tests.support.services import free_port, wait_for
 
     env = {"OMP_NUM_THREADS": "1", "IRMINSUL_COMPILE_DECODE": "0"}
     # one CPU a replica, and one for Ray's prefix tree actor (the ingress and Serve's own take none)

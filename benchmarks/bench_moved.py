@@ -25,8 +25,10 @@ import torch
 
 from irminsul import LLM, bundled_model
 from irminsul.cli import run_for_people
-from irminsul.integrations.vllm.moved import moved_prompts
 from irminsul.machine import describe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's root, for tests/support
+from tests.support.moved import moved_prompts  # noqa: E402
 
 MOVED = dict(header_a=40, header_b=233, doc=1200, question=8)
 

@@ -43,7 +43,7 @@ only a 26- or 27-layer checkpoint loads). Build its two tools with:
 (-DGGML_IQK_FA_ALL_QUANTS=OFF only drops the q4_0/q4_1/iq4_nl KV-cache kernels, for a shorter
 build) and pass --ik-llama-cpp with that directory; without it the column is skipped.
 
-Then Irminsul's `pic` on the moved document (bench_vllm.py's pair, irminsul/integrations/vllm/moved.py):
+Then Irminsul's `pic` on the moved document (bench_vllm.py's pair, tests/support/moved.py):
 a 1,708-token prompt (header B 233 + document 1,467 + question 8) whose document was seen before
 behind a 40-token header A, its TTFT (one output token) against two ideals: the same prompt length
 with the same number of computed tokens after an exact-prefix hit (the rows pic reused, as a
@@ -198,7 +198,7 @@ def worker_pic(args) -> dict:
     import torch
 
     from irminsul import LLM
-    from irminsul.integrations.vllm.moved import moved_prompts
+    from tests.support.moved import moved_prompts
 
     torch.set_num_threads(1)
     llm = LLM(str(args.checkpoint), dtype="bfloat16", reuse="pic", compile_decode=False)

@@ -26,7 +26,9 @@ from irminsul.errors import UserFacingError
 from irminsul.machine import describe
 from irminsul.research.bench_serve import replay, summarise
 from irminsul.research.workloads.trace import read_trace
-from irminsul.server.testing import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's root, for tests/support
+from tests.support.services import ServerProcess  # noqa: E402
 
 
 def tiny_qwen2_checkpoint(path: Path) -> Path:

@@ -28,7 +28,9 @@ from pathlib import Path
 from irminsul import bundled_model
 from irminsul.cli import run_for_people
 from irminsul.machine import describe
-from irminsul.server.testing import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's root, for tests/support
+from tests.support.services import free_port  # noqa: E402
 
 MODES = {"default": [], "--compile-decode": ["--compile-decode"], "--no-compile-decode": ["--no-compile-decode"]}
 

@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's root, for tests/support
+
 MAKER = ["--family", "deepseek_v3", "--hidden", "2048", "--heads", "16", "--vocab", "129280", "--experts", "64",
          "--kv-lora-rank", "512", "--rope-head-dim", "64", "--nope-head-dim", "128", "--v-head-dim", "128",
          "--context", "8192", "--dtype", "bfloat16"]
@@ -80,7 +82,7 @@ def worker_moved(args) -> dict:
 
     import torch
 
-    from irminsul.integrations.vllm.moved import make_vllm, moved_prompts, run_vllm
+    from tests.support.moved import make_vllm, moved_prompts, run_vllm
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -100,7 +102,7 @@ def worker_engine(args) -> dict:
     """Irminsul's own engine on the same checkpoint: the moved document's continuation scored (pic or off)."""
     import torch
 
-    from irminsul.integrations.vllm.moved import irminsul_logprobs, moved_prompts
+    from tests.support.moved import irminsul_logprobs, moved_prompts
 
     torch.set_num_threads(1)
     prompts = moved_prompts(**MOVED, seed=0)
@@ -133,7 +135,7 @@ def worker_replay(args) -> dict:
     from vllm import SamplingParams
 
     from irminsul.integrations.vllm.connector import INSTANCES
-    from irminsul.integrations.vllm.moved import make_vllm
+    from tests.support.moved import make_vllm
 
     torch.set_num_threads(1)
     prompts = replay_prompts(args.trace, args.requests, args.max_prompt)

@@ -34,7 +34,9 @@ import httpx
 
 from irminsul.cli import run_for_people
 from irminsul.machine import describe
-from irminsul.server.testing import ServerProcess, rss_mib
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's root, for tests/support
+from tests.support.services import ServerProcess, rss_mib  # noqa: E402
 
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
 WORDS = ("policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from irminsul.server.testing import free_port, wait_for
+from tests.support.services import free_port, wait_for
 
 pytest.importorskip("ray.serve")
 if subprocess.run(["which", "redis-server"], capture_output=True).returncode:

@@ -16,7 +16,7 @@ import pytest
 from irminsul.fleet.feed import JournalFeed, RoutingStats, follow, restore
 from irminsul.fleet.router import ReplicaLoad, ReplicaView
 from irminsul.kvcache.journal import ChunkJournal
-from irminsul.server.testing import RedisProcess, free_port, wait_for
+from tests.support.services import RedisProcess, free_port, wait_for
 from tests.server.server_helpers import text
 
 MODEL = "tiny"

@@ -3,7 +3,7 @@
 import time
 
 from irminsul.fleet.store_keys import StoreKeys
-from irminsul.server.testing import RedisProcess
+from tests.support.services import RedisProcess
 
 
 def test_the_store_says_which_chunks_it_holds_and_a_dead_store_is_no_credit_never_an_error():

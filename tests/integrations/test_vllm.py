@@ -24,9 +24,10 @@ from tests.integrations import require_vllm
 require_vllm()
 
 from irminsul.cli import main as irminsul_main  # noqa: E402
-from irminsul.integrations.vllm.moved import irminsul_logprobs, moved_prompts  # noqa: E402
+from tests.support.moved import irminsul_logprobs, moved_prompts  # noqa: E402
 
 TIMEOUT = 600  # seconds per engine process (about 40 s each on a 2-core machine)
+ROOT = Path(__file__).resolve().parents[2]  # the processes run `python -m` from the clone's root (tests.support)
 
 
 def _checkpoint(path, layers):
@@ -43,8 +44,8 @@ def two_layers(tmp_path_factory):
 
 def _run(path, mode, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    p = subprocess.run([sys.executable, "-m", "irminsul.integrations.vllm.moved", str(path), "--mode", mode, *extra],
-                       capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    p = subprocess.run([sys.executable, "-m", "tests.support.moved", str(path), "--mode", mode, *extra],
+                       capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, p.stderr[-3000:]
     return json.loads(line[len("RESULT "):])["runs"][0]
@@ -92,8 +93,8 @@ def test_new_tokens_after_loaded_rows_are_computed_in_one_step(two_layers):
 
 def _drive(path, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    p = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_driver.py")), str(path), *args],
-                       capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    p = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_driver", str(path), *args],
+                       capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, p.stderr[-3000:]
     return json.loads(line[len("RESULT "):])

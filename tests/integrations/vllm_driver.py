@@ -1,5 +1,5 @@
 """One vLLM + Irminsul engine in this process, for test_vllm.py (each engine in its own process):
-`python tests/integrations/vllm_driver.py CKPT cycle|salts` prints one line, RESULT and a JSON object.
+`python -m tests.integrations.vllm_driver CKPT cycle|salts` (from the clone's root) prints one line, RESULT and a JSON object.
 
 - cycle: a registry smaller than one document, documents each behind several new headers in turn,
   up to four requests at a time (vLLM's batch), so that chunks are evicted and stored again from
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from irminsul.integrations.vllm.connector import INSTANCES
-from irminsul.integrations.vllm.moved import make_vllm
+from tests.support.moved import make_vllm
 
 PUBLISH_SALT = "operator-secret"
 

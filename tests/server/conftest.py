@@ -2,7 +2,7 @@
 
 import pytest
 
-from irminsul.server.testing import RedisProcess
+from tests.support.services import RedisProcess
 from tests.server.server_helpers import start
 
 

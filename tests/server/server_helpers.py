@@ -9,7 +9,7 @@ import httpx
 
 from irminsul.server.app import create_app
 from irminsul.server.config import ServerConfig
-from irminsul.server.testing import ThreadServer
+from tests.support.services import ThreadServer
 
 WORDS = ("policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "
          "reservation economy business gold silver airport delay voucher").split()

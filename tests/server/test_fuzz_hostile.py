@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from irminsul.model.tokenizer import Tokenizer
-from irminsul.server.testing import ServerProcess
+from tests.support.services import ServerProcess
 from tests.server.server_helpers import health_status
 
 ALICE, BOB = "alice-key", "bob-key"  # two tenants: alice sends the hostile corpus, bob streams

@@ -32,7 +32,7 @@ import httpx
 
 from irminsul.model.tokenizer import Tokenizer
 from irminsul.server.config import ServerConfig
-from irminsul.server.testing import ServerProcess, rss_mib
+from tests.support.services import ServerProcess, rss_mib
 from tests.server.server_helpers import HealthProbe, health_status, loop_stall
 
 ALICE, BOB, ADMIN = "alice-key", "bob-key", "admin-key"  # alice sends the sizes, bob streams

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from irminsul.server.testing import free_port, wait_for
+from tests.support.services import free_port, wait_for
 from tests.server.server_helpers import HealthProbe, closed_within, start
 
 KEY_A, KEY_B = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from irminsul.server.testing import ServerProcess
+from tests.support.services import ServerProcess
 
 
 def test_a_forced_exit_with_streams_open_does_not_abort_the_process():

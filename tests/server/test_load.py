@@ -77,7 +77,7 @@ def test_a_long_request_does_not_stall_short_ones(tiny_dir):
 
 
 def test_disconnected_clients_are_aborted_and_freed(server):
-    from irminsul.server.testing import wait_for
+    from tests.support.services import wait_for
 
     body = {"model": "tiny", "prompt": text(20, 9), "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     with httpx.Client(timeout=30) as client:

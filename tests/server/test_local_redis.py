@@ -4,7 +4,7 @@ import pytest
 
 from irminsul.errors import UserFacingError
 from irminsul.server.local_redis import LocalRedis
-from irminsul.server.testing import free_port
+from tests.support.services import free_port
 
 
 def test_it_starts_on_the_store_address_evicts_instead_of_refusing_and_stops():

@@ -7,7 +7,7 @@ import httpx
 
 from irminsul.kvcache.store import StoreConfig
 from irminsul.kvcache.store.codec import decode
-from irminsul.server.testing import ServerProcess, wait_for
+from tests.support.services import ServerProcess, wait_for
 from tests.server.server_helpers import chat, metric, start, text
 
 

@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from irminsul.server.testing import ServerProcess
+from tests.support.services import ServerProcess
 from tests.server.server_helpers import HealthProbe, closed_within, loop_stall
 
 KEY = "transport-key"

@@ -3,7 +3,8 @@
 A document seen once behind one header comes back behind another (the paper's case). The
 helpers here build the prompts, run them in an in-process vLLM engine and read back the first
 generated tokens' log-probabilities, the wall time of the moved request (one token: its TTFT) and
-the connector's counts. Shared by tests/integrations and benchmarks/bench_vllm.py.
+the connector's counts. Shared by tests/integrations and benchmarks (bench_vllm.py, bench_moved.py,
+bench_real_shapes.py); test support, not part of the installed package.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def irminsul_logprobs(path: str, prompts: MovedPrompts, continuation: list[int],
 
 
 def main(argv=None) -> int:
-    """`python -m irminsul.integrations.vllm.moved CKPT --mode alone|irminsul`: one engine, one JSON line."""
+    """`python -m tests.support.moved CKPT --mode alone|irminsul` (from the clone's root): one engine, one JSON line."""
     import argparse
     import dataclasses
     import json

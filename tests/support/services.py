@@ -1,4 +1,5 @@
-"""Helpers that start real services on loopback for tests and local experiments (like sglang.test).
+"""Helpers that start real services on loopback for tests and benchmarks (like sglang.test); test
+support, not part of the installed package.
 
 ``RedisProcess`` runs a throw-away ``redis-server`` on a free port; ``ServerProcess`` runs
 ``irminsul serve`` in a subprocess; ``ThreadServer`` runs the app under uvicorn in this process.

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from irminsul.kvcache.store import RowLayout
-from irminsul.server.testing import RedisProcess
+from tests.support.services import RedisProcess
 
 LAYOUT = RowLayout("model-a", n_layers=2, row_width=6, dtype=torch.float32)
 

@@ -22,7 +22,7 @@ from irminsul.kvcache.store import RowLayout, StoreConfig, open_registry, tier_s
 from irminsul.kvcache.store.disk import DiskRegistry
 from irminsul.kvcache.store.redis import RedisRegistry
 from irminsul.kvcache.store.tiered import TieredRegistry
-from irminsul.server.testing import RedisProcess
+from tests.support.services import RedisProcess
 from tests.kvcache.store.conftest import LAYOUT
 
 DISK_FAULTS = ("read-only", "full", "slow", "failing", "vanishing", "denied")

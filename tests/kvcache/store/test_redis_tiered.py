@@ -8,7 +8,7 @@ from irminsul.kvcache.registry import MemoryRegistry
 from irminsul.kvcache.store import StoreConfig, open_registry, tier_stats
 from irminsul.kvcache.store.redis import RedisRegistry
 from irminsul.kvcache.store.tiered import TieredRegistry
-from irminsul.server.testing import wait_for
+from tests.support.services import wait_for
 
 
 def entry(fp, n=8, seed=0):
@@ -47,7 +47,7 @@ def test_redis_outage_is_survived_and_reconnects(redis_proc, layout):
 
 
 def test_redis_down_at_start_does_not_block(layout):
-    from irminsul.server.testing import free_port
+    from tests.support.services import free_port
 
     r = RedisRegistry(f"redis://127.0.0.1:{free_port()}/0", layout)
     assert not r.available and r.get(1, np.arange(8)) is None and not r.put(entry(1))
