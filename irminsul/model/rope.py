@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from irminsul.model.config import RopeConfig
@@ -170,19 +169,3 @@ def encode_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = cos.shape[-1]
     a, b = x[..., :half].float(), x[..., half : 2 * half].float()
     return torch.cat([(a * cos - b * sin).to(x.dtype), (b * cos + a * sin).to(x.dtype), x[..., 2 * half :]], dim=-1)
-
-
-def rotate_reference(k_r: np.ndarray, delta: int, rope: RopeConfig) -> np.ndarray:
-    """Slow reference for `Rotary.rotate`: one pair at a time, in float64 Python math."""
-    freqs = inv_freq(rope).double().numpy()
-    layout = rope.cache_layout
-    out = np.array(k_r, dtype=np.float64, copy=True)
-    flat = out.reshape(-1, rope.dim)
-    half = rope.dim // 2
-    for row in flat:
-        for i in range(half):
-            ia, ib = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + half)
-            a, b = row[ia], row[ib]
-            c, s = math.cos(delta * freqs[i]), math.sin(delta * freqs[i])
-            row[ia], row[ib] = a * c - b * s, b * c + a * s
-    return out

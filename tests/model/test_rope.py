@@ -1,11 +1,30 @@
 """δ-rotation of a cached k_r equals encoding at the target position (docs/design.md, section 2)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from irminsul.model.config import RopeConfig
-from irminsul.model.rope import Rotary, rotate_reference
+from irminsul.model.rope import Rotary, inv_freq
+
+
+def rotate_reference(k_r: np.ndarray, delta: int, rope: RopeConfig) -> np.ndarray:
+    """The oracle for `Rotary.rotate`: one pair at a time, in float64 Python math."""
+    freqs = inv_freq(rope).double().numpy()
+    layout = rope.cache_layout
+    out = np.array(k_r, dtype=np.float64, copy=True)
+    flat = out.reshape(-1, rope.dim)
+    half = rope.dim // 2
+    for row in flat:
+        for i in range(half):
+            ia, ib = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + half)
+            a, b = row[ia], row[ib]
+            c, s = math.cos(delta * freqs[i]), math.sin(delta * freqs[i])
+            row[ia], row[ib] = a * c - b * s, b * c + a * s
+    return out
+
 
 STYLES = ["v2", "v3_interleave", "v3_half"]
 V2_LITE_YARN = dict(kind="yarn", factor=40.0, original_max_position=4096, beta_fast=32, beta_slow=1,
