@@ -40,7 +40,8 @@ from irminsul.fleet.ray_router import fleet_view
 from irminsul.fleet.replica import Head
 from irminsul.fleet.store_keys import StoreKeys
 from irminsul.server.config import ServerConfig
-from irminsul.server.protocol import APIError, read_body
+from irminsul.server.body import read_body
+from irminsul.server.errors import APIError
 from irminsul.server.serving_base import sse
 
 log = logging.getLogger("irminsul.fleet")

@@ -3,9 +3,9 @@
 The fleet's ingress reads each body once, on a worker thread, and hands the router a `RouteKey`:
 chat and Responses bodies rendered by the server's own `ChatRenderer` (the Responses API through
 `to_chat`, as the replica converts it), completion prompts encoded by the same tokenizer, a
-document to publish as the shared namespace's. The tenant is decided by the server's own
-`ServerState.tenant_of` / `key_tenant` (the API key's tenant, subdivided by `cache_salt`), so a
-chunk is fingerprinted in the namespace the replica will store it in.
+document to publish as the shared namespace's. The tenant is decided by the server's own policy
+(`irminsul.server.tenancy`: the API key's tenant, subdivided by `cache_salt`), so a chunk is
+fingerprinted in the namespace the replica will store it in.
 
 Whatever the router cannot read (a body the replica will refuse) routes without a key, by load: the
 replica answers the error, as a single server would.
@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from irminsul.server.app import ServerState
+from irminsul.server.body import parse_body
 from irminsul.server.config import ServerConfig
-from irminsul.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, PublishRequest,
-                                      ResponsesRequest, parse_body)
+from irminsul.server.errors import APIError
+from irminsul.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from irminsul.server.serving_base import text_chars
+from irminsul.server.serving_publish import parse_publish
+from irminsul.server.tenancy import Tenancy
 
 
 @dataclass(frozen=True)
@@ -36,20 +38,9 @@ class RouteKey:
     explanation: str = ""  # the router's choice, set when it routes (the x-irminsul-route header)
 
 
-class _Tenants:
-    """ServerState's request policies without a model: the same methods, over the same config."""
-
-    _bearer = ServerState._bearer
-    key_tenant = ServerState.key_tenant
-    tenant_of = ServerState.tenant_of
-
-    def __init__(self, config: ServerConfig):
-        self.config = config
-
-
 class PromptReader:
     def __init__(self, config: ServerConfig, tokenizer, renderer):
-        self.tenants = _Tenants(config)
+        self.tenancy = Tenancy(config)
         self.tokenizer, self.renderer = tokenizer, renderer
         # texts longer than this are left unread: the replica refuses them before it tokenizes them
         # (the context times the most bytes one token stands for); the replicas' metadata says it
@@ -57,7 +48,7 @@ class PromptReader:
 
     def key_tenant(self, request) -> str | None:
         """A 401 (APIError) when the fleet has keys and the request brings none of them."""
-        return self.tenants.key_tenant(request)
+        return self.tenancy.key_tenant(request)
 
     def route_key(self, path: str, request, body: bytes) -> RouteKey | None:
         """The prompt of a body sent to `path` (None when it has none, or the replica will refuse it)."""
@@ -83,11 +74,11 @@ class PromptReader:
             # a batch routes as one prompt: chunking restarts at each prompt's start, so its chunks
             # are each prompt's own
             starts = tuple(int(s) for s in np.cumsum([0] + [len(p) for p in ids[:-1]])) if len(ids) > 1 else None
-            return self._key(sum(ids, []), starts, self.tenants.tenant_of(request, req.cache_salt))
+            return self._key(sum(ids, []), starts, self.tenancy.tenant_of(request, req.cache_salt))
         elif path == "/v1/cache/chunks":
             from irminsul.kvcache.namespaces import SHARED
 
-            req = parse_body(body, PublishRequest)
+            req = parse_publish(body)
             if req.text is not None and len(req.text) > self.max_chars:
                 return None
             tokens = self.tokenizer.encode(req.text, add_bos=False) if req.text is not None else req.token_ids
@@ -99,7 +90,7 @@ class PromptReader:
         rendered = self.renderer.render(req.messages, req.tools, req.add_generation_prompt,
                                         req.continue_final_message, req.chat_template_kwargs)
         return self._key(rendered.token_ids, tuple(rendered.segment_starts),
-                         self.tenants.tenant_of(request, req.cache_salt))
+                         self.tenancy.tenant_of(request, req.cache_salt))
 
     @staticmethod
     def _key(tokens, starts, tenant) -> RouteKey | None:

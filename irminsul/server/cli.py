@@ -183,7 +183,8 @@ def serve_one(args) -> int:
     import uvicorn
 
     from irminsul.server import logs
-    from irminsul.server.app import ServerState, create_app
+    from irminsul.server.app import create_app
+    from irminsul.server.state import ServerState
 
     config = config_from_args(args)
     check_port(config.host, config.port)  # before the model loads and compiles, not after

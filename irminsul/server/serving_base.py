@@ -8,7 +8,7 @@ cancelled) aborts its jobs, and the scheduler frees their rows. Each endpoint's 
 its events into response objects; everything between is here.
 
 NOTE: the rule every endpoint keeps: nothing proportional to a request's size runs on the event
-loop or the engine thread before its size is checked against a bound (protocol.py's MAX_*, the
+loop or the engine thread before its size is checked against a bound (limits.py's MAX_*, the
 context, --max-request-bytes); work proportional to it runs on the worker threads (`state.prepare`).
 /metrics' irminsul_event_loop_stall_seconds_max shows what slips through.
 """
@@ -26,9 +26,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from irminsul.server.body import parse_body, read_body
 from irminsul.server.engine_client import Failed, Finished, Job, QueueFull
-from irminsul.server.protocol import (MAX_CHOICES, APIError, UsageInfo, context_exceeded, parse_body, read_body,
-                                      resolve_max_tokens, sampling_params, summed_usage, usage)
+from irminsul.server.errors import APIError, context_exceeded
+from irminsul.server.limits import MAX_CHOICES
+from irminsul.server.protocol import UsageInfo
+from irminsul.server.translate import resolve_max_tokens, sampling_params, summed_usage, usage
 
 SEED_RANGE = 2**63  # SamplingParams takes seeds in [0, 2^63)
 
@@ -160,7 +163,7 @@ class OpenAIServing:
         """The request's body as `request_model`: the API key checked first (a 401 before the body is
         read), the size limit while it is read, parsing on a worker thread."""
         state = self.state
-        state.key_tenant(request)
+        state.tenancy.key_tenant(request)
         body = await read_body(request, state.config.max_request_bytes)
         return await state.prepare(request, parse_body, body, self.request_model, state.context)
 
@@ -178,7 +181,7 @@ class OpenAIServing:
         if count * n > client.max_queued_requests:  # (a 503 would never turn into a 200)
             raise APIError(400, f"{count} prompts x n={n} choices are more than this server queues at once "
                                 f"(--max-queued-requests {client.max_queued_requests})", param="n")
-        tenant = state.tenant_of(request, req.cache_salt)
+        tenant = state.tenancy.tenant_of(request, req.cache_salt)
         jobs = []
         for tokens in prompts.token_ids:
             if len(tokens) >= state.context:  # (one position must be left for the first output token)

@@ -22,21 +22,23 @@ from typing import Any
 
 from fastapi import Request
 
+from irminsul.server.body import validated
 from irminsul.server.engine_client import Delta, Finished, Job
-from irminsul.server.protocol import (APIError, ArgumentsDeltaEvent, ArgumentsDoneEvent, ChatCompletionRequest,
-                                      ChatTokenLogprob, ContentPartEvent, ErrorEvent, IncompleteDetails,
+from irminsul.server.errors import APIError
+from irminsul.server.limits import MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE
+from irminsul.server.protocol import (ArgumentsDeltaEvent, ArgumentsDoneEvent, ChatCompletionRequest, ChatTokenLogprob,
+                                      ContentPartEvent, ErrorEvent, GenerationRequest, IncompleteDetails,
                                       OutputItemEvent, OutputText, OutputTextDeltaEvent, OutputTextDoneEvent,
                                       ResponseEvent, ResponseFunctionCall, ResponseLifecycleEvent, ResponseMessage,
-                                      ResponseObject, ResponsesRequest, ResponseUsage, _Common, usage, validated,
-                                      MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE, NON_TEXT_PARTS)
+                                      ResponseObject, ResponsesRequest, ResponseUsage)
 from irminsul.server.serving_base import FieldNames
 from irminsul.server.serving_chat import ChatFormat, OpenAIServingChat, call_id
 from irminsul.server.tools import CallStart, Content, ToolEvent
-
+from irminsul.server.translate import NON_TEXT_PARTS, usage
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # chat fields a Responses request may also carry (vLLM accepts its sampling extensions here too)
-_PASSED = set(_Common.model_fields) - {"max_tokens", "n", "stream", "stream_options", "logprobs", "top_logprobs",
+_PASSED = set(GenerationRequest.model_fields) - {"max_tokens", "n", "stream", "stream_options", "logprobs", "top_logprobs",
                                        "response_format", "best_of"}
 
 

@@ -29,7 +29,7 @@ import regex
 
 from irminsul.engine.grammar import JSON_LAYOUT, Constraint, closed
 from irminsul.errors import RequestError
-from irminsul.server.protocol import APIError
+from irminsul.server.errors import APIError
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 ])
 @pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "f"}}])
 def test_a_malformed_tool_is_a_400_that_names_it(tool, says, choice):
-    from irminsul.server.protocol import APIError, ChatCompletionRequest, tool_functions
+    from irminsul.server.errors import APIError
+    from irminsul.server.protocol import ChatCompletionRequest
+    from irminsul.server.translate import tool_functions
 
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice=choice)
     with pytest.raises(APIError) as e:
