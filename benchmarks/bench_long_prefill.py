@@ -6,7 +6,7 @@ experts, a small vocabulary: enough to show attention's memory), then prefills p
 through `irminsul.LLM` (reuse off, the engine's own chunked prefill of max_prefill_tokens rows a pass:
 the first chunk causal, the later ones masked), each length and path in a fresh process:
 
-- `new`: expanded attention as the engine runs it (`TorchAttention.EQUAL_WIDTHS`: v padded to the
+- `new`: expanded attention as the engine runs it (`CPUAttention.EQUAL_WIDTHS`: v padded to the
   q·k width, so SDPA runs its CPU flash kernel);
 - `old`: the unpadded call (q·k 192, v 128), which SDPA sends to its math kernel.
 
@@ -66,9 +66,9 @@ def child(args) -> None:
     torch.set_num_threads(1)
     _watchdog(args.max_rss_gb)
     from irminsul import LLM
-    from irminsul.model.attention.torch import TorchAttention
+    from irminsul.model.attention.cpu import CPUAttention
 
-    TorchAttention.EQUAL_WIDTHS = args.child_path == "new"
+    CPUAttention.EQUAL_WIDTHS = args.child_path == "new"
     llm = LLM(args.checkpoint, dtype=args.dtype, compile_decode=False, kv_cache_gib=0.5,
               max_prefill_tokens=args.max_prefill_tokens)
     loaded = _status("VmRSS")

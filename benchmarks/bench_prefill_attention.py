@@ -1,5 +1,5 @@
 """Expanded prefill attention, one layer's call, one thread, float32: the native kernel
-(model/native/prefill_attention.c, `TorchAttention.NATIVE_PREFILL`) against SDPA's flash kernel as the
+(model/native/prefill_attention.c, `CPUAttention.NATIVE_PREFILL`) against SDPA's flash kernel as the
 engine called it before (q, k and v assembled head-major and padded to one width), on the same inputs,
 measured in the same run. Shapes: the bundled model's batch prefill (21 prompts of 100 tokens, the
 first chunk of bench_engine's batch), its 1,500-token prompt, and V2-Lite / Moonlight widths (16 heads,
@@ -54,7 +54,7 @@ def main() -> None:
         scale = (nope + rope) ** -0.5
         width = max(nope + rope, vd)
 
-        def sdpa():  # what TorchAttention._expanded assembled for SDPA
+        def sdpa():  # what CPUAttention._expanded assembled for SDPA
             qq = q.new_empty(b, h, n, width)
             qq[..., : nope + rope] = q.transpose(1, 2)
             qq[..., nope + rope :] = 0

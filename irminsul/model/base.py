@@ -15,8 +15,8 @@ A runner holds a `Model` and calls only this:
   method), the rows [N, row_width] pool layer `layer`
   would store for the batch in its current context (pic+r's check of reused rows); the pool is untouched
   beyond the batch's own write slots of the layers before `layer`;
-- `set_attention_backend(name)`: "torch" or "triton" (a `RequestError` / `ConfigError` where the family
-  has no such backend).
+- `set_attention_backend(name)`: one of `attention.BACKENDS` (a `RequestError` / `ConfigError` where the
+  family has no such backend).
 
 Families register their class by `model_type` in registry.py. Compiled and captured decode steps
 (`CompiledStep`, `CapturedStep`) are the runner's to build (model/compiled.py, model/graphs.py): each
@@ -35,7 +35,7 @@ import torch
 class Capabilities:
     """What a family offers beyond the forward pass, as the runner may ask."""
 
-    backend: str  # the attention backend the model runs now: "torch" or "triton"
+    backend: str  # the attention backend the model runs now: its `name` ("cpu", "reference", "triton", ...)
     fresh_rows: bool  # `Model.fresh_rows` (pic+r's recompute check)
     indexer: bool = False  # its pool rows carry DSA's indexer key beside the latent (DeepSeek-V3.2)
 

@@ -7,7 +7,7 @@ Here the model's own forward (`DeepseekModel.hidden`: its decoder layers, MLA an
 compiled once, with dynamic shapes (the key count grows each step, the batch varies), over a
 `DecodeBatch`: a batch that hands each layer's new rows back instead of writing them into the pool
 and has the torch backend attend over the earlier rows with each token's own row beside them
-(`TorchAttention.beside`). Inside a graph the MoE takes its decode forms (`MoE.one_token`,
+(`ReferenceAttention.beside`). Inside a graph the MoE takes its decode forms (`MoE.one_token`,
 `MoE.dense`). Three graphs:
 
 - one sequence decoding alone whose rows sit in consecutive slots: its rows are read in place
@@ -46,6 +46,7 @@ import torch
 from tqdm import tqdm
 
 from irminsul.model import native_ops
+from irminsul.model.attention import CPUAttention
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MoE
 from irminsul.model.settings import settings
@@ -187,9 +188,7 @@ class CompiledDecode:
         # fullgraph: a graph break (a call the tracer cannot follow, as a native kernel's) would leave
         # the step in pieces with eager code between them, slower and silently so; it fails instead
         # cpp_wrapper: the graph's calls between its kernels made from C++ instead of Python (inductor's
-        # wrapper), ~80 calls a batched step; in one process, A/B with the Python wrapper on an AMX Xeon,
-        # one thread: decode at depth 1,500 241-248 vs 253-260 ms for 63 tokens, 32 x (100 + 64) within
-        # 0-6% faster (the same tokens)
+        # wrapper), ~80 calls a batched step
         # (IRMINSUL_COMPILE_CPP_WRAPPER=0: Python's, read when the step is built as the other switches are)
         options = {"cpp_wrapper": settings.compile_cpp_wrapper}
         self._fn = torch.compile(self._step, dynamic=True, fullgraph=True, options=options)
@@ -197,7 +196,8 @@ class CompiledDecode:
         cfg = model.config
         # the batched step's attention and routed experts through the native kernels, as torch
         # operators (model/native_ops.py), where they run; else the torch ops and every expert
-        self.native = native_ops.available() and settings.native_decode and settings.native_moe
+        self.native = (isinstance(model.attention, CPUAttention) and native_ops.available() and settings.native_decode
+                       and settings.native_moe)
         for layer in model.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.native_graph = self.native
@@ -291,7 +291,7 @@ class DecodeBatch:
     def __init__(self, token_ids, positions, cos_tab, sin_tab, t: int, rows=None, pool=None, key_slots=None,
                  visible=None, native: bool = False):
         self.token_ids, self.positions = token_ids, positions
-        self.native = native  # attention through the native kernel (`TorchAttention.beside_native`)
+        self.native = native  # attention through the native kernel (`CPUAttention.beside_native`)
         self.rows, self.pool, self.key_slots, self.visible = rows, pool, key_slots, visible
         if native and rows is not None:  # one sequence in place: keys 1..T of each layer's [1 + T, width] view
             self.key_slots = torch.arange(1, t + 1, device=token_ids.device)[None]

@@ -20,7 +20,7 @@ from torch import nn
 
 from irminsul.errors import CheckpointError
 from irminsul.model import attention
-from irminsul.model.attention import AttentionBackend, TorchAttention
+from irminsul.model.attention import AttentionBackend, CPUAttention
 from irminsul.model.base import Capabilities
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import MLP, Linear, LongcatMoE, MoE, RMSNorm
@@ -90,7 +90,7 @@ class DeepseekModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = rotary or Rotary(cfg.rope)
-        self.attention = TorchAttention(cfg, self.rotary)  # the attention backend every layer calls
+        self.attention = CPUAttention(cfg, self.rotary)  # the attention backend every layer calls (the default)
         self.model = Backbone(cfg, self.rotary, self.attention)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -143,9 +143,10 @@ class DeepseekModel(nn.Module):
         return Capabilities(backend=self.attention.name, fresh_rows=True, indexer=bool(self.config.index_n_heads))
 
     def set_attention_backend(self, name: str) -> None:
-        """"torch" (the reference, any device) or "triton" (a GPU, or Triton's interpreter on CPU
-        tensors): attention in model/attention/triton.py, and the MoE layers' routed experts in
-        model/triton_moe.py (one grouped launch per product, no host sync)."""
+        """"cpu" (the default: the reference with native kernels), "reference" (plain torch ops, any device)
+        or "triton" (a GPU, or Triton's interpreter on CPU tensors): attention in model/attention/triton.py,
+        and the MoE layers' routed experts in model/triton_moe.py (one grouped launch per product, no host
+        sync)."""
         backend = attention.backend(name, self.config, self.rotary)
         kernel = None
         if name == "triton":

@@ -59,7 +59,7 @@ def call_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: tor
     contiguous): q_nope [B, M, H, nope], q_pe [B, M, H, rope] (rotated), k_nope [B, T, H, nope], k_r [B, T,
     rope] (rotated, shared by the heads), v [B, T, H, vd], slots [B, T] (0: no key), query_pos [B, M] each
     query's position (key j seen where j <= it), query_len [B] each sequence's real query rows -> [B, M, H,
-    vd] (rows past query_len zero). (The expanded prefill groups of model/attention/torch.py call it.)"""
+    vd] (rows past query_len zero). (The expanded prefill groups of model/attention/cpu.py call it.)"""
     b, m, h, _ = q_nope.shape
     t, vd = k_nope.shape[1], v.shape[-1]
     if (q_pe.shape[:3] != (b, m, h) or k_nope.shape[:3] != (b, t, h) or v.shape[:3] != (b, t, h)

@@ -62,9 +62,10 @@ class V4Plan:
 
 
 class V4Backend:
-    """V4's attention backend (torch): its plan is the step's sequences, checked and on the device."""
+    """V4's attention (plain torch ops, model/deepseek_v4): its plan is the step's sequences, checked and on
+    the device. The MLA backends (model/attention) do not apply to V4's compressed attention."""
 
-    name = "torch"
+    name = "v4-reference"
 
     def plan(self, seqs: list[SeqAttention], offsets: list[int], device) -> V4Plan:
         out = []
@@ -112,8 +113,8 @@ class V4Model(nn.Module):
         return Capabilities(backend=self.attention.name, fresh_rows=False)
 
     def set_attention_backend(self, name: str) -> None:
-        if name != "torch":
-            raise ConfigError(f"attention_backend={name!r}: DeepSeek-V4 runs on the torch backend only for now")
+        if name not in ("cpu", "torch", "reference"):  # (the CPU default's names: V4 has one backend)
+            raise ConfigError(f"attention_backend={name!r}: DeepSeek-V4 runs on its own reference attention only")
 
     @torch.inference_mode()
     def forward(self, batch) -> torch.Tensor:

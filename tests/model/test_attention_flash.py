@@ -1,4 +1,4 @@
-"""Expanded prefill attention on SDPA's flash kernel (`TorchAttention.EQUAL_WIDTHS`: v padded with
+"""Expanded prefill attention on SDPA's flash kernel (`CPUAttention.EQUAL_WIDTHS`: v padded with
 zeros to the q·k width on a CPU): against a float64 dense reference built here from the pool, for
 causal groups, padded batches, chunks after earlier rows (explicit masks), holes and moved RoPE
 positions; against the old unpadded (math kernel) call through the whole engine, V3.2's indexer
@@ -16,7 +16,7 @@ from torch.profiler import profile
 
 from irminsul import LLM
 from irminsul.model.attention.base import EMPTY_SLOT, SeqAttention
-from irminsul.model.attention.torch import TorchAttention
+from irminsul.model.attention.cpu import CPUAttention
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import Rotary
 from irminsul.model.tiny import make_tiny_checkpoint, tiny_config
@@ -31,7 +31,7 @@ MATH = "aten::_scaled_dot_product_attention_math"
 def _sdpa(monkeypatch):
     """These test SDPA's path (bf16 models, torch on several threads and CPUs without AVX-512 take it);
     tests/model/test_native_prefill.py tests the native kernel that float32 on one thread takes."""
-    monkeypatch.setattr(TorchAttention, "NATIVE_PREFILL", False)
+    monkeypatch.setattr(CPUAttention, "NATIVE_PREFILL", False)
 
 
 def _setup(seed=0, **dims):
@@ -41,7 +41,7 @@ def _setup(seed=0, **dims):
                            bias=False)
     with torch.no_grad():
         kv_b.weight.copy_(torch.randn(kv_b.weight.shape, generator=g) * 0.2)
-    return cfg, TorchAttention(cfg, Rotary(cfg.rope)), SimpleNamespace(kv_b_proj=kv_b), g
+    return cfg, CPUAttention(cfg, Rotary(cfg.rope)), SimpleNamespace(kv_b_proj=kv_b), g
 
 
 def _reference(cfg, backend, attn, q_nope, q_pe, pool, seqs):
@@ -130,7 +130,7 @@ def test_flash_path_equals_the_old_math_path(name, monkeypatch):
     cfg, backend, attn, g = _setup(seed=1)
     q_nope, q_pe, pool, seqs = _case(cfg, g, spans, **kw)
     new, _, kernels = _run(backend, attn, q_nope, q_pe, pool, seqs)
-    monkeypatch.setattr(TorchAttention, "EQUAL_WIDTHS", False)
+    monkeypatch.setattr(CPUAttention, "EQUAL_WIDTHS", False)
     old, _, old_kernels = _run(backend, attn, q_nope, q_pe, pool, seqs)
     assert FLASH in kernels and MATH in old_kernels and FLASH not in old_kernels  # (else the test tests nothing)
     assert (new - old).abs().max().item() < 1e-5
@@ -142,7 +142,7 @@ def test_bf16_flash_path_is_no_further_from_the_reference_than_the_math_path(mon
     q_nope, q_pe, pool, seqs = _case(cfg, g, [(40, 25), (0, 30)], holes=True, dtype=torch.bfloat16)
     want = _reference(cfg, backend, attn, q_nope, q_pe, pool, seqs)
     new = (_run(backend, attn, q_nope, q_pe, pool, seqs)[0].double() - want).abs().max().item()
-    monkeypatch.setattr(TorchAttention, "EQUAL_WIDTHS", False)
+    monkeypatch.setattr(CPUAttention, "EQUAL_WIDTHS", False)
     old = (_run(backend, attn, q_nope, q_pe, pool, seqs)[0].double() - want).abs().max().item()
     assert new < 0.05 and new <= 1.5 * old + 1e-3, (new, old)
 
@@ -182,7 +182,7 @@ def test_chunked_batched_prefill_through_the_engine_equals_the_old_math_path(tmp
         return outs, {e.key for e in prof.key_averages()}
 
     new, kernels = run()
-    monkeypatch.setattr(TorchAttention, "EQUAL_WIDTHS", False)
+    monkeypatch.setattr(CPUAttention, "EQUAL_WIDTHS", False)
     old, old_kernels = run()
     assert FLASH in kernels and MATH not in kernels and MATH in old_kernels
     assert [o.token_ids for o in new] == [o.token_ids for o in old]
@@ -193,14 +193,14 @@ def test_chunked_batched_prefill_through_the_engine_equals_the_old_math_path(tmp
 def test_the_absorbed_or_expanded_rule_counts_the_padded_width(monkeypatch):
     """At MLA's widths (q·k 192, v 128, r 512) padding v makes expanding dearer: 180 queries over
     4k keys expand unpadded (from m = 171) and stay absorbed padded (from m = 187)."""
-    from irminsul.model.attention.torch import expand_is_cheaper
+    from irminsul.model.attention.reference import expand_is_cheaper
 
     cfg = ModelConfig.from_dict(tiny_config("v3", num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
                                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
     first = [next(m for m in range(2, 1000) if expand_is_cheaper(cfg, m, 4096, padded)) for padded in (False, True)]
     assert first == [171, 187]
-    backend = TorchAttention(cfg, Rotary(cfg.rope))
+    backend = CPUAttention(cfg, Rotary(cfg.rope))
     seqs = [SeqAttention(np.arange(4096 - 180, 4096), np.arange(1, 4097))]
     assert not backend.plan(seqs, [0], "cpu")[0].expanded
-    monkeypatch.setattr(TorchAttention, "EQUAL_WIDTHS", False)
+    monkeypatch.setattr(CPUAttention, "EQUAL_WIDTHS", False)
     assert backend.plan(seqs, [0], "cpu")[0].expanded

@@ -77,7 +77,7 @@ def test_no_library_means_torch_kernels(fresh, monkeypatch, tmp_path, how):
 def test_the_plain_loops_compute_the_same(fresh, monkeypatch):
     """Built for a CPU without AVX-512 (x86-64-v2: the loops the compiler vectorises, as on AVX2 or ARM
     machines): the products and the decode attention still compute F.linear's and the reference's."""
-    from irminsul.model.attention.torch import TorchAttention
+    from irminsul.model.attention.cpu import CPUAttention
     from tests.model.test_attention_flash import _case, _reference, _run, _setup
 
     monkeypatch.setenv("IRMINSUL_NATIVE_MARCH", "x86-64-v2")
@@ -90,7 +90,7 @@ def test_the_plain_loops_compute_the_same(fresh, monkeypatch):
             ref = F.linear(x.double(), w.double())
             got = gemv.product(x, w)
             assert (got.double() - ref).abs().max().item() <= (1e-2 if dtype == torch.bfloat16 else 2e-5) * ref.abs().max()
-    monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", True)
+    monkeypatch.setattr(CPUAttention, "NATIVE_DECODE", True)
     cfg, backend, attn, g = _setup(1)
     q_nope, q_pe, pool, seqs = _case(cfg, g, [(n - 1, 1) for n in (30, 7, 19)], holes=True, moved=True)
     got, _, _ = _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)

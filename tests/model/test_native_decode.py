@@ -1,4 +1,4 @@
-"""Decode attention through the native kernel (model/native/mla_decode.c, `TorchAttention.NATIVE_DECODE`):
+"""Decode attention through the native kernel (model/native/mla_decode.c, `CPUAttention.NATIVE_DECODE`):
 one query per sequence, read straight from the pool, against tests/model/test_attention_flash.py's
 float64 dense reference and against the torch ops it replaces, on each build this CPU executes
 (tests/model/native_variants.py): batches of sequences of different
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from irminsul import LLM
 from irminsul.model import native
-from irminsul.model.attention.torch import TorchAttention
+from irminsul.model.attention.cpu import CPUAttention
 from irminsul.model.tiny import make_tiny_checkpoint
 from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 from tests.model.test_attention_flash import _case, _reference, _run, _setup
@@ -46,12 +46,12 @@ def test_decode_groups_equal_the_dense_reference(variant, widths, layout, length
     q_nope, q_pe, pool, seqs = _decode_case(cfg, g, lengths, holes=holes, moved=moved)
     want = _reference(cfg, backend, attn, q_nope, q_pe, pool, seqs)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(TorchAttention, "NATIVE_DECODE", True)
+        mp.setattr(CPUAttention, "NATIVE_DECODE", True)
         calls = []
-        import irminsul.model.attention.torch as ta
+        from irminsul.model import native_ops as ta
 
-        real = ta._native_decode
-        mp.setattr(ta, "_native_decode", lambda *a: calls.append(1) or real(*a))
+        real = ta.call_mla_decode
+        mp.setattr(ta, "call_mla_decode", lambda *a: calls.append(1) or real(*a))
         got, _, _ = _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
     assert calls  # (the kernel ran)
     assert (got.double() - want).abs().max().item() < 1e-4
@@ -67,7 +67,7 @@ def test_the_kernel_computes_what_the_torch_ops_compute(variant, dtype, widths, 
     q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [45, 12, 1, 30], dtype=dtype, holes=True, moved=True)
     outs = {}
     for on in (False, True):
-        monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", on)
+        monkeypatch.setattr(CPUAttention, "NATIVE_DECODE", on)
         outs[on], _, _ = _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
     assert outs[True].dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -76,15 +76,15 @@ def test_the_kernel_computes_what_the_torch_ops_compute(variant, dtype, widths, 
 
 
 def test_a_switched_off_kernel_is_not_called(monkeypatch):
-    import irminsul.model.attention.torch as ta
+    from irminsul.model import native_ops as ta
 
     cfg, backend, attn, g = _setup(2)
     q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [9, 4])
-    monkeypatch.setattr(ta, "_native_decode", lambda *a: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(ta, "call_mla_decode", lambda *a: pytest.fail("the kernel ran"))
     monkeypatch.setenv("IRMINSUL_NATIVE_DECODE", "0")
     _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
     monkeypatch.delenv("IRMINSUL_NATIVE_DECODE")
-    monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", False)
+    monkeypatch.setattr(CPUAttention, "NATIVE_DECODE", False)
     _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
 
 
@@ -95,7 +95,7 @@ def test_the_engine_decodes_the_same_tokens(tmp_path, monkeypatch):
     prompts = [rng.integers(3, 250, int(n)).tolist() for n in (5, 17, 40, 9)]
     got = {}
     for on in (False, True):
-        monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", on)
+        monkeypatch.setattr(CPUAttention, "NATIVE_DECODE", on)
         llm = LLM(ck, reuse="off", compile_decode=False)
         got[on] = [o.token_ids for o in llm.generate(prompts, max_tokens=12, ignore_eos=True)]
     assert got[True] == got[False]
@@ -105,16 +105,16 @@ def test_a_query_before_its_last_key_keeps_the_torch_path(monkeypatch):
     """One query in the middle of its keys (a gap computed between reused rows: the keys after it are
     there already): it must not see them, so the kernel, which reads every non-empty slot, is not
     used for its group, and the result is the reference's."""
-    import irminsul.model.attention.torch as ta
+    from irminsul.model import native_ops as ta
     from irminsul.model.attention.base import SeqAttention
 
     cfg, backend, attn, g = _setup(9)
     q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [20, 12])
     middle = SeqAttention(np.array([5]), seqs[0].key_slots)  # position 5 of 20 keys
     calls = []
-    real = ta._native_decode
-    monkeypatch.setattr(ta, "_native_decode", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", True)
+    real = ta.call_mla_decode
+    monkeypatch.setattr(ta, "call_mla_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(CPUAttention, "NATIVE_DECODE", True)
     got, groups, _ = _run(backend, attn, q_nope, q_pe, pool, [middle, seqs[1]], expanded=False)
     want = _reference(cfg, backend, attn, q_nope, q_pe, pool, [middle, seqs[1]])
     assert not any(gr.at_end for gr in groups) and not calls
@@ -124,14 +124,14 @@ def test_a_query_before_its_last_key_keeps_the_torch_path(monkeypatch):
 def test_torch_on_several_threads_runs_the_kernel_too(monkeypatch):
     """With torch on two threads the decode groups still take the kernel (it shares their work), and
     compute what they compute on one."""
-    import irminsul.model.attention.torch as ta
+    from irminsul.model import native_ops as ta
 
     cfg, backend, attn, g = _setup(4, **WIDTHS["bundled"])
     q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [90, 41, 7], holes=True)
-    monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", True)
+    monkeypatch.setattr(CPUAttention, "NATIVE_DECODE", True)
     calls = []
-    real = ta._native_decode
-    monkeypatch.setattr(ta, "_native_decode", lambda *a: calls.append(torch.get_num_threads()) or real(*a))
+    real = ta.call_mla_decode
+    monkeypatch.setattr(ta, "call_mla_decode", lambda *a: calls.append(torch.get_num_threads()) or real(*a))
     threads = torch.get_num_threads()
     try:
         outs = []

@@ -1,5 +1,5 @@
 """Expanded prefill attention through the native kernel (model/native/prefill_attention.c,
-`TorchAttention.NATIVE_PREFILL`): against tests/model/test_attention_flash.py's float64 dense reference
+`CPUAttention.NATIVE_PREFILL`): against tests/model/test_attention_flash.py's float64 dense reference
 and against SDPA's path it replaces, for causal prompts, padded batches, chunks after earlier rows,
 holes and moved keys, at widths that reach each of its tiles and their remainders; where it does not
 run (bf16, switched off, a build without its vector tiles) SDPA's path does; on each build this CPU
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from irminsul import LLM
 from irminsul.model import native, native_ops
-from irminsul.model.attention.torch import TorchAttention
+from irminsul.model.attention.cpu import CPUAttention
 from irminsul.model.tiny import make_tiny_checkpoint
 from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 from tests.model.test_attention_flash import CASES, _case, _reference, _run, _setup
@@ -27,7 +27,7 @@ def any_build(variant, monkeypatch):
     """`variant`'s build, taken for every float32 expanded group even where the engine would not take it
     (a build without the vector tiles: SDPA is faster than its plain loops)."""
     if not native.library().irm_vectorised():
-        monkeypatch.setattr(TorchAttention, "_native_prefill", lambda self, kv, keys: True)
+        monkeypatch.setattr(CPUAttention, "native_prefill", lambda self, kv, keys: True)
     return variant
 
 # the test models' widths (q·k 24, v 16: one masked value vector), the bundled model's (48 / 48: three
@@ -71,8 +71,8 @@ def test_the_kernel_computes_what_sdpa_computes(any_build, name, monkeypatch):
     calls = _spy(monkeypatch)
     new, _, kernels = _run(backend, attn, q_nope, q_pe, pool, seqs)
     assert calls and not any("scaled_dot_product" in k for k in kernels)
-    monkeypatch.setattr(TorchAttention, "NATIVE_PREFILL", False)
-    monkeypatch.setattr(TorchAttention, "_native_prefill", lambda self, kv, keys: False)
+    monkeypatch.setattr(CPUAttention, "NATIVE_PREFILL", False)
+    monkeypatch.setattr(CPUAttention, "native_prefill", lambda self, kv, keys: False)
     old, _, old_kernels = _run(backend, attn, q_nope, q_pe, pool, seqs)
     assert len(calls) == 1 and any("scaled_dot_product" in k for k in old_kernels)
     assert (new - old).abs().max().item() < 1e-5
@@ -102,7 +102,7 @@ def test_where_it_does_not_run_sdpa_does(why, monkeypatch):
     if why == "switched off":
         monkeypatch.setenv("IRMINSUL_NATIVE_PREFILL", "0")
     if why == "flag":
-        monkeypatch.setattr(TorchAttention, "NATIVE_PREFILL", False)
+        monkeypatch.setattr(CPUAttention, "NATIVE_PREFILL", False)
     _, _, kernels = _run(backend, attn, q_nope, q_pe, pool, seqs)
     assert any("scaled_dot_product" in k for k in kernels)
 
@@ -116,7 +116,7 @@ def test_the_engine_prefills_the_same_tokens(tmp_path, monkeypatch):
     calls = _spy(monkeypatch)
     out = {}
     for on in (True, False):
-        monkeypatch.setattr(TorchAttention, "NATIVE_PREFILL", on)
+        monkeypatch.setattr(CPUAttention, "NATIVE_PREFILL", on)
         llm = LLM(path, compile_decode=False, max_prefill_tokens=48)
         out[on] = llm.generate(prompts, max_tokens=4, ignore_eos=True, logprobs=0)
         if on:
@@ -136,7 +136,7 @@ def test_a_build_without_vector_tiles_keeps_sdpa(monkeypatch):
     assert lib is not None and not lib.irm_vectorised()
     monkeypatch.setattr(native, "library", lambda variant=None: lib)
     cfg, backend, attn, g = _setup(seed=8, **WIDTHS["wide_v"])
-    assert not backend._native_prefill(torch.zeros(1), torch.zeros(1))
+    assert not backend.native_prefill(torch.zeros(1), torch.zeros(1))
 
 
 def test_bad_views_are_refused():

@@ -2,7 +2,7 @@
 and the parts of absorbed MLA that do not depend on the kernel.
 
 A backend is called twice per forward pass: `plan` once, with every sequence's query positions and
-slot table, to build the metadata its kernels read (its own type: the torch backend's padded groups,
+slot table, to build the metadata its kernels read (its own type: the reference and cpu backends' padded groups,
 the triton backend's tiles); `forward` once per layer, with that plan. Both backends compute the
 absorbed form around their attention core: q_nope · W_UK before it, o_lat · W_UV after it
 (DeepSeek-V2, arXiv 2405.04434, section 2.1.2), with W_UK and W_UV read out of `kv_b_proj`.
@@ -41,7 +41,7 @@ def consecutive(slots: np.ndarray) -> bool:
 class AttentionBackend(ABC):
     """Attention of a step's queries over the latent pool, `[c_KV | k_r]` rows read through slot tables."""
 
-    name: str  # "torch" or "triton": what `set_attention_backend` takes and a runner asks for
+    name: str  # "cpu", "reference" or "triton": what `set_attention_backend` takes and a runner asks for
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary):
         self.cfg, self.rotary = cfg, rotary

@@ -1,4 +1,5 @@
-"""Attention over the latent pool, batched across sequences: the torch backend.
+"""Attention over the latent pool, batched across sequences: the reference backend (plain torch ops,
+any device torch runs on; cpu.py is the same backend with native kernels where they run).
 
 The pool holds one row per token and layer, `[c_KV | k_r]`, with `k_r` stored *un-rotated* (in the
 cache's pair layout). A row therefore has no position in it at all, and a content hit at another
@@ -28,10 +29,8 @@ import torch.nn.functional as F
 
 from irminsul.model.attention.base import (EMPTY_SLOT, PADDING_SLACK, AttentionBackend, SeqAttention, absorb_output,
                                            absorb_query, consecutive, dsa_selection)
-from irminsul.model import native, native_ops
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import encode_half, encode_pairwise
-from irminsul.model.settings import settings
 
 
 @dataclass
@@ -57,7 +56,7 @@ class AttentionGroup:
     # 0..n-1), so its inputs need no gather and its output no scatter
     whole: bool = False
     # every sequence's last query is at its last key (decoding, or a prompt's last span): with one
-    # query per sequence, its mask is then "every non-empty slot" (`_native_decode`)
+    # query per sequence, its mask is then "every non-empty slot" (cpu.py's native decode)
     at_end: bool = False
     # the mask where it is not built from the slots and positions (V3.2's indexer narrows it)
     explicit_mask: torch.Tensor | None = None
@@ -83,7 +82,7 @@ def expand_is_cheaper(cfg: ModelConfig, m: int, length: int, padded: bool = Fals
     """Absorbed attention costs ~m·L·H·(2r + rope) multiply-adds; expanding the latent into
     per-head keys and values costs L·H·r·(nope + v) once, then m·L·H·(nope + rope + v), with v
     q·k and v both counted at the wider of the two where the expanded kernel pads them to it
-    (`padded`: `TorchAttention.EQUAL_WIDTHS` on a CPU). Prefill (large m) expands, decode (m = 1)
+    (`padded`: `ReferenceAttention.EQUAL_WIDTHS` on a CPU). Prefill (large m) expands, decode (m = 1)
     absorbs. At MLA's 192 / 128 widths (r 512) this expands from m = 187 (padded; 171 not); measured
     on one thread, bf16 and fp32, the two cross between m = 128 and 256 for 2k-8k keys
     (docs/performance.md, Prefill attention)."""
@@ -94,29 +93,17 @@ def expand_is_cheaper(cfg: ModelConfig, m: int, length: int, padded: bool = Fals
     return expanded < absorbed
 
 
-class TorchAttention(AttentionBackend):
+class ReferenceAttention(AttentionBackend):
     """The reference backend: plain torch ops, any device torch runs on."""
 
-    name = "torch"
+    name = "reference"
     # Expanded prefill on a CPU pads the narrower of the q·k and v widths with zeros (exact: zero
     # v columns give zero output columns, dropped; zero q·k columns add nothing to a score), because
     # SDPA's CPU flash kernel wants the two equal: MLA's are 192 and 128, and unequal widths fall to
     # the math kernel, which materialises every [M, T] score matrix of every head (docs/performance.md,
     # Prefill attention). The flash kernel streams keys in blocks (memory linear in T, explicit masks
-    # included). False: the unpadded call (the old path, for benchmarks/bench_long_prefill.py).
+    # included). False: the unpadded call (for benchmarks/bench_long_prefill.py).
     EQUAL_WIDTHS = True
-    # Decode groups read the pool through model/native/mla_decode.c where it is built: the scores,
-    # softmax and weighted latents of every sequence and head in one call, keys rotated as they are
-    # read, no gathered copy (the gather alone was ~1 ms a layer for 32 sequences of ~110 rows on an
-    # AMX Xeon, the batched products ~1 ms more). False: the torch ops (the reference).
-    NATIVE_DECODE = True
-    # Expanded prefill groups run model/native/prefill_attention.c where it is built with its vector
-    # tiles (AVX2 or AVX-512): flash attention's blocks over the kv_b product's k_nope and v where they lie (no padded
-    # head-major copies), the mask from the slots and positions, memory linear in the keys. On an AMX
-    # Xeon, one thread, one layer's attention against SDPA with its copies
-    # (`python benchmarks/bench_prefill_attention.py`): 1.86x for 21 prompts of 100 tokens, 1.32x for one
-    # of 1,500 (bundled widths), 1.73x at V2-Lite's widths (float32). False: SDPA (the reference).
-    NATIVE_PREFILL = True
 
     # -- once per forward pass -----------------------------------------------------------
 
@@ -229,20 +216,6 @@ class TorchAttention(AttentionBackend):
         o_lat = torch.bmm(p[..., :-1], rows[..., :r]) + p[..., -1:] * c_kv[:, None]  # [B, H, r]
         return absorb_output(o_lat, w_uv)
 
-    def beside_native(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
-                      key_slots: torch.Tensor, new: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      q_cos_sin) -> torch.Tensor:
-        """`beside` through the native kernel (`native_ops.mla_decode`), for model/compiled.py's batched
-        step: the earlier rows read where they lie in `pool` [slots, width] (one layer) at key_slots
-        [B, T] (EMPTY_SLOT: none), no gathered copy; each token's own row `new` [B, width] one more key."""
-        cfg = self.cfg
-        r, rope, layout = cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.rotary.out_layout
-        w_uk, w_uv = self.absorbed_weights(attn)
-        q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [B, H, r + rope]
-        own = torch.cat([new[:, :r], encode_pairwise(new[:, r : r + rope], *q_cos_sin, layout)], dim=-1)
-        o_lat = native_ops.mla_decode(q, pool, key_slots, cos, sin, own, r, layout == "interleaved", cfg.softmax_scale)
-        return absorb_output(o_lat.to(q_nope.dtype), w_uv)
-
     def _keys(self, pool: torch.Tensor, g: AttentionGroup, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The group's keys [B, T, r + rope]: [c_KV | k_r encoded at each key's RoPE position]; and
         V3.2's indexer keys [B, T, d] (rotary part encoded likewise, half-split), else None."""
@@ -265,8 +238,6 @@ class TorchAttention(AttentionBackend):
         cfg = self.cfg
         r, h = cfg.kv_lora_rank, cfg.num_attention_heads
         b, m, t = g.shape
-        if m == 1 and g.at_end and index is None and self._native_decode(pool):
-            return _native_decode(q_lat, q_pe, pool, g, self.rotary.out_layout == "interleaved", cfg.softmax_scale)
         if g.run is not None and index is None:
             return self._absorbed_in_place(q_lat, q_pe, pool, g)
         keys, idx_keys = self._keys(pool, g, q_lat.dtype)
@@ -277,23 +248,6 @@ class TorchAttention(AttentionBackend):
             scores = scores.view(b, m, h, t).masked_fill(~mask[:, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(q_lat.dtype).view(b, m * h, t)
         return _rows(torch.bmm(probs, keys[..., :r]).view(b * m, h, r), g)
-
-    def _native_decode(self, pool: torch.Tensor) -> bool:
-        """Whether decode groups (one query per sequence) take the native kernel (`_native_decode`):
-        a CPU pool of float32 or bfloat16 rows, the kernel built, NATIVE_DECODE and not
-        IRMINSUL_NATIVE_DECODE=0 (the kernel shares sequences and heads among torch's threads)."""
-        return (self.NATIVE_DECODE and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
-                and pool.stride(1) == 1 and settings.native_decode
-                and native_ops.available())
-
-    def _native_prefill(self, kv: torch.Tensor, keys: torch.Tensor) -> bool:
-        """Whether an expanded group takes model/native/prefill_attention.c (`NATIVE_PREFILL`): float32
-        on a CPU, the library built with its vector tiles (its plain loops are slower than SDPA), not
-        IRMINSUL_NATIVE_PREFILL=0 (the kernel shares sequences, heads and query blocks among torch's
-        threads)."""
-        return (self.NATIVE_PREFILL and kv.device.type == "cpu" and kv.dtype == keys.dtype == torch.float32
-                and settings.native_prefill and native_ops.available()
-                and bool(native.library().irm_vectorised()))
 
     def _absorbed_in_place(self, q_lat, q_pe, pool, g: AttentionGroup) -> torch.Tensor:
         """`_absorbed` for one sequence whose keys are one run of slots (`AttentionGroup.run`),
@@ -319,11 +273,14 @@ class TorchAttention(AttentionBackend):
             g = dataclasses.replace(g, explicit_mask=self._selected(index, idx_keys, g), causal=False)
         kv = attn.kv_b_proj(keys[..., :r]).view(b, t, h, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        if index is None and self._native_prefill(kv, keys):
-            q_nope, q_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_nope, q_pe))
-            o = native_ops.call_prefill_attention(_grid(q_nope, g), _grid(q_pe, g), k_nope, keys[..., r:], v,
-                                                  g.key_slots, g.query_pos, g.query_len, cfg.softmax_scale)
-            return _rows(o.view(b * m, h, cfg.v_head_dim), g)
+        return self._expanded_attention(q_nope, q_pe, k_nope, keys[..., r:], v, g, selected=index is not None)
+
+    def _expanded_attention(self, q_nope, q_pe, k_nope, k_pe, v, g: AttentionGroup, selected: bool) -> torch.Tensor:
+        """Expanded attention of the group's queries q_nope / q_pe [n, H, ·] over k_nope [B, T, H, nope],
+        the shared k_pe [B, T, rope] (encoded) and v [B, T, H, v] under g's mask -> [n, H, v] (SDPA)."""
+        cfg = self.cfg
+        h = cfg.num_attention_heads
+        b, m, t = g.shape
         nope, qk = cfg.qk_nope_head_dim, cfg.qk_head_dim
         pads = self._pads(q_nope.device)
         width = max(qk, cfg.v_head_dim) if pads else qk
@@ -336,7 +293,7 @@ class TorchAttention(AttentionBackend):
         q[..., qk:] = 0
         k = k_nope.new_empty(b, h, t, width)  # [k_nope | k_r | zeros]: every head's k_r the shared one
         k[..., :nope] = k_nope.transpose(1, 2)
-        k[..., nope:qk] = keys[:, None, :, r:]
+        k[..., nope:qk] = k_pe[:, None]
         k[..., qk:] = 0
         v = (_widen(v, width) if pads else v).transpose(1, 2).contiguous()
         # NOTE: causal: padded keys (beyond a shorter sequence) are seen only by its padded queries
@@ -344,17 +301,6 @@ class TorchAttention(AttentionBackend):
                                            is_causal=g.causal, scale=cfg.softmax_scale)
         o = o.transpose(1, 2)[..., : cfg.v_head_dim]  # (any zero columns of a widened v dropped)
         return _rows(o.reshape(b * m, h, cfg.v_head_dim), g)
-
-
-def _native_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, g: AttentionGroup,
-                   interleaved: bool, scale: float) -> torch.Tensor:
-    """`TorchAttention._absorbed` for a decode group through the native kernel: q_lat [B, H, r], q_pe
-    [B, H, rope] (rotated) -> o_lat [B, H, r] in q_lat's dtype; keys at g.key_slots (slot 0 skipped:
-    for one query per sequence at its last key, `g.at_end`, that is the group's mask), rotated by
-    g.key_cos / g.key_sin."""
-    q = torch.cat([q_lat, q_pe], dim=-1)
-    return native_ops.call_mla_decode(q, pool, g.key_slots, g.key_cos, g.key_sin, None, q_lat.shape[2], interleaved,
-                                      scale).to(q_lat.dtype)
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -7,7 +7,7 @@
  * (x0, x1), (x2, x3), ... or split in halves. Then, per head, softmax(scale * (q_lat . c_KV + q_pe .
  * k_r)) over the keys and o_lat [B, H, r] = the probabilities times c_KV. All in float32 (the pool in
  * float32 or bfloat16). The torch backend computes the same with a gather, two batched products and a
- * softmax (model/attention/torch.py `_absorbed`).
+ * softmax (model/attention/reference.py `_absorbed`).
  *
  * Keys go in blocks of KB, each read from the pool once: scored against every head, folded into a
  * running softmax (each head's maximum and sum so far, its output rescaled when the maximum grows, as

@@ -1,5 +1,5 @@
 /* Prefill attention in MLA's expanded form, float32 (what SDPA's flash kernel computes for
- * model/attention/torch.py `_expanded`, without assembling padded head-major copies for it).
+ * model/attention/reference.py `_expanded_attention`, without assembling padded head-major copies for it).
  *
  * Per sequence b and head h: queries i < qlen[b] at positions qpos[b, i], keys j < T whose slot is not 0
  * (slot 0: no row) and j <= qpos[b, i]; the q·k width is nope + rope (q = [q_nope | q_pe], k = [k_nope

@@ -31,14 +31,14 @@ def test_mla_flops_equal_the_flop_counter_in_both_attention_forms(tiny_q_lora, m
     # useful multiply-adds, which the per-expert path runs exactly.
     monkeypatch.setattr(MoE, "grouped", False)
     # likewise the CPU's expanded attention pads v to the q·k width for SDPA's flash kernel
-    # (TorchAttention.EQUAL_WIDTHS): those zeros are not counted either
-    from irminsul.model.attention.torch import TorchAttention
+    # (CPUAttention.EQUAL_WIDTHS): those zeros are not counted either
+    from irminsul.model.attention.cpu import CPUAttention
 
-    monkeypatch.setattr(TorchAttention, "EQUAL_WIDTHS", False)
+    monkeypatch.setattr(CPUAttention, "EQUAL_WIDTHS", False)
     # and decode and prefill attention and the routed experts in torch's ops: the native kernels'
     # multiply-adds are outside the counter's sight
-    monkeypatch.setattr(TorchAttention, "NATIVE_DECODE", False)
-    monkeypatch.setattr(TorchAttention, "NATIVE_PREFILL", False)
+    monkeypatch.setattr(CPUAttention, "NATIVE_DECODE", False)
+    monkeypatch.setattr(CPUAttention, "NATIVE_PREFILL", False)
     monkeypatch.setenv("IRMINSUL_NATIVE_MOE", "0")
     model = load_model(tiny_q_lora)
     arch = Arch.from_config(json.loads((tiny_q_lora / "config.json").read_text()))
