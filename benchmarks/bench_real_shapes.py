@@ -50,8 +50,8 @@ with the same number of computed tokens after an exact-prefix hit (the rows pic 
 prefix), and the computed tokens alone as a fresh prompt.
 
     # llama.cpp's tools (bench_llamacpp.py's docstring) and a converter Python (llamacpp_convert.py's)
-    python benchmarks/bench_real_shapes.py --llama-cpp LLAMA_CPP_DIR --gguf /tmp/rs/ck-bf16.gguf \\
-        --convert-python /work/convert-venv/bin/python [--vllm-python /work/vllm-venv/bin/python] \\
+    python benchmarks/bench_real_shapes.py --llama-cpp LLAMA_CPP_DIR --gguf WORK/ck-bf16.gguf \\
+        --convert-python CONVERT_VENV/bin/python [--vllm-python VLLM_VENV/bin/python] \\
         [--ik-llama-cpp IK_LLAMA_CPP_DIR]
 
 The checkpoint is built at --checkpoint if that directory does not exist; the GGUF is converted

@@ -4,7 +4,7 @@
 # and the machine of another day by more. Each run's output goes to OUT/<bench>.<other|this>.<round>.out.
 #
 #   bash benchmarks/interleaved.sh REV OUT ROUNDS BENCH [BENCH ...]
-#   bash benchmarks/interleaved.sh 2814e57 /tmp/cmp 3 bench_engine bench_compiled bench_reuse
+#   bash benchmarks/interleaved.sh BASE_REVISION WORK_DIR 3 bench_engine bench_compiled bench_reuse
 #
 # REV is checked out in a temporary git worktree; each run imports the tree it is run from
 # (PYTHONPATH), with the current venv's packages, one thread (OMP_NUM_THREADS=1).
