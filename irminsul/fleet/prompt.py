@@ -1,11 +1,13 @@
 """A request's prompt as a replica will see it, for the router: its token ids, segment starts and tenant.
 
-The fleet's ingress reads each body once, on a worker thread, and hands the router a `RouteKey`:
-chat and Responses bodies rendered by the server's own `ChatRenderer` (the Responses API through
-`to_chat`, as the replica converts it), completion prompts encoded by the same tokenizer, a
-document to publish as the shared namespace's. The tenant is decided by the server's own policy
-(`irminsul.server.tenancy`: the API key's tenant, subdivided by `cache_salt`), so a chunk is
-fingerprinted in the namespace the replica will store it in.
+The fleet's ingress reads each body once, on a worker thread, and hands the router a `RouteKey`. It
+reads with the server's own functions: bodies parsed by `body.parse_body` (a document to publish
+by `serving_publish.parse_publish`, as the shared namespace's), chats rendered by
+`serving_chat.render_prompt` (the Responses API through `to_chat`, as the replica converts it),
+completion prompts split and encoded by `serving_completion`'s `prompt_batch` and
+`batch_token_ids`. The tenant is decided by the server's own policy (`irminsul.server.tenancy`: the
+API key's tenant, subdivided by `cache_salt`), so a chunk is fingerprinted in the namespace the
+replica will store it in.
 
 Whatever the router cannot read (a body the replica will refuse) routes without a key, by load: the
 replica answers the error, as a single server would.
@@ -23,7 +25,10 @@ from irminsul.server.config import ServerConfig
 from irminsul.server.errors import APIError
 from irminsul.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from irminsul.server.serving_base import text_chars
+from irminsul.server.serving_chat import render_prompt
+from irminsul.server.serving_completion import batch_token_ids, prompt_batch
 from irminsul.server.serving_publish import parse_publish
+from irminsul.server.serving_responses import to_chat
 from irminsul.server.tenancy import Tenancy
 
 
@@ -61,16 +66,13 @@ class PromptReader:
         if path == "/v1/chat/completions":
             req = parse_body(body, ChatCompletionRequest)
         elif path == "/v1/responses":
-            from irminsul.server.serving_responses import to_chat
-
             req = to_chat(parse_body(body, ResponsesRequest))
         elif path == "/v1/completions":
             req = parse_body(body, CompletionRequest)
-            prompt = req.prompt
-            batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+            batch = prompt_batch(req.prompt)
             if sum(len(p) for p in batch if isinstance(p, str)) > self.max_chars:
                 return None
-            ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+            ids = batch_token_ids(self.tokenizer, batch)
             # a batch routes as one prompt: chunking restarts at each prompt's start, so its chunks
             # are each prompt's own
             starts = tuple(int(s) for s in np.cumsum([0] + [len(p) for p in ids[:-1]])) if len(ids) > 1 else None
@@ -87,8 +89,7 @@ class PromptReader:
             return None
         if text_chars(req.messages) > self.max_chars:
             return None
-        rendered = self.renderer.render(req.messages, req.tools, req.add_generation_prompt,
-                                        req.continue_final_message, req.chat_template_kwargs)
+        rendered = render_prompt(self.renderer, req)
         return self._key(rendered.token_ids, tuple(rendered.segment_starts),
                          self.tenancy.tenant_of(request, req.cache_salt))
 

@@ -29,6 +29,17 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def render_prompt(renderer, req, param: str = "messages"):
+    """A chat request's prompt (a RenderedChat): its messages and tools with its template controls;
+    a chat the template refuses is a 400 naming `param`. (A chat completion's, a /tokenize body's,
+    and the fleet's reading of either for its router.)"""
+    try:
+        return renderer.render(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
+                               req.chat_template_kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
 class ChatFormat:
     """A chat request's response and chunk objects; its tool-call syntax and callable functions
     (chat requests with tools, unless tool_choice is 'none')."""
@@ -182,11 +193,7 @@ class OpenAIServingChat(OpenAIServing):
                                              parallel)
             if forced:
                 asked_by = "tool_choice"
-        try:
-            rendered = state.renderer.render(req.messages, req.tools, req.add_generation_prompt,
-                                             req.continue_final_message, req.chat_template_kwargs)
-        except ValueError as e:
-            raise APIError(400, str(e), param=names.prompt) from None
+        rendered = render_prompt(state.renderer, req, names.prompt)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         fmt = ChatFormat(state.model_name, req, state.tokenizer, state.renderer)
         prompts = Prompts([rendered.token_ids], requested, constraint, asked_by, rendered.segment_starts)

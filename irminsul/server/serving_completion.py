@@ -17,6 +17,16 @@ from irminsul.server.serving_base import Merged, OpenAIServing, Prompts, Respons
 from irminsul.server.translate import check_supported, constraint_of
 
 
+def prompt_batch(prompt) -> list:
+    """A completion request's prompts: a string, token ids, or a list of either (a batch)."""
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+
+
+def batch_token_ids(tokenizer, batch: list) -> list[list[int]]:
+    """Each prompt of a batch as token ids: a string encoded, token ids as they are."""
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+
+
 @dataclasses.dataclass(frozen=True)
 class Echo:
     """An echoed prompt: its tokens, and the log-prob of each but the first (when asked for)."""
@@ -177,12 +187,11 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _token_ids(self, req: CompletionRequest) -> list[list[int]]:
         """A completion request's prompts: a string, token ids, or a list of either (a batch)."""
-        prompt = req.prompt
-        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        batch = prompt_batch(req.prompt)
         for p in batch:
             if isinstance(p, str):
                 self.state.check_text(len(p), "prompt", "prompt")
-        return [self.state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+        return batch_token_ids(self.state.tokenizer, batch)
 
     async def echo(self, request: Request, job: Job) -> Echo | None:
         """The prompt's own log-probs: scored on the engine thread between steps (one scoring per step),

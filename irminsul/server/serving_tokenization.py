@@ -8,6 +8,7 @@ from irminsul.server.body import parse_body, read_body
 from irminsul.server.errors import APIError
 from irminsul.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from irminsul.server.serving_base import text_chars
+from irminsul.server.serving_chat import render_prompt
 
 
 class OpenAIServingTokenization:
@@ -38,11 +39,7 @@ class OpenAIServingTokenization:
             ids = state.tokenizer.encode(req.prompt, None if req.add_special_tokens else False)
         else:
             state.check_text(text_chars(req.messages) + text_chars(req.tools), "messages", "messages")
-            try:
-                ids = state.renderer.render(req.messages, req.tools, req.add_generation_prompt,
-                                            req.continue_final_message, req.chat_template_kwargs).token_ids
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from None
+            ids = render_prompt(state.renderer, req).token_ids
         return TokenizeResponse(count=len(ids), max_model_len=state.context, tokens=ids).model_dump()
 
     def _detokenize(self, raw: bytes) -> dict:
