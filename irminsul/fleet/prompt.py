@@ -23,7 +23,8 @@ import numpy as np
 from irminsul.server.body import parse_body
 from irminsul.server.config import ServerConfig
 from irminsul.server.errors import APIError
-from irminsul.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from irminsul.server.protocol import ChatCompletionRequest, CompletionRequest
+from irminsul.server.protocol_responses import ResponsesRequest
 from irminsul.server.serving_base import text_chars
 from irminsul.server.serving_chat import render_prompt
 from irminsul.server.serving_completion import batch_token_ids, prompt_batch

@@ -8,14 +8,15 @@ one of these models (body.py).
 Responses are built from the models below and sent as ``model_dump()`` gives them: a field is
 null when OpenAI's API sends null, and absent when it leaves the field out (a model's
 ``absent_if_none`` names those: a delta's unset parts, a message without tool calls). Errors use
-OpenAI's body, ErrorResponse: ``{"error": {"message", "type", "param", "code"}}`` (errors.py).
+OpenAI's body, ErrorResponse: ``{"error": {"message", "type", "param", "code"}}`` (errors.py). The
+Responses API's models are protocol_responses.py's.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, model_serializer
 
 # -- requests ----------------------------------------------------------------------------------
 
@@ -100,35 +101,10 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    input: str | list[Any]
-    instructions: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: Int | None = None
-    temperature: Float | None = None
-    top_p: Float | None = None
-    top_logprobs: Int | None = None
-    include: list[str] | None = None
-    text: dict | None = None
-    stream: bool = False
-    metadata: dict | None = None
-    store: bool | None = None  # accepted; nothing is stored (the response says store: false)
-    previous_response_id: str | None = None
-    conversation: Any = None
-    background: bool | None = None
-    reasoning: dict | None = None
-    truncation: str | None = None
-
-
-
 class PublishRequest(BaseModel):
-    """POST /v1/cache/chunks: exactly one of text or token_ids (serving_publish.parse_publish checks
-    it before the model is built)."""
+    """POST /v1/cache/chunks: exactly one of text or token_ids."""
+
+    # NOTE: "exactly one" is checked before the model is built (serving_publish.parse_publish)
 
     model: str | None = None
     text: str | None = None
@@ -154,7 +130,9 @@ class DetokenizeRequest(BaseModel):
 # -- responses ---------------------------------------------------------------------------------
 
 
-class _Wire(BaseModel):
+class WireModel(BaseModel):
+    """A response model: sent as model_dump() gives it, `absent_if_none` fields left out when None."""
+
     absent_if_none: ClassVar[tuple[str, ...]] = ()  # fields left out of the body when None (not null)
 
     @model_serializer(mode="wrap")
@@ -166,22 +144,22 @@ class _Wire(BaseModel):
         return out
 
 
-class ErrorInfo(_Wire):
+class ErrorInfo(WireModel):
     message: str
     type: str
     param: str | None = None
     code: str | None = None
 
 
-class ErrorResponse(_Wire):
+class ErrorResponse(WireModel):
     error: ErrorInfo
 
 
-class PromptTokensDetails(_Wire):
+class PromptTokensDetails(WireModel):
     cached_tokens: int
 
 
-class IrminsulUsage(_Wire):
+class IrminsulUsage(WireModel):
     """Where the prompt's rows came from: a prefix hit, reused chunks (their carve-out and S1
     tokens recomputed), or computed."""
 
@@ -192,7 +170,7 @@ class IrminsulUsage(_Wire):
     s1_tokens: int
 
 
-class UsageInfo(_Wire):
+class UsageInfo(WireModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -200,7 +178,7 @@ class UsageInfo(_Wire):
     irminsul: IrminsulUsage
 
 
-class TopLogprob(_Wire):
+class TopLogprob(WireModel):
     token: str
     logprob: float
     bytes: list[int]
@@ -210,11 +188,11 @@ class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(_Wire):
+class ChatLogprobs(WireModel):
     content: list[ChatTokenLogprob]
 
 
-class CompletionLogprobs(_Wire):
+class CompletionLogprobs(WireModel):
     """The legacy completions' parallel lists (an echoed prompt's first token has no log-prob)."""
 
     tokens: list[str]
@@ -223,32 +201,32 @@ class CompletionLogprobs(_Wire):
     text_offset: list[int]
 
 
-class FunctionCall(_Wire):
+class FunctionCall(WireModel):
     name: str
     arguments: str
 
 
-class ToolCall(_Wire):
+class ToolCall(WireModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Wire):
+class ChatMessage(WireModel):
     absent_if_none = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatCompletionChoice(_Wire):
+class ChatCompletionChoice(WireModel):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(_Wire):
+class ChatCompletionResponse(WireModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -257,13 +235,13 @@ class ChatCompletionResponse(_Wire):
     usage: UsageInfo
 
 
-class DeltaFunctionCall(_Wire):
+class DeltaFunctionCall(WireModel):
     absent_if_none = ("name",)
     name: str | None = None
     arguments: str
 
 
-class DeltaToolCall(_Wire):
+class DeltaToolCall(WireModel):
     """A call's first delta names it (id, type, name); the ones after carry its arguments."""
 
     absent_if_none = ("id", "type")
@@ -273,21 +251,21 @@ class DeltaToolCall(_Wire):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(_Wire):
+class DeltaMessage(WireModel):
     absent_if_none = ("role", "content", "tool_calls")
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionStreamChoice(_Wire):
+class ChatCompletionStreamChoice(WireModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Wire):
+class ChatCompletionChunk(WireModel):
     """`usage` is null on every chunk but the last when the client asked for it (stream_options),
     absent when it did not: the serving code leaves it out then."""
 
@@ -299,14 +277,14 @@ class ChatCompletionChunk(_Wire):
     usage: UsageInfo | None = None
 
 
-class CompletionChoice(_Wire):
+class CompletionChoice(WireModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
-class CompletionResponse(_Wire):
+class CompletionResponse(WireModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -315,7 +293,7 @@ class CompletionResponse(_Wire):
     usage: UsageInfo
 
 
-class CompletionChunk(_Wire):
+class CompletionChunk(WireModel):
     """As ChatCompletionChunk: `usage` is left out unless the client asked for it."""
 
     id: str
@@ -326,17 +304,17 @@ class CompletionChunk(_Wire):
     usage: UsageInfo | None = None
 
 
-class TokenizeResponse(_Wire):
+class TokenizeResponse(WireModel):
     count: int
     max_model_len: int
     tokens: list[int]
 
 
-class DetokenizeResponse(_Wire):
+class DetokenizeResponse(WireModel):
     prompt: str
 
 
-class PublishResponse(_Wire):
+class PublishResponse(WireModel):
     object: Literal["cache.chunks"] = "cache.chunks"
     tokens: int  # of the document
     entries: int  # chunk entries stored
@@ -345,7 +323,7 @@ class PublishResponse(_Wire):
     rejected: int
 
 
-class ModelCard(_Wire):
+class ModelCard(WireModel):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -354,141 +332,6 @@ class ModelCard(_Wire):
     irminsul: dict  # {"reuse": mode, "store": [tier specs]}
 
 
-class ModelList(_Wire):
+class ModelList(WireModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-# -- the Responses API ---------------------------------------------------------------------------
-
-
-class OutputText(_Wire):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list = Field(default_factory=list)
-    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
-
-
-class ResponseMessage(_Wire):
-    type: Literal["message"] = "message"
-    id: str
-    status: str
-    role: Literal["assistant"] = "assistant"
-    content: list[OutputText]
-
-
-class ResponseFunctionCall(_Wire):
-    type: Literal["function_call"] = "function_call"
-    id: str
-    call_id: str
-    name: str
-    arguments: str
-    status: str
-
-
-OutputItem = Annotated[ResponseMessage | ResponseFunctionCall, Field(discriminator="type")]
-
-
-class OutputTokensDetails(_Wire):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(_Wire):
-    input_tokens: int
-    input_tokens_details: PromptTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
-    total_tokens: int
-    irminsul: IrminsulUsage
-
-    @classmethod
-    def of(cls, u: UsageInfo) -> ResponseUsage:
-        return cls(input_tokens=u.prompt_tokens, input_tokens_details=u.prompt_tokens_details,
-                   output_tokens=u.completion_tokens, total_tokens=u.total_tokens, irminsul=u.irminsul)
-
-
-class IncompleteDetails(_Wire):
-    reason: str
-
-
-class ResponseObject(_Wire):
-    """A response as the stateless server gives it (store false, no previous response)."""
-
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    status: str  # in_progress, completed, incomplete
-    model: str
-    output: list[OutputItem]
-    error: None = None
-    incomplete_details: IncompleteDetails | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    metadata: dict
-    parallel_tool_calls: bool
-    temperature: float
-    top_p: float
-    tools: list
-    tool_choice: str | dict
-    text: dict
-    store: bool = False
-    previous_response_id: None = None
-    reasoning: None = None
-    truncation: str = "disabled"
-    usage: ResponseUsage | None = None
-
-
-class ResponseEvent(_Wire):
-    type: str
-    sequence_number: int
-
-
-class ResponseLifecycleEvent(ResponseEvent):  # response.created, .in_progress, .completed, .incomplete
-    response: ResponseObject
-
-
-class OutputItemEvent(ResponseEvent):  # response.output_item.added, .done
-    output_index: int
-    item: OutputItem
-
-
-class ContentPartEvent(ResponseEvent):  # response.content_part.added, .done
-    item_id: str
-    output_index: int
-    content_index: int
-    part: OutputText
-
-
-class OutputTextDeltaEvent(ResponseEvent):  # response.output_text.delta
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    logprobs: list[ChatTokenLogprob]
-
-
-class OutputTextDoneEvent(ResponseEvent):  # response.output_text.done
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    logprobs: list[ChatTokenLogprob]
-
-
-class ArgumentsDeltaEvent(ResponseEvent):  # response.function_call_arguments.delta
-    item_id: str
-    output_index: int
-    delta: str
-
-
-class ArgumentsDoneEvent(ResponseEvent):  # response.function_call_arguments.done
-    item_id: str
-    output_index: int
-    name: str
-    arguments: str
-
-
-class ErrorEvent(ResponseEvent):  # error
-    code: str | None = None
-    message: str
-    param: str | None = None

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from irminsul.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
-                                      PublishRequest, ResponsesRequest, TokenizeRequest)
+                                      PublishRequest, TokenizeRequest)
+from irminsul.server.protocol_responses import ResponsesRequest
 
 router = APIRouter()
 
