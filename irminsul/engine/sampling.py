@@ -198,8 +198,8 @@ _BLOCK = 1 << 16  # int64 counters hashed at once on a CPU: 512 KiB, two buffers
 def _uniforms_blocked(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """`uniforms` on a CPU, the same numbers: in place, about `_BLOCK` counters at a time (a few
     rows of a small vocabulary, or a slice of one row of a large one), so the hash's dozen passes
-    stay in cache. The whole [B, vocab] at once spilled it: 128 rows x 129,280 took 3.8 s against
-    0.18 s this way (1 thread, AMD EPYC)."""
+    stay in cache. The whole [B, vocab] at once spilled it, an order of magnitude slower for a batch
+    of a large vocabulary's rows."""
     base = (seeds * _GOLDEN + steps * _MIX2)[:, None]
     columns = torch.arange(vocab)[None, :]
     out = torch.empty(len(seeds), vocab, dtype=torch.float32)
@@ -246,8 +246,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     token's score is -inf."""
     dev, vocab = logits.device, logits.shape[-1]
     logits = logits.float()
-    # (max's indices are argmax's, the first maximum, NaN first, and on a CPU 3x faster: [32, 8192]
-    # 123 against 379 us, [8, 129280] 518 against 1,490, one thread on an AMX Xeon)
+    # (max's indices are argmax's, the first maximum, NaN first, and several times faster on a CPU)
     chosen = logits.max(-1).indices
     # only the sampled rows race (the host knows which: no synchronisation); greedy rows take the argmax
     rows = [i for i, p in enumerate(params) if not p.greedy]

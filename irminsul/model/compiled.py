@@ -11,10 +11,9 @@ and has the torch backend attend over the earlier rows with each token's own row
 `MoE.dense`). Three graphs:
 
 - one sequence decoding alone whose rows sit in consecutive slots: its rows are read in place
-  (`__call__`; with the native kernels, by the native decode attention: the torch ops' product of
-  the probabilities with the strided c_KV rows ran at ~5 GMAC/s, 0.3-0.45 ms a layer at 1,500 keys,
-  and bench_engine's decode at depth 1,500 went 264 -> 163 ms for 63 tokens), its k experts through
-  their stacked weights;
+  (`__call__`; with the native kernels, by the native decode attention, as the torch ops' product
+  of the probabilities with the strided c_KV rows is slow: `benchmarks/bench_engine.py`'s decode
+  shows it), its k experts through their stacked weights;
 - one sequence whose rows do not (a content hit shares another run of slots): its rows are gathered
   through its slot table (`batch`, B = 1);
 - B >= 2 sequences (`batch`): gathered and masked to each one's length; every expert runs on every
@@ -53,8 +52,8 @@ from irminsul.model.settings import settings
 
 log = logging.getLogger("irminsul.model")
 DENSE_EXPERTS = 4  # the batched step runs every expert when that is at most this many times the routed work
-# ... for at most this many sequences (`python benchmarks/bench_compiled.py`, the bundled model, when
-# this was set: compiled 1.1-1.2x eager's speed at 2-8 sequences, 0.95-0.98x at 16, 0.91-1.0x at 32)
+# ... for at most this many sequences: beyond it, running every expert costs more than the graph
+# saves (`python benchmarks/bench_compiled.py` measures the step against eager per batch size)
 MAX_BATCH = 8
 # ... and with the native kernels inside the graph (`CompiledDecode.native`), up to this many: the
 # batches of a decode step's size, where the native experts pay (`MoE.native_tokens`)

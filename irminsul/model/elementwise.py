@@ -1,13 +1,13 @@
 """RMSNorm and SwiGLU's silu(gate) * up in one pass each, on a CPU: `irminsul/model/native/elementwise.c`.
 
 In eager torch, RMSNorm is five operations over its rows (square, mean, + eps, rsqrt, two products)
-and silu(g) * u two, each a full pass and a dispatch: at the bundled model's prefill of 1,500
-tokens they were ~11 ms of ~195 (torch.profiler; benchmarks/bench_engine.py's prefill). RMSNorm
+and silu(g) * u two, each a full pass and a dispatch (a visible share of a prefill in torch.profiler;
+benchmarks/bench_native_kernels.py times both forms). RMSNorm
 rounds as torch's ops do but for the order of one float32 sum; silu uses the kernels' own exp and
 reciprocal (within ~1e-7 relative of torch's, its special values kept: tests/model/test_elementwise.py).
 
 They run where the native library built, for float32 tensors (RMSNorm also bfloat16: nine norms a
-decode token of the realistic bf16 model, ~40 us each as torch's ops on an AMD EPYC) on a CPU, their
+decode token of the realistic bf16 model, each several dispatches as torch's ops) on a CPU, their
 rows shared among torch's threads, outside graphs being compiled (inductor fuses these operations
 itself), unless IRMINSUL_NATIVE_ELEMENTWISE=0. Each function returns None where it does not run;
 the caller computes with torch.

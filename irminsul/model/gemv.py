@@ -1,9 +1,8 @@
 """Products of one row that stream their weight at the memory's speed on a CPU: x [1, in] times W [out, in].
 
 A decode step of one sequence is a chain of one-row products, each bound by reading its weight
-once. torch's own kernels read a bf16 weight well below the memory's speed for one row: on an AMD
-EPYC with AVX512-BF16 (one thread) `F.linear` read the 129,280 x 2,048 LM head at ~10 GB/s where
-a plain sum streams 25 (docs/performance.md). This module runs a plain C loop over each weight row,
+once. torch's own kernels can read a bf16 weight well below the memory's speed for one row
+(`python benchmarks/bench_gemv_layout.py` shows it per machine). This module runs a plain C loop over each weight row,
 fp32 products and sums: `irminsul/model/native/gemv.c`, built for the CPU it runs on at first use
 (model/native), called through ctypes on the tensors' memory. It reads W row by row, so it needs
 W's rows contiguous (out-major, nn.Linear's layout, any row stride: pack_linears' views), float32
@@ -12,9 +11,8 @@ from the fp32 sum, as F.linear rounds). It computes up to MAX_ROWS rows per call
 weight row once for all of them; the model uses it for one row.
 
 Whether it runs for a shape is `kernel_choice`'s measurement on the machine ("gemv", a candidate
-for one-row products of out-major weights), not a rule: on an Intel Xeon with AMX, where one core
-reads ~12 GB/s whatever reads, it was 1.1-1.45x F.linear on four of a realistic model's nine bf16
-shapes (the LM head among them) and slower on the others, and was taken for those four. It is a
+for one-row products of out-major weights), not a rule: on some CPUs it is faster than F.linear on
+some of a realistic model's shapes and slower on others, and is taken for those only. It is a
 candidate only where the kernel built (`available`; a C compiler) and IRMINSUL_GEMV is not 0 (the
 test suite sets 0, and tests/model/test_gemv.py turns it back on). It shares the output rows among
 torch's threads; kernel_choice times it against F.linear at torch's thread count.

@@ -4,9 +4,9 @@ A product x [rows, in] times W [out, in] can run three ways on a CPU, and which 
 the processor, the dtype, the shape and the row count, not on a rule: torch's own product over W
 stored out-major ([out, in], nn.Linear's layout: `F.linear`), the same over W stored input-major
 ([in, out]: `x @ W`), or oneDNN's over a copy of W blocked for a given number of rows
-(`layers.dnn_weight`). On this project's first AMD EPYC, input-major and oneDNN streamed fastest for
-float32; on an Intel Xeon with AMX, bfloat16's input-major read the LM head at 5.0 GB/s against 12.9
-for out-major, and oneDNN lost to plain `F.linear` on most products.
+(`layers.dnn_weight`). On one CPU input-major and oneDNN stream fastest for float32; on another
+bfloat16's input-major reads the LM head at less than half out-major's rate and oneDNN loses to
+plain `F.linear` on most products (`python benchmarks/bench_gemv_layout.py` shows a machine's).
 
 So `DeepseekModel.pack` asks `choose()` for each distinct product shape the model has: both dense
 layouts are timed at 1, 8, 32 and 256 rows, and oneDNN at 8, 32 and 256 where it applies; each
@@ -28,10 +28,8 @@ From the times, per shape:
 
 Products of one and of eight rows (a decode step of one sequence, of a few) have a third
 candidate where the weight is out-major: `gemv.product`, a C loop over the weight's rows
-(model/native/gemv.c, built for the CPU at first use; on an AMX Xeon 1.1-1.45x F.linear on some of
-a realistic model's bf16 shapes and slower on others; on an AVX512-BF16 EPYC its vdpbf16ps path
-read the realistic LM head at ~35 GB/s for one row and ~23 for eight, F.linear at ~17 and ~15,
-docs/performance.md) (model/gemv.py; a candidate only where `gemv.available()`: the kernel built,
+(model/native/gemv.c, built for the CPU at first use; faster than F.linear on some shapes of some
+CPUs and slower on others, docs/benchmarks.md) (model/gemv.py; a candidate only where `gemv.available()`: the kernel built,
 IRMINSUL_GEMV not 0, a float32 or bfloat16 weight). A shape takes it for one row (`Choice.gemv`
 1) where it beats the dense product of its layout by `GEMV_GAIN` at one row, and for up to eight
 (`Choice.gemv` 8) where it also beats both the dense product and oneDNN's at eight; the dense
@@ -71,9 +69,8 @@ DNN_MIN_MACS = 1_500_000
 ROWS = (1, 8, 32, 256)  # the row counts timed: a decode step, small and larger batches, a prefill
 BLOCKS = (256, 32, 8)  # the row blocks oneDNN copies are made for (layers.DNN_BLOCKS)
 MIN_GAIN = 1.15  # a blocked copy must be this much faster than the dense product at its own block
-# the one-row kernel must be this much faster than the dense one-row product (it was 1.1: on an AMX
-# Xeon the realistic LM head measured gemv 44.4 against F.linear 48.1 ms, 1.08x, and kept F.linear,
-# while the engine's decode ran 11.2 tok/s with gemv and 9.9-10.4 without, back to back)
+# the one-row kernel must be this much faster than the dense one-row product: a larger margin kept
+# F.linear for an LM head on which the engine's decode ran faster with gemv
 GEMV_GAIN = 1.05
 COPY_BUDGET = 1 / 3  # blocked copies may add at most this fraction of the model's weight bytes
 SLICE_BYTES = 32 * 2**20  # larger weights are timed on a slice of their output rows this large...
@@ -82,12 +79,13 @@ SAMPLES = 7  # interleaved samples per candidate (`_typical` of them is kept)
 SAMPLE_SECONDS = 0.0005  # a sample runs at least this long (several calls of a small product)
 # a candidate whose second call takes this many times the fastest one timed before it is not sampled:
 # it cannot be chosen, and on some CPUs it is very slow (torch's bf16 `x @ W` on a CPU without bf16
-# instructions multiplies at ~0.3 GFLOP/s, 30x below F.linear's: sampling it made a realistic model's
-# first load measure for 13 minutes)
+# instructions multiplies more than an order of magnitude below F.linear's rate: sampling it made a
+# realistic model's first load measure for many minutes)
 HOPELESS = 8.0
 MAX_COPIES = 64  # at most this many copies (smaller weights are then read a little warmer than the model's)
 STREAM_ROWS = 8  # products of at most these many rows are timed over rotating copies (they stream)
 PROGRESS_AFTER = 1.0  # seconds of measuring expected before a progress bar is shown
+GUESSED_FLOPS = 30e9  # a CPU's rate assumed for that estimate only (nothing is chosen by it)
 CACHE_VERSION = 6  # 6: the gemv candidate is timed at eight rows too (5: the native kernel, not a compiled one)
 
 
@@ -349,9 +347,9 @@ def measure(out: int, inp: int, dtype: torch.dtype, streamed: int, with_dnn: boo
 
 def estimate_seconds(products: list[Product]) -> float:
     """A rough guess of how long measuring these takes (to decide on a progress bar): the 256-row
-    products dominate, at ~30 GFLOP/s, each candidate (SAMPLES + 2) times."""
+    products dominate, at GUESSED_FLOPS, each candidate (SAMPLES + 2) times."""
     flops = sum(2 * 256 * measured_rows(p.out, p.inp, p.dtype, COMPUTE_SLICE_BYTES) * p.inp for p in products)
-    return flops * 3 * (SAMPLES + 2) / 30e9 + len(products) * 0.1
+    return flops * 3 * (SAMPLES + 2) / GUESSED_FLOPS + len(products) * 0.1
 
 
 # --- choosing ---------------------------------------------------------------------------------------

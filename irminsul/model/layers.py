@@ -58,9 +58,9 @@ def dnn_weight(w: torch.Tensor, blocks: tuple[int, ...] | None = None,
     laid out by the choices); else the fixed rule (float32 only: every block whose rows x weight size
     reach `kernel_choice.DNN_MIN_MACS`). Each copy is one more copy of the weight.
 
-    torch's CPU GEMM is MKL's, and MKL runs its AVX2 code on AMD processors: on this project's first
-    EPYC oneDNN's product over a pre-blocked weight reached ~220 GFLOP/s at 32 rows where MKL reached
-    ~115; on an Intel Xeon it lost to MKL on most products (`python benchmarks/bench_gemv_layout.py`).
+    torch's CPU GEMM is MKL's, and MKL runs its AVX2 code on AMD processors: there oneDNN's product
+    over a pre-blocked weight can be much faster than MKL's, while on Intel CPUs it loses on most
+    products (`python benchmarks/bench_gemv_layout.py` shows a machine's).
     """
 
     if blocks is None:

@@ -66,9 +66,8 @@ def read_tensors(files: list[Path], num_layers: int) -> dict[str, torch.Tensor]:
 def owned(read: torch.Tensor, converted: torch.Tensor) -> torch.Tensor:
     """`converted` (a tensor `read_tensors` read, after `.to(device, dtype)`), in memory of its own:
     where `.to` changed nothing it returned the read tensor, a view into the file's mapping (safe_open
-    maps the file), and there a weight was read slower than a copy of it: the realistic checkpoint's
-    bf16 LM head (kept as loaded) 73 ms a one-row F.linear against its copy's 46 (its data 32 bytes
-    off a cache line; on an AMX Xeon, one thread). The copy is aligned, and the mapping is released."""
+    maps the file), and there a weight can be read much slower than a copy of it (a bf16 tensor's data
+    may sit off a cache line in the file). The copy is aligned, and the mapping is released."""
     return converted.clone() if converted.data_ptr() == read.data_ptr() else converted
 
 

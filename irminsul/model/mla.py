@@ -174,10 +174,9 @@ class MLAttention(nn.Module):
         for lin in (self.kv_b_proj, self.o_proj) + ((self.q_b_proj,) if self.cfg.q_lora_rank is not None else ()):
             lin.pack_dnn()
         # NOTE: W_UK and W_UV are slices of kv_b_proj's weight, one head (nope + v) x r apart; a bf16
-        # bmm copies such a batch to a contiguous one on every call (on an AMD EPYC, one thread, at
-        # r 512 and 16 heads: W_UV's product 1,357 us with the copy, 103 without, a decode token ~5 ms
-        # at the realistic shape), so they are kept apart: one more copy of kv_b (0.4% of that
-        # model's weights). float32's bmm reads the slices in place.
+        # bmm copies such a batch to a contiguous one on every call (an order of magnitude slower than
+        # the product itself at realistic shapes), so they are kept apart: one more copy of kv_b (a
+        # fraction of a percent of a realistic model's weights). float32's bmm reads the slices in place.
         self.absorbed = self.absorbed_from = None
         w = self.kv_b_proj.weight
         if w.dtype in (torch.bfloat16, torch.float16):

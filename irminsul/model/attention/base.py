@@ -86,9 +86,9 @@ def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 
 def _heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [n, H, in] times w [H, out, in] through the native per-head products (`gemv.heads`) for a
-    decode step's few rows of a bf16 model on a CPU, else None (torch's bmm). On an AMD EPYC (Zen 5,
-    one thread) bf16 bmm read the realistic model's cold 2 MB W_UK at ~6 GB/s in a decode step
-    (360 us a layer; W_UV 210), where the kernel streams ~30 (docs/performance.md, Real shapes)."""
+    decode step's few rows of a bf16 model on a CPU, else None (torch's bmm). bf16 bmm reads a cold
+    W_UK well below the memory's speed in a decode step, where the kernel streams it
+    (docs/benchmarks.md, real shapes)."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
     return gemv.heads(x, w)

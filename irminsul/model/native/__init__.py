@@ -162,8 +162,8 @@ def fingerprint(source: str | None = None) -> str:
     file name (`kernels-<key>.so`); with `source` (a file name of SOURCES), the key of that kernel
     alone. kernel_choice keys the times it measured for a kernel by the latter, so a changed kernel
     is timed again and a change to another leaves its times be (re-timing every shape after any
-    change made choices within the box's noise flip between builds: on an AMX Xeon a realistic
-    model's LM head took gemv in one build, 40 ms a token, and F.linear, 48 ms, in the next)."""
+    change made choices within the box's noise flip between builds: one build's LM head took gemv,
+    the next F.linear)."""
     lib = library()
     if lib is None:
         return ""

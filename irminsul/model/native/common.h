@@ -176,10 +176,8 @@ static inline void bf16_interleave(const uint16_t *x, long rows, long ldx, long 
 /* out[r] = x_r . w[0 .. n) for the R (<= 4, a constant where it is inlined) interleaved rows of one
  * group (bf16_interleave), w a bfloat16 weight row: vdpbf16ps (each pair of elements multiplied
  * exactly and summed in float32; denormal inputs read as zero), two sums per row. `ahead`: bytes of
- * w asked for early (0: none). On an AMD EPYC (Zen 5), one thread, a 129,280 x 2,048 weight read
- * from memory through irm_linear: one row ~36 GB/s, four ~32, eight in two groups ~23 (a C harness
- * over the weight, best of 28 calls; variants with eight rows of x in one pass, or two or four
- * weight rows at once, read slower; bench_gemv_layout.py times it as kernel_choice does). */
+ * w asked for early (0: none). Variants with eight rows of x in one pass, or two or four weight rows
+ * at once, read slower (bench_gemv_layout.py times it as kernel_choice does). */
 static inline __attribute__((always_inline)) void bf16_group(const uint16_t *xg, const int R, const uint16_t *w,
                                                              long n, float *out, long ahead) {
     __m512 a0[4], a1[4];

@@ -6,12 +6,11 @@
  * for all the rows of x (at most IRM_MAX_ROWS), which is what a decode step needs: its products
  * are bound by reading the weight. Built by irminsul/model/native/__init__.py with -march=native;
  * the vector paths (AVX-512, and AVX2 through simd.h) keep four independent sums per row (one FMA
- * chain per sum was latency-bound: it read bf16 at ~12 GB/s where the memory gave more), a build
+ * chain per sum was latency-bound, well below the memory's speed), a build
  * without them takes the plain loops, which the compiler vectorises (the flags allow reassociating
  * the sums). Where x and w are both
  * bfloat16 (a bf16 model) and the CPU has AVX512-BF16, the products are vdpbf16ps over x's own bf16
- * rows instead (common.h bf16_dots: ~35 GB/s for one row on a Zen 5 EPYC where the float32
- * conversion read ~33, and 23 for eight rows where the conversion's four-row passes read ~4).
+ * rows instead (common.h bf16_dots: faster than converting to float32, most of all for several rows).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,7 +22,7 @@
 #include "common.h"
 
 #define IRM_MAX_ROWS 8
-#define IRM_PREFETCH 2048 /* bytes ahead of the loads that are asked for early: +5-10% read rate on an AMX Xeon */
+#define IRM_PREFETCH 2048 /* bytes ahead of the loads that are asked for early (a few per cent more read rate where measured) */
 
 #if defined(__AVX512F__)
 /* 16 weights from w + i (bf: bfloat16, else float32) as floats; the masked form reads only m's lanes */

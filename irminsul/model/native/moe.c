@@ -3,7 +3,7 @@
  *
  * A decode step of 32 sequences gives each of the bundled model's 8 experts a handful of rows; in
  * torch each expert is ~10 operations (find its rows, gather, two products, silu * up, weigh, add
- * back), ~80 us of dispatch for ~2 us of products. Here the assignments are sorted by expert in C,
+ * back): far more time in dispatch than in the products. Here the assignments are sorted by expert in C,
  * and each expert's rows, gathered 8 at a time, go through its two products and silu * up: the
  * products read the expert's weights where MoE.stacked() keeps them, gate|up [E, H, 2I] and down
  * [E, I, H], either input-major (element [e, i, o] at e*s0 + i*s1 + o, s2 = 1: eight rows times
