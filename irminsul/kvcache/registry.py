@@ -6,7 +6,8 @@ chunk's rows, nor another tenant's rows of the same chunk (isolation does not re
 fingerprint alone, which a 64-bit hash bounds but does not guarantee). Entries in use by a running
 request are pinned and never evicted. ``Registry`` is the interface the planner sees; the disk and
 Redis tiers implement it too. ``MemoryRegistry`` is the in-process LRU tier; ``ScopedRegistry`` is
-one namespace's view of a registry shared by several.
+one namespace's view of a registry shared by several. ``ChunkStore`` is what a KV manager needs of
+the registry it runs over: a memory tier alone, or the store's tiers.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import hashlib
 import struct
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -69,6 +70,23 @@ class RegistryStats:
 class Registry(ABC):
     """Fingerprint -> Entry store with verified hits, a byte budget, pinning and stats."""
 
+    available: bool = True  # False while a remote backend does not answer (a Redis tier's breaker)
+    key_prefix: str | None = None  # what a shared store's keys start with (a Redis tier's), else None
+    log = None  # a lower tier's TierLog (store/stats.py), which the tiered registry shares
+    tier_stats = None  # a lower tier's TierStats (a property of the disk and Redis tiers)
+
+    @property
+    def location(self) -> str:
+        """Where the tier keeps its entries, for people (a log line)."""
+        return type(self).__name__
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait (at most timeout seconds) until queued writes are done; whether they are."""
+        return True
+
+    def close(self) -> None:
+        """Stop the tier's threads and connections (none by default)."""
+
     def __init__(self):
         # Called with every entry that enters the store, and with every entry that leaves it
         # (evicted or replaced), e.g. so that a WindowIndex can drop its windows, or so that the
@@ -114,6 +132,43 @@ class Registry(ABC):
     def _notify_store(self, entry: Entry) -> None:
         for callback in self.on_store:
             callback(entry)
+
+
+class ChunkStore(Protocol):
+    """What a KV manager runs over: a content registry whose memory tier's entries name pool slots,
+    and the tiers below it (disk, Redis) that hold the rows themselves. Two implementations: a
+    `MemoryRegistry` alone (no tiers below) and the store's `TieredRegistry`."""
+
+    on_store: list[Callable[[Entry], None]]
+    on_evict: list[Callable[[Entry], None]]
+
+    @property
+    def memory(self) -> MemoryRegistry:
+        """The tier whose entries' payloads are pool slots (the manager evicts them with their rows)."""
+
+    @property
+    def lower(self) -> Sequence[Registry]:
+        """The tiers below memory, in lookup order (empty: memory only)."""
+
+    @property
+    def key_prefix(self) -> str | None: ...
+
+    def bind(self, promote: Callable[[Entry], Entry | None], to_lower: Callable[[Entry], Entry]) -> None:
+        """How entries move between memory (slots) and the lower tiers (rows)."""
+
+    def prefetch(self, wanted: list[tuple[int, np.ndarray, str]]) -> int:
+        """Stage lower-tier entries ahead of the lookups that will want them (any thread)."""
+
+    def get(self, fingerprint: int, token_ids: np.ndarray, namespace: str = "") -> Entry | None: ...
+    def peek(self, fingerprint: int) -> Entry | None: ...
+    def put(self, entry: Entry) -> bool: ...
+    def pin(self, fingerprint: int) -> None: ...
+    def unpin(self, fingerprint: int) -> None: ...
+    def evict(self, nbytes: int, spare: Callable[[Entry], bool] | None = None) -> int: ...
+    def entries(self) -> list[Entry]: ...
+    def close(self) -> None: ...
+    def __contains__(self, fingerprint: int) -> bool: ...
+    def __len__(self) -> int: ...
 
 
 class PinCounts:
@@ -235,6 +290,22 @@ class MemoryRegistry(Registry):
 
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
+
+    # -- a store of one tier (`ChunkStore`) ---------------------------------------------------
+
+    @property
+    def memory(self) -> MemoryRegistry:
+        return self
+
+    @property
+    def lower(self) -> tuple[Registry, ...]:
+        return ()
+
+    def bind(self, promote, to_lower) -> None:
+        """(No tier below: nothing moves.)"""
+
+    def prefetch(self, wanted) -> int:
+        return 0
 
     @property
     def stats(self) -> RegistryStats:

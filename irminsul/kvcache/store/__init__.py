@@ -82,8 +82,8 @@ def tier_stats(registry: Registry) -> list[TierStats]:
 
     if isinstance(registry, TieredRegistry):
         return registry.all_tier_stats
-    if hasattr(registry, "tier_stats"):
-        return [registry.tier_stats]
+    if (stats := registry.tier_stats) is not None:
+        return [stats]
     return [memory_tier_stats(registry)]
 
 

@@ -93,6 +93,14 @@ class RedisRegistry(Registry):
     def available(self) -> bool:
         return self._up
 
+    @property
+    def key_prefix(self) -> str:
+        return self.prefix
+
+    @property
+    def location(self) -> str:
+        return self.url
+
     def _error(self, what: str, error: Exception) -> None:
         """A command failed: a refusal is counted; a connection-level failure also opens the breaker."""
         self.log.failed(what, error)

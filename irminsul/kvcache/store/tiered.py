@@ -59,7 +59,12 @@ class TieredRegistry(Registry):
         self.dropped_writes = 0
         self._failures = [0] * len(self.lower)  # what each lower tier raised (its own stats do not see it)
         # one log per tier, shared with the tier's own, so a tier costs at most one line per interval
-        self._logs = [getattr(t, "log", None) or TierLog(type(t).__name__) for t in self.lower]
+        self._logs = [t.log or TierLog(type(t).__name__) for t in self.lower]
+
+    @property
+    def key_prefix(self) -> str | None:
+        """The first lower tier's that has one (a shared Redis store's)."""
+        return next((t.key_prefix for t in self.lower if t.key_prefix is not None), None)
 
     def bind(self, promote: Callable[[Entry], Entry | None], to_lower: Callable[[Entry], Entry]) -> None:
         self._promote, self._to_lower = promote, to_lower
@@ -197,7 +202,9 @@ class TieredRegistry(Registry):
     def _lower_stats(self, i: int) -> TierStats:
         tier, failures = self.lower[i], self._failures[i]
         try:
-            s = tier.tier_stats if hasattr(tier, "tier_stats") else memory_tier_stats(tier)
+            s = tier.tier_stats
+            if s is None:
+                s = memory_tier_stats(tier)
         except Exception:  # (/metrics still answers)
             return TierStats(self._logs[i].tier, 0, 0, 0, 0, 0, 0, 0, failures=failures, available=False)
         return dataclasses.replace(s, failures=s.failures + failures)
@@ -207,6 +214,5 @@ class TieredRegistry(Registry):
         if self._writer is not None:
             self._writes.put(None)
         for i, tier in enumerate(self.lower):
-            for name in ("flush", "close"):
-                if hasattr(tier, name):
-                    self._call(i, name, getattr(tier, name))
+            self._call(i, "flush", tier.flush)
+            self._call(i, "close", tier.close)
