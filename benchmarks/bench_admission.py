@@ -28,7 +28,8 @@ import torch
 from irminsul import LLM
 from irminsul.cli import run_for_people
 from irminsul.engine.sampling import SamplingParams
-from irminsul.engine.engine import Engine
+from irminsul.engine.build import build_engine
+from irminsul.engine.config import EngineConfig
 from irminsul.machine import describe
 
 WARM = 20
@@ -37,7 +38,8 @@ WARM = 20
 def run(llm: LLM, slowdown: float | None, streams: int, burst: int, burst_len: int, window: int | None) -> dict:
     """window None: with the burst, until its last first token; else: that many steps, no burst."""
     llm.engine.close()
-    engine = Engine(llm.model, llm.tokenizer, reuse=llm.reuse, pool=llm.engine.pool, decode_slowdown=slowdown)
+    engine = build_engine(EngineConfig.of(reuse=llm.reuse, decode_slowdown=slowdown), llm.model, llm.tokenizer,
+                          pool=llm.engine.pool)
     rng = np.random.default_rng(0)
     vocab = llm.model.config.vocab_size
     params = SamplingParams(max_tokens=100_000, ignore_eos=True)
@@ -69,7 +71,7 @@ def run(llm: LLM, slowdown: float | None, streams: int, burst: int, burst_len: i
                 last[sid] = now
         if (window is None and len(ttft) == burst) or (window is not None and step >= WARM + window):
             break
-    for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+    for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):  # (the bench's own streams)
         engine.abort(seq)
     engine.close()
     out = {"steps": step - WARM, "p50": np.percentile(gaps, 50), "p99": np.percentile(gaps, 99)}

@@ -66,8 +66,8 @@ def make_room_ms(rows: int = 200_000) -> tuple[float, int]:
     while kv.pool.free > 3000:
         tokens = rng.integers(5, 250, int(rng.integers(300, 1500))).tolist()
         seq = Sequence(tokens=tokens, prompt_len=len(tokens), params=SamplingParams(max_tokens=1))
-        kv.plan(seq)
-        kv.allocate(seq, seq.pending)
+        seq.admit(kv.admission(seq))
+        seq.place(seq.pending, kv.fresh_rows(seq.pending, [None]))
         seq.take_pending(len(tokens))
         seq.finish_reason = "length"
         kv.free(seq)

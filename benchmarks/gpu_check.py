@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from irminsul.data import data_file
+from irminsul.engine.build import build_engine
+from irminsul.engine.config import EngineConfig
 from irminsul.engine.engine import Engine
 from irminsul.engine.sampling import SamplingParams
 from irminsul.machine import describe
@@ -107,8 +109,8 @@ def build(raw: dict, device: str, dtype: torch.dtype, backend: str, reuse: str, 
     if weights_of is not None:
         model.load_state_dict(weights_of.model.state_dict(), assign=True)
     model.set_attention_backend(backend)
-    return Engine(model, Tokenizer(folder), reuse=reuse, kv_cache_gib=kv_gib, compile_decode=compile_decode,
-                  pool=weights_of.pool if weights_of is not None else None)
+    return build_engine(EngineConfig.of(reuse=reuse, kv_cache_gib=kv_gib, compile_decode=compile_decode),
+                        model, Tokenizer(folder), pool=weights_of.pool if weights_of is not None else None)
 
 
 def generate(engine: Engine, prompts: list[list[int]], new: int) -> float:

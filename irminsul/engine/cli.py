@@ -51,6 +51,8 @@ def run(args) -> int:
     import torch
 
     from irminsul import LLM
+    from irminsul.engine.build import build_engine
+    from irminsul.engine.config import EngineConfig
     from irminsul.engine.engine import Engine
     from irminsul.engine.sampling import SamplingParams
     from irminsul.errors import UserFacingError
@@ -94,8 +96,8 @@ def run(args) -> int:
         return engine.run(engine.add([t for s in segments for t in s], params, starts))
 
     def fresh(mode: str) -> Engine:  # an empty cache on the loaded model's pool
-        return Engine(llm.model, tok, reuse=mode, model_id=f"demo-{mode}", pool=llm.engine.pool,
-                      compile_decode=False)
+        return build_engine(EngineConfig.of(reuse=mode, model_id=f"demo-{mode}", compile_decode=False),
+                            llm.model, tok, pool=llm.engine.pool)
 
     modes = ("prefix", "pic")
     for mode in modes:  # kernels, allocator and each mode's reuse path, before anything is timed

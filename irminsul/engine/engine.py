@@ -11,57 +11,42 @@ A step takes any mix of sequences: those still in prefill contribute their next 
 all), those decoding contribute their last token; each attends only to the rows its slot table
 names. Besides the loop, whole-request helpers for offline use: `add` + `run` (one request
 alone), `score` (teacher-forced log-probs) and `publish` (a document's rows into the shared
-namespace).
+namespace). Engines are built by `build_engine` (build.py) from an `EngineConfig` (config.py).
 """
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from irminsul.engine.config import EngineConfig
 from irminsul.engine.model_runner import ModelRunner, ScheduledBatch
 from irminsul.engine.output import OutputProcessor
 from irminsul.engine.sampling import SamplingParams, request_seed
 from irminsul.engine.scheduler import Scheduler
 from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
-from irminsul.kvcache.manager import KVCacheManager, PoolBusy, PoolFull
+from irminsul.kvcache.caches import ChunkNaming
+from irminsul.kvcache.journal import ChunkJournal
+from irminsul.kvcache.manager import KVCacheManager, PoolBusy, PoolFull  # noqa: F401 (PoolBusy: for callers)
+from irminsul.kvcache.radix import RadixStats
 from irminsul.kvcache.pool import LatentPool
+from irminsul.kvcache.recompute import Recompute
+from irminsul.kvcache.registry import ChunkStore
 from irminsul.model.tokenizer import Tokenizer
-
-DEFAULT_KV_CACHE_GIB = 1.0  # on the CPU (committed lazily, as rows are written)
-GPU_MEMORY_SHARE = 0.85  # on a GPU: this share of the memory free once the weights are loaded
-
-
-def default_kv_cache_gib(device) -> float:
-    """The pool's default size: 1 GiB on the CPU; on a CUDA device, most of its free memory (as
-    vLLM's gpu_memory_utilization; the rest is left to activations)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return DEFAULT_KV_CACHE_GIB
-    free, _ = torch.cuda.mem_get_info(device)
-    return GPU_MEMORY_SHARE * free / 2**30
-
-
-def memory_bytes(device) -> float:
-    """The memory a pool on this device could at most take: the GPU's, or the machine's RAM."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # (no sysconf: not checked)
-        return math.inf
-
 
 class ScoringCancelled(Exception):
     """`Engine.score` stopped between two passes: its `cancelled` said the request went away."""
+
+
+class QueuedLoad(NamedTuple):
+    running: int  # sequences admitted and running
+    tokens: int  # prompt tokens to compute before a new request's
 
 
 @dataclass(frozen=True)
@@ -73,37 +58,25 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer, reuse: str = "off", max_prefill_tokens: int = 2048,
-                 kv_cache_gib: float | None = None, pool: LatentPool | None = None,
-                 compile_decode: bool | None = None, max_running_requests: int = 256,
-                 decode_slowdown: float | None = 2.0, **cache_options):
-        """`pool`: share another engine's pool (engines over the same weights, each with its own
-        cache, as the evaluations compare strategies); otherwise one of `kv_cache_gib` GiB.
-        `compile_decode`: see `ModelRunner`. `max_running_requests`, `decode_slowdown`: see
-        `Scheduler`. `cache_options`: see `KVCacheManager`."""
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, pool: LatentPool,
+                 registry: ChunkStore | None = None):
+        """Build engines with `build_engine` (it sizes the pool). `pool`: the latent pool, perhaps
+        another engine's. `registry`: the content registry the cache runs over (see `KVCacheManager`)."""
+        self.model, self.tokenizer, self.engine_config = model, tokenizer, config
         self.config = cfg = model.config
-        if unknown := sorted(set(cache_options) - KVCacheManager.options()):
-            raise RequestError(f"unknown cache option {', '.join(unknown)}; "
-                               f"the options are {', '.join(sorted(KVCacheManager.options()))}")
-        if pool is None:
-            gib = default_kv_cache_gib(model.device) if kv_cache_gib is None else kv_cache_gib
-            if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf:
-                raise RequestError(f"kv_cache_gib={kv_cache_gib!r} must be a number > 0")
-            if gib * 2**30 > (total := memory_bytes(model.device)):
-                raise RequestError(f"kv_cache_gib={kv_cache_gib!r} is more than the {total / 2**30:.0f} GiB of memory "
-                                   f"{'this GPU' if torch.device(model.device).type == 'cuda' else 'this machine'} has")
-            pool = LatentPool.sized(cfg, int(gib * 2**30), model.dtype, model.device)
         self.pool = pool
-        self.kv = KVCacheManager(reuse, pool, cfg.num_hidden_layers, **cache_options)
-        self.runner = ModelRunner(model, pool, compile_decode)
-        if self.kv.recompute_ratio and not self.runner.supports_recompute:
-            raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
+        self.kv = KVCacheManager(config.cache, pool, cfg.num_hidden_layers, registry)
+        self.runner = ModelRunner(model, pool, config.compile_decode)
+        recompute = None
+        if self.kv.recompute_ratio:
+            if not self.runner.supports_recompute:
+                raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
+            recompute = Recompute(self.kv, self.runner.latents, cfg.kv_lora_rank)
         eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
         self.eos_ids = frozenset(eos - {None})
         self.output = OutputProcessor(tokenizer, cfg.vocab_size, self.eos_ids, cfg.max_position_embeddings)
-        self.scheduler = Scheduler(self.kv, max_prefill_tokens, max_running_requests, decode_slowdown,
-                                   choose_recompute=self._choose_recompute)
+        self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests,
+                                   config.decode_slowdown, recompute)
 
     @property
     def reuse(self) -> str:
@@ -180,6 +153,57 @@ class Engine:
     def stats(self) -> dict:
         return self.scheduler.stats()
 
+    # -- what a server or a fleet replica reads of the engine -------------------------------
+
+    def on_admit(self, callback: Callable[[Sequence], None]) -> None:
+        """Tell `callback` of every admission (again after a preemption)."""
+        self.scheduler.on_admit.append(callback)
+
+    @property
+    def kv_rows(self) -> int:
+        """The most rows one request can hold (prompt + output; slot 0 is reserved)."""
+        return self.kv.max_rows
+
+    def is_waiting(self, seq: Sequence) -> bool:
+        """Queued and not admitted (it holds no rows)."""
+        return seq in self.scheduler.waiting
+
+    @property
+    def running_count(self) -> int:
+        return len(self.scheduler.running)
+
+    def abort_running(self) -> list[Sequence]:
+        """Abort every running sequence (their rows go back, none is cached); the ones aborted."""
+        running = list(self.scheduler.running)
+        for seq in running:
+            self.abort(seq)
+        return running
+
+    def queued_load(self) -> QueuedLoad:
+        """Requests running, and the prompt tokens the engine will compute before a new request's:
+        the running ones' pending positions and the queued ones' (a chunk several share, once)."""
+        s = self.scheduler
+        return QueuedLoad(len(s.running), self.kv.queued_tokens(list(s.waiting)) + sum(len(q.pending) for q in s.running))
+
+    def prefetch(self, tokens: list[int], segment_starts: list[int] | None, tenant: str | None) -> int:
+        """Read a prompt's chunks from the store's lower tiers ahead of its admission (any thread)."""
+        return self.kv.prefetch(tokens, segment_starts, tenant)
+
+    @property
+    def journal(self) -> ChunkJournal | None:
+        """The chunks the pool holds, for a fleet router to follow (None: nothing is cached)."""
+        return self.kv.journal
+
+    @property
+    def chunk_naming(self) -> ChunkNaming | None:
+        """How the cache fingerprints chunks, for a fleet router (None: nothing is cached)."""
+        return self.kv.naming
+
+    @property
+    def prefix_cache_stats(self) -> RadixStats | None:
+        """The radix tree's (None: nothing is cached)."""
+        return self.kv.prefix_stats
+
     # -- the step loop ----------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
@@ -205,7 +229,7 @@ class Engine:
         logits = self.runner.execute(batch, stale_keys=self.stale_keys)
         for seq, take in zip(batch.seqs, batch.takes):
             if take is not None:
-                self.kv.computed(seq)  # in-flight reuse: chunks whose rows now exist
+                self.scheduler.computed(seq)  # in-flight reuse: chunks whose rows now exist
         return self.output.process(batch.seqs, logits)
 
     # -- whole-request helpers (offline; the scheduler batches many) ------------------------
@@ -232,7 +256,7 @@ class Engine:
         while seq.in_prefill:
             take = seq.take_pending(self.max_prefill_tokens)
             hidden, _ = self.runner.forward([seq], [take], stale_keys=self.stale_keys)
-            self.kv.computed(seq)  # in-flight reuse: chunks whose rows now exist
+            self.scheduler.computed(seq)  # in-flight reuse: chunks whose rows now exist
             yield take, hidden
 
     def reserve(self, seqs: list[Sequence]) -> bool:
@@ -289,7 +313,7 @@ class Engine:
             seq.tokens = tokens[:-1]
             seq.grow()
             extra = np.arange(n, len(tokens) - 1)
-            if not self.kv.allocate(seq, extra):
+            if not self.scheduler.allocate(seq, extra):
                 raise PoolFull("the KV pool cannot hold the continuation; raise kv_cache_gib")
             seq.extend_pending(extra)
             pieces = []
@@ -315,47 +339,5 @@ class Engine:
         if len(ids) > self.pool.n_slots - 1:
             raise RequestError(f"the document has {len(ids)} tokens but the KV pool holds {self.pool.describe()}; "
                                f"raise kv_cache_gib or publish it in parts")
-        slots = self.kv.take(len(ids))
-        if slots is None:
-            raise PoolBusy(f"the KV pool ({self.pool.describe()}) has no room for this document's {len(ids)} rows "
-                           f"while the running requests hold theirs; retry later")
-        try:
-            positions = np.arange(len(ids))
-            self.pool.computed_at[slots] = positions
-            doc = Sequence(tokens=ids, prompt_len=len(ids), params=SamplingParams(max_tokens=1))
-            doc.admit(slots, positions, None, {})
-            self.prefill(doc)
-            return self.kv.publish(np.asarray(ids, np.int64), slots, segment_starts)
-        finally:
-            self.pool.release(slots)
-
-    # -- pic+r ---------------------------------------------------------------------------
-
-    def _choose_recompute(self, seq: Sequence) -> np.ndarray | None:
-        """pic+r (CacheBlend, Yao et al. 2025): the fraction r of reused rows whose c_KV at the check
-        layer deviates most from what the current context gives. Layers [0, check_layer) run over
-        every non-prefix position into scratch slots; only their latent at check_layer is compared.
-        None if the pool has no room for the scratch rows now."""
-        kv = self.kv
-        reused = np.concatenate([np.arange(s.start, s.end) for s in seq.reuse_plan.spans if s.kind == "reuse"] or
-                                [np.zeros(0, np.int64)])
-        k = int(math.ceil(kv.recompute_ratio * len(reused)))
-        if k == 0:
-            return reused[:0]
-        run = np.union1d(reused, seq.pending)
-        scratch = kv.take(len(run))
-        if scratch is None:
-            return None
-        try:
-            table = seq.slots.copy()
-            table[run] = scratch
-            self.pool.computed_at[scratch] = run
-            fresh = self.runner.latents(np.asarray(seq.tokens), run, table, scratch, kv.check_layer)
-            dev = self.model.device
-            at = torch.as_tensor(np.searchsorted(run, reused), device=dev)
-            r = self.config.kv_lora_rank
-            cached = self.pool.rows[kv.check_layer, torch.as_tensor(seq.slots[reused], device=dev), :r].float()
-            deviation = (fresh[at].float() - cached).norm(dim=-1) / cached.norm(dim=-1).clamp_min(1e-12)
-            return np.sort(reused[deviation.topk(k).indices.cpu().numpy()])
-        finally:
-            self.pool.release(scratch)
+        return self.kv.publish(np.asarray(ids, np.int64), segment_starts,
+                               lambda slots: self.runner.prefill(ids, slots, self.max_prefill_tokens, self.stale_keys))

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from irminsul.bundled import bundled_model
-from irminsul.engine.engine import Engine
+from irminsul.engine.build import build_engine
+from irminsul.engine.config import EngineConfig
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.sequence import RequestStats, TokenLogprob
 from irminsul.errors import RequestError
@@ -78,25 +79,25 @@ class LLM:
     `compile_decode` compiles the decode steps (model/compiled.py on a CPU; CUDA graphs of the
     triton backend on a GPU, model/graphs.py): None (default) where available, on a CPU in the
     background while the eager path runs (`wait_compiled` waits for it); True before this returns;
-    False never."""
+    False never. `cache_options`: the rest of `EngineConfig.of`'s options (max_prefill_tokens,
+    tenant, recompute_ratio, ...)."""
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",
                  device: str = "cpu", kv_cache_gib: float | None = None, max_running_requests: int = 256,
                  attention_backend: str = "torch", compile_decode: bool | None = None, **cache_options):
-        if isinstance(max_running_requests, bool) or not isinstance(max_running_requests, int) \
-                or max_running_requests < 1:
-            raise RequestError(f"max_running_requests={max_running_requests!r} must be an integer >= 1")
+        # Offline batches are for throughput: prompts are prefilled at the full per-step budget
+        # (the server keeps decode_slowdown=2: its streams' inter-token latency comes first).
+        config = EngineConfig.of(**{"decode_slowdown": None, **cache_options, "reuse": reuse,
+                                    "kv_cache_gib": kv_cache_gib, "compile_decode": compile_decode,
+                                    "max_running_requests": max_running_requests})
         self.path = Path(model) if model is not None else bundled_model("mla")
         self.model = load_model(self.path, dtype=dtype, device=device)
         if attention_backend != "torch":
             self.model.set_attention_backend(attention_backend)
         self.tokenizer = Tokenizer(self.path)
-        cache_options.setdefault("model_id", checkpoint_id(self.path, dtype))
-        # Offline batches are for throughput: prompts are prefilled at the full per-step budget
-        # (the server keeps decode_slowdown=2: its streams' inter-token latency comes first).
-        self.engine = Engine(self.model, self.tokenizer, reuse=reuse, kv_cache_gib=kv_cache_gib,
-                             compile_decode=compile_decode, max_running_requests=max_running_requests,
-                             decode_slowdown=None, **cache_options)
+        if "model_id" not in cache_options:
+            config = config.replace(model_id=checkpoint_id(self.path, dtype))
+        self.engine = build_engine(config, self.model, self.tokenizer)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait until the decode steps compiling in the background are ready (a benchmark's steady

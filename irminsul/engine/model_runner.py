@@ -114,6 +114,16 @@ class ModelRunner:
         write = np.concatenate([seq.slots[take] for seq, take in zip(seqs, takes)])
         return self.model(self._batch(np.concatenate(ids), np.concatenate(takes), write, specs, offsets)), offsets
 
+    def prefill(self, tokens: list[int], slots: np.ndarray, max_tokens: int, stale_keys: bool = False) -> None:
+        """Compute the rows of `tokens` alone, from position 0, into `slots` (fresh, one per token), at
+        most `max_tokens` positions a pass (a published document)."""
+        ids = np.asarray(tokens, np.int64)
+        for start in range(0, len(ids), max_tokens):
+            take = np.arange(start, min(len(ids), start + max_tokens))
+            keys = slots[: int(take[-1]) + 1]
+            spec = SeqAttention(take, keys, self.pool.computed_at[keys] if stale_keys else None)
+            self.model(self._batch(ids[take], take, slots[take], [spec], [0, len(take)]))
+
     def _batch(self, token_ids: np.ndarray, positions: np.ndarray, write: np.ndarray, specs: list[SeqAttention],
                offsets: list[int]) -> ForwardBatch:
         """The model's batch on its device: tokens at positions, rows written to `write`, attention

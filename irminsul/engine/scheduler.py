@@ -35,6 +35,8 @@ import numpy as np
 from irminsul.engine.model_runner import ScheduledBatch
 from irminsul.engine.sequence import Sequence
 from irminsul.kvcache.manager import KVCacheManager
+from irminsul.kvcache.recompute import Recompute
+from irminsul.model.attention import EMPTY_SLOT
 
 log = logging.getLogger("irminsul.engine")
 # a step beside decoding carries at least this many prompt positions: such a step runs the engine's
@@ -46,17 +48,15 @@ MIN_CHUNK = 32.0
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_prefill_tokens: int = 2048, max_running_requests: int = 256,
-                 decode_slowdown: float | None = 2.0,
-                 choose_recompute: Callable[[Sequence], np.ndarray | None] | None = None):
-        """`choose_recompute(seq)`: pic+r's choice of the reused rows to recompute (None: no room for
-        its check now); given by the engine, which runs the model for it."""
+                 decode_slowdown: float | None = 2.0, recompute: Recompute | None = None):
+        """`recompute`: pic+r's choice of the reused rows each admitted sequence recomputes (None: none)."""
         if decode_slowdown is not None and not decode_slowdown > 1:
             raise ValueError(f"decode_slowdown={decode_slowdown} must be > 1 (or None: no limit)")
         self.kv = kv
         self.max_prefill_tokens = max_prefill_tokens
         self.max_running_requests = max_running_requests
         self.decode_slowdown = decode_slowdown
-        self.choose_recompute = choose_recompute
+        self.recompute = recompute
         self.on_admit: list[Callable[[Sequence], None]] = []  # told of every admission (again after preemption)
         self._decode_s: float | None = None  # moving average of a decode-only step's seconds
         self._chunk = 64.0  # prompt positions a step beside decoding carries (adapted, see step 3)
@@ -79,7 +79,7 @@ class Scheduler:
         elif seq in self.running:
             self.running.remove(seq)
             seq.finish_reason = "abort"
-            self.kv.free(seq)
+            self._free(seq)
 
     # -- one sequence's rows ----------------------------------------------------------------
 
@@ -92,20 +92,21 @@ class Scheduler:
         if lead is not None and lead.admitted and not lead.finished and lead.prompt_len == seq.prompt_len:
             if lead.in_prefill:
                 return False
-            self.kv.share_prompt(seq, lead)
+            seq.admit(self.kv.shared_admission(seq, lead))
         else:
             if self.kv.waits_for(seq):
                 return False
-            self.kv.plan(seq)
+            seq.admit(self.kv.admission(seq))
         try:
-            if self.kv.recompute_ratio and seq.reuse_plan is not None:
-                chosen = self.choose_recompute(seq)
+            if self.recompute is not None and seq.reuse_plan is not None:
+                chosen = self.recompute.choose(seq)
                 if chosen is None:
                     self._unadmit(seq)
                     return False
                 if len(chosen):
-                    self.kv.recompute(seq, chosen)
-            if not self.kv.allocate(seq, seq.pending):
+                    self.kv.release_rows(seq.slots[chosen])
+                    seq.recompute(chosen)
+            if not self.allocate(seq, seq.pending):
                 self._unadmit(seq)
                 return False
         except BaseException:
@@ -114,9 +115,31 @@ class Scheduler:
         seq.leader = None  # admitted: it holds its own references now
         return True
 
+    def allocate(self, seq: Sequence, positions: np.ndarray) -> bool:
+        """Fresh rows for positions of an admitted sequence (rows it computes), evicting cached rows if
+        needed; False (nothing taken) if the pool cannot give them."""
+        if not len(positions):
+            return True
+        slots = self.kv.fresh_rows(positions, [seq.tenant])
+        if slots is None:
+            return False
+        seq.place(positions, slots)
+        return True
+
+    def computed(self, seq: Sequence) -> None:
+        """In-flight reuse: the chunks whose rows now exist go to the cache."""
+        seq.registered = self.kv.computed(seq)
+
+    def _free(self, seq: Sequence, cache: bool = True) -> None:
+        """Every row the sequence holds goes back (its chunks to the cache first, with `cache`)."""
+        try:
+            self.kv.free(seq, cache)
+        finally:
+            seq.release()
+
     def _unadmit(self, seq: Sequence) -> None:
         """Undo admission: its plan's claims and every row it holds go back; nothing is cached."""
-        self.kv.free(seq, cache=False)
+        self._free(seq, cache=False)
 
     def preempt(self, seq: Sequence) -> None:
         """Take every row from a running sequence; it keeps its tokens and is admitted again later,
@@ -130,7 +153,7 @@ class Scheduler:
             seq.finish_reason = "abort"
         if seq in self.running:
             self.running.remove(seq)
-        self.kv.free(seq)
+        self._free(seq)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -164,8 +187,23 @@ class Scheduler:
         return ScheduledBatch(list(seqs), takes, prefill, decode_only)
 
     def reserve(self, seqs: list[Sequence]) -> bool:
-        """A slot for each decoding sequence's newest token; False if the pool cannot give them all."""
-        return self.kv.append_slots(seqs)
+        """A slot for each decoding sequence's newest token; False (nothing taken) if the pool cannot
+        give them all."""
+        need = []
+        for seq in seqs:
+            if not seq.in_prefill:
+                seq.grow()
+                if seq.slots[-1] == EMPTY_SLOT:
+                    need.append(seq)
+        if not need:
+            return True
+        positions = np.array([len(seq.tokens) - 1 for seq in need], np.int64)
+        slots = self.kv.fresh_rows(positions, [seq.tenant for seq in need])
+        if slots is None:
+            return False
+        for seq, position, slot in zip(need, positions, slots):
+            seq.place(position[None], slot[None])
+        return True
 
     def _prefill_budget(self, pending: int) -> int:
         """Prompt positions this step may compute (see the module docstring, step 3)."""
@@ -215,7 +253,7 @@ class Scheduler:
             victim = self.running.pop()  # the most recently admitted
             if not self.running:  # alone and still no room: the pool is too small for it
                 victim.finish_reason = "length"
-                self.kv.free(victim)
+                self._free(victim)
                 failed.append(victim)
                 log.warning("request %d stopped early: the KV pool is full", victim.id)
                 break

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from irminsul.engine.sampling import SamplingParams
+from irminsul.kvcache.admission import Admission
+from irminsul.kvcache.planner import Plan
 from irminsul.model.attention import EMPTY_SLOT
 
 _ids = itertools.count()
@@ -52,9 +54,9 @@ class TokenLogprob:
 
 @dataclass(eq=False)
 class Sequence:
-    """A request inside the engine. Its slot table and pending positions are the KV manager's to
-    set (`admit`, `place`, `recompute`, `release`) and the scheduler's to consume (`take_pending`);
-    the output processor appends tokens and text."""
+    """A request inside the engine. The scheduler sets its slot table and pending positions from
+    what the KV manager hands it (`admit`, `place`, `recompute`, `release`) and consumes them
+    (`take_pending`); the output processor appends tokens and text."""
 
     tokens: list[int]  # prompt, then generated tokens
     prompt_len: int
@@ -62,7 +64,7 @@ class Sequence:
     segment_starts: list[int] | None = None
     tenant: str | None = None  # cache namespace; None means the engine's default
     stats: RequestStats = field(default_factory=RequestStats)
-    reuse_plan: object | None = None  # the cache planner's plan (irminsul.kvcache.planner.Plan), until freed
+    reuse_plan: Plan | None = None  # the cache planner's plan, until freed
     registered: int = 0  # prompt positions whose chunks were offered to the cache (in-flight reuse)
     seed: int = 0  # sampling randomness is a function of (seed, output position): engine/sampling.py
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -111,14 +113,14 @@ class Sequence:
         empty = np.flatnonzero(self._slots == EMPTY_SLOT)
         return int(empty[0]) if len(empty) else len(self._slots)
 
-    # -- the KV manager's -----------------------------------------------------------------
+    # -- rows, as the KV manager hands them out ---------------------------------------------
 
-    def admit(self, slots: np.ndarray, pending: np.ndarray, plan, counts: dict[str, int]) -> None:
-        """A slot table (rows it reuses; EMPTY_SLOT where it computes), the positions to compute, the
-        plan that produced them and where its prompt's rows come from (RequestStats fields)."""
-        self._slots, self._buf, self._pending = slots, None, pending
-        self.reuse_plan, self.registered = plan, 0
-        for name, value in counts.items():
+    def admit(self, admission: Admission) -> None:
+        """The KV manager's admission: a slot table (rows it reuses; EMPTY_SLOT where it computes),
+        the positions to compute, the plan that produced them and where its prompt's rows come from."""
+        self._slots, self._buf, self._pending = admission.slots, None, admission.pending
+        self.reuse_plan, self.registered = admission.plan, 0
+        for name, value in admission.stats._asdict().items():
             setattr(self.stats, name, value)
 
     def place(self, positions: np.ndarray, slots: np.ndarray) -> None:
@@ -138,7 +140,7 @@ class Sequence:
         self._pending = np.concatenate([self._pending, positions])
 
     def release(self) -> None:
-        """Every row is given back (the KV manager released the references)."""
+        """Every row is given back (the KV manager released the references: `KVCacheManager.free`)."""
         self._slots, self._buf, self._pending = np.zeros(0, np.int64), None, np.zeros(0, np.int64)
         self.reuse_plan = None
 

@@ -34,10 +34,8 @@ class Head:
 def _load(client) -> ReplicaLoad:
     """(On the engine thread.) Requests admitted and running; queued ones, and the prompt tokens
     the engine will compute before a new request's (a chunk several queued requests share, once)."""
-    scheduler = client.scheduler
-    queued = (client.engine.kv.queued_tokens(list(scheduler.waiting))
-              + sum(len(s.pending) for s in scheduler.running))
-    return ReplicaLoad(len(scheduler.running), client.queued, queued)
+    load = client.engine.queued_load()
+    return ReplicaLoad(load.running, client.queued, load.tokens)
 
 
 class IrminsulReplica:
@@ -53,20 +51,19 @@ class IrminsulReplica:
         self.app = InProcessApp(create_app(config, self.state))
         await self.app.start()  # the engine thread starts here
         self.client = self.state.client
-        self.feed = JournalFeed(self.client.engine.kv.journal)
+        self.feed = JournalFeed(self.client.engine.journal)
         self._reports = 0
         self._last_load = ReplicaLoad()
 
     def record_replica_metadata(self) -> dict:
-        kv = self.client.engine.kv
-        if kv.namespaces is None:  # reuse off: nothing is cached, nothing to fingerprint
+        naming = self.client.engine.chunk_naming
+        if naming is None:  # reuse off: nothing is cached, nothing to fingerprint
             return {}
-        planner = kv.planner_config
-        # the shared store's key prefix (not a secret: the model and the secret's id), for store credit
-        store = next((t.prefix for t in getattr(kv.registry, "lower", ()) if hasattr(t, "prefix")), None)
-        return {"model_id": kv.namespaces.model_id, "default_tenant": kv.namespaces.default_tenant,
-                "marker": list(planner.chunker.marker) if planner.chunker.marker else None, "sink": planner.sink,
-                "max_prompt_chars": self.state.context * self.state.max_token_bytes, "store_prefix": store}
+        # store_prefix: the shared store's key prefix, for store credit
+        return {"model_id": naming.model_id, "default_tenant": naming.default_tenant,
+                "marker": list(naming.marker) if naming.marker else None, "sink": naming.sink,
+                "max_prompt_chars": self.state.context * self.state.max_token_bytes,
+                "store_prefix": naming.store_prefix}
 
     async def record_routing_stats(self) -> dict:
         try:

@@ -5,5 +5,8 @@ content registry (`registry.py`), the S1 window index (`windows.py`), the exact-
 (`radix.py`) and the reuse planner (`planner.py`). Around it sit the KV cache's owner: the latent pool
 (`pool.py`), the one eviction order over rows only caches hold (`eviction.py`), tenants' namespaces
 (`namespaces.py`), the journal a fleet router reads (`journal.py`), the store tiers that serialise rows
-(`store/`) and the KV manager that turns plans into slot tables (`manager.py`).
+(`store/`, behind `registry.ChunkStore`), what each reuse mode caches (`caches.py`), pic+r's choice of
+rows to recompute (`recompute.py`), and the KV manager (`manager.py`, options in `config.py`), which
+turns plans into the admissions it hands the engine's scheduler (`admission.py`). Nothing here
+imports the engine.
 """

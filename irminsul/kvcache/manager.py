@@ -16,30 +16,32 @@ sequence that reuses a chunk takes one more reference on its slots. Chunks are o
 registry as soon as their rows are computed (in-flight reuse), and a request whose chunks a running
 sequence is computing right now waits for them instead of computing them again.
 
+The manager never writes into a sequence: admission returns an `Admission` and fresh rows come back
+as slots, which the scheduler applies to its own sequence (`admission.py`). What the mode caches
+is a `Cache` it holds (`caches.py`); the registry it runs over is a `ChunkStore`.
+
 Making room for n rows evicts about n: the oldest of the rows that only caches hold, wherever they
 are named (tree, registry or both); the structures then forget what named them.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 
-from irminsul.kvcache.chunker import ChunkerConfig, chunk
-from irminsul.kvcache.planner import Plan, Planner, PlannerConfig
-from irminsul.kvcache.radix import RadixCache
-from irminsul.kvcache.registry import Entry, MemoryRegistry, Registry
-from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
+from irminsul.kvcache.admission import Admission, AdmissionStats, CachedSequence
+from irminsul.kvcache.caches import UNBOUNDED, Cache, ChunkNaming, NoCache, ReuseCache
+from irminsul.kvcache.config import KVCacheConfig
 from irminsul.kvcache.eviction import EvictionOrder
 from irminsul.kvcache.journal import ChunkJournal
-from irminsul.kvcache.modes import MODES
-from irminsul.kvcache.namespaces import SHARED, Namespaces, owner_of
+from irminsul.kvcache.namespaces import SHARED
+from irminsul.kvcache.planner import Plan
 from irminsul.kvcache.pool import LatentPool
+from irminsul.kvcache.registry import ChunkStore, Entry
 from irminsul.model.attention import EMPTY_SLOT
 
-UNBOUNDED = 2**62  # the tree's and the registry's own byte budgets: the pool is the one budget
+__all__ = ["MIN_EVICTION", "UNBOUNDED", "KVCacheManager", "PoolBusy", "PoolFull"]
+
 # an eviction takes at least this many rows (or a 32nd of the pool, if less): decoding on a full pool
 # then walks the caches once every few steps, not on every step (`python benchmarks/bench_eviction.py`)
 MIN_EVICTION = 256
@@ -54,65 +56,79 @@ class PoolBusy(PoolFull):
 
 
 class KVCacheManager:
-    def __init__(self, mode: str, pool: LatentPool, num_layers: int, tenant: str = "", model_id: str = "",
-                 carve_out: bool | None = None, s1: bool = True, registry: Registry | None = None,
-                 recompute_ratio: float = 0.0, check_layer: int = 1, max_namespaces: int = 1024,
-                 marker: tuple[int, ...] | None = None, tenant_share: float | None = None):
-        """`tenant`: the namespace of requests that name none. `registry`: the content registry (the
-        store tiers' `TieredRegistry`, say); an in-memory one by default. pic+r: `recompute_ratio` of
-        the reused rows, chosen at `check_layer`. `tenant_share`: see `make_room`."""
-        if mode not in MODES:
-            raise RequestError(f"reuse={mode!r} is not a reuse mode; choose one of {', '.join(MODES)}")
-        if tenant_share is not None and not (isinstance(tenant_share, (int, float)) and 0 < tenant_share <= 1):
-            raise RequestError(f"tenant_share={tenant_share!r} must be a share of the pool in (0, 1]")
-        if max_namespaces < 2:
-            raise RequestError(f"max_namespaces={max_namespaces} must be at least 2 (one is the shared namespace)")
-        if not 0.0 <= recompute_ratio <= 1.0:
-            raise RequestError(f"recompute_ratio={recompute_ratio} must be in [0, 1]")
-        if recompute_ratio and not 0 < check_layer < num_layers:
-            raise RequestError(f"check_layer={check_layer} must be in [1, {num_layers - 1}]")
-        self.mode, self.pool, self.tenant_share = mode, pool, tenant_share
-        self.recompute_ratio, self.check_layer = (recompute_ratio, check_layer) if mode != "off" else (0.0, 1)
+    def __init__(self, config: KVCacheConfig | str, pool: LatentPool, num_layers: int,
+                 registry: ChunkStore | None = None, **options):
+        """`config`: the cache's options, or its reuse mode with the other options as keywords
+        (`KVCacheConfig`'s fields). `registry`: the content registry the cache runs over (the store
+        tiers' `TieredRegistry`, say); an in-memory one by default."""
+        if isinstance(config, str):
+            config = KVCacheConfig(config, **options)
+        elif options:
+            raise TypeError("give the cache's options in its KVCacheConfig, not as keywords too")
+        if config.recompute_ratio and not 0 < config.check_layer < num_layers:
+            raise RequestError(f"check_layer={config.check_layer} must be in [1, {num_layers - 1}]")
+        self.config, self.pool = config, pool
         self.order = EvictionOrder(pool.n_slots)
         self.inflight: dict[int, int] = {}  # fingerprint -> running sequences that will compute it
         self.evicted_rows = 0  # rows eviction has freed, in all
-        self.registry: Registry | None = None
-        self.journal: ChunkJournal | None = None
-        self.radix: RadixCache | None = None
-        self.namespaces: Namespaces | None = None
-        if mode == "off":  # cache options are accepted and ignored: nothing is cached
-            return
-        # NOTE: "is None", not "or": an empty registry has len 0 and is falsy.
-        self.registry = registry if registry is not None else MemoryRegistry(UNBOUNDED)
-        self.registry.on_store.append(lambda entry: self._hold(entry.payload))
-        self.registry.on_evict.append(lambda entry: self._unhold(entry.payload))
-        self.journal = ChunkJournal()  # the chunks the pool holds, for a fleet router to follow
-        self.registry.on_store.append(lambda entry: self.journal.added(entry.fingerprint))
-        self.registry.on_evict.append(lambda entry: self.journal.removed(entry.fingerprint))
-        if hasattr(self.registry, "bind"):  # store tiers below memory hold rows, memory holds slots
-            self.registry.bind(self._promote, self._to_lower)
-        self.radix = RadixCache(UNBOUNDED, pool.bytes_per_slot, on_store=self._hold, on_evict=self._unhold)
-        if carve_out is None:
-            carve_out = mode == "pic"  # the paper's naive baseline has no carve-out
-        # marker: the paper's S2 variant, a model-visible boundary sequence that restarts chunking.
-        chunker = ChunkerConfig(marker=tuple(marker) if marker else None)
-        self.planner_config = PlannerConfig(chunker=chunker, content_reuse=mode != "prefix", s1=s1,
-                                            carve_out=carve_out)
-        self.namespaces = Namespaces(self.planner_config, self.registry, self.radix, model_id, tenant,
-                                     max_namespaces)
+        self.cache: Cache = (ReuseCache(config, pool.bytes_per_slot, registry, self._hold, self._unhold,
+                                        self._promote, self._to_lower)
+                             if config.caching else NoCache())  # (off: cache options are accepted and ignored)
 
-    @classmethod
-    def options(cls) -> set[str]:
-        """The cache options an engine passes through (`Engine(..., **options)`)."""
-        return set(inspect.signature(cls.__init__).parameters) - {"self", "mode", "pool", "num_layers"}
+    @property
+    def mode(self) -> str:
+        return self.config.reuse
+
+    @property
+    def tenant_share(self) -> float | None:
+        return self.config.tenant_share
+
+    @property
+    def recompute_ratio(self) -> float:
+        return self.config.recompute_ratio if self.caching else 0.0
+
+    @property
+    def check_layer(self) -> int:
+        return self.config.check_layer if self.caching else 1
 
     @property
     def caching(self) -> bool:
-        return self.mode != "off"
+        return self.cache.caching
 
     @property
     def content_reuse(self) -> bool:
-        return self.caching and self.planner_config.content_reuse
+        return self.cache.content_reuse
+
+    # what a reuse mode that caches holds (AttributeError with reuse=off: nothing is cached)
+
+    @property
+    def registry(self) -> ChunkStore:
+        return self.cache.registry
+
+    @property
+    def radix(self):
+        return self.cache.radix
+
+    @property
+    def namespaces(self):
+        return self.cache.namespaces
+
+    @property
+    def planner_config(self):
+        return self.cache.planner_config
+
+    def planner(self, tenant: str | None):
+        return self.cache.planner(tenant)
+
+    @property
+    def journal(self) -> ChunkJournal | None:
+        """The chunks the pool holds, for a fleet router to follow (None: no cache)."""
+        return self.cache.journal
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows one sequence can hold (slot 0 is reserved)."""
+        return self.pool.n_slots - 1
 
     # -- holdings: the tree's and the registry's references on slots ------------------------
 
@@ -128,22 +144,15 @@ class KVCacheManager:
         self.order.unhold(slots)
         self.pool.release(slots)
 
-    @property
-    def _memory(self):
-        return getattr(self.registry, "memory", self.registry)  # (the tiers below hold rows, not slots)
-
     # -- admission ------------------------------------------------------------------------
 
-    def planner(self, tenant: str | None) -> Planner:
-        return self.namespaces.planner(tenant)
-
-    def waits_for(self, seq: Sequence) -> bool:
+    def waits_for(self, seq: CachedSequence) -> bool:
         """True if a running sequence is computing one of this prompt's chunks right now: admitting
         the prompt after those rows exist reuses them instead of computing them again."""
         if not self.inflight or not self.content_reuse:
             return False
-        return any(c.fingerprint in self.inflight and c.fingerprint not in self.registry
-                   for c in self.planner(seq.tenant).chunk(np.asarray(seq.tokens, np.int64), seq.segment_starts))
+        return any(c.fingerprint in self.inflight and c.fingerprint not in self.cache
+                   for c in self.cache.chunks(np.asarray(seq.tokens, np.int64), seq.segment_starts, seq.tenant))
 
     def queued_tokens(self, waiting) -> int:
         """Prompt tokens these queued sequences will compute, in order: a chunk the registry holds,
@@ -152,27 +161,26 @@ class KVCacheManager:
         document's work and its headers. Rows below the sink count for each (they are computed)."""
         if not self.content_reuse:
             return sum(seq.prompt_len for seq in waiting)
-        sink, seen, total = self.planner_config.sink, set(), 0
+        sink, seen, total = self.cache.sink, set(), 0
         for seq in waiting:
-            cut = self.planner(seq.tenant).chunk(np.asarray(seq.tokens, np.int64), seq.segment_starts)
+            cut = self.cache.chunks(np.asarray(seq.tokens, np.int64), seq.segment_starts, seq.tenant)
             for c in cut:  # (a chunk repeated within one prompt is computed each time: both count)
-                if c.fingerprint in seen or c.fingerprint in self.inflight or c.fingerprint in self.registry:
+                if c.fingerprint in seen or c.fingerprint in self.inflight or c.fingerprint in self.cache:
                     total += max(0, min(c.end, sink) - c.start)
                 else:
                     total += c.end - c.start
             seen.update(c.fingerprint for c in cut)
         return total
 
-    def plan(self, seq: Sequence) -> None:
-        """Plan the prompt and point the slot table at the rows it reuses (one reference each); the
-        positions left to compute become the sequence's pending work."""
+    def admission(self, seq: CachedSequence) -> Admission:
+        """Plan the prompt: a slot table pointing at the rows it reuses (one reference each, the
+        sequence's from now on) and the positions left to compute. The chunks it computes are
+        claimed as in flight until the sequence is freed."""
         n = len(seq.tokens)
-        if not self.caching:
-            seq.admit(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), None,
-                      dict(prompt_tokens=n, prefix_tokens=0, reused_tokens=0, computed_tokens=n))
-            return
-        planner = self.planner(seq.tenant)
-        plan = planner.plan(np.asarray(seq.tokens, dtype=np.int64), seq.segment_starts)
+        tokens = np.asarray(seq.tokens, dtype=np.int64)
+        plan = self.cache.plan(tokens, seq.segment_starts, seq.tenant)
+        if plan is None:
+            return Admission(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), None, AdmissionStats(n, 0, 0, n))
         slots = np.zeros(n, np.int64)
         prefix = np.concatenate([p.value[: p.length] for p in plan.prefix.values]) if plan.prefix.values else None
         for span in plan.spans:
@@ -188,62 +196,36 @@ class KVCacheManager:
         # holds its own reference on every row it reuses from here, so they go now. Held until the
         # sequence finished, an entry whose rows it only partly uses (a carved-out sink) kept the
         # rest from eviction and could starve the sequence's own decoding of rows.
-        planner.release(plan)
+        self.cache.release(plan, seq.tenant)
         for c in plan.chunks:  # the chunks this sequence is about to compute
-            if c.fingerprint not in self.registry:
+            if c.fingerprint not in self.cache:
                 self.inflight[c.fingerprint] = self.inflight.get(c.fingerprint, 0) + 1
         st = plan.stats
-        seq.admit(slots, np.asarray(plan.compute_positions(), dtype=np.int64), plan,
-                  dict(prompt_tokens=st.prompt_tokens, prefix_tokens=st.prefix_tokens,
-                       reused_tokens=st.reused_tokens, computed_tokens=st.computed_tokens,
-                       carve_out_tokens=st.carve_out_tokens, s1_tokens=st.s1_tokens))
+        return Admission(slots, np.asarray(plan.compute_positions(), dtype=np.int64), plan,
+                         AdmissionStats(st.prompt_tokens, st.prefix_tokens, st.reused_tokens, st.computed_tokens,
+                                        st.carve_out_tokens, st.s1_tokens))
 
-    def share_prompt(self, seq: Sequence, lead: Sequence) -> None:
+    def shared_admission(self, seq: CachedSequence, lead: CachedSequence) -> Admission:
         """Another choice of lead's prompt: one more reference on each of its prompt rows but the last,
         whose logits start this choice and which it computes. Counted as prefix tokens."""
         n = seq.prompt_len - 1
         slots = np.zeros(seq.prompt_len, np.int64)
         slots[:n] = lead.slots[:n]
         self.pool.retain(slots[:n])
-        seq.admit(slots, np.array([n], np.int64), None,
-                  dict(prompt_tokens=seq.prompt_len, prefix_tokens=n, reused_tokens=0, computed_tokens=1,
-                       carve_out_tokens=0, s1_tokens=0))
+        return Admission(slots, np.array([n], np.int64), None, AdmissionStats(seq.prompt_len, n, 0, 1))
 
-    def recompute(self, seq: Sequence, positions: np.ndarray) -> None:
-        """pic+r: give up the reused rows at positions; they are computed in this context instead."""
-        self.pool.release(seq.slots[positions])
-        seq.recompute(positions)
+    def release_rows(self, slots: np.ndarray) -> None:
+        """A sequence gives back its references on these rows (pic+r: reused rows it recomputes)."""
+        self.pool.release(slots)
 
-    def allocate(self, seq: Sequence, positions: np.ndarray) -> bool:
-        """Fresh slots for positions of seq (rows it computes), evicting cached rows if needed;
-        False (nothing taken) if the pool cannot give them."""
-        if not len(positions):
-            return True
-        slots = self.take(len(positions), [seq.tenant])
-        if slots is None:
-            return False
-        seq.place(positions, slots)
-        self.pool.computed_at[slots] = positions
-        return True
-
-    def append_slots(self, seqs: list[Sequence]) -> bool:
-        """A slot for each decoding sequence's newest token; False (nothing taken) if the pool
-        cannot give them all."""
-        need = []
-        for seq in seqs:
-            if not seq.in_prefill:
-                seq.grow()
-                if seq.slots[-1] == EMPTY_SLOT:
-                    need.append(seq)
-        if not need:
-            return True
-        slots = self.take(len(need), [seq.tenant for seq in need])
-        if slots is None:
-            return False
-        for seq, slot in zip(need, slots):
-            seq.place(np.array([len(seq.tokens) - 1]), np.array([slot]))
-            self.pool.computed_at[slot] = len(seq.tokens) - 1
-        return True
+    def fresh_rows(self, positions: np.ndarray, tenants: list[str | None]) -> np.ndarray | None:
+        """Fresh slots (one reference each, the caller's) for rows computed at `positions`, evicting
+        cached rows if needed; None (nothing taken) if the pool cannot give them. `tenants`: whose
+        sequences they are for (`make_room`)."""
+        slots = self.take(len(positions), tenants)
+        if slots is not None:
+            self.pool.mark_computed(slots, positions)
+        return slots
 
     def take(self, n: int, for_tenants=None) -> np.ndarray | None:
         """n fresh slots (one reference each, the caller's), evicting if needed; None if not possible."""
@@ -279,19 +261,7 @@ class KVCacheManager:
         victims = self.order.oldest(candidates, max(need, min(MIN_EVICTION, self.pool.n_slots // 32)))
         gone = np.zeros(self.pool.n_slots, bool)
         gone[victims] = True
-
-        def first_gone(value) -> int | None:
-            hit = np.flatnonzero(gone[np.asarray(value, np.int64)])
-            return int(hit[0]) if len(hit) else None
-
-        # (a key's salt token names the empty slot: a tenant's key whose every row went goes whole)
-        self.radix.cut(first_gone, hollow=lambda value: not np.any(np.asarray(value) != EMPTY_SLOT))
-        memory = self._memory
-        if entries := [e for e in memory.entries() if len(e.payload)]:
-            starts = np.cumsum([0] + [len(e.payload) for e in entries[:-1]])
-            named = np.add.reduceat(gone[np.concatenate([e.payload for e in entries])].astype(np.int32), starts)
-            for i in np.flatnonzero(named):
-                memory.discard(entries[i].fingerprint)
+        self.cache.forget(gone)
         self.evicted_rows += self.pool.free - free
         return self.pool.free >= n
 
@@ -299,19 +269,16 @@ class KVCacheManager:
         """A mask of the rows a plan in progress holds (pinned entries, locked prefixes): a lower
         tier's hit is promoted, and may need room, while its plan is being made."""
         mask = np.zeros(self.pool.n_slots, bool)
-        for value in self.radix.locked_values():
-            mask[np.asarray(value, np.int64)] = True
-        for e in self._memory.pinned_entries():
-            mask[np.asarray(e.payload, np.int64)] = True
+        self.cache.in_planning(mask)
         return mask
 
     def _within_share(self, for_tenants) -> np.ndarray | None:
         """A mask of the rows of every owner but the requesters whose cached rows fit in its share of
         the pool; None if there are none. NOTE: O(cached entries and tree nodes) per call; it runs
         only when a share is set and the pool is short."""
-        requesters = {owner_of(self.namespaces.resolve(t)) for t in (for_tenants or [None])}
+        requesters = {self.cache.owner(t) for t in (for_tenants or [None])}
         budget = self.tenant_share * (self.pool.n_slots - 1)
-        rows = [r for r in self.namespaces.held_rows(self._memory.entries(), requesters).values() if len(r) <= budget]
+        rows = [r for r in self.cache.held_rows(requesters).values() if len(r) <= budget]
         if not rows:
             return None
         mask = np.zeros(self.pool.n_slots, bool)
@@ -340,54 +307,44 @@ class KVCacheManager:
     def prefetch(self, tokens: list[int], segment_starts, tenant: str | None) -> int:
         """Read this prompt's chunks from the disk and Redis tiers ahead of its admission, into the
         tiered registry's staging area. Pure of engine state: safe on any thread."""
-        if not self.content_reuse or not hasattr(self.registry, "prefetch"):
-            return 0
-        ids = np.asarray(tokens, dtype=np.int64)
-        wanted = []
-        for name in dict.fromkeys([self.namespaces.resolve(tenant), SHARED]):
-            seed, namespace = self.namespaces.ids(name)
-            wanted += [(c.fingerprint, ids[c.start : c.end], namespace)
-                       for c in chunk(ids, self.planner_config.chunker, seed, segment_starts)]
-        return self.registry.prefetch(wanted)
+        return self.cache.prefetch(np.asarray(tokens, dtype=np.int64), segment_starts, tenant)
 
     # -- as rows appear, and when a sequence ends -----------------------------------------
 
-    def computed(self, seq: Sequence) -> None:
-        """Offer the chunks whose rows now all exist to the registry (in-flight reuse)."""
+    def computed(self, seq: CachedSequence) -> int:
+        """Offer the chunks whose rows now all exist to the registry (in-flight reuse); the prompt
+        positions offered so far (the sequence's new `registered`)."""
         done = int(seq.pending[0]) if seq.in_prefill else seq.prompt_len
         if done > seq.registered and seq.reuse_plan is not None and self.content_reuse:
-            self._register(self.planner(seq.tenant), seq.reuse_plan, seq.slots, upto=done)
-            seq.registered = done
+            self.cache.register(seq.tenant, seq.reuse_plan, seq.slots, self.pool.bytes_per_slot, upto=done)
+            return done
+        return seq.registered
 
-    def free(self, seq: Sequence, cache: bool = True) -> None:
-        """The sequence gives its rows back. With `cache` (and a sequence that did not abort), its
-        chunks and tokens are offered to the cache first (`offer`). Its plan's in-flight claims end
-        either way."""
+    def free(self, seq: CachedSequence, cache: bool = True) -> None:
+        """The sequence's references on its rows go (its owner then forgets its slot table). With
+        `cache` (and a sequence that did not abort), its chunks and tokens are offered to the cache
+        first (`offer`). Its plan's in-flight claims end either way."""
         try:
-            if self.caching and cache and seq.finish_reason != "abort":
+            if cache and seq.finish_reason != "abort":
                 self.offer(seq)
         finally:
-            self._end_claims(seq)
+            self._end_claims(seq.reuse_plan)
             self.pool.release(seq.slots)
-            seq.release()
 
-    def offer(self, seq: Sequence) -> None:
+    def offer(self, seq: CachedSequence) -> None:
         """Register every chunk of the sequence's computed rows (prompt and output) and insert its
         tokens into the tree; both take their own references, the sequence keeps its own. (A
         sequence in another engine over the same pool may be offered too: the evaluations share
         one computed prompt between strategies.)"""
         if not self.caching or not (n := seq.filled):
             return
-        planner = self.planner(seq.tenant)
         tokens = np.asarray(seq.tokens[:n], dtype=np.int64)
         slots = seq.slots[:n]
-        if self.content_reuse:
-            self._register(planner, tokens, slots, segment_starts=seq.segment_starts)
-        planner.radix.insert(tokens, slots)
+        self.cache.register(seq.tenant, tokens, slots, self.pool.bytes_per_slot, segment_starts=seq.segment_starts)
+        self.cache.insert(seq.tenant, tokens, slots)
         self.order.touch(slots[slots != EMPTY_SLOT])
 
-    def _end_claims(self, seq: Sequence) -> None:
-        plan = seq.reuse_plan
+    def _end_claims(self, plan: Plan | None) -> None:
         if plan is None:
             return
         for c in plan.chunks:
@@ -396,26 +353,55 @@ class KVCacheManager:
                 if self.inflight[c.fingerprint] <= 0:
                     del self.inflight[c.fingerprint]
 
-    def publish(self, tokens: np.ndarray, slots: np.ndarray, segment_starts=None):
-        """Chunks of a document computed in the trusted publishing context, into the shared namespace."""
+    def publish(self, tokens: np.ndarray, segment_starts, compute):
+        """A document's chunks into the shared namespace, computed in the trusted publishing context:
+        `compute(slots)` computes the document alone, from position 0, into fresh `slots`. PoolBusy
+        when the pool has no room for its rows while running requests hold theirs."""
         if not self.content_reuse:
             raise RequestError(f"publishing needs content reuse (pic or naive); this engine runs {self.mode}")
-        return self._register(self.planner(SHARED), tokens, slots, segment_starts=segment_starts)
-
-    def _register(self, planner: Planner, plan_or_tokens: Plan | np.ndarray, slots: np.ndarray,
-                  segment_starts=None, upto=None):
-        # An entry's payload is its slots; the registry's on_store / on_evict count their references.
-        return planner.register(plan_or_tokens, rows_of=lambda a, b: slots[a:b].copy(),
-                                nbytes_of=lambda k: k * self.pool.bytes_per_slot,
-                                segment_starts=segment_starts, upto=upto)
+        n = len(tokens)
+        slots = self.fresh_rows(np.arange(n), [None])
+        if slots is None:
+            raise PoolBusy(f"the KV pool ({self.pool.describe()}) has no room for this document's {n} rows "
+                           f"while the running requests hold theirs; retry later")
+        try:
+            compute(slots)
+            return self.cache.register(SHARED, tokens, slots, self.pool.bytes_per_slot, segment_starts=segment_starts)
+        finally:
+            self.pool.release(slots)
 
     def clear(self) -> None:
         """Evict every unpinned entry and unlocked prefix (their references go back to the pool)."""
-        if self.caching:
-            self.radix.evict(UNBOUNDED)
-            self.registry.evict(UNBOUNDED)
+        self.cache.clear()
+
+    @property
+    def prefix_stats(self):
+        """The radix tree's stats (None: nothing is cached)."""
+        return self.cache.prefix_stats
+
+    @property
+    def naming(self) -> ChunkNaming | None:
+        """How this cache fingerprints chunks, for a fleet router (None: nothing is cached)."""
+        return self.cache.naming
 
     @property
     def cached_slots(self) -> np.ndarray:
         """Distinct slots the tree and the registry hold (for the pool's statistics)."""
         return np.flatnonzero(self.order.held > 0)
+
+    # -- one sequence driven by hand, without a scheduler (tools and tests) -----------------
+
+    def plan(self, seq) -> None:
+        """Admit seq in place: `seq.admit(self.admission(seq))`."""
+        seq.admit(self.admission(seq))
+
+    def allocate(self, seq, positions: np.ndarray) -> bool:
+        """Fresh rows for positions of seq, placed in its slot table; False (nothing taken) if the
+        pool cannot give them."""
+        if not len(positions):
+            return True
+        slots = self.fresh_rows(positions, [seq.tenant])
+        if slots is None:
+            return False
+        seq.place(positions, slots)
+        return True

@@ -112,6 +112,10 @@ class LatentPool:
         self._free[: self._top] = np.insert(ordered, np.searchsorted(ordered, released), released)[::-1]
         self._sorted = self._top
 
+    def mark_computed(self, slots: np.ndarray, positions) -> None:
+        """The rows in slots are (about to be) computed at positions (what `naive` reads keys at)."""
+        self.computed_at[slots] = positions
+
     def write(self, slots: np.ndarray, rows: torch.Tensor, positions: np.ndarray) -> None:
         """Store rows [n_layers, n, width] (as the pool holds them) computed at `positions` in slots.
         Rows in host memory go to a GPU pool through a pinned staging copy, so the transfer is a
@@ -120,7 +124,7 @@ class LatentPool:
             rows = rows.pin_memory()
         idx = torch.as_tensor(slots, device=self.rows.device)
         self.rows.index_copy_(1, idx, rows.to(self.rows.device, self.rows.dtype, non_blocking=True))
-        self.computed_at[slots] = positions
+        self.mark_computed(slots, positions)
 
     def read(self, slots: np.ndarray) -> torch.Tensor:
         """Rows [n_layers, n, width] of slots (a copy, on the pool's device)."""

@@ -30,7 +30,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from irminsul.kvcache.store import TierStats, tier_stats
+from irminsul.engine.build import build_engine, default_kv_cache_gib
+from irminsul.engine.config import EngineConfig
 from irminsul.engine.engine import Engine, PoolBusy, ScoringCancelled
+from irminsul.kvcache.config import KVCacheConfig
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.sequence import RequestStats, Sequence, TokenLogprob
 from irminsul.errors import RequestError
@@ -123,14 +126,13 @@ class EngineClient:
     def __init__(self, engine: Engine, max_queued_requests: int, metrics=None, registry=None):
         """`registry`: the chunk store the engine's cache was built over (closed with the client)."""
         self.engine, self.metrics, self.registry = engine, metrics, registry
-        self.scheduler = engine.scheduler  # (its queues, read for the job bookkeeping)
-        self.scheduler.on_admit.append(self._admitted)
+        engine.on_admit(self._admitted)
         self.max_queued_requests = max_queued_requests
         self.reuse: str = engine.reuse  # the reuse mode (off, prefix, naive, pic)
         self.vocab_size: int = engine.config.vocab_size
         self.context: int = engine.config.max_position_embeddings
-        self.kv_rows: int = engine.pool.n_slots - 1  # the most rows one request can hold (slot 0 is reserved)
-        self._prefetches = hasattr(registry, "lower")  # disk / Redis tiers to read ahead of admission
+        self.kv_rows: int = engine.kv_rows  # the most rows one request can hold
+        self._prefetches = registry is not None and bool(registry.lower)  # disk / Redis tiers to read ahead of admission
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: collections.deque = collections.deque()  # (future, fn, args) taken from the inbox, not yet run
         self._jobs: dict[int, Job] = {}  # sequence id -> job, for every job the scheduler holds
@@ -145,27 +147,31 @@ class EngineClient:
     def create(cls, model, tokenizer, model_id: str, config, metrics=None) -> EngineClient:
         """The engine over a loaded model, with its chunk store and pool sized by the server's `config`."""
         from irminsul.kvcache.store import RowLayout, open_registry
-        from irminsul.engine.engine import default_kv_cache_gib
 
         layout = RowLayout.of(model, model_id, secret=(config.store_secret or "").encode())
         pool_gib = config.kv_cache_gib if config.kv_cache_gib is not None else default_kv_cache_gib(model.device)
         registry = (open_registry(config.store, layout, memory_bytes=int(pool_gib * 2**30))
                     if config.reuse != "off" else None)
-        for tier in getattr(registry, "lower", ()):
-            if getattr(tier, "available", True) is False:  # (it reconnects by itself; say so once)
+        for tier in registry.lower if registry is not None else ():
+            if not tier.available:  # (it reconnects by itself; say so once)
                 log.warning("the store tier %s does not answer; serving without it until it does "
-                            "(/metrics: irminsul_store_available)", getattr(tier, "url", type(tier).__name__))
+                            "(/metrics: irminsul_store_available)", tier.location)
         try:
-            engine = Engine(model, tokenizer, reuse=config.reuse, max_prefill_tokens=config.max_prefill_tokens,
-                            kv_cache_gib=pool_gib, compile_decode=config.compile_decode,
-                            max_running_requests=config.max_running_requests, model_id=model_id,
-                            registry=registry,
-                            **({"tenant_share": config.tenant_cache_share} if config.tenant_cache_share else {}))
+            engine = build_engine(cls.engine_config(config, model_id, pool_gib), model, tokenizer, registry=registry)
         except BaseException:
-            if hasattr(registry, "close"):
+            if registry is not None:
                 registry.close()
             raise
         return cls(engine, config.max_queued_requests, metrics, registry)
+
+    @staticmethod
+    def engine_config(config, model_id: str, kv_cache_gib: float | None = None) -> EngineConfig:
+        """The engine's options from the server's `config` (a ServerConfig); `kv_cache_gib`: the pool
+        size decided (the config's, or the device's default)."""
+        cache = KVCacheConfig(config.reuse, model_id=model_id, tenant_share=config.tenant_cache_share or None)
+        return EngineConfig(cache, max_prefill_tokens=config.max_prefill_tokens,
+                            kv_cache_gib=config.kv_cache_gib if kv_cache_gib is None else kv_cache_gib,
+                            compile_decode=config.compile_decode, max_running_requests=config.max_running_requests)
 
     # -- any thread ----------------------------------------------------------------------
 
@@ -177,7 +183,7 @@ class EngineClient:
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(30)
-        if hasattr(self.registry, "close"):
+        if self.registry is not None:
             self.registry.close()
 
     @property
@@ -218,7 +224,7 @@ class EngineClient:
 
     def _prefetch(self, job: Job) -> None:
         try:
-            self.engine.kv.prefetch(job.tokens, job.segment_starts, job.tenant)
+            self.engine.prefetch(job.tokens, job.segment_starts, job.tenant)
         except Exception:  # a store problem costs reuse, never the request
             log.exception("prefetching request %d's chunks failed", job.id)
 
@@ -277,9 +283,8 @@ class EngineClient:
 
     def _snapshot(self) -> EngineStats:
         s = self.engine.stats()
-        radix = self.engine.kv.radix  # (None when nothing is cached)
-        prefix = None if radix is None else PrefixCacheStats(radix.stats.bytes, radix.stats.budget_bytes,
-                                                             radix.stats.nodes)
+        radix = self.engine.prefix_cache_stats  # (None when nothing is cached)
+        prefix = None if radix is None else PrefixCacheStats(radix.bytes, radix.budget_bytes, radix.nodes)
         return EngineStats(s["kv_pool_bytes_used"], s["kv_pool_bytes_capacity"], s["cached_bytes"],
                            s["running_sequences"], s["waiting_sequences"],
                            tuple(tier_stats(self.registry)) if self.registry is not None else (), prefix)
@@ -347,9 +352,8 @@ class EngineClient:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            log.exception("engine step failed; failing the %d running requests", len(self.scheduler.running))
-            for seq in list(self.scheduler.running):
-                self.engine.abort(seq)
+            log.exception("engine step failed; failing the %d running requests", self.engine.running_count)
+            for seq in self.engine.abort_running():
                 self._admitted_ids.discard(seq.id)
                 self._end(self._jobs.pop(seq.id), Failed(500, f"internal error during generation: {e}"))
             return
@@ -407,7 +411,7 @@ class EngineClient:
     def _abort(self, job: Job) -> None:
         if job.seq is None or job.seq.id not in self._jobs:
             return  # never accepted, or already done
-        if job.seq in self.scheduler.waiting:
+        if self.engine.is_waiting(job.seq):
             self._dequeued()
         self.engine.abort(job.seq)
         del self._jobs[job.seq.id]

@@ -118,7 +118,8 @@ def test_compiled_by_default_in_the_background_once_per_model(tmp_path, monkeypa
     """By default the step compiles on a thread of its own: the engine serves at once, eagerly, and
     takes the step at its first decode step after it is ready; later engines share it."""
     monkeypatch.delenv("IRMINSUL_COMPILE_DECODE")
-    from irminsul.engine.engine import Engine
+    from irminsul.engine.build import build_engine
+    from irminsul.engine.config import EngineConfig
     from irminsul.model import compiled
 
     path = make_tiny_checkpoint(tmp_path / "v2", "v2")
@@ -142,9 +143,9 @@ def test_compiled_by_default_in_the_background_once_per_model(tmp_path, monkeypa
     again = llm.generate(_rand(40, 1), max_tokens=6, ignore_eos=True)
     assert calls and again.token_ids == eager.token_ids  # the compiled step took over, the same tokens
 
-    other = Engine(llm.model, llm.tokenizer, reuse="pic", pool=llm.engine.pool)
+    other = build_engine(EngineConfig.of(reuse="pic"), llm.model, llm.tokenizer, pool=llm.engine.pool)
     assert other.runner.compiled is step  # one per model, shared by its engines
-    assert Engine(llm.model, llm.tokenizer, compile_decode=False).runner.compiled is None
+    assert build_engine(EngineConfig.of(compile_decode=False), llm.model, llm.tokenizer).runner.compiled is None
     assert LLM(make_tiny_checkpoint(tmp_path / "v32", "v32")).engine.runner.compiled is None  # not covered: eager
 
 

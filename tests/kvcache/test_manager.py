@@ -28,12 +28,15 @@ def manager(mode: str, rows: int, **options) -> KVCacheManager:
 def serve(kv: KVCacheManager, tokens, tenant=None) -> Sequence:
     """Admit a prompt, 'compute' every pending row, finish it: its rows go to the cache."""
     seq = Sequence(tokens=list(tokens), prompt_len=len(tokens), params=SamplingParams(max_tokens=1), tenant=tenant)
-    kv.plan(seq)
-    assert kv.allocate(seq, seq.pending), "the test's pool is too small"
+    seq.admit(kv.admission(seq))
+    slots = kv.fresh_rows(seq.pending, [tenant])
+    assert slots is not None, "the test's pool is too small"
+    seq.place(seq.pending, slots)
     seq.take_pending(len(tokens))
-    kv.computed(seq)
+    seq.registered = kv.computed(seq)
     seq.finish_reason = "length"
     kv.free(seq)
+    seq.release()
     return seq
 
 

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from irminsul.engine.build import build_engine
+from irminsul.engine.config import EngineConfig
 from irminsul.engine.engine import Engine
 from irminsul.engine.llm import LLM
 from irminsul.engine.sampling import SamplingParams
@@ -40,7 +42,7 @@ class Strategy:
     def engine(self, llm: LLM, pool=None) -> Engine:
         """An engine with an empty cache of this strategy, sharing `llm`'s loaded weights (and
         `pool`, when given)."""
-        return Engine(llm.model, llm.tokenizer, reuse=self.reuse, pool=pool, **dict(self.options))
+        return build_engine(EngineConfig.of(reuse=self.reuse, **dict(self.options)), llm.model, llm.tokenizer, pool)
 
 
 STRATEGIES = (
@@ -87,7 +89,7 @@ class QualityRunner:
         self.llm, self.greedy_tokens, self.segments = llm, greedy_tokens, segments
         self.strategies = [s for s in strategies if self._supported(s)]
         self.skipped = [s.name for s in strategies if s not in self.strategies]
-        self.off = Engine(llm.model, llm.tokenizer, reuse="off")
+        self.off = build_engine(EngineConfig.of(reuse="off"), llm.model, llm.tokenizer)
         self.pool = self.off.pool  # every strategy's engine shares it: a case's cached rows exist once
         self.scores: dict[str, dict[str, list[CaseScore]]] = {}  # task -> strategy -> cases
         self.cases: dict[str, list[ShiftedCase]] = {}
@@ -100,7 +102,7 @@ class QualityRunner:
             return False
 
     def run_case(self, case: ShiftedCase) -> dict[str, CaseScore]:
-        ref = Engine(self.llm.model, self.llm.tokenizer, reuse="prefix", pool=self.pool)
+        ref = build_engine(EngineConfig.of(reuse="prefix"), self.llm.model, self.llm.tokenizer, self.pool)
         # With segments, the cache restarts chunking at each segment start (S2), as for a chat request.
         fs, ps = (list(case.first_segments) or None, list(case.prompt_segments) or None) if self.segments else (None, None)
         ref_lp, ref_seq = ref.score(case.prompt, case.answer, ps)  # empty cache: full prefill

@@ -73,15 +73,16 @@ def _median(fn, repeats: int) -> float:
 
 
 def time_mla(llm, req: MovedSpan, repeats: int = 3) -> Timing:
-    from irminsul.engine.engine import Engine
+    from irminsul.engine.build import build_engine
+    from irminsul.engine.config import EngineConfig
     from irminsul.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    off = Engine(llm.model, llm.tokenizer, reuse="off")
+    off = build_engine(EngineConfig.of(reuse="off"), llm.model, llm.tokenizer)
     miss = _median(lambda: off.run(off.add(req.prompt, params)), repeats)
     hits, stats = [], None
     for _ in range(repeats):
-        eng = Engine(llm.model, llm.tokenizer, reuse="pic")
+        eng = build_engine(EngineConfig.of(reuse="pic"), llm.model, llm.tokenizer)
         eng.run(eng.add(req.first, params))
         t = time.perf_counter()
         seq = eng.run(eng.add(req.prompt, params))

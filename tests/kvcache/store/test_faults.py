@@ -345,10 +345,12 @@ def llm(tiny_dir):
 
 def generate(llm, registry, prompts):
     """The prompts through a fresh engine and scheduler over `registry` (a restart: memory is empty)."""
-    from irminsul.engine.engine import Engine
+    from irminsul.engine.build import build_engine
+    from irminsul.engine.config import EngineConfig
 
-    llm.engine = Engine(llm.model, llm.tokenizer, reuse="pic", kv_cache_gib=0.01, compile_decode=False,
-                        max_running_requests=16, decode_slowdown=None, model_id="faults", registry=registry)
+    config = EngineConfig.of(reuse="pic", kv_cache_gib=0.01, compile_decode=False, max_running_requests=16,
+                             decode_slowdown=None, model_id="faults")
+    llm.engine = build_engine(config, llm.model, llm.tokenizer, registry=registry)
     out = llm.generate(prompts, max_tokens=3, ignore_eos=True)  # raises if any request failed
     return [r.token_ids for r in out], [r.stats.reused_tokens for r in out]
 

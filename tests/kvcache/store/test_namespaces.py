@@ -56,7 +56,7 @@ def tiny_fingerprints(monkeypatch, bits=6):
     """Fingerprints of the content alone, in 2**bits values: every tenant's copy of a chunk lands on
     the same fingerprint, and different chunks collide too."""
     from irminsul.kvcache import planner
-    from irminsul.kvcache import manager
+    from irminsul.kvcache import caches
 
     def fp(ids, seed):
         return chunker.fingerprint(ids, 0) & ((1 << bits) - 1)
@@ -64,7 +64,7 @@ def tiny_fingerprints(monkeypatch, bits=6):
     def chunk(tokens, cfg, seed, segment_starts=None, fingerprint_fn=None):
         return chunker.chunk(tokens, cfg, seed, segment_starts, fp)
 
-    for module in (planner, manager):
+    for module in (planner, caches):
         monkeypatch.setattr(module, "chunk", chunk)
     monkeypatch.setattr(planner, "fingerprint", fp)
 
@@ -100,11 +100,12 @@ def test_no_row_crosses_tenants_when_fingerprints_collide(tiny_dir, monkeypatch,
     store = StoreConfig(("memory", f"disk:{tmp_path}"))
 
     def fresh():
-        from irminsul.engine.engine import Engine
+        from irminsul.engine.build import build_engine
+        from irminsul.engine.config import EngineConfig
 
         registry = open_registry(store, layout, memory_bytes=2**24)
-        return Engine(llm.model, llm.tokenizer, reuse="pic", kv_cache_gib=2**24 / 2**30, compile_decode=False,
-                      model_id="tenants", registry=registry), registry
+        config = EngineConfig.of(reuse="pic", kv_cache_gib=2**24 / 2**30, compile_decode=False, model_id="tenants")
+        return build_engine(config, llm.model, llm.tokenizer, registry=registry), registry
 
     engine, registry = fresh()
     for i, doc in enumerate(docs):
