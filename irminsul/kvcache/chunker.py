@@ -10,8 +10,8 @@ tokens, but the *boundary test* reads only the low ``mask_bits`` bits, and a tok
 value has left those bits after ``mask_bits`` shifts. The effective window of the test is
 therefore ``mask_bits`` tokens (7 by default), not 64. That is what makes the test exactly
 vectorisable: ``h_i & mask == (sum_{k<mask_bits} G[t_{i-k}] << k) & mask``. Content re-
-synchronises after ``mask_bits`` tokens; ``reference_candidates`` runs the literal recurrence
-and the tests check bit-exact agreement.
+synchronises after ``mask_bits`` tokens; the tests run the literal recurrence as a slow reference
+(tests/kvcache/oracles.py) and check bit-exact agreement.
 
 ``G`` is ``splitmix64(GEAR_SEED ^ id)``: the same on every process and machine, defined for any
 token id below 2^32, with no vocabulary table.
@@ -33,7 +33,6 @@ import numpy as np
 import xxhash
 
 GEAR_SEED = 0x1F83D9ABFB41BD6B  # fixed forever: changing it changes every fingerprint boundary
-_MASK64 = (1 << 64) - 1
 
 TokenArray = Sequence[int] | np.ndarray
 FingerprintFn = Callable[[np.ndarray, int], int]  # (token ids, seed) -> 64-bit fingerprint
@@ -155,22 +154,6 @@ def _candidates(ids: np.ndarray, cfg: ChunkerConfig, starts: np.ndarray) -> np.n
     return np.flatnonzero((h & dtype(cfg.mask)) == 0) + 1
 
 
-def reference_candidates(tokens: TokenArray, cfg: ChunkerConfig,
-                         segment_starts: TokenArray | None = None) -> np.ndarray:
-    """Slow reference: the literal 64-bit recurrence, one Python step per token."""
-    ids = as_tokens(tokens)
-    g = gear(ids)
-    resets = set(segment_starts_of(ids, cfg, segment_starts).tolist())
-    h, out = 0, []
-    for i in range(len(ids)):
-        if i in resets:
-            h = 0
-        h = ((h << 1) + int(g[i])) & _MASK64
-        if h & cfg.mask == 0:
-            out.append(i + 1)
-    return np.asarray(out, np.int64)
-
-
 def clamp(cands: np.ndarray, n: int, starts: np.ndarray, cfg: ChunkerConfig) -> np.ndarray:
     """Greedy left-to-right cuts: the first candidate giving a chunk >= min_len, else max_len.
 
@@ -186,18 +169,6 @@ def clamp(cands: np.ndarray, n: int, starts: np.ndarray, cfg: ChunkerConfig) -> 
             idx = np.searchsorted(cands, pos + cfg.min_len)
             pos = int(cands[idx]) if idx < len(cands) and cands[idx] < limit else limit
             cuts.append(pos)
-    return np.asarray(cuts, np.int64)
-
-
-def reference_clamp(cands: np.ndarray, n: int, starts: np.ndarray, cfg: ChunkerConfig) -> np.ndarray:
-    """Slow reference for ``clamp``: walk token by token."""
-    cand_set, forced = set(cands.tolist()), set(starts.tolist()) | {n}
-    cuts, last = [], 0
-    for p in range(1, n + 1):
-        length = p - last
-        if p in forced or length == cfg.max_len or (p in cand_set and length >= cfg.min_len):
-            cuts.append(p)
-            last = p
     return np.asarray(cuts, np.int64)
 
 

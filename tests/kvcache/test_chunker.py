@@ -6,8 +6,9 @@ import xxhash
 
 from irminsul.kvcache.chunker import (
     GEAR_SEED, Chunk, ChunkerConfig, boundaries, candidates, chunk, clamp, fingerprint, gear,
-    marker_ends, namespace_seed, reference_candidates, reference_clamp, segment_starts_of,
+    marker_ends, namespace_seed, segment_starts_of,
 )
+from tests.kvcache.oracles import reference_candidates, reference_clamp
 
 CFG = ChunkerConfig()
 
