@@ -119,3 +119,32 @@ def test_the_model_layer_reads_the_environment_only_in_its_settings():
     table = (ROOT / "irminsul" / "model" / "settings.py").read_text()
     for name in re.findall(r'_Variable\("(\w+)"', table):
         assert f"| {name} |" in table, f"{name} is read but not in the settings' table"
+
+
+def _imports(source: str) -> set[str]:
+    """Every module a source imports (inside functions too), as written: `from a.b import c` gives a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found
+
+
+ABOVE_THE_CACHE = ("irminsul.engine", "irminsul.server", "irminsul.fleet", "irminsul.integrations")
+
+
+def _upward(source: str) -> set[str]:
+    return {m for m in _imports(source) if m.startswith(tuple(f"{p}." for p in ABOVE_THE_CACHE)) or m in ABOVE_THE_CACHE}
+
+
+def test_the_cache_layer_imports_nothing_above_it():
+    """No module of irminsul.kvcache imports the engine, the server, the fleet or the integrations:
+    data flows server -> engine -> cache -> model, and the KV manager hands the scheduler values
+    (an admission, fresh slots) instead of writing into its sequences."""
+    assert _upward("def f():\n    from irminsul.engine.sequence import Sequence\nimport irminsul.server\n"
+                   "import irminsul.kvcache.pool\n") == {"irminsul.engine.sequence", "irminsul.server"}
+    found = {str(path.relative_to(ROOT)): sorted(up) for path in sorted((ROOT / "irminsul" / "kvcache").rglob("*.py"))
+             if (up := _upward(path.read_text()))}
+    assert found == {}
