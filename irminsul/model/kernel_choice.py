@@ -72,6 +72,7 @@ MIN_GAIN = 1.15  # a blocked copy must be this much faster than the dense produc
 # the one-row kernel must be this much faster than the dense one-row product: a larger margin kept
 # F.linear for an LM head on which the engine's decode ran faster with gemv
 GEMV_GAIN = 1.05
+WIDEN_GAIN = 1.1  # the widened product must be this much faster than its rivals at each count it takes
 COPY_BUDGET = 1 / 3  # blocked copies may add at most this fraction of the model's weight bytes
 SLICE_BYTES = 32 * 2**20  # larger weights are timed on a slice of their output rows this large...
 COMPUTE_SLICE_BYTES = 8 * 2**20  # ... and this large for products of more than STREAM_ROWS rows
@@ -86,7 +87,7 @@ MAX_COPIES = 64  # at most this many copies (smaller weights are then read a lit
 STREAM_ROWS = 8  # products of at most these many rows are timed over rotating copies (they stream)
 PROGRESS_AFTER = 1.0  # seconds of measuring expected before a progress bar is shown
 GUESSED_FLOPS = 30e9  # a CPU's rate assumed for that estimate only (nothing is chosen by it)
-CACHE_VERSION = 6  # 6: the gemv candidate is timed at eight rows too (5: the native kernel, not a compiled one)
+CACHE_VERSION = 7  # 7: bfloat16's widened candidate (6: the gemv candidate is timed at eight rows too)
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,12 @@ class Choice:
     """How one product shape runs: its dense layout ("out": [out, in] as nn.Linear stores it, F.linear;
     "in": [in, out], x @ W), the row blocks it keeps oneDNN copies for (none, one, or for the fixed
     rule all three), and how many rows at most its products take `gemv.product` for (out-major
-    only; 0: none, 1: one-row products, STREAM_ROWS: up to that many)."""
+    only; 0: none, 1: one-row products, STREAM_ROWS: up to that many), and from how many rows on a
+    bfloat16 weight's products are widened to float32 (0: never)."""
     layout: str
     blocks: tuple[int, ...] = ()
     gemv: int = 0
+    widen: int = 0  # from how many rows on its products run `layers.widened` (bfloat16 only; 0: never)
 
 
 @dataclass
@@ -269,6 +272,11 @@ def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool,
 
         pools["gemv"] = outs
         made["gemv"] = lambda o: gemv.product(x, o)
+    if w.dtype == torch.bfloat16 and rows >= STREAM_ROWS:
+        from irminsul.model.layers import widened
+
+        pools["widen"] = outs
+        made["widen"] = lambda o: widened(x, o)
 
     def cycle(fn, pool):
         state = {"i": 0}
@@ -381,6 +389,23 @@ def _gemv_rows(times: dict[str, dict[str, float]]) -> int:
     return STREAM_ROWS if "gemv" in few and rivals and few["gemv"] * GEMV_GAIN < min(rivals) else 1
 
 
+def _widen_rows(times: dict[str, dict[str, float]], layout: str, blocks: tuple[int, ...] = ()) -> int:
+    """From how many rows on `layers.widened` runs: the fewest timed row count (from STREAM_ROWS on)
+    from which it beats, at every larger timed count too, the dense product of `layout` and the
+    oneDNN copy kept (`blocks`) by WIDEN_GAIN; 0 where it was not measured or never does. (Products of
+    at most `Choice.gemv` rows take gemv.product before it.)"""
+    counts = [r for r in ROWS if r >= STREAM_ROWS and "widen" in times.get(str(r), {})]
+    wins = []
+    for r in counts:
+        t = times[str(r)]
+        rivals = [t[layout]] + [t["dnn"] for b in blocks if b == r and "dnn" in t]
+        wins.append(t["widen"] * WIDEN_GAIN < min(rivals))
+    for i, r in enumerate(counts):
+        if all(wins[i:]):
+            return r
+    return 0
+
+
 def _block_saving(times: dict[str, dict[str, float]], layout: str, block: int) -> float:
     """Seconds saved per row (summed over the timed row counts of 8 and more) with one oneDNN copy for
     `block` rows, as layers.dnn_linear runs it alone: blocks of it (a multiple of 256 in one call), a
@@ -412,10 +437,10 @@ class KernelChoices:
     forced: Choice | None = None  # every shape's choice (`KernelChoices.every`), for tests and benchmarks
 
     @classmethod
-    def every(cls, layout: str, blocks: tuple[int, ...] = (), gemv: int = 0) -> "KernelChoices":
-        """Choices that give every shape this layout (where the weight's own may change), blocks and
-        gemv rows (for the out-major ones)."""
-        return cls("forced", {}, forced=Choice(layout, blocks, gemv))
+    def every(cls, layout: str, blocks: tuple[int, ...] = (), gemv: int = 0, widen: int = 0) -> "KernelChoices":
+        """Choices that give every shape this layout (where the weight's own may change), blocks, gemv
+        rows (for the out-major ones) and widened rows."""
+        return cls("forced", {}, forced=Choice(layout, blocks, gemv, widen))
 
     def choice(self, out: int, inp: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                layout: str | None = None) -> Choice:
@@ -425,13 +450,13 @@ class KernelChoices:
             return self.choices[key]
         if self.forced is not None:
             layout = layout or self.forced.layout
-            c = Choice(layout, self.forced.blocks, self.forced.gemv if layout == "out" else 0)
+            c = Choice(layout, self.forced.blocks, self.forced.gemv if layout == "out" else 0, self.forced.widen)
         elif self.kernels == "fixed" or torch.device(device).type != "cpu":
             c = fixed_choice(out, inp, dtype, device)
         else:
             times = _times([Product(out, inp, dtype)], self.streamed, progress=False)[key[:3] + (None,)]
             layout = layout or _dense_layout(times)
-            c = Choice(layout, gemv=_gemv_rows(times) if layout == "out" else 0)
+            c = Choice(layout, gemv=_gemv_rows(times) if layout == "out" else 0, widen=_widen_rows(times, layout))
         self.choices[key] = c
         return c
 
@@ -525,6 +550,9 @@ def choose(products: list[Product], model_bytes: int, decode_bytes: int | None =
         if extra <= room:
             room -= extra
             choices[p.key] = Choice(choices[p.key].layout, (block,), choices[p.key].gemv)
+    for p in products:
+        c = choices[p.key]
+        choices[p.key] = Choice(c.layout, c.blocks, c.gemv, _widen_rows(times[p.key], c.layout, c.blocks))
     return KernelChoices(how, choices, streamed, seconds)
 
 
@@ -651,5 +679,6 @@ def describe(p: KernelChoices) -> list[str]:
     for (out, inp, dtype, _), c in sorted(p.choices.items(), key=lambda kv: (str(kv[0][2]), -kv[0][0] * kv[0][1])):
         blocks = ", ".join(f"oneDNN x{b}" for b in c.blocks) or "no copy"
         lines.append(f"[{out}, {inp}] {str(dtype).removeprefix('torch.')}: {c.layout}-major, {blocks}"
-                     + ("" if not c.gemv else ", gemv for one row" if c.gemv == 1 else f", gemv for up to {c.gemv} rows"))
+                     + ("" if not c.gemv else ", gemv for one row" if c.gemv == 1 else f", gemv for up to {c.gemv} rows")
+                     + (f", widened to float32 from {c.widen} rows" if c.widen else ""))
     return lines

@@ -146,6 +146,42 @@ def gemv_rows(w: torch.Tensor, layout: str | None = None) -> int:
     return choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout).gemv
 
 
+def widen_rows(w: torch.Tensor, layout: str | None = None) -> int:
+    """From how many rows on the products of w [out, in] run `widened` (0: never): while
+    `DeepseekModel.pack` packs, what its choices measured for this shape (`kernel_choice.Choice.widen`);
+    0 outside a pack (the fixed rule)."""
+
+    choices = kernel_choice.current()
+    if choices is None or choices.kernels == "fixed" or w.device.type != "cpu":
+        return 0
+    return choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout).widen
+
+
+# `widened` converts a weight to float32 in slices of at most this many bytes of float32 (the whole
+# weight at once would hold a float32 copy of an LM head)
+WIDEN_SLICE_BYTES = 16 * 2**20
+
+
+def widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] times weight [out, in] (any strides, bfloat16) plus bias, in float32: x and slices
+    of the weight's output rows converted as they are used, the sums rounded once to x's dtype as
+    F.linear rounds them. On a CPU without bf16 instructions torch's bf16 product of many rows runs far
+    below its float32 one, and converting costs one pass over the weight per call: for enough rows
+    this is faster (`kernel_choice` measures from how many, per shape)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    out = weight.shape[0]
+    step = max(1, WIDEN_SLICE_BYTES // (4 * weight.shape[1]))
+    if step >= out:
+        y = torch.mm(x2, weight.float().t())
+    else:
+        y = x2.new_empty(x2.shape[0], out)
+        for at in range(0, out, step):
+            y[:, at : at + step] = torch.mm(x2, weight[at : at + step].float().t())
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], out)
+
+
 def laid_out(w: torch.Tensor, layout: str) -> torch.Tensor:
     """w [out, in] (any strides) as a [out, in] tensor stored `layout`-major ("in": the transpose of a
     contiguous [in, out]); w itself where it already is."""
@@ -171,6 +207,7 @@ class Linear(nn.Linear):
 
     dnn: tuple[torch.Tensor | None, ...] | None = None
     gemv_rows: int = 0  # products of at most this many rows through gemv.product
+    widen_rows: int = 0  # products of at least this many rows through `widened` (0: none)
 
     def pack_dnn(self, layout: str | None = "out") -> None:
         """(Named apart from `pack`: a linear fused into another product needs no copy of its own.)
@@ -178,11 +215,14 @@ class Linear(nn.Linear):
         [out, in] views: attention's W_UK / W_UV), None for one laid out by the choices already."""
         self.dnn = dnn_weight(self.weight, layout=layout)
         self.gemv_rows = gemv_rows(self.weight, layout=layout)
+        self.widen_rows = widen_rows(self.weight, layout=layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = gemv.rows(x)
         if 0 < rows <= self.gemv_rows:
             return gemv.product(x, self.weight, self.bias)
+        if 0 < self.widen_rows <= rows:
+            return widened(x, self.weight, self.bias)
         if rows > 1 and self.dnn is not None:
             return dnn_linear(x, self.dnn, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -216,13 +256,16 @@ def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.
 
 
 def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-           dnn: tuple[torch.Tensor | None, ...] | None = None, gemv_rows: int = 0) -> torch.Tensor:
+           dnn: tuple[torch.Tensor | None, ...] | None = None, gemv_rows: int = 0, widen_rows: int = 0) -> torch.Tensor:
     """x [..., in] times a weight [in, out] (`pack_linears`: either layout), plus bias; up to
-    `gemv_rows` rows (`gemv_rows` for w.t()) through `gemv.product`, more through `dnn`, the same
-    weight's `dnn_weight`, when there is one."""
+    `gemv_rows` rows (`gemv_rows` for w.t()) through `gemv.product`, from `widen_rows` rows on
+    (`widen_rows` for w.t()) through `widened`, more than one through `dnn`, the same weight's
+    `dnn_weight`, when there is one."""
     rows = gemv.rows(x)
     if 0 < rows <= gemv_rows:
         return gemv.product(x, w.t(), bias)
+    if 0 < widen_rows <= rows:
+        return widened(x, w.t(), bias)
     if rows > 1 and dnn is not None:
         return dnn_linear(x, dnn, w.t(), bias)
     return torch.matmul(x, w) if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(
@@ -240,6 +283,7 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # [hidden, 2 * inner] after `pack`
         self.gate_up_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
         self.gate_up_gemv_rows = 0  # its products of at most this many rows through gemv.product (`gemv_rows`)
+        self.gate_up_widen_rows = 0  # its products of at least this many rows through `widened` (`widen_rows`)
 
     def pack(self) -> None:
         stacked = self.packed  # (a stacked expert's gate|up is a view of its MoE's stack, laid out there)
@@ -247,6 +291,7 @@ class MLP(nn.Module):
             self.gate_up, _ = pack_linears(self.gate_proj, self.up_proj)
         self.gate_up_dnn = dnn_weight(self.gate_up.t())
         self.gate_up_gemv_rows = gemv_rows(self.gate_up.t())
+        self.gate_up_widen_rows = widen_rows(self.gate_up.t())
         self.down_proj.pack_dnn(layout=None if stacked else "out")
 
     def products(self, uses: float = 1.0, stacked: bool = False) -> list:
@@ -269,7 +314,7 @@ class MLP(nn.Module):
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """forward of a packed MLP, without the check (a compiled graph cannot compare data pointers)."""
-        gate_up = packed(x, self.gate_up, None, self.gate_up_dnn, self.gate_up_gemv_rows)
+        gate_up = packed(x, self.gate_up, None, self.gate_up_dnn, self.gate_up_gemv_rows, self.gate_up_widen_rows)
         act = elementwise.silu_mul(gate_up)  # (one pass, where the native kernel runs)
         if act is None:
             g, u = gate_up.chunk(2, dim=-1)
@@ -452,9 +497,11 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=experts)
         cap = int(counts.max())
-        # (on a CPU with oneDNN's copies of the experts the loop is faster: its products run at
-        # oneDNN's speed, the grouped batched product at MKL's)
-        if self.grouped and self.experts[0].gate_up_dnn is None and (
+        # (on a CPU with oneDNN's copies of the experts, or their many-row products widened to float32,
+        # the loop is faster: its products run at oneDNN's or float32's speed, the grouped batched
+        # product at MKL's in the weights' dtype)
+        first = self.experts[0]
+        if self.grouped and first.gate_up_dnn is None and not first.gate_up_widen_rows and (
                 x.is_cuda or self._padding_pays(n * k, int((counts > 0).sum()), cap)):
             return self._grouped(x, weights, flat, counts, cap)
         return self.loop_experts(x, weights, ids)

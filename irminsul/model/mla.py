@@ -26,7 +26,7 @@ from torch import nn
 
 from irminsul.model.attention import EMPTY_SLOT, AttentionBackend, SeqAttention
 from irminsul.model.config import ModelConfig
-from irminsul.model.layers import Linear, RMSNorm, dnn_weight, gemv_rows, pack_linears, packed
+from irminsul.model.layers import Linear, RMSNorm, dnn_weight, gemv_rows, pack_linears, packed, widen_rows
 from irminsul.model.rope import Rotary, encode_half
 
 
@@ -158,6 +158,7 @@ class MLAttention(nn.Module):
         self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after `pack`
         self.in_proj_dnn: tuple[torch.Tensor | None, ...] | None = None  # its `dnn_weight`
         self.in_proj_gemv_rows = 0  # its products of at most this many rows through gemv.product (`gemv_rows`)
+        self.in_proj_widen_rows = 0  # its products of at least this many rows through `widened` (`widen_rows`)
         # (W_UK, W_UV) each in memory of its own, for bf16/fp16 after `pack` (`AttentionBackend.absorbed_weights`),
         # and the kv_b_proj weight they were copied from
         self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -171,6 +172,7 @@ class MLAttention(nn.Module):
         self.in_proj = pack_linears(self._q_in(), self.kv_a_proj_with_mqa)
         self.in_proj_dnn = dnn_weight(self.in_proj[0].t())
         self.in_proj_gemv_rows = gemv_rows(self.in_proj[0].t())
+        self.in_proj_widen_rows = widen_rows(self.in_proj[0].t())
         for lin in (self.kv_b_proj, self.o_proj) + ((self.q_b_proj,) if self.cfg.q_lora_rank is not None else ()):
             lin.pack_dnn()
         # NOTE: W_UK and W_UV are slices of kv_b_proj's weight, one head (nope + v) x r apart; a bf16
@@ -194,7 +196,7 @@ class MLAttention(nn.Module):
         if self.in_proj is None or (not torch.compiler.is_compiling()
                                     and self.in_proj[0].data_ptr() != q_in.weight.data_ptr()):
             return q_in(x), self.kv_a_proj_with_mqa(x)
-        return packed(x, *self.in_proj, self.in_proj_dnn, self.in_proj_gemv_rows).split([q_in.out_features, self.cfg.latent_width], dim=-1)
+        return packed(x, *self.in_proj, self.in_proj_dnn, self.in_proj_gemv_rows, self.in_proj_widen_rows).split([q_in.out_features, self.cfg.latent_width], dim=-1)
 
     def _c_kv(self, c: torch.Tensor) -> torch.Tensor:
         c = self.kv_a_layernorm(c)

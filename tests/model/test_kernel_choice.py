@@ -88,8 +88,11 @@ def test_moe_stacked_in_either_layout_gives_the_same_experts(layouts):
 
 
 @pytest.mark.parametrize("choices", [KernelChoices.every("out", (32,)), KernelChoices.every("in", (8,)),
-                                     KernelChoices.every("out"), KernelChoices.every("in", (256,)), "fixed", "measured"],
-                         ids=["out+dnn32", "in+dnn8", "out", "in+dnn256", "fixed", "measured"])
+                                     KernelChoices.every("out"), KernelChoices.every("in", (256,)),
+                                     KernelChoices.every("in", widen=32), KernelChoices.every("out", widen=32),
+                                     "fixed", "measured"],
+                         ids=["out+dnn32", "in+dnn8", "out", "in+dnn256", "in+widen32", "out+widen32", "fixed",
+                              "measured"])
 def test_a_model_packed_by_any_choices_computes_the_unpacked_models_logits(tiny_dir, choices, tmp_path, monkeypatch):
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     plain = load_model(tiny_dir, pack=False)
