@@ -136,7 +136,8 @@ ABOVE_THE_CACHE = ("irminsul.engine", "irminsul.server", "irminsul.fleet", "irmi
 
 
 def _upward(source: str) -> set[str]:
-    return {m for m in _imports(source) if m.startswith(tuple(f"{p}." for p in ABOVE_THE_CACHE)) or m in ABOVE_THE_CACHE}
+    submodule = tuple(f"{p}." for p in ABOVE_THE_CACHE)
+    return {m for m in _imports(source) if m in ABOVE_THE_CACHE or m.startswith(submodule)}
 
 
 def test_the_cache_layer_imports_nothing_above_it():

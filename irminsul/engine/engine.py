@@ -183,7 +183,8 @@ class Engine:
         """Requests running, and the prompt tokens the engine will compute before a new request's:
         the running ones' pending positions and the queued ones' (a chunk several share, once)."""
         s = self.scheduler
-        return QueuedLoad(len(s.running), self.kv.queued_tokens(list(s.waiting)) + sum(len(q.pending) for q in s.running))
+        pending = sum(len(q.pending) for q in s.running)
+        return QueuedLoad(len(s.running), self.kv.queued_tokens(list(s.waiting)) + pending)
 
     def prefetch(self, tokens: list[int], segment_starts: list[int] | None, tenant: str | None) -> int:
         """Read a prompt's chunks from the store's lower tiers ahead of its admission (any thread)."""

@@ -3,7 +3,7 @@
 Each replica is what `irminsul bench recovery` replays (`workloads/recovery.py: replay_planner`):
 the real planner over a `MemoryRegistry`, a `RadixCache` and S1 windows, payloads None, here with a
 pool of `pool_tokens` per replica (the registry's budget in bytes = tokens x bytes per token, and
-the tree's). A `ChunkJournal` follows each registry exactly as `KVCacheManager.__init__` wires it,
+the tree's). A `ChunkJournal` follows each registry exactly as the KV manager's `ReuseCache` wires it,
 and the content router follows the journals. Policies:
 
   content       `irminsul.fleet.router.ContentRouter`, journals read every `poll_s`, load fresh;
@@ -122,7 +122,7 @@ class SimReplica:
         self.planner = Planner(PlannerConfig(chunker=config.chunker, sink=config.sink, window=config.window),
                                self.registry, self.radix, WindowIndex(config.window),
                                seed=namespace_seed(config.model_id))
-        self.journal = ChunkJournal()  # wired as KVCacheManager wires its own
+        self.journal = ChunkJournal()  # wired as ReuseCache (kvcache/caches.py) wires its own
         self.registry.on_store.append(lambda entry: self.journal.added(entry.fingerprint))
         self.registry.on_evict.append(lambda entry: self.journal.removed(entry.fingerprint))
         self.busy_until = 0.0  # its prefill queue is empty from then on

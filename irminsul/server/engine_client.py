@@ -132,7 +132,8 @@ class EngineClient:
         self.vocab_size: int = engine.config.vocab_size
         self.context: int = engine.config.max_position_embeddings
         self.kv_rows: int = engine.kv_rows  # the most rows one request can hold
-        self._prefetches = registry is not None and bool(registry.lower)  # disk / Redis tiers to read ahead of admission
+        # disk / Redis tiers to read ahead of admission
+        self._prefetches = registry is not None and bool(registry.lower)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: collections.deque = collections.deque()  # (future, fn, args) taken from the inbox, not yet run
         self._jobs: dict[int, Job] = {}  # sequence id -> job, for every job the scheduler holds
