@@ -81,11 +81,21 @@ class MiniEngine:
     def left(request) -> int:
         return len(request.prompt_token_ids) - request.num_computed_tokens
 
-    def step(self, running: list) -> None:
-        self.sched.advance(running)
-        scheduled = {r.request_id: self.sched.clip(r, r.num_computed_tokens, self.left(r))
-                     for r in running}
-        meta = self.sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens=scheduled))
+    def chunk(self, r) -> int:
+        """The scheduler's two connector hooks (vLLM with the upstream change, or IrminsulScheduler):
+        move a request over the loads where it stands, then size its chunk up to the next load."""
+        left = len(r.prompt_token_ids) - 1 - r.num_computed_tokens
+        n = min(self.sched.get_num_new_matched_tokens_running(r, r.num_computed_tokens), left) if left > 0 else 0
+        if n > 0:  # (its blocks are allocated: the request holds the whole prompt's)
+            self.sched.update_state_after_alloc(r, None, n)
+            r.num_computed_tokens += n
+        limit = self.sched.get_max_num_new_tokens(r, r.num_computed_tokens)
+        return self.left(r) if limit is None else min(self.left(r), limit)
+
+    def step(self, running: list, preempted: set | None = None) -> None:
+        scheduled = {r.request_id: self.chunk(r) for r in running}
+        meta = self.sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens=scheduled,
+                                                               preempted_req_ids=preempted or set()))
         starts = {r.request_id: r.num_computed_tokens for r in running}
         for r in running:
             r.num_computed_tokens += scheduled[r.request_id]  # (vLLM's _update_after_schedule)

@@ -109,6 +109,17 @@ class RequestStats:
     loaded_tokens: int = 0
     computed_prompt_tokens: int = 0
     reported_tokens: int = 0  # loaded tokens added to vLLM's own count of the request's cached tokens
+    preemptions: int = 0  # times vLLM preempted the request before this plan (the counts are this plan's)
+
+
+def _cut(run: list[Load], end: int) -> list[Load]:
+    """The loads of a run up to position `end` (the last one shortened if it crosses it)."""
+    out = []
+    for load in run:
+        if load.start >= end:
+            break
+        out.append(load if load.end <= end else Load(load.start, end, load.key, load.src_offset, load.delta))
+    return out
 
 
 def _model_config(vllm_config) -> dict:
@@ -155,6 +166,7 @@ class IrminsulConnector(KVConnectorBase_V1):
             self.spans: dict[str, RequestSpans] = {}
             self.pending: dict[str, list[Load]] = {}  # loads moved over, waiting for their blocks
             self.loaded: dict[str, list[tuple[int, int]]] = {}  # the rows [start, end) moved over
+            self.offered: dict[str, list[Load]] = {}  # loads answered this step, waiting for their blocks
             self.stats: dict[str, RequestStats] = {}  # live requests and the last KEEP_FINISHED
             self.finished: deque[str] = deque()
             # the CPU reference MLA backend cannot prefill after cached rows (no chunked context), so a
@@ -259,11 +271,13 @@ class IrminsulConnector(KVConnectorBase_V1):
             self.index.release(self.spans.pop(rid))
         self.pending.pop(rid, None)
         self.loaded.pop(rid, None)
+        self.offered.pop(rid, None)
         spans = self.index.plan(request.prompt_token_ids, self.tenant_of(request))
         spans.loads = [load for load in spans.loads if load.start >= num_computed_tokens]
         self.requests[rid], self.spans[rid] = request, spans
         self.stats[rid] = RequestStats(prompt_tokens=spans.n,
-                                       planned_load_tokens=sum(len(x) for x in spans.loads))
+                                       planned_load_tokens=sum(len(x) for x in spans.loads),
+                                       preemptions=int(getattr(request, "num_preemptions", 0) or 0))
         return 0, False  # nothing right after the prefix: a carve-out or a new header comes first
 
     def tenant_of(self, request) -> str | None:
@@ -276,38 +290,63 @@ class IrminsulConnector(KVConnectorBase_V1):
             return SHARED
         return f"{self.tenant}|salt:{salt}"
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        return
-
-    def clip(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
-        """The scheduler's chunk for a request, stopped where a load begins."""
+    # The two hooks a scheduler asks on the running path (the upstream change, docs/vllm-upstream.md;
+    # IrminsulScheduler asks them on a vLLM without it): a prefill under way is asked again where it
+    # stands, and its chunks end where a load begins.
+    def get_num_new_matched_tokens_running(self, request, num_computed_tokens: int) -> int:
+        """Tokens to load where a running request's prefill stands: the run of loads that starts at
+        num_computed_tokens (adjacent loads together), or 0. The scheduler allocates their blocks and
+        confirms with update_state_after_alloc, or asks again in a later step."""
         spans = self.spans.get(request.request_id)
         if spans is None or num_computed_tokens >= spans.n:
-            return num_new_tokens
-        stop = spans.next_load_start(num_computed_tokens - 1)
-        if stop is not None and stop > num_computed_tokens:
-            num_new_tokens = min(num_new_tokens, stop - num_computed_tokens)
-        if self.after_load_chunk and num_computed_tokens > 0:  # rows before it: loaded, or kept by a recompute
-            num_new_tokens = min(num_new_tokens, self.after_load_chunk)
-        return num_new_tokens
+            return 0
+        run = spans.load_at(num_computed_tokens)
+        if not run:
+            return 0
+        self.offered[request.request_id] = run
+        return run[-1].end - num_computed_tokens
 
-    def advance(self, running) -> bool:
-        """Move every running request that stands at the start of a load over it; True if any."""
-        moved = False
-        for request in running:
-            spans = self.spans.get(request.request_id)
-            if spans is None or request.num_computed_tokens >= spans.n:
-                continue
-            run = spans.load_at(request.num_computed_tokens)
-            if not run:
-                continue
-            request.num_computed_tokens = run[-1].end
-            self.pending.setdefault(request.request_id, []).extend(run)
-            self.loaded.setdefault(request.request_id, []).extend((x.start, x.end) for x in run)
-            self.stats[request.request_id].loaded_tokens += sum(len(x) for x in run)
-            self._report_cached(request)
-            moved = True
-        return moved
+    def get_max_num_new_tokens(self, request, num_computed_tokens: int) -> int | None:
+        """The most tokens a chunk starting at num_computed_tokens may compute: up to the next load, and
+        after rows already in the cache at most `after_load_chunk` (the CPU backend's decode path)."""
+        spans = self.spans.get(request.request_id)
+        if spans is None:
+            return None
+        limit = None
+        stop = spans.next_load_start(num_computed_tokens - 1) if num_computed_tokens < spans.n else None
+        if stop is not None and stop > num_computed_tokens:
+            limit = stop - num_computed_tokens
+        # NOTE: past the prompt too: a request resumed after a preemption computes its output tokens
+        # again after the prompt's rows, and a longer span would take the backend's prefill path, which
+        # cannot see them
+        if self.after_load_chunk and num_computed_tokens > 0:  # rows before it: loaded, or kept by a recompute
+            limit = min(limit or self.after_load_chunk, self.after_load_chunk)
+        return limit
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        """After the scheduler allocated a running request's blocks for `num_external_tokens` offered by
+        get_num_new_matched_tokens_running (request.num_computed_tokens still where they start): those
+        loads are planned, written by the worker before this step's forward (build_connector_meta).
+        At admission (get_num_new_matched_tokens answered 0) there is nothing to do."""
+        rid = request.request_id
+        run = self.offered.pop(rid, None)
+        if num_external_tokens <= 0 or run is None or rid not in self.spans:
+            return
+        run = _cut(run, run[0].start + num_external_tokens)
+        self.pending.setdefault(rid, []).extend(run)
+        self.loaded.setdefault(rid, []).extend((x.start, x.end) for x in run)
+        self.stats[rid].loaded_tokens += sum(len(x) for x in run)
+        self._report_cached(request)
+
+    def has_loads(self, meta) -> bool:
+        return isinstance(meta, IrminsulMetadata) and bool(meta.loads)
+
+    def in_flight(self) -> dict[str, int]:
+        """The scheduler side's per-request bookkeeping, by kind (all 0 once every request has finished,
+        been aborted or been preempted and finished), and the registry's pinned entries."""
+        return {"requests": len(self.requests), "plans": len(self.spans), "pending_loads": len(self.pending),
+                "loaded": len(self.loaded), "offered": len(self.offered),
+                "pinned_entries": self.index.registry.stats.pinned}
 
     def _report_cached(self, request) -> None:
         """vLLM's own count of the request's reused tokens includes the rows loaded so far
@@ -324,6 +363,9 @@ class IrminsulConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> IrminsulMetadata:
         meta = IrminsulMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
+        for rid in scheduler_output.preempted_req_ids or ():  # its blocks are freed; readmission plans again
+            self.pending.pop(rid, None)
+            self.offered.pop(rid, None)
         for rid, loads in list(self.pending.items()):
             if rid not in scheduled:
                 continue  # its blocks come with the step that schedules it
@@ -377,4 +419,5 @@ class IrminsulConnector(KVConnectorBase_V1):
         self.requests.pop(rid, None)
         self.pending.pop(rid, None)
         self.loaded.pop(rid, None)
+        self.offered.pop(rid, None)
         return False, None
