@@ -100,7 +100,7 @@ class Choice:
     layout: str
     blocks: tuple[int, ...] = ()
     gemv: int = 0
-    widen: int = 0  # from how many rows on its products run `layers.widened` (bfloat16 only; 0: never)
+    widen: int = 0  # from how many rows on its products run `widen.widened` (bfloat16 only; 0: never)
 
 
 @dataclass
@@ -273,7 +273,7 @@ def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool,
         pools["gemv"] = outs
         made["gemv"] = lambda o: gemv.product(x, o)
     if w.dtype == torch.bfloat16 and rows >= STREAM_ROWS:
-        from irminsul.model.layers import widened
+        from irminsul.model.widen import widened
 
         pools["widen"] = outs
         made["widen"] = lambda o: widened(x, o)
@@ -390,7 +390,7 @@ def _gemv_rows(times: dict[str, dict[str, float]]) -> int:
 
 
 def _widen_rows(times: dict[str, dict[str, float]], layout: str, blocks: tuple[int, ...] = ()) -> int:
-    """From how many rows on `layers.widened` runs: the fewest timed row count (from STREAM_ROWS on)
+    """From how many rows on `widen.widened` runs: the fewest timed row count (from STREAM_ROWS on)
     from which it beats, at every larger timed count too, the dense product of `layout` and the
     oneDNN copy kept (`blocks`) by WIDEN_GAIN; 0 where it was not measured or never does. (Products of
     at most `Choice.gemv` rows take gemv.product before it.)"""

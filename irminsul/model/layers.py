@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
 from irminsul.model import elementwise, gemv, kernel_choice, native_ops
+from irminsul.model.widen import widened
 from irminsul.model.config import ModelConfig
 from irminsul.model.settings import settings
 
@@ -155,31 +156,6 @@ def widen_rows(w: torch.Tensor, layout: str | None = None) -> int:
     if choices is None or choices.kernels == "fixed" or w.device.type != "cpu":
         return 0
     return choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout).widen
-
-
-# `widened` converts a weight to float32 in slices of at most this many bytes of float32 (the whole
-# weight at once would hold a float32 copy of an LM head)
-WIDEN_SLICE_BYTES = 16 * 2**20
-
-
-def widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] times weight [out, in] (any strides, bfloat16) plus bias, in float32: x and slices
-    of the weight's output rows converted as they are used, the sums rounded once to x's dtype as
-    F.linear rounds them. On a CPU without bf16 instructions torch's bf16 product of many rows runs far
-    below its float32 one, and converting costs one pass over the weight per call: for enough rows
-    this is faster (`kernel_choice` measures from how many, per shape)."""
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    out = weight.shape[0]
-    step = max(1, WIDEN_SLICE_BYTES // (4 * weight.shape[1]))
-    if step >= out:
-        y = torch.mm(x2, weight.float().t())
-    else:
-        y = x2.new_empty(x2.shape[0], out)
-        for at in range(0, out, step):
-            y[:, at : at + step] = torch.mm(x2, weight[at : at + step].float().t())
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], out)
 
 
 def laid_out(w: torch.Tensor, layout: str) -> torch.Tensor:

@@ -58,7 +58,7 @@ def test_pic_reuses_shifted_content_exactly_on_one_layer(tmp_path, kind):
 def test_what_v4_cannot_do_yet_is_refused_clearly(v4_dir):
     with pytest.raises(RequestError, match="pic\\+r"):
         LLM(v4_dir, reuse="pic", recompute_ratio=0.2)
-    with pytest.raises(Exception, match="torch backend only"):
+    with pytest.raises(Exception, match="its own reference attention only"):
         LLM(v4_dir, attention_backend="triton")
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from irminsul import LLM
-from irminsul.model import native, native_ops
+from irminsul.model import kernel_choice, native, native_ops
 from irminsul.model.attention.cpu import CPUAttention
 from irminsul.model.tiny import make_tiny_checkpoint
 from tests.model.native_variants import variant  # noqa: F401 (a fixture)
@@ -99,6 +99,7 @@ def test_where_it_does_not_run_sdpa_does(why, monkeypatch):
         attn.kv_b_proj.to(torch.bfloat16)
     q_nope, q_pe, pool, seqs = _case(cfg, g, [(10, 20)], dtype=dtype)
     monkeypatch.setattr(native_ops, "call_prefill_attention", lambda *a: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(CPUAttention, "widen_prefill", lambda self: False)  # (bf16: measured slower widened)
     if why == "switched off":
         monkeypatch.setenv("IRMINSUL_NATIVE_PREFILL", "0")
     if why == "flag":
@@ -152,3 +153,31 @@ def test_bad_views_are_refused():
         native_ops.call_prefill_attention(strided, x, x, x[:, :, 0], x, torch.ones(1, 4, dtype=torch.int64),
                                           torch.arange(4)[None], torch.tensor([4]), 1.0)
 
+
+
+def test_bf16_groups_widened_for_the_kernel_equal_the_reference(any_build, monkeypatch):
+    """Where widening was measured faster, a bf16 group runs the kernel on float32 copies: the dense
+    reference's values within bf16's rounding of the output (one rounding, not SDPA's bf16 sums)."""
+    cfg, backend, attn, g = _setup(seed=11, **WIDTHS["bundled"])
+    attn.kv_b_proj.to(torch.bfloat16)
+    q_nope, q_pe, pool, seqs = _case(cfg, g, [(40, 25), (0, 30)], holes=True, dtype=torch.bfloat16)
+    want = _reference(cfg, backend, attn, q_nope, q_pe, pool, seqs)
+    monkeypatch.setattr(CPUAttention, "widen_prefill", lambda self: True)
+    calls = _spy(monkeypatch)
+    got, _, _ = _run(backend, attn, q_nope, q_pe, pool, seqs)
+    assert calls and got.dtype == torch.bfloat16
+    err = (got.double() - want).abs()
+    assert (err <= 2 * torch.finfo(torch.bfloat16).eps * want.abs() + 1e-2).all(), err.max().item()
+
+
+def test_widening_is_measured_once_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    cfg, backend, attn, g = _setup(seed=12, **WIDTHS["bundled"])
+    timed = []
+    real = CPUAttention._time_widening
+    monkeypatch.setattr(CPUAttention, "_time_widening", lambda self: timed.append(1) or real(self))
+    first = backend.widen_prefill()
+    assert backend.widen_prefill() == first and len(timed) == 1
+    entry = next(iter(kernel_choice._read_cache(tmp_path / "kernels.json").values()))
+    assert entry["widen"] == (entry["widened"] * kernel_choice.WIDEN_GAIN < entry["sdpa"])

@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from irminsul.model import kernel_choice, layers
+from irminsul.model import kernel_choice, layers, widen
 from irminsul.model.kernel_choice import Choice, KernelChoices
-from irminsul.model.layers import Linear, packed, widened
+from irminsul.model.layers import Linear, packed
+from irminsul.model.widen import widened
 
 
 def _bf16_step(x: torch.Tensor) -> torch.Tensor:
@@ -15,10 +16,10 @@ def _bf16_step(x: torch.Tensor) -> torch.Tensor:
     return torch.finfo(torch.bfloat16).eps * x.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
 
 
-@pytest.mark.parametrize("slice_bytes", [layers.WIDEN_SLICE_BYTES, 4 * 64 * 7])  # whole, and slices of 7 rows
+@pytest.mark.parametrize("slice_bytes", [widen.WIDEN_SLICE_BYTES, 4 * 64 * 7])  # whole, and slices of 7 rows
 @pytest.mark.parametrize("layout", ["out", "in"])
 def test_widened_rounds_the_float32_sums_once(slice_bytes, layout, monkeypatch):
-    monkeypatch.setattr(layers, "WIDEN_SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(widen, "WIDEN_SLICE_BYTES", slice_bytes)
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(50, 64, generator=g) / 8).bfloat16()
     w = w if layout == "out" else w.t().contiguous().t()  # (an input-major weight's [out, in] view)

@@ -8,7 +8,8 @@ tests/model/test_native_decode.py and tests/model/test_native_prefill.py):
 - expanded prefill groups: `prefill_attention.c`, flash blocks over the kv_b product's k_nope and v
   where they lie (no padded head-major copies), the mask from the slots and positions, memory linear
   in the keys; used where the library is built with its vector tiles (AVX2 or AVX-512), as its plain
-  loops are slower than SDPA;
+  loops are slower than SDPA; a bfloat16 group's inputs widened to float32 for it where that was
+  measured faster than SDPA's bfloat16 on this machine (`widen_prefill`);
 - the compiled decode step's attention (`beside_native`), through the same decode kernel as a torch
   operator (model/native_ops.py).
 
@@ -20,11 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from irminsul.model import native, native_ops
+import numpy as np
+
+from irminsul.model import kernel_choice, native, native_ops
+from irminsul.model.attention.base import SeqAttention, absorb_output, absorb_query
 from irminsul.model.attention.reference import AttentionGroup, ReferenceAttention, _grid, _rows
 from irminsul.model.rope import encode_pairwise
-from irminsul.model.attention.base import absorb_output, absorb_query
 from irminsul.model.settings import settings
+
+WIDEN_PROBE = 256  # the prompt length `widen_prefill` times both ways on (a causal group of one sequence)
 
 
 class CPUAttention(ReferenceAttention):
@@ -41,11 +46,39 @@ class CPUAttention(ReferenceAttention):
                 and pool.stride(1) == 1 and settings.native_decode and native_ops.available())
 
     def native_prefill(self, kv: torch.Tensor, keys: torch.Tensor) -> bool:
-        """Whether an expanded group takes the native flash kernel: float32 on a CPU, the library built
-        with its vector tiles, not switched off."""
-        return (self.NATIVE_PREFILL and kv.device.type == "cpu" and kv.dtype == keys.dtype == torch.float32
-                and settings.native_prefill and native_ops.available()
-                and bool(native.library().irm_vectorised()))
+        """Whether an expanded group takes the native flash kernel: float32 on a CPU (bfloat16 where
+        `widen_prefill`), the library built with its vector tiles, not switched off."""
+        if not (self.NATIVE_PREFILL and kv.device.type == "cpu" and kv.dtype == keys.dtype
+                and settings.native_prefill and native_ops.available() and bool(native.library().irm_vectorised())):
+            return False
+        return kv.dtype == torch.float32 or (kv.dtype == torch.bfloat16 and self.widen_prefill())
+
+    def widen_prefill(self) -> bool:
+        """Whether bfloat16 expanded groups run the native kernel on float32 copies of their inputs: where
+        that was faster than SDPA in bfloat16 on a causal prompt of WIDEN_PROBE tokens at this model's
+        widths, on this machine at torch's thread count (timed once, cached per CPU as the linear
+        products' times are: `kernel_choice`)."""
+        cfg = self.cfg
+        key = (f"prefill-widen|{cfg.num_attention_heads}x{cfg.qk_nope_head_dim}+{cfg.qk_rope_head_dim}"
+               f"x{cfg.v_head_dim}|threads{torch.get_num_threads()}|{native.fingerprint('prefill_attention.c')}")
+        return bool(kernel_choice._measured(key, "widen", self._time_widening)["widen"])
+
+    def _time_widening(self) -> dict:
+        cfg = self.cfg
+        h, t = cfg.num_attention_heads, WIDEN_PROBE
+        g = self.plan([SeqAttention(np.arange(t), np.arange(1, t + 1))], [0], "cpu")[0]
+        gen = torch.Generator().manual_seed(t)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen).bfloat16()
+
+        q_nope, q_pe = rand(t, h, cfg.qk_nope_head_dim), rand(t, h, cfg.qk_rope_head_dim)
+        k_nope, k_pe, v = rand(1, t, h, cfg.qk_nope_head_dim), rand(1, t, cfg.qk_rope_head_dim), rand(1, t, h, cfg.v_head_dim)
+        with torch.inference_mode():
+            times = kernel_choice._time({
+                "sdpa": lambda: super(CPUAttention, self)._expanded_attention(q_nope, q_pe, k_nope, k_pe, v, g, False),
+                "widened": lambda: self._native_expanded(q_nope, q_pe, k_nope, k_pe, v, g)})
+        return {"widen": times["widened"] * kernel_choice.WIDEN_GAIN < times["sdpa"], **times}
 
     def _absorbed(self, q_lat, q_pe, pool, g: AttentionGroup, index=None) -> torch.Tensor:
         if g.shape[1] == 1 and g.at_end and index is None and self.native_decode(pool):
@@ -59,12 +92,20 @@ class CPUAttention(ReferenceAttention):
     def _expanded_attention(self, q_nope, q_pe, k_nope, k_pe, v, g: AttentionGroup, selected: bool) -> torch.Tensor:
         if selected or not self.native_prefill(k_nope, k_pe):
             return super()._expanded_attention(q_nope, q_pe, k_nope, k_pe, v, g, selected)
+        return self._native_expanded(q_nope, q_pe, k_nope, k_pe, v, g)
+
+    def _native_expanded(self, q_nope, q_pe, k_nope, k_pe, v, g: AttentionGroup) -> torch.Tensor:
+        """`_expanded_attention` through the native kernel (float32; other dtypes widened to it and the
+        output rounded back once)."""
         cfg = self.cfg
         b, m, _ = g.shape
+        dtype = q_nope.dtype
+        if dtype != torch.float32:
+            q_nope, q_pe, k_nope, k_pe, v = (x.float() for x in (q_nope, q_pe, k_nope, k_pe, v))
         q_nope, q_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_nope, q_pe))
         o = native_ops.call_prefill_attention(_grid(q_nope, g), _grid(q_pe, g), k_nope, k_pe, v, g.key_slots,
                                               g.query_pos, g.query_len, cfg.softmax_scale)
-        return _rows(o.view(b * m, cfg.num_attention_heads, cfg.v_head_dim), g)
+        return _rows(o.view(b * m, cfg.num_attention_heads, cfg.v_head_dim).to(dtype), g)
 
     def beside_native(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
                       key_slots: torch.Tensor, new: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
