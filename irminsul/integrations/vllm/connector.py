@@ -2,7 +2,7 @@
 
 vLLM asks a connector once per request, at admission, how many tokens *after* its local prefix hit it
 can load (`get_num_new_matched_tokens`); a document moved behind a new header is never there. So this
-connector does two jobs and `IrminsulScheduler` (scheduler.py) the third:
+connector does two jobs and the scheduler the third:
 
 - scheduler side: at admission, plan the prompt with Irminsul's planner (`spans.SpanIndex`: CDC
   chunks, verified registry, S1 windows, sink carve-out) and keep the plan; each step, say in the
@@ -14,8 +14,11 @@ connector does two jobs and `IrminsulScheduler` (scheduler.py) the third:
   then free the rows of the keys dropped. A load whose rows the worker lacks is a miss, never an
   error: its blocks are reported to vLLM, which recomputes the request from the first of them, and
   the scheduler side stops planning that entry;
-- the scheduler subclass stops a prefill step at the start of a loaded span, and at the next step
-  moves the request's `num_computed_tokens` over the span (see docs/vllm.md).
+- the scheduler asks two hooks on the running path: `get_max_num_new_tokens` (a prefill chunk stops
+  where a loaded span begins) and `get_num_new_matched_tokens_running` (at that boundary, the request's
+  `num_computed_tokens` moves over the span, its blocks allocated with the next chunk). A vLLM with the
+  upstream change (`upstream/scheduler.patch`, docs/vllm-upstream.md) asks them itself; on a stock
+  vLLM, `IrminsulScheduler` (scheduler.py) does.
 
 Tenants: a request's `cache_salt` subdivides the connector's tenant (`kv_connector_extra_config`
 "tenant", default ""), as Irminsul's own server subdivides an API key's; a request without one is the
@@ -28,7 +31,9 @@ each request's loaded rows into vLLM's own count of its cached tokens (metrics.p
 
 Use: `irminsul vllm-serve MODEL ...` (serve.py), or in vLLM's own configuration `--kv-transfer-config
 '{"kv_connector": "IrminsulConnector", "kv_connector_module_path": "irminsul.integrations.vllm.connector",
-"kv_role": "kv_both"}' --scheduler-cls irminsul.integrations.vllm.scheduler.IrminsulScheduler`.
+"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}' --scheduler-cls
+irminsul.integrations.vllm.scheduler.IrminsulScheduler` (the scheduler can be left out on a vLLM with
+the upstream change).
 """
 
 from __future__ import annotations
@@ -122,6 +127,21 @@ def _cut(run: list[Load], end: int) -> list[Load]:
     return out
 
 
+def _scheduler_asks_hooks(vllm_config) -> bool:
+    """Whether the engine's scheduler asks the running-path hooks: vLLM's own with the upstream change,
+    or IrminsulScheduler (or a subclass of it)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if hasattr(Scheduler, "_get_num_running_external_tokens"):
+        return True
+    cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
+    if cls is None:
+        return False
+    if isinstance(cls, str):
+        return cls.rsplit(".", 1)[-1] == "IrminsulScheduler"
+    return any(c.__name__ == "IrminsulScheduler" for c in getattr(cls, "__mro__", ()))
+
+
 def _model_config(vllm_config) -> dict:
     path = Path(vllm_config.model_config.model) / "config.json"
     return json.loads(path.read_text()) if path.exists() else vllm_config.model_config.hf_config.to_dict()
@@ -173,6 +193,11 @@ class IrminsulConnector(KVConnectorBase_V1):
             # compute span after a load goes through its decode kernel, `after_load_chunk` tokens a step
             # (cpu_mla.py; 0 when the backend has chunked prefill and the span is one chunk)
             self.after_load_chunk = _after_load_chunk(vllm_config, extra)
+            if not _scheduler_asks_hooks(vllm_config):
+                log.warning("irminsul: this vLLM's scheduler asks a KV connector only at admission: rows are "
+                            "saved but never loaded mid-prompt; use --scheduler-cls %s or a vLLM with the "
+                            "upstream change (docs/vllm-upstream.md)", "irminsul.integrations.vllm.scheduler."
+                            "IrminsulScheduler")
             INSTANCES["scheduler"].append(self)
         else:
             chunk = _after_load_chunk(vllm_config, extra)
