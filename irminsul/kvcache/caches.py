@@ -23,7 +23,7 @@ from irminsul.kvcache.journal import ChunkJournal
 from irminsul.kvcache.namespaces import SHARED, Namespaces, owner_of
 from irminsul.kvcache.planner import Plan, PlannerConfig, Registered
 from irminsul.kvcache.radix import RadixCache, RadixStats
-from irminsul.kvcache.registry import ChunkStore, Entry, MemoryRegistry
+from irminsul.kvcache.registry import ChunkStore, Entry, MemoryRegistry, slots_of
 from irminsul.model.attention import EMPTY_SLOT
 
 UNBOUNDED = 2**62  # the tree's and the registry's own byte budgets: the pool is the one budget
@@ -106,6 +106,7 @@ class NoCache(Cache):
 
 class ReuseCache(Cache):
     caching = True
+    journal: ChunkJournal  # (always one: the chunks its registry's memory tier holds)
 
     def __init__(self, config: KVCacheConfig, bytes_per_slot: int, registry: ChunkStore | None,
                  hold: Callable[[np.ndarray], None], unhold: Callable[[np.ndarray], None],
@@ -116,8 +117,8 @@ class ReuseCache(Cache):
         mode = config.reuse
         # NOTE: "is None", not "or": an empty registry has len 0 and is falsy.
         self.registry: ChunkStore = registry if registry is not None else MemoryRegistry(UNBOUNDED)
-        self.registry.on_store.append(lambda entry: hold(entry.payload))
-        self.registry.on_evict.append(lambda entry: unhold(entry.payload))
+        self.registry.on_store.append(lambda entry: hold(slots_of(entry)))
+        self.registry.on_evict.append(lambda entry: unhold(slots_of(entry)))
         self.journal = ChunkJournal()
         self.registry.on_store.append(lambda entry: self.journal.added(entry.fingerprint))
         self.registry.on_evict.append(lambda entry: self.journal.removed(entry.fingerprint))
@@ -165,9 +166,9 @@ class ReuseCache(Cache):
         # (a key's salt token names the empty slot: a tenant's key whose every row went goes whole)
         self.radix.cut(first_gone, hollow=lambda value: not np.any(np.asarray(value) != EMPTY_SLOT))
         memory = self.registry.memory
-        if entries := [e for e in memory.entries() if len(e.payload)]:
-            starts = np.cumsum([0] + [len(e.payload) for e in entries[:-1]])
-            named = np.add.reduceat(gone[np.concatenate([e.payload for e in entries])].astype(np.int32), starts)
+        if entries := [e for e in memory.entries() if len(slots_of(e))]:
+            starts = np.cumsum([0] + [len(slots_of(e)) for e in entries[:-1]])
+            named = np.add.reduceat(gone[np.concatenate([slots_of(e) for e in entries])].astype(np.int32), starts)
             for i in np.flatnonzero(named):
                 memory.discard(entries[i].fingerprint)
 

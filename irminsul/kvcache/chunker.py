@@ -141,7 +141,7 @@ def _candidates(ids: np.ndarray, cfg: ChunkerConfig, starts: np.ndarray) -> np.n
         return np.zeros(0, np.int64)
     # Only the low mask_bits bits matter, so do the shifted adds in the smallest dtype holding them.
     dtype = np.uint8 if cfg.mask_bits <= 8 else np.uint16 if cfg.mask_bits <= 16 else np.uint32
-    g = gear(ids).astype(dtype)  # [n]
+    g: np.ndarray = gear(ids).astype(dtype)  # [n]
     h = g.copy()
     if starts.size:  # tokens since the last segment start (the state resets there)
         pos = np.arange(n)

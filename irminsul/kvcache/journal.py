@@ -86,6 +86,6 @@ class ChunkJournal:
                 if s <= seq:
                     break
                 first[fingerprint] = added  # (walking back: the earliest change after seq is left)
-            added = [f for f, a in first.items() if a and f in self._resident]
-            removed = [f for f, a in first.items() if not a and f not in self._resident]
-            return JournalDelta(self._seq, np.array(added, np.uint64), np.array(removed, np.uint64), False)
+            came = [f for f, a in first.items() if a and f in self._resident]
+            went = [f for f, a in first.items() if not a and f not in self._resident]
+            return JournalDelta(self._seq, np.array(came, np.uint64), np.array(went, np.uint64), False)

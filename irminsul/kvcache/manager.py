@@ -27,6 +27,7 @@ are named (tree, registry or both); the structures then forget what named them.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from irminsul.errors import RequestError
 from irminsul.kvcache.admission import Admission, AdmissionStats, CachedSequence
@@ -34,10 +35,11 @@ from irminsul.kvcache.caches import UNBOUNDED, Cache, ChunkNaming, NoCache, Reus
 from irminsul.kvcache.config import KVCacheConfig
 from irminsul.kvcache.eviction import EvictionOrder
 from irminsul.kvcache.journal import ChunkJournal
-from irminsul.kvcache.namespaces import SHARED
-from irminsul.kvcache.planner import Plan
+from irminsul.kvcache.namespaces import SHARED, Namespaces
+from irminsul.kvcache.planner import Plan, Planner, PlannerConfig
 from irminsul.kvcache.pool import LatentPool
-from irminsul.kvcache.registry import ChunkStore, Entry
+from irminsul.kvcache.radix import RadixCache
+from irminsul.kvcache.registry import ChunkStore, Entry, slots_of
 from irminsul.model.attention import EMPTY_SLOT
 
 __all__ = ["MIN_EVICTION", "UNBOUNDED", "KVCacheManager", "PoolBusy", "PoolFull"]
@@ -102,23 +104,29 @@ class KVCacheManager:
     # what a reuse mode that caches holds (AttributeError with reuse=off: nothing is cached)
 
     @property
+    def _reuse(self) -> ReuseCache:
+        if not isinstance(self.cache, ReuseCache):
+            raise AttributeError(f"reuse={self.mode} caches nothing: no registry, tree, namespaces or planners")
+        return self.cache
+
+    @property
     def registry(self) -> ChunkStore:
-        return self.cache.registry
+        return self._reuse.registry
 
     @property
-    def radix(self):
-        return self.cache.radix
+    def radix(self) -> RadixCache:
+        return self._reuse.radix
 
     @property
-    def namespaces(self):
-        return self.cache.namespaces
+    def namespaces(self) -> Namespaces:
+        return self._reuse.namespaces
 
     @property
-    def planner_config(self):
-        return self.cache.planner_config
+    def planner_config(self) -> PlannerConfig:
+        return self._reuse.planner_config
 
-    def planner(self, tenant: str | None):
-        return self.cache.planner(tenant)
+    def planner(self, tenant: str | None) -> Planner:
+        return self._reuse.planner(tenant)
 
     @property
     def journal(self) -> ChunkJournal | None:
@@ -161,7 +169,8 @@ class KVCacheManager:
         document's work and its headers. Rows below the sink count for each (they are computed)."""
         if not self.content_reuse:
             return sum(seq.prompt_len for seq in waiting)
-        sink, seen, total = self.cache.sink, set(), 0
+        sink, total = self.cache.sink, 0
+        seen: set[int] = set()
         for seq in waiting:
             cut = self.cache.chunks(np.asarray(seq.tokens, np.int64), seq.segment_starts, seq.tenant)
             for c in cut:  # (a chunk repeated within one prompt is computed each time: both count)
@@ -182,12 +191,15 @@ class KVCacheManager:
         if plan is None:
             return Admission(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), None, AdmissionStats(n, 0, 0, n))
         slots = np.zeros(n, np.int64)
-        prefix = np.concatenate([p.value[: p.length] for p in plan.prefix.values]) if plan.prefix.values else None
+        pieces = plan.prefix.values if plan.prefix is not None else []
+        prefix = np.concatenate([p.value[: p.length] for p in pieces]) if pieces else None
         for span in plan.spans:
             if span.kind == "prefix":
+                assert prefix is not None, "a prefix span comes from a prefix match"
                 slots[span.start : span.end] = prefix[span.start : span.end]
             elif span.kind == "reuse":
-                slots[span.start : span.end] = span.entry.payload[span.src_offset : span.src_offset + len(span)]
+                assert span.entry is not None, "a reuse span names its entry"
+                slots[span.start : span.end] = slots_of(span.entry)[span.src_offset : span.src_offset + len(span)]
         self.pool.retain(slots)
         reused = slots[slots != EMPTY_SLOT]
         if len(reused):
@@ -277,6 +289,7 @@ class KVCacheManager:
         the pool; None if there are none. NOTE: O(cached entries and tree nodes) per call; it runs
         only when a share is set and the pool is short."""
         requesters = {self.cache.owner(t) for t in (for_tenants or [None])}
+        assert self.tenant_share is not None, "make_room asks only with a share set"
         budget = self.tenant_share * (self.pool.n_slots - 1)
         rows = [r for r in self.cache.held_rows(requesters).values() if len(r) <= budget]
         if not rows:
@@ -289,16 +302,18 @@ class KVCacheManager:
 
     def _to_lower(self, entry: Entry) -> Entry:
         """A memory entry (slots) as the disk and Redis tiers store it: its rows, read from the pool."""
-        return Entry(entry.fingerprint, entry.token_ids, entry.base_pos, self.pool.read_host(entry.payload),
+        return Entry(entry.fingerprint, entry.token_ids, entry.base_pos, self.pool.read_host(slots_of(entry)),
                      entry.nbytes, entry.namespace)
 
     def _promote(self, entry: Entry) -> Entry | None:
         """A lower tier's hit (rows) into the pool and the memory tier; None if there is no room."""
+        rows = entry.payload
+        assert isinstance(rows, torch.Tensor), "a lower tier's entry holds its rows"
         n = len(entry.token_ids)
         slots = self.take(n)
         if slots is None:
             return None
-        self.pool.write(slots, entry.payload, entry.base_pos + np.arange(n))
+        self.pool.write(slots, rows, entry.base_pos + np.arange(n))
         promoted = Entry(entry.fingerprint, entry.token_ids, entry.base_pos, slots, entry.nbytes, entry.namespace)
         stored = self.registry.memory.put(promoted)  # the memory tier takes its own reference
         self.pool.release(slots)  # ours: if the memory tier refused, the slots are free again

@@ -13,14 +13,15 @@ choice of salts gets around them.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
-from irminsul.kvcache.chunker import namespace_seed
+from irminsul.kvcache.chunker import TokenArray, namespace_seed
 from irminsul.kvcache.planner import Planner, PlannerConfig
-from irminsul.kvcache.radix import PrefixMatch, PrefixPiece, RadixCache
-from irminsul.kvcache.registry import Registry, ScopedRegistry, namespace_id
+from irminsul.kvcache.radix import Node, PrefixMatch, PrefixPiece, RadixCache
+from irminsul.kvcache.registry import ChunkStore, Registry, ScopedRegistry, namespace_id
 from irminsul.kvcache.windows import WindowIndex
 from irminsul.model.attention import EMPTY_SLOT
 
@@ -48,21 +49,21 @@ class SaltedRadix:
     def __init__(self, radix: RadixCache, salt: int):
         self.radix, self.salt = radix, salt
 
-    def match(self, tokens):
+    def match(self, tokens: TokenArray) -> PrefixMatch:
         m = self.radix.match(np.concatenate([[self.salt], np.asarray(tokens, dtype=np.int64)]))
         if m.length == 0:
             return PrefixMatch(0, m.node, [])
         first = PrefixPiece(m.values[0].value[1:], m.values[0].length - 1)
         return PrefixMatch(m.length - 1, m.node, [first, *m.values[1:]])
 
-    def insert(self, tokens, slots: np.ndarray) -> int:
+    def insert(self, tokens: TokenArray, slots: np.ndarray) -> int:
         salted = np.concatenate([[self.salt], np.asarray(tokens, dtype=np.int64)])
         return self.radix.insert(salted, np.concatenate([[EMPTY_SLOT], slots]))
 
-    def lock(self, node) -> None:
+    def lock(self, node: Node) -> None:
         self.radix.lock(node)
 
-    def unlock(self, node) -> None:
+    def unlock(self, node: Node) -> None:
         self.radix.unlock(node)
 
 
@@ -83,7 +84,7 @@ class Namespaces:
     planner or a cached row are kept apart from the planners (`_forget_names` bounds them).
     """
 
-    def __init__(self, config: PlannerConfig, registry: Registry, radix: RadixCache, model_id: str,
+    def __init__(self, config: PlannerConfig, registry: Registry | ChunkStore, radix: RadixCache, model_id: str,
                  default_tenant: str, limit: int = 1024):
         self.config, self.registry, self.radix = config, registry, radix
         self.model_id, self.default_tenant, self.limit = model_id, default_tenant, limit
@@ -145,8 +146,9 @@ class Namespaces:
     def _forget_idle(self, new: str) -> None:
         """Forget planners beyond the limit (never the shared namespace's nor `new`'s own)."""
         while len(self._planners) > self.limit:
-            mine = self._owned.get(owner_of(new), {})
+            mine: Mapping[str, None] = self._owned.get(owner_of(new), {})
             most = max((len(tenants) for tenants in self._owned.values()), default=0)
+            victim: str | None
             if len(mine) == most > 1:
                 victim = next(iter(mine))  # (new is its most recent)
             elif most > 1:

@@ -19,16 +19,19 @@ and locks its radix match; ``release`` undoes both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from irminsul.kvcache.chunker import Chunk, ChunkerConfig, FingerprintFn, TokenArray, as_tokens, chunk, fingerprint
-from irminsul.kvcache.radix import PrefixMatch, RadixCache, common_prefix
+from irminsul.kvcache.radix import PrefixMatch, PrefixTree, common_prefix
 from irminsul.kvcache.registry import Entry, Registry
 from irminsul.kvcache.windows import WindowIndex
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -112,9 +115,9 @@ class _Found:
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, registry: Registry, radix: RadixCache | None,
+    def __init__(self, config: PlannerConfig, registry: Registry, radix: PrefixTree | None,
                  windows: WindowIndex | None, seed: int, *,
-                 fingerprint_fn: FingerprintFn | None = None, fallbacks: list["Planner"] = ()):
+                 fingerprint_fn: FingerprintFn | None = None, fallbacks: Sequence[Planner] = ()):
         if windows is not None and windows.window != config.window:
             raise ValueError(f"WindowIndex.window={windows.window} != PlannerConfig.window={config.window}")
         self.config, self.registry, self.radix, self.windows = config, registry, radix, windows
@@ -134,10 +137,11 @@ class Planner:
         n = len(ids)
         if n == 0:
             raise ValueError("cannot plan an empty prompt")
-        prefix = self.radix.match(ids) if self.radix is not None else None
-        matched = prefix.length if prefix is not None else 0
-        if prefix is not None:
+        prefix: PrefixMatch | None = None
+        if self.radix is not None:
+            prefix = self.radix.match(ids)
             self.radix.lock(prefix.node)
+        matched = prefix.length if prefix is not None else 0
         stats = PlanStats(prompt_tokens=n)
         chunks = self.chunk(ids, segment_starts) if self.config.content_reuse else []
         found: list[_Found] = []
@@ -159,7 +163,7 @@ class Planner:
         for f in found:
             pieces.extend(self._place(f, n, stats))
         spans = _cover(pieces, n)
-        pinned = list(dict.fromkeys(s.entry.fingerprint for s in spans if s.kind == "reuse"))
+        pinned = list(dict.fromkeys(s.entry.fingerprint for s in spans if s.entry is not None))  # (the reuse spans)
         for fp in pinned:
             self.registry.pin(fp)
         for s in spans:
@@ -175,10 +179,12 @@ class Planner:
         for fp in plan.pinned:
             self.registry.unpin(fp)
         if plan.prefix is not None:
+            assert self.radix is not None, "a plan has a prefix match only from a planner with a tree"
             self.radix.unlock(plan.prefix.node)
         plan.released = True
 
-    def register(self, plan_or_tokens: Plan | TokenArray, rows_of: Callable[[int, int], object],
+    def register(self, plan_or_tokens: Plan | TokenArray,
+                 rows_of: Callable[[int, int], np.ndarray | torch.Tensor | None],
                  nbytes_of: Callable[[int], int], segment_starts: TokenArray | None = None,
                  upto: int | None = None) -> Registered:
         """Store every CDC chunk of the sequence that the registry lacks, with base_pos = start.

@@ -24,7 +24,7 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -52,6 +52,12 @@ class Node:
     def __lt__(self, other: Node) -> bool:  # heap order: least recently used first
         return self.last_access < other.last_access
 
+    @property
+    def up(self) -> Node:
+        """The parent of a node below the root (every node but the root has one)."""
+        assert self.parent is not None, "the root has no parent"
+        return self.parent
+
 
 class PrefixPiece(NamedTuple):
     value: Any
@@ -63,6 +69,15 @@ class PrefixMatch:
     length: int  # tokens matched from the start
     node: Node  # the node where the match ends (lock it while the rows are in use)
     values: list[PrefixPiece]  # root to node, in order; their rows concatenate to [0, length)
+
+
+class PrefixTree(Protocol):
+    """What a planner needs of an exact-prefix tree: a `RadixCache`, or a tenant's salted view of one."""
+
+    def match(self, tokens: TokenArray) -> PrefixMatch: ...
+    def insert(self, tokens: TokenArray, value: Any) -> int: ...
+    def lock(self, node: Node) -> None: ...
+    def unlock(self, node: Node) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -111,7 +126,7 @@ class RadixCache:
         pieces, n = [], node
         while n is not self.root:
             pieces.append(PrefixPiece(n.value, len(n.key)))
-            n = n.parent
+            n = n.up
         self._matches += 1
         self._hits += length > 0
         self._matched += length
@@ -149,14 +164,14 @@ class RadixCache:
         """Protect ``node`` and its ancestors from eviction (reference counted)."""
         while node is not self.root:
             node.lock_ref += 1
-            node = node.parent
+            node = node.up
 
     def unlock(self, node: Node) -> None:
         while node is not self.root:
             if node.lock_ref == 0:
                 raise ValueError("unlock without a matching lock")
             node.lock_ref -= 1
-            node = node.parent
+            node = node.up
 
     def evict(self, nbytes: int, spare: Callable[[int], bool] | None = None) -> int:
         """Evict least recently used unlocked leaves until ``nbytes`` are freed; returns bytes freed.
@@ -168,7 +183,7 @@ class RadixCache:
         heapq.heapify(leaves)
         while freed < nbytes and leaves:
             leaf = heapq.heappop(leaves)
-            parent = leaf.parent
+            parent = leaf.up
             del parent.children[int(leaf.key[0])]
             freed += len(leaf.key) * self.bytes_per_token
             self._tokens -= len(leaf.key)
@@ -197,21 +212,23 @@ class RadixCache:
                 continue
             dropped += self._drop_below(node)
             if i <= 0:
-                del node.parent.children[int(node.key[0])]
+                del node.up.children[int(node.key[0])]
                 dropped += self._forget(node.value, len(node.key), whole=True)
-                bare.append(node.parent)
+                bare.append(node.up)
             else:
                 node.value, tail = self.split_value(node.value, i)
                 dropped += self._forget(tail, len(node.key) - i, whole=False)
                 node.key = node.key[:i]
                 bare.append(node)
-        for node in bare if hollow is not None else ():
+        if hollow is None:
+            return dropped
+        for node in bare:
             # (a node may be listed twice, or already gone: only one still in the tree is removed)
             while (node is not self.root and not node.children and hollow(node.value)
-                   and node.parent.children.get(int(node.key[0])) is node):
-                del node.parent.children[int(node.key[0])]
+                   and node.up.children.get(int(node.key[0])) is node):
+                del node.up.children[int(node.key[0])]
                 dropped += self._forget(node.value, len(node.key), whole=True)
-                node = node.parent
+                node = node.up
         return dropped
 
     def _drop_below(self, node: Node) -> int:
@@ -260,10 +277,10 @@ class RadixCache:
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node``'s edge after ``k`` tokens; returns the new upper node."""
         left, right = self.split_value(node.value, k)
-        upper = Node(node.key[:k], left, node.parent, node.last_access)
+        upper = Node(node.key[:k], left, node.up, node.last_access)
         upper.lock_ref = node.lock_ref
         upper.children[int(node.key[k])] = node
-        node.parent.children[int(node.key[0])] = upper
+        node.up.children[int(node.key[0])] = upper
         node.key, node.value, node.parent = node.key[k:], right, upper
         self._nodes += 1
         return upper

@@ -26,6 +26,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from irminsul.kvcache.store.stats import TierLog, TierStats
+
 
 def namespace_id(model_id: str, tenant: str) -> str:
     """The namespace an entry records and every hit compares: a BLAKE2b digest of the model identity
@@ -53,6 +55,13 @@ class Entry:
         return self.namespace == namespace and np.array_equal(self.token_ids, token_ids)
 
 
+def slots_of(entry: Entry) -> np.ndarray:
+    """The pool slots an entry of the engine's memory tier names (its only kind of payload there)."""
+    slots = entry.payload
+    assert isinstance(slots, np.ndarray), f"entry {entry.fingerprint:#x} names no pool slots"
+    return slots
+
+
 @dataclass(frozen=True)
 class RegistryStats:
     hits: int
@@ -70,10 +79,22 @@ class RegistryStats:
 class Registry(ABC):
     """Fingerprint -> Entry store with verified hits, a byte budget, pinning and stats."""
 
-    available: bool = True  # False while a remote backend does not answer (a Redis tier's breaker)
-    key_prefix: str | None = None  # what a shared store's keys start with (a Redis tier's), else None
-    log = None  # a lower tier's TierLog (store/stats.py), which the tiered registry shares
-    tier_stats = None  # a lower tier's TierStats (a property of the disk and Redis tiers)
+    log: TierLog | None = None  # a lower tier's TierLog (store/stats.py), which the tiered registry shares
+
+    @property
+    def available(self) -> bool:
+        """False while a remote backend does not answer (a Redis tier's breaker)."""
+        return True
+
+    @property
+    def key_prefix(self) -> str | None:
+        """What a shared store's keys start with (a Redis tier's), else None."""
+        return None
+
+    @property
+    def tier_stats(self) -> TierStats | None:
+        """A lower tier's TierStats (the disk and Redis tiers have them), else None."""
+        return None
 
     @property
     def location(self) -> str:
@@ -87,7 +108,7 @@ class Registry(ABC):
     def close(self) -> None:
         """Stop the tier's threads and connections (none by default)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         # Called with every entry that enters the store, and with every entry that leaves it
         # (evicted or replaced), e.g. so that a WindowIndex can drop its windows, or so that the
         # engine counts the pool slots an entry refers to.
@@ -159,6 +180,9 @@ class ChunkStore(Protocol):
     def prefetch(self, wanted: list[tuple[int, np.ndarray, str]]) -> int:
         """Stage lower-tier entries ahead of the lookups that will want them (any thread)."""
 
+    @property
+    def stats(self) -> RegistryStats: ...
+
     def get(self, fingerprint: int, token_ids: np.ndarray, namespace: str = "") -> Entry | None: ...
     def peek(self, fingerprint: int) -> Entry | None: ...
     def put(self, entry: Entry) -> bool: ...
@@ -174,7 +198,7 @@ class ChunkStore(Protocol):
 class PinCounts:
     """Reference counts of pinned fingerprints (a pinned entry is in use and must not be evicted)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._counts: dict[int, int] = {}
 
     def add(self, fingerprint: int) -> None:
@@ -323,12 +347,15 @@ class ScopedRegistry(Registry):
     """One namespace's view of a shared registry: its lookups see only entries written in that
     namespace, its writes are stamped with it. Pins, stats and callbacks are the shared registry's."""
 
-    def __init__(self, registry: Registry, namespace: str):
+    def __init__(self, registry: Registry | ChunkStore, namespace: str):
         super().__init__()
         self.registry, self.namespace = registry, namespace
         self.on_store, self.on_evict = registry.on_store, registry.on_evict  # NOTE: shared lists
 
-    def get(self, fingerprint: int, token_ids: np.ndarray) -> Entry | None:  # (always this view's namespace)
+    def get(self, fingerprint: int, token_ids: np.ndarray, namespace: str = "") -> Entry | None:
+        """Always this view's namespace: `namespace` may only repeat it (or be left out)."""
+        if namespace not in ("", self.namespace):
+            raise ValueError("a scoped registry answers for its own namespace only")
         return self.registry.get(fingerprint, token_ids, self.namespace)
 
     def peek(self, fingerprint: int) -> Entry | None:

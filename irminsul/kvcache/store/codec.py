@@ -118,6 +118,9 @@ def _metadata(layout: RowLayout, fingerprint: int, namespace: str, base_pos: int
 
 
 def encode(entry: Entry, layout: RowLayout) -> bytes:
+    if not isinstance(entry.payload, torch.Tensor):
+        raise TypeError(f"entry {entry.fingerprint:016x}: a stored entry holds its rows as a tensor, "
+                        f"not {type(entry.payload).__name__}")
     rows = entry.payload.detach().contiguous().cpu()
     tokens = torch.as_tensor(np.asarray(entry.token_ids, dtype=np.int64))
     meta = _metadata(layout, entry.fingerprint, entry.namespace, entry.base_pos, rows.dtype, tuple(rows.shape))

@@ -46,6 +46,8 @@ class _Held(NamedTuple):
 
 
 class DiskRegistry(Registry):
+    log: TierLog  # (set in __init__: this tier's own, which the tiered registry shares)
+
     def __init__(self, root: str | Path, layout: RowLayout, budget_bytes: int):
         super().__init__()
         if budget_bytes < 0:

@@ -52,6 +52,8 @@ return 0
 
 
 class RedisRegistry(Registry):
+    log: TierLog  # (set in __init__: this tier's own, which the tiered registry shares)
+
     def __init__(self, url: str, layout: RowLayout, timeout_s: float = 0.25, backoff: tuple = (0.2, 5.0),
                  max_pending: int = 1024, ttl_s: int | None = None):
         """`timeout_s`: the deadline of one command, its connection and its whole reply included."""
@@ -242,6 +244,7 @@ class RedisRegistry(Registry):
             if entry is not None:
                 self._collisions += 1
                 if entry.namespace == namespace:  # another chunk of ours: dropped, the caller recomputes
+                    assert blob is not None, "_fetch gives an entry with the blob it decoded"
                     self._delete(fingerprint, blob)  # (another namespace's entry is left to its owner)
             return None
         self._hits += 1
