@@ -105,7 +105,7 @@ def run(args) -> int:
         for segments in warm:
             ask(engine, segments)
         engine.close()
-    times = {(mode, i): [] for mode in modes for i in range(len(requests))}
+    times: dict[tuple[str, int], list[float]] = {(mode, i): [] for mode in modes for i in range(len(requests))}
     answers = {}
     for _ in range(args.repeats):
         for mode in modes:  # alternately, so neither mode gets the quieter moments

@@ -72,8 +72,7 @@ class Engine:
             if not self.runner.supports_recompute:
                 raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
             recompute = Recompute(self.kv, self.runner.latents, cfg.kv_lora_rank)
-        eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
-        self.eos_ids = frozenset(eos - {None})
+        self.eos_ids: frozenset[int] = frozenset(t for t in (*cfg.eos_token_ids, tokenizer.eos_token_id) if t is not None)
         self.output = OutputProcessor(tokenizer, cfg.vocab_size, self.eos_ids, cfg.max_position_embeddings)
         self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests,
                                    config.decode_slowdown, recompute)

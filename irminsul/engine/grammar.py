@@ -21,15 +21,20 @@ import concurrent.futures
 import json
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from irminsul.engine.grammar_limits import check_lark, check_options, check_regex, check_schema, parse_json
 from irminsul.errors import RequestError
 
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+    from llguidance._lib import JsonCompileOptions
+
 # JSON is generated as json.dumps writes it: ", " and ": " between items, no other whitespace.
 # (Flexible whitespace lets a small model loop on newlines inside an object until max_tokens.)
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 _COMPILE_STACK = 64 << 20
@@ -101,7 +106,7 @@ class Constraint:
             raise RequestError(f"the {self.kind.replace('_', ' ')} could not be compiled: {e}") from None
 
 
-def reason(matcher) -> str:
+def reason(matcher: LLMatcher) -> str:
     """A failed matcher's error for people: its first line (llguidance adds its parser state)."""
     return matcher.get_error().split("\n", 1)[0].strip()
 
@@ -173,19 +178,18 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self._executor = llguidance.LLExecutor()
-        self._compiled: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[tuple, concurrent.futures.Future[LLMatcher]] = collections.OrderedDict()
         self._lock = threading.Lock()  # (matchers are made on the server's worker threads)
 
-    def matcher(self, constraint: Constraint, scope: str | None = None):
+    def matcher(self, constraint: Constraint, scope: str | None = None) -> LLMatcher:
         """A fresh matcher for one sequence; a grammar that does not compile is the request's error.
         (Compiling may take up to a second for a huge grammar: call it off the engine thread. A
         thread that asks for a constraint another is compiling in the same `scope` waits for that one.)"""
         key = (scope, constraint)
         with self._lock:
-            compiled = self._compiled.pop(key, None)
-            mine = compiled is None
-            if mine:
-                compiled = concurrent.futures.Future()
+            kept = self._compiled.pop(key, None)
+            mine = kept is None
+            compiled: concurrent.futures.Future[LLMatcher] = concurrent.futures.Future() if kept is None else kept
             self._compiled[key] = compiled  # (the most recently asked for last)
             while len(self._compiled) > self.KEEP_COMPILED:
                 self._compiled.popitem(last=False)
@@ -199,7 +203,7 @@ class Grammars:
                 compiled.set_exception(e)
         return compiled.result().deep_copy()
 
-    def _compile(self, constraint: Constraint):
+    def _compile(self, constraint: Constraint) -> LLMatcher:
         import llguidance
 
         what = constraint.kind.replace("_", " ")
@@ -213,7 +217,7 @@ class Grammars:
                                f"{reason(matcher)}")
         return matcher
 
-    def allowed(self, matchers: list) -> torch.Tensor:
+    def allowed(self, matchers: list[LLMatcher]) -> torch.Tensor:
         """bool [len(matchers), vocab]: the tokens each matcher accepts next."""
         words = (self.vocab_size + 31) // 32
         bits = torch.full((len(matchers), words), -1, dtype=torch.int32)

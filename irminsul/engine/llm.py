@@ -63,7 +63,8 @@ def normalize_prompt(prompt, tokenizer: Tokenizer) -> tuple[list[int], list[int]
     if isinstance(prompt, Segments):
         if not all(_token_ids(s) for s in prompt):
             raise RequestError("every part of Segments must be a list of token ids")
-        tokens, starts = [], []
+        tokens: list[int] = []
+        starts: list[int] = []
         for segment in prompt:
             starts.append(len(tokens))
             tokens.extend(segment)
@@ -84,7 +85,7 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",
                  device: str = "cpu", kv_cache_gib: float | None = None, max_running_requests: int = 256,
-                 attention_backend: str = "torch", compile_decode: bool | None = None, **cache_options):
+                 attention_backend: str = "cpu", compile_decode: bool | None = None, **cache_options):
         # Offline batches are for throughput: prompts are prefilled at the full per-step budget
         # (the server keeps decode_slowdown=2: its streams' inter-token latency comes first).
         config = EngineConfig.of(**{"decode_slowdown": None, **cache_options, "reuse": reuse,
@@ -92,7 +93,7 @@ class LLM:
                                     "max_running_requests": max_running_requests})
         self.path = Path(model) if model is not None else bundled_model("mla")
         self.model = load_model(self.path, dtype=dtype, device=device)
-        if attention_backend != "torch":
+        if attention_backend not in ("cpu", "torch"):  # (the default every family starts with)
             self.model.set_attention_backend(attention_backend)
         self.tokenizer = Tokenizer(self.path)
         if "model_id" not in cache_options:
@@ -138,13 +139,15 @@ class LLM:
             for seq in seqs:
                 self.engine.abort(seq)
             raise
+        results = []
         for seq in seqs:
             if seq.error:
                 raise RequestError(seq.error)
-        results = [GenerationResult(token_ids=seq.output_ids, text=seq.text, stats=seq.stats,
-                                    finish_reason=seq.finish_reason, prompt_token_ids=seq.tokens[: seq.prompt_len],
-                                    logprobs=seq.logprobs if logprobs is not None else None)
-                   for seq in seqs]
+            assert seq.finish_reason is not None, "the engine stepped until every sequence finished"
+            results.append(GenerationResult(token_ids=seq.output_ids, text=seq.text, stats=seq.stats,
+                                            finish_reason=seq.finish_reason,
+                                            prompt_token_ids=seq.tokens[: seq.prompt_len],
+                                            logprobs=seq.logprobs if logprobs is not None else None))
         return results if batch else results[0]
 
     def score(self, prompt_ids, continuation_ids) -> torch.Tensor:

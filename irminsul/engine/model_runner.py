@@ -11,6 +11,7 @@ scheduler did; nothing here samples: the output processor will.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -23,6 +24,25 @@ from irminsul.model.base import CapturedStep, CompiledStep, Model
 from irminsul.model import compiled
 from irminsul.model.compiled import Compiling
 from irminsul.model.mla import ForwardBatch
+
+
+class _AttentionBackend(Protocol):
+    """What `Model.attention` is (model/base.py declares it `object` and describes it in words)."""
+
+    def plan(self, seqs: list[SeqAttention], offsets: list[int], device: torch.device) -> object: ...
+
+
+class _LatentConfig(Protocol):
+    kv_lora_rank: int  # the latent's width (an MLA family's config)
+
+
+class _FreshRowsModel(Protocol):
+    """A `Model` whose capabilities say `fresh_rows` (model/base.py: only such a family has the method)."""
+
+    @property
+    def config(self) -> _LatentConfig: ...
+
+    def fresh_rows(self, batch: ForwardBatch, layer: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -49,17 +69,17 @@ class ModelRunner:
         self.capabilities = model.capabilities
         # the triton backend's steps are captured CUDA graphs (GPU), the torch backend's compiled (CPU)
         captured = self.capabilities.backend == "triton"
+        self._compiled: CompiledStep | Compiling | None = None
+        self.graphs: CapturedStep | None = None
         try:
             if captured:
                 from irminsul.model import graphs  # (triton's modules: loaded where that backend runs)
 
-                step = graphs.resolve(model, pool.rows, compile_decode)
+                self.graphs = graphs.resolve(model, pool.rows, compile_decode)
             else:
-                step = compiled.resolve(model, compile_decode)
+                self._compiled = compiled.resolve(model, compile_decode)
         except ValueError as e:
             raise RequestError(f"compile_decode: {e}") from None
-        self._compiled: CompiledStep | Compiling | None = None if captured else step
-        self.graphs: CapturedStep | None = step if captured else None
 
     @property
     def compiled(self) -> CompiledStep | None:
@@ -129,9 +149,10 @@ class ModelRunner:
         """The model's batch on its device: tokens at positions, rows written to `write`, attention
         over the slots each spec names."""
         dev = self.device
+        # (cast: Model declares its attention backend `object`; model/base.py says it has this `plan`)
+        attention = cast(_AttentionBackend, self.model.attention)
         return ForwardBatch(torch.as_tensor(token_ids, device=dev), torch.as_tensor(positions, device=dev),
-                            self.pool.rows, torch.as_tensor(write, device=dev),
-                            self.model.attention.plan(specs, offsets, dev))
+                            self.pool.rows, torch.as_tensor(write, device=dev), attention.plan(specs, offsets, dev))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
@@ -139,9 +160,13 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The next-token logits [B, vocab] of decoding sequences through the compiled or captured
         step, or None when it does not cover them (the eager path runs them)."""
-        return self._compiled_decode(seqs) if self.compiled is not None else self._graph_decode(seqs)
+        step = self.compiled
+        if step is not None:
+            return self._compiled_decode(step, seqs)
+        assert self.graphs is not None, "decode runs only where a compiled or a captured step exists"
+        return self._graph_decode(self.graphs, seqs)
 
-    def _compiled_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def _compiled_decode(self, step: CompiledStep, seqs: list[Sequence]) -> torch.Tensor | None:
         """A sequence alone whose rows sit in consecutive slots is read in place; otherwise (where the
         compiled step covers batches, up to its `max_batch` sequences) their rows are gathered through
         their slot tables, when padding them to one length costs at most PADDING_SLACK times the real
@@ -149,27 +174,27 @@ class ModelRunner:
         dev = self.device
         lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
         if len(seqs) == 1 and consecutive(slots := seqs[0].slots[: lens[0]]):
-            hidden = self.compiled(torch.tensor([seqs[0].tokens[-1]], device=dev), torch.tensor(lens - 1, device=dev),
-                                   self.pool.rows, int(slots[0]), int(lens[0]))
+            hidden = step(torch.tensor([seqs[0].tokens[-1]], device=dev), torch.tensor(lens - 1, device=dev),
+                          self.pool.rows, int(slots[0]), int(lens[0]))
         else:
             t = int(lens.max()) - 1
-            if len(seqs) > self.compiled.max_batch or len(seqs) * t > PADDING_SLACK * (lens.sum() - len(seqs)):
+            if len(seqs) > step.max_batch or len(seqs) * t > PADDING_SLACK * (lens.sum() - len(seqs)):
                 return None
             key_slots = np.full((len(seqs), t), EMPTY_SLOT, np.int64)
             for i, s in enumerate(seqs):
                 key_slots[i, : lens[i] - 1] = s.slots[: lens[i] - 1]
             write = np.fromiter((s.slots[n - 1] for s, n in zip(seqs, lens)), np.int64, len(seqs))
-            hidden = self.compiled.batch(torch.tensor([s.tokens[-1] for s in seqs], device=dev),
-                                         torch.from_numpy(lens - 1).to(dev), torch.from_numpy(key_slots).to(dev),
-                                         self.pool.rows, torch.from_numpy(write).to(dev))
+            hidden = step.batch(torch.tensor([s.tokens[-1] for s in seqs], device=dev),
+                                torch.from_numpy(lens - 1).to(dev), torch.from_numpy(key_slots).to(dev),
+                                self.pool.rows, torch.from_numpy(write).to(dev))
         return self.model.logits(hidden)
 
-    def _graph_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def _graph_decode(self, graphs: CapturedStep, seqs: list[Sequence]) -> torch.Tensor | None:
         lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
-        if not self.graphs.fits(len(seqs), int(lens.max())):
+        if not graphs.fits(len(seqs), int(lens.max())):
             return None
-        return self.graphs(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens,
-                           [s.slots[:n] for s, n in zip(seqs, lens)])
+        return graphs(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens,
+                      [s.slots[:n] for s, n in zip(seqs, lens)])
 
     def latents(self, tokens: np.ndarray, run: np.ndarray, table: np.ndarray, write: np.ndarray,
                 layer: int) -> torch.Tensor:
@@ -177,4 +202,7 @@ class ModelRunner:
         the scratch slots `write`, each attending to the rows `table` names; the latent c_KV
         [len(run), kv_lora_rank] the context gives them at `layer`."""
         batch = self._batch(tokens[run], run, write, [SeqAttention(run, table[: int(run[-1]) + 1])], [0, len(run)])
-        return self.model.fresh_rows(batch, layer)[:, : self.model.config.kv_lora_rank]
+        # (cast: Model declares neither fresh_rows nor its config's fields; the engine builds pic+r's
+        # check, the one caller, only where `supports_recompute`: an MLA family, with kv_lora_rank)
+        model = cast(_FreshRowsModel, self.model)
+        return model.fresh_rows(batch, layer)[:, : model.config.kv_lora_rank]

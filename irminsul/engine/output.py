@@ -9,12 +9,16 @@ length limit, and the log-probs asked for. An error in one row ends that sequenc
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from irminsul.engine.grammar import Grammars, reason
 from irminsul.engine.sampling import adjust_logits, sample_batch
 from irminsul.engine.sequence import Sequence, TokenLogprob
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = logging.getLogger("irminsul.engine")
 
@@ -39,7 +43,7 @@ class OutputProcessor:
         new: list[int | None] = [None] * len(seqs)
         if not rows:
             return new
-        stacked = torch.stack([logits[i] for i in rows])
+        stacked = torch.stack([x for x in logits if x is not None])  # (the rows', in order)
         wants = [row for row, i in enumerate(rows) if seqs[i].params.logprobs is not None]
         logprobs = dict(zip(wants, stacked[wants].log_softmax(-1))) if wants else {}  # the model's, unadjusted
         failed: dict[int, str] = {}  # row -> why: an error in one row ends that sequence alone
@@ -69,8 +73,9 @@ class OutputProcessor:
             appended = len(seq.tokens) > before
             # a stop token (EOS or stop_token_ids) is not output, but its log-prob is, as vLLM's are:
             # lm-evaluation-harness drops the last entry of an echoed prompt + one generated token
-            if row in logprobs and (appended or seq.finish_reason == "stop"):
-                seq.logprobs.append(TokenLogprob.of(logprobs[row], token, seq.params.logprobs, stop=not appended))
+            n_top = seq.params.logprobs  # (not None for a row in logprobs: `wants`)
+            if row in logprobs and n_top is not None and (appended or seq.finish_reason == "stop"):
+                seq.logprobs.append(TokenLogprob.of(logprobs[row], token, n_top, stop=not appended))
             new[i] = token
         return new
 
@@ -78,15 +83,19 @@ class OutputProcessor:
               failed: dict[int, str]) -> None:
         """-inf on the tokens each constrained row's grammar rules out: one mask call for all of
         them; should it fail, one call per row, so a failing matcher ends only its own sequence."""
+        matchers: list[LLMatcher] = []
+        for seq in seqs:
+            assert seq.matcher is not None, "the constrained rows are those of sequences with a matcher"
+            matchers.append(seq.matcher)
         try:
-            allowed = self.grammars.allowed([seq.matcher for seq in seqs])
+            allowed = self.grammars.allowed(matchers)
             stacked[constrained] = stacked[constrained].masked_fill(~allowed, float("-inf"))
             return
         except Exception:
             pass
-        for row, seq in zip(constrained, seqs):
+        for row, seq, matcher in zip(constrained, seqs, matchers):
             try:
-                stacked[row] = stacked[row].masked_fill(~self.grammars.allowed([seq.matcher])[0], float("-inf"))
+                stacked[row] = stacked[row].masked_fill(~self.grammars.allowed([matcher])[0], float("-inf"))
             except Exception as e:
                 failed[row] = self._internal_error("computing the grammar's token mask", seq, e)
 
@@ -125,6 +134,7 @@ class OutputProcessor:
         seq.tokens.append(token)
         seq.stats.generated_tokens += 1
         before = len(seq.text)
+        assert seq.detok is not None, "Engine.new_sequence gives every sequence its detokenizer"
         seq.text += seq.detok(token)
         if seq.matcher is not None:
             seq.matcher.consume_token(token)  # the mask allowed it; the matcher only moves on ...
@@ -142,6 +152,7 @@ class OutputProcessor:
     def _constraint_failed(seq: Sequence) -> None:
         """The grammar reached a dead end (a schema that allows no finite output, say): the request's
         fault (400), not the server's."""
+        assert seq.matcher is not None, "only a constrained sequence's grammar fails"
         seq.finish_reason, seq.error = "abort", f"the output constraint failed: {reason(seq.matcher)}"
         seq.error_status = 400
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -11,6 +13,10 @@ from irminsul.engine.sampling import SamplingParams
 from irminsul.kvcache.admission import Admission
 from irminsul.kvcache.planner import Plan
 from irminsul.model.attention import EMPTY_SLOT
+
+if TYPE_CHECKING:
+    import torch
+    from llguidance import LLMatcher
 
 _ids = itertools.count()
 
@@ -45,7 +51,7 @@ class TokenLogprob:
     stop: bool = False  # the stop token that ended the sequence: scored, but not in the output
 
     @classmethod
-    def of(cls, logprobs, token: int, n: int, stop: bool = False) -> TokenLogprob:
+    def of(cls, logprobs: torch.Tensor, token: int, n: int, stop: bool = False) -> TokenLogprob:
         """From one position's log-probs [vocab]: the token's, and the n most likely (n = 0: none)."""
         top = logprobs.topk(n) if n else None
         return cls(token, float(logprobs[token]),
@@ -72,8 +78,8 @@ class Sequence:
     error_status: int = 500  # whose fault, as an HTTP status: 500 the server's, 400 the request's
     text: str = ""  # output text so far, stop strings cut
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when asked for
-    detok: object | None = None  # incremental detokenizer state
-    matcher: object | None = None  # the grammar's state when the output is constrained (engine/grammar.py)
+    detok: Callable[[int], str] | None = None  # incremental detokenizer: a token in, the text it completes out
+    matcher: LLMatcher | None = None  # the grammar's state when the output is constrained (engine/grammar.py)
     # Another choice of the same prompt (n > 1): this one shares its prompt rows instead of computing them
     leader: Sequence | None = field(default=None, repr=False)
     id: int = field(default_factory=lambda: next(_ids))
