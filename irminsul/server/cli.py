@@ -23,8 +23,11 @@ def register(sub) -> None:
                    help="how cached content is reused (off: full prefill; prefix: exact prefix only)")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=["float32", "bfloat16"], help="the model's dtype")
     p.add_argument("--device", default=DEFAULTS.device, help="torch device: cpu, cuda, cuda:1, ...")
-    p.add_argument("--attention-backend", default=DEFAULTS.attention_backend, choices=["torch", "triton"],
-                   help="triton: Triton kernels over the pool (a GPU, or TRITON_INTERPRET=1 for its CPU interpreter)")
+    p.add_argument("--attention-backend", default=DEFAULTS.attention_backend,
+                   choices=["cpu", "reference", "triton", "torch"],
+                   help="cpu: torch's ops with the native CPU kernels where they run (torch: its older name); "
+                        "reference: torch's ops only; triton: Triton kernels over the pool (a GPU, or "
+                        "TRITON_INTERPRET=1 for its CPU interpreter)")
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps run compiled: torch.compile'd graphs (fp32 MLA on a CPU with a C++ "
                         "compiler) or CUDA graphs (--attention-backend triton on a GPU); default: where "

@@ -61,7 +61,7 @@ class ServerConfig:
     reuse: str = "pic"
     dtype: str = "float32"
     device: str = "cpu"
-    attention_backend: str = "torch"  # torch | triton (a GPU, or TRITON_INTERPRET=1)
+    attention_backend: str = "cpu"  # cpu | reference | triton (a GPU, or TRITON_INTERPRET=1); torch: cpu's older name
     compile_decode: bool | None = None  # compiled decode steps (model/compiled.py, model/graphs.py); None: where available
     store: StoreConfig = field(default_factory=StoreConfig)
     kv_cache_gib: float | None = None  # the latent pool, one budget; None: the device's default (engine.py)

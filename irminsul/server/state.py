@@ -41,7 +41,7 @@ def load_checkpoint(config: ServerConfig) -> Checkpoint:
         torch.set_num_threads(config.threads)
     path = Path(config.model) if config.model else bundled_model("mla")
     model = load_model(path, dtype=config.dtype, device=config.device)
-    if config.attention_backend != "torch":
+    if config.attention_backend not in ("cpu", "torch"):  # (the default every family starts with)
         model.set_attention_backend(config.attention_backend)
     return Checkpoint(model, Tokenizer(path), config.served_model_name or path.name, checkpoint_id(path, config.dtype))
 
