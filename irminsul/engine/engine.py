@@ -34,11 +34,12 @@ from irminsul.errors import RequestError
 from irminsul.kvcache.caches import ChunkNaming
 from irminsul.kvcache.journal import ChunkJournal
 from irminsul.kvcache.manager import KVCacheManager, PoolBusy, PoolFull  # noqa: F401 (PoolBusy: for callers)
-from irminsul.kvcache.radix import RadixStats
 from irminsul.kvcache.pool import LatentPool
+from irminsul.kvcache.radix import RadixStats
 from irminsul.kvcache.recompute import Recompute
 from irminsul.kvcache.registry import ChunkStore
 from irminsul.model.tokenizer import Tokenizer
+
 
 class ScoringCancelled(Exception):
     """`Engine.score` stopped between two passes: its `cancelled` said the request went away."""

@@ -19,9 +19,9 @@ import torch
 from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
 from irminsul.kvcache.pool import LatentPool
+from irminsul.model import compiled
 from irminsul.model.attention import EMPTY_SLOT, PADDING_SLACK, SeqAttention, consecutive
 from irminsul.model.base import CapturedStep, CompiledStep, Model
-from irminsul.model import compiled
 from irminsul.model.compiled import Compiling
 from irminsul.model.mla import ForwardBatch
 

@@ -51,7 +51,7 @@ class Cache(ABC):
     def plan(self, tokens: np.ndarray, segment_starts, tenant: str | None) -> Plan | None:
         """The plan of a prompt against the cache (None: every position is computed)."""
 
-    def release(self, plan: Plan, tenant: str | None) -> None:
+    def release(self, plan: Plan, tenant: str | None) -> None:  # noqa: B027 (a hook: a no-op without a cache)
         """The plan's pins and prefix locks go (its sequence holds its own references now)."""
 
     def chunks(self, tokens: np.ndarray, segment_starts, tenant: str | None) -> list[Chunk]:
@@ -70,10 +70,10 @@ class Cache(ABC):
         """A finished sequence's tokens into the tree; False if nothing is cached."""
         return False
 
-    def forget(self, gone: np.ndarray) -> None:
+    def forget(self, gone: np.ndarray) -> None:  # noqa: B027 (a hook: a no-op without a cache)
         """Forget every name of the rows `gone` marks (a mask over the pool's slots)."""
 
-    def in_planning(self, mask: np.ndarray) -> None:
+    def in_planning(self, mask: np.ndarray) -> None:  # noqa: B027 (a hook: a no-op without a cache)
         """Mark in `mask` the rows a plan in progress holds (pinned entries, locked prefixes)."""
 
     def held_rows(self, exclude_owners: set[str]) -> dict[str, np.ndarray]:
@@ -85,7 +85,7 @@ class Cache(ABC):
     def prefetch(self, tokens: np.ndarray, segment_starts, tenant: str | None) -> int:
         return 0
 
-    def clear(self) -> None:
+    def clear(self) -> None:  # noqa: B027 (a hook: a no-op without a cache)
         """Evict every unpinned entry and unlocked prefix."""
 
     @property

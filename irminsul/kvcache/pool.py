@@ -47,7 +47,7 @@ class LatentPool:
         self._top = self._sorted = len(self._free)
 
     @classmethod
-    def sized(cls, cfg: ModelConfig, nbytes: int, dtype: torch.dtype, device="cpu") -> "LatentPool":
+    def sized(cls, cfg: ModelConfig, nbytes: int, dtype: torch.dtype, device="cpu") -> LatentPool:
         return cls(cfg, max(2, nbytes // row_bytes(cfg.num_hidden_layers, cfg.row_width, dtype)), dtype, device)
 
     def describe(self) -> str:

@@ -105,7 +105,7 @@ class Registry(ABC):
         """Wait (at most timeout seconds) until queued writes are done; whether they are."""
         return True
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a hook: a tier without threads has nothing to stop)
         """Stop the tier's threads and connections (none by default)."""
 
     def __init__(self) -> None:

@@ -9,8 +9,14 @@ import threading
 import pytest
 
 from irminsul.engine.grammar import Constraint, Grammars, on_large_stack
-from irminsul.engine.grammar_limits import (MAX_GRAMMAR_SIZE, MAX_OPTIONS, MAX_RULES, MAX_SCHEMA_DEPTH, grammar_size,
-                                             spelled_out)
+from irminsul.engine.grammar_limits import (
+    MAX_GRAMMAR_SIZE,
+    MAX_OPTIONS,
+    MAX_RULES,
+    MAX_SCHEMA_DEPTH,
+    grammar_size,
+    spelled_out,
+)
 from irminsul.errors import RequestError
 
 

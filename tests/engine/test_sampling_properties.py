@@ -12,7 +12,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from irminsul.engine.sampling import SamplingParams, _uniforms_blocked, _uniforms_whole, sample_batch, uniforms, unit_interval
+from irminsul.engine.sampling import (
+    SamplingParams,
+    _uniforms_blocked,
+    _uniforms_whole,
+    sample_batch,
+    uniforms,
+    unit_interval,
+)
 
 DEEPSEEK_VOCAB = 129_280
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from irminsul import LLM, RequestError
-from irminsul.model.deepseek_v4 import HCA, CSA, SLIDING, TOPK_MOE, load_deepseek_v4, make_tiny_v4_checkpoint
+from irminsul.model.deepseek_v4 import CSA, HCA, SLIDING, TOPK_MOE, load_deepseek_v4, make_tiny_v4_checkpoint
 
 pytest.importorskip("transformers", minversion="5.24")
 

@@ -5,8 +5,18 @@ import pytest
 import xxhash
 
 from irminsul.kvcache.chunker import (
-    GEAR_SEED, Chunk, ChunkerConfig, boundaries, candidates, chunk, clamp, fingerprint, gear,
-    marker_ends, namespace_seed, segment_starts_of,
+    GEAR_SEED,
+    Chunk,
+    ChunkerConfig,
+    boundaries,
+    candidates,
+    chunk,
+    clamp,
+    fingerprint,
+    gear,
+    marker_ends,
+    namespace_seed,
+    segment_starts_of,
 )
 from tests.kvcache.oracles import reference_candidates, reference_clamp
 

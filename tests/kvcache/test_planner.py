@@ -8,13 +8,14 @@ from irminsul.kvcache.registry import MemoryRegistry
 from irminsul.kvcache.windows import WindowIndex
 
 VOCAB = 50_000
+DEFAULTS = PlannerConfig()  # (frozen: one instance serves every default)
 
 
 def _rand(n, seed):
     return np.random.default_rng(seed).integers(0, VOCAB, n)
 
 
-def _planner(config=PlannerConfig(), budget=10**9, radix=True, windows=True, **kw):
+def _planner(config=DEFAULTS, budget=10**9, radix=True, windows=True, **kw):
     return Planner(config, MemoryRegistry(budget), RadixCache(10**9, 1) if radix else None,
                    WindowIndex(config.window) if windows else None, seed=7, **kw)
 
@@ -23,7 +24,7 @@ def _register(planner, tokens, segment_starts=None):
     return planner.register(tokens, lambda s, e: None, lambda n: 10 * n, segment_starts)
 
 
-def _check(plan: Plan, config=PlannerConfig()):
+def _check(plan: Plan, config=DEFAULTS):
     """Invariants every plan must satisfy."""
     n, spans, st = len(plan.tokens), plan.spans, plan.stats
     assert spans[0].start == 0 and spans[-1].end == n

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from irminsul.kvcache.registry import namespace_id
 from irminsul.errors import RequestError
 from irminsul.kvcache.namespaces import SHARED, owner_of, salt_of
+from irminsul.kvcache.registry import namespace_id
 from irminsul.model.attention import EMPTY_SLOT
 from tests.kvcache.test_manager import CHUNKS, holders, manager, serve
 

@@ -93,7 +93,7 @@ class RowLayout:
         return hashlib.blake2b(self.secret, digest_size=8, person=b"irminsul-keyid").hexdigest() if self.secret else "none"
 
     @classmethod
-    def of(cls, model, model_id: str, secret: bytes = b"") -> "RowLayout":
+    def of(cls, model, model_id: str, secret: bytes = b"") -> RowLayout:
         cfg = model.config
         return cls(model_id, cfg.num_hidden_layers, cfg.row_width, model.dtype, str(model.device), secret)
 

@@ -49,7 +49,7 @@ class DeadlineSocket:
         if at is not None:
             left = at - time.monotonic()
             if left <= 0:
-                raise socket.timeout("the command's deadline has passed")
+                raise TimeoutError("the command's deadline has passed")
             timeout = left if timeout is None else min(timeout, left)
         self._sock.settimeout(timeout)
 

@@ -31,11 +31,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from irminsul.errors import UserFacingError
 from irminsul.kvcache.registry import Entry, PinCounts, Registry, RegistryStats
 from irminsul.kvcache.store.codec import CorruptEntry, RowLayout, decode, encode
 from irminsul.kvcache.store.entry_file import NotAnEntry, read_entry, why_not
 from irminsul.kvcache.store.stats import TierLog, TierStats
-from irminsul.errors import UserFacingError
 
 SUFFIX = ".safetensors"
 

@@ -22,8 +22,8 @@ from irminsul.kvcache.store import RowLayout, StoreConfig, open_registry, tier_s
 from irminsul.kvcache.store.disk import DiskRegistry
 from irminsul.kvcache.store.redis import RedisRegistry
 from irminsul.kvcache.store.tiered import TieredRegistry
-from tests.support.services import RedisProcess
 from tests.kvcache.store.conftest import LAYOUT
+from tests.support.services import RedisProcess
 
 DISK_FAULTS = ("read-only", "full", "slow", "failing", "vanishing", "denied")
 

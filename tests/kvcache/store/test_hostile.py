@@ -112,7 +112,7 @@ def test_a_hostile_file_in_place_of_an_entry_is_a_prompt_miss(tmp_path, caplog, 
     s = disk.tier_stats
     assert 1 not in disk and s.corrupt == 1 and s.entries == 1, (kind, s)
     lines = store_lines(caplog)
-    assert len(lines) == 1 and "%016x" % 1 in lines[0].getMessage() and not lines[0].exc_info, lines
+    assert len(lines) == 1 and f"{1:016x}" in lines[0].getMessage() and not lines[0].exc_info, lines
     assert os.path.isfile(elsewhere._path(1))  # a link's target is never touched
     if kind != "directory":  # (a directory is left where it is, out of the index)
         assert not os.path.lexists(disk._path(1))

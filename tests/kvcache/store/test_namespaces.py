@@ -55,8 +55,7 @@ def test_the_same_chunk_under_the_same_fingerprint_is_a_hit_only_in_its_namespac
 def tiny_fingerprints(monkeypatch, bits=6):
     """Fingerprints of the content alone, in 2**bits values: every tenant's copy of a chunk lands on
     the same fingerprint, and different chunks collide too."""
-    from irminsul.kvcache import planner
-    from irminsul.kvcache import caches
+    from irminsul.kvcache import caches, planner
 
     def fp(ids, seed):
         return chunker.fingerprint(ids, 0) & ((1 << bits) - 1)
@@ -74,9 +73,9 @@ def _rand(n, seed):
 
 
 def test_no_row_crosses_tenants_when_fingerprints_collide(tiny_dir, monkeypatch, tmp_path):
-    from irminsul.kvcache.store import RowLayout
     from irminsul.engine.llm import LLM
     from irminsul.engine.sampling import SamplingParams
+    from irminsul.kvcache.store import RowLayout
 
     tiny_fingerprints(monkeypatch)
     llm = LLM(tiny_dir, reuse="pic", compile_decode=False)
@@ -133,8 +132,8 @@ def test_exact_prefixes_stay_apart_when_the_namespace_seeds_collide(tiny_dir, mo
     cache_salt whose 64-bit xxHash seed equals another tenant's (forced here: every seed is one
     value) still matches none of that tenant's prefixes."""
     from irminsul.engine.llm import LLM
-    from irminsul.kvcache import namespaces
     from irminsul.engine.sampling import SamplingParams
+    from irminsul.kvcache import namespaces
 
     monkeypatch.setattr(namespaces, "namespace_seed", lambda model_id, tenant="": 0x5EED)
     engine = LLM(tiny_dir, reuse="prefix", compile_decode=False).engine
