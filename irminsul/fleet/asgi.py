@@ -58,7 +58,7 @@ class InProcessApp:
         await self._events.put({"type": "lifespan.shutdown"})
         try:
             await asyncio.wait_for(self._sent.get(), 60)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._task.cancel()
 
     async def call(self, request: Forwarded) -> AsyncIterator[dict]:
@@ -90,5 +90,5 @@ class InProcessApp:
             if not task.done():
                 try:  # the app aborts its jobs on the disconnect; a stream's task ends when cancelled
                     await asyncio.wait_for(asyncio.shield(task), 1.0)
-                except (asyncio.TimeoutError, Exception):
+                except (TimeoutError, Exception):
                     task.cancel()

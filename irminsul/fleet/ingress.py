@@ -39,8 +39,8 @@ from irminsul.fleet.prompt import PromptReader
 from irminsul.fleet.ray_router import fleet_view
 from irminsul.fleet.replica import Head
 from irminsul.fleet.store_keys import StoreKeys
-from irminsul.server.config import ServerConfig
 from irminsul.server.body import read_body
+from irminsul.server.config import ServerConfig
 from irminsul.server.errors import APIError
 from irminsul.server.serving_base import sse
 
@@ -139,7 +139,7 @@ class FleetIngress:
         response = self.replicas.options(method_name=method).remote(target=replica_id)
         try:
             return await asyncio.wait_for(response, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             response.cancel()
             raise
 

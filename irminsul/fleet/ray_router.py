@@ -27,10 +27,10 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from irminsul.kvcache.chunker import ChunkerConfig
 from irminsul.fleet.feed import RoutingStats, Snapshot, follow, restore
 from irminsul.fleet.prompt import RouteKey
 from irminsul.fleet.router import ContentRouter, Decision, ReplicaView
+from irminsul.kvcache.chunker import ChunkerConfig
 
 
 class FleetView:

@@ -68,7 +68,7 @@ class IrminsulReplica:
     async def record_routing_stats(self) -> dict:
         try:
             self._last_load = await asyncio.wait_for(asyncio.wrap_future(self.client.call(_load, self.client)), 2.0)
-        except asyncio.TimeoutError:  # (a long call ahead on the engine thread: the last load stands)
+        except TimeoutError:  # (a long call ahead on the engine thread: the last load stands)
             pass
         self._reports += 1
         return RoutingStats(self._reports, self._last_load, *self.feed.cut()).as_dict()

@@ -50,11 +50,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from irminsul.kvcache.chunker import ChunkerConfig, as_tokens, chunk, fingerprint, namespace_seed
-from irminsul.kvcache.planner import PlannerConfig
 from irminsul.fleet.fingerprints import FingerprintSet
+from irminsul.kvcache.chunker import ChunkerConfig, as_tokens, chunk, fingerprint, namespace_seed
 from irminsul.kvcache.journal import JournalDelta
 from irminsul.kvcache.namespaces import SHARED
+from irminsul.kvcache.planner import PlannerConfig
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,11 @@ class _Sent:
     fingerprints: np.ndarray = field(repr=False)
 
 
+_DEFAULT_CHUNKER = ChunkerConfig()  # (frozen: one instance serves every router as a default)
+
+
 class ContentRouter:
-    def __init__(self, model_id: str, chunker: ChunkerConfig = ChunkerConfig(),
+    def __init__(self, model_id: str, chunker: ChunkerConfig = _DEFAULT_CHUNKER,
                  weights: RouterWeights = RouterWeights(), assignment_ttl_s: float = 30.0, clock=time.monotonic,
                  sink: int = PlannerConfig().sink):
         """`model_id`, `chunker` and `sink`: the replicas' own (`KVCacheManager(model_id=...)` and its

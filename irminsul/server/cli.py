@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from irminsul.kvcache.store import StoreConfig
 from irminsul.cli import DefaultsHelpFormatter
 from irminsul.kvcache.modes import MODES
+from irminsul.kvcache.store import StoreConfig
 from irminsul.server.config import ServerConfig
 
 DEFAULTS = ServerConfig()  # every default is the config's: the flags only name them
@@ -165,8 +165,8 @@ def with_local_redis(args, run) -> int:
     """``run(args)``, within the lifetime of the redis-server --start-redis asks for."""
     if not args.start_redis:
         return run(args)
-    from irminsul.server.local_redis import LocalRedis
     from irminsul.server.config import ServerConfigError
+    from irminsul.server.local_redis import LocalRedis
 
     url = next((s for s in args.store or () if s.startswith("redis://")), None)
     if url is None:

@@ -6,9 +6,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from irminsul.kvcache.store import StoreConfig
-from irminsul.kvcache.modes import MODES
 from irminsul.errors import UserFacingError
+from irminsul.kvcache.modes import MODES
+from irminsul.kvcache.store import StoreConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}

@@ -29,14 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from irminsul.kvcache.store import TierStats, tier_stats
 from irminsul.engine.build import build_engine, default_kv_cache_gib
 from irminsul.engine.config import EngineConfig
 from irminsul.engine.engine import Engine, PoolBusy, ScoringCancelled
-from irminsul.kvcache.config import KVCacheConfig
 from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.sequence import RequestStats, Sequence, TokenLogprob
 from irminsul.errors import RequestError
+from irminsul.kvcache.config import KVCacheConfig
+from irminsul.kvcache.store import TierStats, tier_stats
 
 log = logging.getLogger("irminsul.server")
 _ids = itertools.count(1)
@@ -276,7 +276,7 @@ class EngineClient:
         not answer in time)."""
         try:
             self.stats = await asyncio.wait_for(asyncio.wrap_future(self.call(self._snapshot)), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return self.stats
 

@@ -7,8 +7,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from irminsul.server.protocol import (ChatTokenLogprob, Float, Int, IrminsulUsage, PromptTokensDetails, UsageInfo,
-                                      WireModel)
+from irminsul.server.protocol import (
+    ChatTokenLogprob,
+    Float,
+    Int,
+    IrminsulUsage,
+    PromptTokensDetails,
+    UsageInfo,
+    WireModel,
+)
 
 
 class ResponsesRequest(BaseModel):

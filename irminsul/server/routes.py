@@ -11,8 +11,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from irminsul.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
-                                      PublishRequest, TokenizeRequest)
+from irminsul.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    PublishRequest,
+    TokenizeRequest,
+)
 from irminsul.server.protocol_responses import ResponsesRequest
 
 router = APIRouter()

@@ -9,12 +9,32 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from irminsul.server.engine_client import Delta, Finished, Job
 from irminsul.server.errors import APIError
-from irminsul.server.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                      ChatCompletionResponse, ChatCompletionStreamChoice, ChatLogprobs, ChatMessage,
-                                      ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-                                      ToolCall, TopLogprob)
-from irminsul.server.serving_base import (FieldNames, Merged, OpenAIServing, Prompts, ResponseHead, sse, text_chars,
-                                          usage_of)
+from irminsul.server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    TopLogprob,
+)
+from irminsul.server.serving_base import (
+    FieldNames,
+    Merged,
+    OpenAIServing,
+    Prompts,
+    ResponseHead,
+    sse,
+    text_chars,
+    usage_of,
+)
 from irminsul.server.tools import CallStart, Content, ToolCallParser, ToolEvent, parse_all, tool_constraint
 from irminsul.server.translate import check_supported, check_text_only, constraint_of, tool_functions
 

@@ -11,8 +11,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from irminsul.engine.sequence import TokenLogprob
 from irminsul.server.engine_client import Delta, Finished, Job
 from irminsul.server.errors import APIError
-from irminsul.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
-                                      CompletionResponse)
+from irminsul.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
 from irminsul.server.serving_base import Merged, OpenAIServing, Prompts, ResponseHead, disconnected, sse, usage_of
 from irminsul.server.translate import check_supported, constraint_of
 

@@ -27,11 +27,24 @@ from irminsul.server.engine_client import Delta, Finished, Job
 from irminsul.server.errors import APIError
 from irminsul.server.limits import MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE
 from irminsul.server.protocol import ChatCompletionRequest, ChatTokenLogprob, GenerationRequest
-from irminsul.server.protocol_responses import (ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, ErrorEvent,
-                                                IncompleteDetails, OutputItemEvent, OutputText, OutputTextDeltaEvent,
-                                                OutputTextDoneEvent, ResponseEvent, ResponseFunctionCall,
-                                                ResponseLifecycleEvent, ResponseMessage, ResponseObject,
-                                                ResponsesRequest, ResponseUsage)
+from irminsul.server.protocol_responses import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    ErrorEvent,
+    IncompleteDetails,
+    OutputItemEvent,
+    OutputText,
+    OutputTextDeltaEvent,
+    OutputTextDoneEvent,
+    ResponseEvent,
+    ResponseFunctionCall,
+    ResponseLifecycleEvent,
+    ResponseMessage,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
 from irminsul.server.serving_base import FieldNames
 from irminsul.server.serving_chat import ChatFormat, OpenAIServingChat, call_id
 from irminsul.server.tools import CallStart, Content, ToolEvent

@@ -14,8 +14,13 @@ from irminsul.engine.sequence import RequestStats
 from irminsul.errors import RequestError
 from irminsul.server.errors import APIError, context_exceeded
 from irminsul.server.limits import MAX_CHOICES, MAX_MESSAGES, MAX_PARTS, MAX_STOP, MAX_STOP_CHARS
-from irminsul.server.protocol import (ChatCompletionRequest, GenerationRequest, IrminsulUsage, PromptTokensDetails,
-                                      UsageInfo)
+from irminsul.server.protocol import (
+    ChatCompletionRequest,
+    GenerationRequest,
+    IrminsulUsage,
+    PromptTokensDetails,
+    UsageInfo,
+)
 
 
 def check_supported(req: GenerationRequest, messages: str = "messages") -> None:

@@ -5,7 +5,6 @@ One fleet serves the module (it takes ~20 s to start); the test that kills a rep
 
 import concurrent.futures
 import json
-import os
 import pickle
 import time
 
@@ -16,8 +15,8 @@ import pytest
 from irminsul.fleet.feed import JournalFeed, RoutingStats, follow, restore
 from irminsul.fleet.router import ReplicaLoad, ReplicaView
 from irminsul.kvcache.journal import ChunkJournal
-from tests.support.services import RedisProcess, free_port, wait_for
 from tests.server.server_helpers import text
+from tests.support.services import RedisProcess, free_port, wait_for
 
 MODEL = "tiny"
 
@@ -75,8 +74,8 @@ def fleet():
     from ray import serve
 
     from irminsul.fleet.serve import FleetConfig, build
-    from irminsul.server.config import ServerConfig
     from irminsul.kvcache.store import StoreConfig
+    from irminsul.server.config import ServerConfig
 
     redis = RedisProcess()
     env = {"OMP_NUM_THREADS": "1", "IRMINSUL_COMPILE_DECODE": "0"}

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.support.services import RedisProcess
 from tests.server.server_helpers import start
+from tests.support.services import RedisProcess
 
 
 @pytest.fixture(scope="module")

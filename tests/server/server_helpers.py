@@ -118,7 +118,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bytes | None:
     try:
         while chunk := sock.recv(65536):
             out += chunk
-    except socket.timeout:
+    except TimeoutError:
         return None
     except ConnectionResetError:
         pass

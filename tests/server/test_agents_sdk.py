@@ -7,8 +7,16 @@ ends with an output of the output type or with the SDK's own MaxTurnsExceeded.""
 import asyncio
 
 import pytest
-from agents import (Agent, MaxTurnsExceeded, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
-                    function_tool, set_tracing_disabled)
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 

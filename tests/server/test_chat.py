@@ -3,8 +3,8 @@
 import jinja2
 import pytest
 
-from irminsul.model.tokenizer import Tokenizer
 from irminsul.model.chat_format import IRMINSUL
+from irminsul.model.tokenizer import Tokenizer
 from irminsul.server.chat import ChatRenderer, template_for
 
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from irminsul.model.tokenizer import Tokenizer
-from tests.support.services import ServerProcess
 from tests.server.server_helpers import health_status
+from tests.support.services import ServerProcess
 
 ALICE, BOB = "alice-key", "bob-key"  # two tenants: alice sends the hostile corpus, bob streams
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -428,7 +428,7 @@ def send(client: httpx.Client, url: str, path: str, body) -> tuple[int | None, s
     after an earlier answer is retried once on a fresh one, so the failure is the input's own."""
     content = dump(body).encode("utf-8", "surrogatepass")
     headers = {"Authorization": f"Bearer {ALICE}", "Content-Type": "application/json"}
-    for attempt in range(2):
+    for _ in range(2):
         try:
             r = client.post(url + path, content=content, headers=headers)
             return r.status_code, r.text[:300]

@@ -32,8 +32,8 @@ import httpx
 
 from irminsul.model.tokenizer import Tokenizer
 from irminsul.server.config import ServerConfig
-from tests.support.services import ServerProcess, rss_mib
 from tests.server.server_helpers import HealthProbe, health_status, loop_stall
+from tests.support.services import ServerProcess, rss_mib
 
 ALICE, BOB, ADMIN = "alice-key", "bob-key", "admin-key"  # alice sends the sizes, bob streams
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"

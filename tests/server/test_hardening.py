@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from tests.support.services import free_port, wait_for
 from tests.server.server_helpers import HealthProbe, closed_within, start
+from tests.support.services import free_port, wait_for
 
 KEY_A, KEY_B = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
 HI = [{"role": "user", "content": "hi"}]
@@ -39,7 +39,7 @@ def _exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
         try:
             while chunk := s.recv(65536):
                 out += chunk
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             pass
         return out
 

@@ -7,8 +7,8 @@ import httpx
 
 from irminsul.kvcache.store import StoreConfig
 from irminsul.kvcache.store.codec import decode
-from tests.support.services import ServerProcess, wait_for
 from tests.server.server_helpers import chat, metric, start, text
+from tests.support.services import ServerProcess, wait_for
 
 
 def turn(header: str, doc: str) -> list:

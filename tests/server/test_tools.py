@@ -5,7 +5,16 @@ import random
 
 import pytest
 
-from irminsul.server.tools import DEEPSEEK, HERMES, IRMINSUL, CallArguments, CallStart, Content, ToolCallParser, parse_all
+from irminsul.server.tools import (
+    DEEPSEEK,
+    HERMES,
+    IRMINSUL,
+    CallArguments,
+    CallStart,
+    Content,
+    ToolCallParser,
+    parse_all,
+)
 
 CASES = [
     (IRMINSUL, 'Sure.{"name": "get_weather", "arguments": {"city": "Paris \\"x\\" }", "n": [1, {"a": 2}]}}'
@@ -62,11 +71,11 @@ FUNCTIONS = [{"name": "get_weather", "parameters": WEATHER}, {"name": "f2", "par
 
 
 def _tokenizer(name):
-    from irminsul.model.tokenizer import Tokenizer
-    from irminsul.research.workloads.tokenizers import load_tokenizer
-
     import tempfile
     from pathlib import Path
+
+    from irminsul.model.tokenizer import Tokenizer
+    from irminsul.research.workloads.tokenizers import load_tokenizer
 
     d = Path(tempfile.mkdtemp())
     (d / "tokenizer.json").write_text(load_tokenizer(name).tokenizer.to_str())

@@ -22,8 +22,8 @@ import time
 import httpx
 import pytest
 
-from tests.support.services import ServerProcess
 from tests.server.server_helpers import HealthProbe, closed_within, loop_stall
+from tests.support.services import ServerProcess
 
 KEY = "transport-key"
 AUTH = f"Authorization: Bearer {KEY}\r\n"
@@ -193,7 +193,7 @@ def test_slow_writers_are_closed_at_their_deadlines_while_others_are_served(serv
                     s.settimeout(0)
                     out = s.recv(4096)  # the server answered (a 408) or closed
                     closed[s] = (time.monotonic() - start, out)
-                except (BlockingIOError, socket.timeout):
+                except (TimeoutError, BlockingIOError):
                     pass
                 except OSError as e:
                     closed[s] = (time.monotonic() - start, f"{type(e).__name__}".encode())
@@ -237,7 +237,7 @@ def test_a_body_of_one_byte_chunks_is_handled_without_stalling_the_loop(served):
             s.settimeout(REQUEST_TIMEOUT)
             try:
                 s.sendall(head + chunks)
-            except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            except (TimeoutError, BrokenPipeError, ConnectionResetError):
                 pass  # refused and closed before the rest was sent
             out.append(closed_within(s, REQUEST_TIMEOUT))
             out.append(time.monotonic())
