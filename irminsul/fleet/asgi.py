@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from starlette.types import ASGIApp
+
 
 @dataclass(frozen=True)
 class Forwarded:
@@ -35,7 +37,7 @@ class Forwarded:
 
 
 class InProcessApp:
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self._events: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
@@ -55,6 +57,7 @@ class InProcessApp:
     async def stop(self) -> None:
         if self._task is None or self._task.done():
             return
+        assert self._events is not None  # start() makes the queue before the task
         await self._events.put({"type": "lifespan.shutdown"})
         try:
             await asyncio.wait_for(self._sent.get(), 60)
@@ -83,8 +86,8 @@ class InProcessApp:
                 yield message
                 if message["type"] == "http.response.body" and not message.get("more_body", False):
                     break
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+            if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+                raise error
         finally:
             gone.set()
             if not task.done():

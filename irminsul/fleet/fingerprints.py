@@ -10,20 +10,22 @@ array once they outgrow a share of it (a log-structured merge, in miniature). Lo
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 MERGE_SHARE = 8  # rebuild the array once the overlays hold more than 1/8 of it ...
 MERGE_MIN = 4096  # ... and at least this many changes: a small set is rebuilt rarely, not on every poll
 
 
 class FingerprintSet:
-    def __init__(self, fingerprints=()):
+    def __init__(self, fingerprints: ArrayLike = ()) -> None:
         self._base = np.unique(np.asarray(fingerprints, np.uint64))  # [n] sorted, unique
         self._added: set[int] = set()  # members not in _base
         self._removed: set[int] = set()  # entries of _base that are no longer members
 
-    def replace(self, fingerprints: np.ndarray) -> None:
+    def replace(self, fingerprints: ArrayLike) -> None:
         """Start over from a whole resident set."""
-        self.__init__(fingerprints)
+        self._base = np.unique(np.asarray(fingerprints, np.uint64))
+        self._added, self._removed = set(), set()
 
     def add(self, fingerprints: np.ndarray) -> None:
         fingerprints = np.asarray(fingerprints, np.uint64)

@@ -63,8 +63,10 @@ class _ReplicaGone(Exception):
 
 @serve.ingress(api)
 class FleetIngress:
-    async def __init__(self, replicas, config: ServerConfig, replica_deployment: str = "IrminsulReplica",
-                       expected_replicas: int = 1):
+    # (an async __init__, which Serve awaits: replica.py)
+    async def __init__(  # type: ignore[misc]  # (Serve awaits it; mypy wants __init__ -> None)
+            self, replicas, config: ServerConfig, replica_deployment: str = "IrminsulReplica",
+            expected_replicas: int = 1):
         from irminsul.bundled import bundled_model
         from irminsul.model.tokenizer import Tokenizer
         from irminsul.server.chat import ChatRenderer
@@ -201,8 +203,8 @@ class FleetIngress:
                 answer.headers["x-irminsul-attempts"] = str(attempt + 1)
             return answer
         self.unanswered += 1
-        e = APIError(503, f"{ATTEMPTS} replicas stopped before answering this request; retry later")
-        return JSONResponse(e.body(), status_code=503)
+        error = APIError(503, f"{ATTEMPTS} replicas stopped before answering this request; retry later")
+        return JSONResponse(error.body(), status_code=503)
 
     async def _answer(self, forwarded: Forwarded, route) -> Response:
         stream = self.replicas.options(stream=True).http.remote(forwarded, route=route)

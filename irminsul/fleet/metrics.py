@@ -7,6 +7,7 @@ second); here each family is written once, with every replica's samples under it
 from __future__ import annotations
 
 from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -20,7 +21,7 @@ class _Families:
 
 def labelled(texts: dict[str, str]) -> bytes:
     """`texts`: replica id -> its exposition."""
-    merged = {}
+    merged: dict[str, Metric] = {}  # family name -> the first replica's family, every replica's samples
     for replica, text in sorted(texts.items()):
         for family in text_string_to_metric_families(text):
             into = merged.setdefault(family.name, family)

@@ -24,16 +24,17 @@ import json
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from irminsul.fleet.asgi import Forwarded
-from irminsul.fleet.ray_router import fleet_view
+from irminsul.fleet.ray_router import FleetView, fleet_view
 
 
-class _FleetCalls:
-    """Targeted calls to the named replica; the fleet's view follows the replicas."""
+class _FleetCalls(RequestRouter):
+    """Targeted calls to the named replica; the fleet's view follows the replicas. (A mixin before a
+    Serve router: `super()` is that router, and RequestRouter stays last in the MRO.)"""
 
-    def _fleet(self):
+    def _fleet(self) -> FleetView:
         return fleet_view(self._deployment_id.name, self._deployment_id.app_name)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -50,11 +51,16 @@ class _FleetCalls:
         if target is not None:
             named = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             return [named] if named else []  # (a replica gone by now: the caller times out)
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        # (mypy checks super() against RequestRouter's abstract method; the MRO puts a Serve router between)
+        return await super().choose_replicas(candidate_replicas, pending_request)  # type: ignore[safe-super]
 
 
-class PrefixAffinityRequestRouter(_FleetCalls, PrefixCacheAffinityRouter):
-    def _extract_text_from_request(self, pending_request: PendingRequest) -> str | None:
+# Ray annotates PrefixCacheAffinityRouter.choose_replicas as returning list[RunningReplica]; it returns the
+# ranks, list[list[RunningReplica]], as RequestRouter's does (and _FleetCalls's)
+class PrefixAffinityRequestRouter(_FleetCalls, PrefixCacheAffinityRouter):  # type: ignore[misc]  # (Ray's annotation)
+    # None: no text to match (Ray's callers test for it, though its annotation says str)
+    def _extract_text_from_request(  # type: ignore[override]  # (Ray's annotation)
+            self, pending_request: PendingRequest) -> str | None:
         forwarded = next((a for a in pending_request.args if isinstance(a, Forwarded)), None)
         try:
             body = json.loads(forwarded.body) if forwarded is not None and forwarded.body else None

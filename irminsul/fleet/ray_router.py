@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import threading
 from collections import OrderedDict
+from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -143,7 +144,10 @@ def fleet_view(deployment: str, app: str = "") -> FleetView:
 
 
 class ContentRequestRouter(RequestRouter):
-    def initialize_state(self, assignment_ttl_s: float = 30.0):
+    def initialize_state(self, assignment_ttl_s: float = 30.0, **unknown: Any) -> None:
+        """`request_router_kwargs`: assignment_ttl_s, the ContentRouter's."""
+        if unknown:  # (Serve's base takes any keyword; this router takes only its own)
+            raise TypeError(f"ContentRequestRouter takes no request_router_kwargs {', '.join(map(repr, unknown))}")
         self.fleet = fleet_view(self._deployment_id.name, self._deployment_id.app_name)
         self.fleet.assignment_ttl_s = assignment_ttl_s
         self._decisions: OrderedDict[str, Decision] = OrderedDict()  # routed, not yet sent
@@ -167,7 +171,9 @@ class ContentRequestRouter(RequestRouter):
             return [[by_id[target]]] if target in by_id else [list(by_id.values())]
         route = kwargs.get("route")
         decision = self.fleet.choose(list(by_id), route) if isinstance(route, RouteKey) else None
-        if decision is None:  # no prompt to route by: the least loaded first
+        # (no pending request: no route and no decision)
+        if decision is None or pending_request is None or not isinstance(route, RouteKey):
+            # no prompt to route by: the least loaded first
             order = sorted(by_id, key=lambda rid: (self.fleet.load(rid), rid))
             return [[by_id[rid] for rid in order]]
         kwargs["route"] = dataclasses.replace(route, explanation=decision.explanation)

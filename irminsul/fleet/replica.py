@@ -39,7 +39,9 @@ def _load(client) -> ReplicaLoad:
 
 
 class IrminsulReplica:
-    async def __init__(self, config: ServerConfig, threads: int = 1):
+    # Serve awaits a deployment's async __init__ (its documented form for asynchronous setup); to
+    # mypy an __init__ must return None
+    async def __init__(self, config: ServerConfig, threads: int = 1):  # type: ignore[misc]  # (Serve awaits it)
         import torch
         from ray import serve
 

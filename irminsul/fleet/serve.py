@@ -52,17 +52,19 @@ def build(config: ServerConfig, fleet: FleetConfig):
     from irminsul.fleet.ingress import FleetIngress
     from irminsul.fleet.replica import IrminsulReplica
 
-    replica = serve.deployment(IrminsulReplica, name=REPLICA).options(
+    replica = serve.deployment(name=REPLICA)(IrminsulReplica).options(
         num_replicas=fleet.replicas,
         # the engine queues and batches; Serve's own cap only has to stay out of its way
         max_ongoing_requests=config.max_queued_requests + 16,
         ray_actor_options={"num_cpus": fleet.threads, "num_gpus": fleet.gpus,
                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}}},
-        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[fleet.router],
-                                                  request_routing_stats_period_s=fleet.stats_period_s,
-                                                  request_routing_stats_timeout_s=max(5.0, 4 * fleet.stats_period_s)),
+        # (RequestRouterConfig.__init__ annotates its **kwargs as dict[str, Any]: each value's type, not the mapping's)
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTERS[fleet.router],  # type: ignore[arg-type]  # Ray's **kwargs annotation
+            request_routing_stats_period_s=fleet.stats_period_s,  # type: ignore[arg-type]  # (the same)
+            request_routing_stats_timeout_s=max(5.0, 4 * fleet.stats_period_s)),  # type: ignore[arg-type]  # (the same)
         health_check_period_s=2.0, graceful_shutdown_timeout_s=10.0)
-    ingress = serve.deployment(FleetIngress, name=INGRESS).options(
+    ingress = serve.deployment(name=INGRESS)(FleetIngress).options(
         num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica.bind(config, fleet.threads), config, REPLICA, fleet.replicas)
 
@@ -116,7 +118,8 @@ def run_fleet(config: ServerConfig, fleet: FleetConfig, log_level: str = "info")
     before = _descendants()  # (a --start-redis Redis: its owner stops it)
     try:
         # NOTE: after ray.init, which installs a SIGTERM handler that logs a stack and exits, skipping the shutdown
-        ray.init(num_cpus=cpus, include_dashboard=False, logging_level=log_level.upper(),
+        # (ray.init annotates logging_level as int; its setup_logger takes a level's name too)
+        ray.init(num_cpus=cpus, include_dashboard=False, logging_level=log_level.upper(),  # type: ignore[arg-type]
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}})
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -151,14 +154,16 @@ def _descendants() -> dict[int, int]:
     """This process's living descendants, pid: start time (which tells a reused pid); {} without /proc."""
     import os
 
-    parents, starts = {}, {}
+    parents: dict[int, int] = {}  # pid -> its parent's
+    starts: dict[int, int] = {}  # pid -> its start time
     for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not name.isdigit():
             continue
         stat = _stat(int(name))
         if stat is not None and stat[0] != "Z":
             parents[int(name)], starts[int(name)] = int(stat[1]), int(stat[19])
-    found, frontier = {}, {os.getpid()}
+    found: dict[int, int] = {}
+    frontier = {os.getpid()}
     while frontier:
         frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in found}
         found.update((pid, starts[pid]) for pid in frontier)
