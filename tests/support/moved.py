@@ -52,7 +52,6 @@ def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: counters readable
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for these prompts
     from vllm import LLM
-
     from vllm.platforms import current_platform
 
     options = {}
