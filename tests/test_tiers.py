@@ -58,5 +58,9 @@ def test_every_entry_names_a_collected_test(request):
 
 def test_an_entry_covers_its_module_function_and_parametrisations():
     node = "tests/model/test_x.py::TestA::test_b[1-2]"
-    assert covering(node) == {node, "tests/model/test_x.py", "tests/model/test_x.py::TestA",
-                              "tests/model/test_x.py::TestA::test_b"}
+    assert covering(node) == {
+        node,
+        "tests/model/test_x.py",
+        "tests/model/test_x.py::TestA",
+        "tests/model/test_x.py::TestA::test_b",
+    }

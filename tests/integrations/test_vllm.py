@@ -31,9 +31,34 @@ ROOT = Path(__file__).resolve().parents[2]  # the processes run `python -m` from
 
 
 def _checkpoint(path, layers):
-    assert irminsul_main(["checkpoint", "random", str(path), "--family", "deepseek_v3", "--layers", str(layers),
-                          "--hidden", "256", "--heads", "4", "--vocab", "512", "--kv-lora-rank", "512",
-                          "--rope-head-dim", "64", "--nope-head-dim", "32", "--v-head-dim", "32"]) == 0
+    assert (
+        irminsul_main(
+            [
+                "checkpoint",
+                "random",
+                str(path),
+                "--family",
+                "deepseek_v3",
+                "--layers",
+                str(layers),
+                "--hidden",
+                "256",
+                "--heads",
+                "4",
+                "--vocab",
+                "512",
+                "--kv-lora-rank",
+                "512",
+                "--rope-head-dim",
+                "64",
+                "--nope-head-dim",
+                "32",
+                "--v-head-dim",
+                "32",
+            ]
+        )
+        == 0
+    )
     return path
 
 
@@ -44,11 +69,17 @@ def two_layers(tmp_path_factory):
 
 def _run(path, mode, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    p = subprocess.run([sys.executable, "-m", "tests.support.moved", str(path), "--mode", mode, *extra],
-                       capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-m", "tests.support.moved", str(path), "--mode", mode, *extra],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+        cwd=ROOT,
+    )
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, p.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])["runs"][0]
+    return json.loads(line[len("RESULT ") :])["runs"][0]
 
 
 def _max_diff(a, b):
@@ -93,11 +124,17 @@ def test_new_tokens_after_loaded_rows_are_computed_in_one_step(two_layers):
 
 def _drive(path, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    p = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_driver", str(path), *args],
-                       capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.vllm_driver", str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+        cwd=ROOT,
+    )
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, p.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_a_full_registry_keeps_serving(two_layers):
@@ -180,8 +217,21 @@ def test_vllm_serve_answers_through_openai_and_reports_reuse(two_layers, tmp_pat
     command = [str(irminsul)] if irminsul.exists() else [sys.executable, "-m", "irminsul"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"}
     with log.open("w") as out:
-        server = subprocess.Popen([*command, "vllm-serve", str(two_layers), "--port", str(port), "--max-model-len",
-                                   "4096", "--enforce-eager"], stdout=out, stderr=subprocess.STDOUT, env=env)
+        server = subprocess.Popen(
+            [
+                *command,
+                "vllm-serve",
+                str(two_layers),
+                "--port",
+                str(port),
+                "--max-model-len",
+                "4096",
+                "--enforce-eager",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_until_up(server, url, log)
@@ -233,8 +283,13 @@ def test_vllm_serve_fills_in_what_the_command_line_leaves_out(two_layers):
     assert args.scheduler_cls == SCHEDULER and args.async_scheduling is False and args.enable_prompt_tokens_details
     assert args.attention_backend == ("CPU_MLA" if current_platform.is_cpu() else None)
     assert parse([str(two_layers), "--no-enable-prompt-tokens-details"]).enable_prompt_tokens_details is False
-    for argv, message in [([], "name the model"), ([str(two_layers), "--async-scheduling"], "synchronous"),
-                          ([str(two_layers), "--kv-transfer-config", '{"kv_connector": "Other", "kv_role": "kv_both"}'],
-                           "runs Irminsul's")]:
+    for argv, message in [
+        ([], "name the model"),
+        ([str(two_layers), "--async-scheduling"], "synchronous"),
+        (
+            [str(two_layers), "--kv-transfer-config", '{"kv_connector": "Other", "kv_role": "kv_both"}'],
+            "runs Irminsul's",
+        ),
+    ]:
         with pytest.raises(UserFacingError, match=message):
             parse(argv)

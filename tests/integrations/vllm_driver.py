@@ -42,14 +42,22 @@ def cycle(path: str, requests: int) -> dict:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     worker = INSTANCES["worker"][-1]
-    result = {"finished": sum(len(o.outputs[0].token_ids) == 2 for o in outputs), "stats": _stats(outputs),
-              "missed_rows": worker.missed_rows, "registry_entries": len(INSTANCES["scheduler"][-1].index.registry)}
+    result = {
+        "finished": sum(len(o.outputs[0].token_ids) == 2 for o in outputs),
+        "stats": _stats(outputs),
+        "missed_rows": worker.missed_rows,
+        "registry_entries": len(INSTANCES["scheduler"][-1].index.registry),
+    }
     # then rows the registry plans but the worker lost: a miss, recomputed
     worker.rows.clear()
-    missed = llm.generate([{"prompt_token_ids": _ids(rng, 50) + docs[(requests - 1) // 8 % 3] + _ids(rng, 8)}],
-                          params, use_tqdm=False)
-    result["after_loss"] = {"tokens": len(missed[0].outputs[0].token_ids), "missed_rows": worker.missed_rows,
-                            **_stats(missed)[0]}
+    missed = llm.generate(
+        [{"prompt_token_ids": _ids(rng, 50) + docs[(requests - 1) // 8 % 3] + _ids(rng, 8)}], params, use_tqdm=False
+    )
+    result["after_loss"] = {
+        "tokens": len(missed[0].outputs[0].token_ids),
+        "missed_rows": worker.missed_rows,
+        **_stats(missed)[0],
+    }
     return result
 
 
@@ -60,8 +68,16 @@ def salts(path: str) -> dict:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(1)
     doc, public = _ids(rng, 600), _ids(rng, 600)
-    asked = [("a", doc), ("b", doc), (None, doc), ("a", doc),
-             (PUBLISH_SALT, public), ("a", public), ("b", public), (None, public)]
+    asked = [
+        ("a", doc),
+        ("b", doc),
+        (None, doc),
+        ("a", doc),
+        (PUBLISH_SALT, public),
+        ("a", public),
+        ("b", public),
+        (None, public),
+    ]
     out = []
     for salt, body in asked:  # one at a time: each sees what the ones before it stored
         prompt = {"prompt_token_ids": _ids(rng, 40) + body + _ids(rng, 8)}

@@ -24,8 +24,15 @@ class MovedPrompts:
     doc_len: int
 
 
-def moved_prompts(header_a: int = 40, header_b: int = 75, doc: int = 600, question: int = 8,
-                  seed: int = 0, vocab: int = 256, new_question: int = 0) -> MovedPrompts:
+def moved_prompts(
+    header_a: int = 40,
+    header_b: int = 75,
+    doc: int = 600,
+    question: int = 8,
+    seed: int = 0,
+    vocab: int = 256,
+    new_question: int = 0,
+) -> MovedPrompts:
     """Random byte-token prompts (ids < vocab: the random checkpoints' byte tokens). `new_question`
     tokens, never seen before, end the moved prompt (computed after the loaded rows)."""
     rng = np.random.default_rng(seed)
@@ -45,8 +52,14 @@ class VllmRun:
     num_cached_tokens: int = 0  # vLLM's own count for the moved request (RequestOutput.num_cached_tokens)
 
 
-def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: int = 4096,
-              connector_extra: dict | None = None, **extra):
+def make_vllm(
+    path: str,
+    irminsul: bool,
+    dtype: str = "float32",
+    max_model_len: int = 4096,
+    connector_extra: dict | None = None,
+    **extra,
+):
     """An in-process vLLM engine, with Irminsul's connector and scheduler when `irminsul`
     (`connector_extra`: its kv_connector_extra_config)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: counters readable
@@ -67,8 +80,19 @@ def make_vllm(path: str, irminsul: bool, dtype: str = "float32", max_model_len: 
 
         transfer = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=connector_extra or {})
         options.update(kv_transfer_config=transfer, scheduler_cls=SCHEDULER)
-    return LLM(path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, max_num_seqs=4,
-               async_scheduling=False, max_logprobs=20, seed=0, gpu_memory_utilization=0.15, **options, **extra)
+    return LLM(
+        path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        max_num_seqs=4,
+        async_scheduling=False,
+        max_logprobs=20,
+        seed=0,
+        gpu_memory_utilization=0.15,
+        **options,
+        **extra,
+    )
 
 
 def run_vllm(llm, prompts: MovedPrompts, max_tokens: int = 4, logprobs: int = 20, warm: bool = True) -> VllmRun:
@@ -127,13 +151,19 @@ def main(argv=None) -> int:
     llm = make_vllm(args.checkpoint, irminsul=args.mode == "irminsul", dtype=args.dtype)
     runs = []
     for i in range(args.repeat):
-        prompts = moved_prompts(args.header_a, args.header_b, args.doc, args.question, seed=i,
-                                new_question=args.new_question)
+        prompts = moved_prompts(
+            args.header_a, args.header_b, args.doc, args.question, seed=i, new_question=args.new_question
+        )
         r = run_vllm(llm, prompts, warm=i == 0)
-        runs.append({"token_ids": r.token_ids, "seconds": r.seconds,
-                     "logprobs": [{str(k): v for k, v in step.items()} for step in r.logprobs],
-                     "stats": dataclasses.asdict(r.stats) if r.stats is not None else None,
-                     "num_cached_tokens": r.num_cached_tokens})
+        runs.append(
+            {
+                "token_ids": r.token_ids,
+                "seconds": r.seconds,
+                "logprobs": [{str(k): v for k, v in step.items()} for step in r.logprobs],
+                "stats": dataclasses.asdict(r.stats) if r.stats is not None else None,
+                "num_cached_tokens": r.num_cached_tokens,
+            }
+        )
     print("RESULT " + json.dumps({"mode": args.mode, "runs": runs}))
     return 0
 

@@ -41,8 +41,10 @@ class RedisProcess:
     def __init__(self, port: int | None = None, options: tuple[str, ...] = ()):
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("redis-server is not installed; the store and server tests need it "
-                               "(apt-get install -y redis-server, as .ci/run does)")
+            raise RuntimeError(
+                "redis-server is not installed; the store and server tests need it "
+                "(apt-get install -y redis-server, as .ci/run does)"
+            )
         self.binary, self.port, self.options = binary, port or free_port(), tuple(options)
         self.dir = tempfile.mkdtemp(prefix="irminsul-redis-")
         self.proc: subprocess.Popen | None = None
@@ -54,8 +56,23 @@ class RedisProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, *self.options], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                *self.options,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         wait_for(self._ping, 10, f"redis-server on port {self.port}")
 
     def _ping(self) -> bool:
@@ -97,7 +114,10 @@ class ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "irminsul.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         wait_for(self._healthy, timeout, f"irminsul serve on port {self.port}", interval=0.2)
 
     @property

@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.support.tiers", description=main.__doc__)
     p.add_argument("reports", nargs="+", type=Path)
     p.add_argument("--threshold", type=float, required=True, help="seconds per function, cases summed")
-    p.add_argument("--module", action="append", default=[], help="list this whole module (a slow module-scoped fixture)")
+    p.add_argument(
+        "--module", action="append", default=[], help="list this whole module (a slow module-scoped fixture)"
+    )
     args = p.parse_args(argv)
     modules = "".join(f" \\\n#     --module {m}" for m in args.module)
     note = "\n# or where its module-scoped fixture is the slow part (--module)" if args.module else ""
