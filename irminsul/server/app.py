@@ -74,16 +74,18 @@ def _error(request: Request, e: APIError, headers=None) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers or e.headers)
 
 
-async def _api_error(request: Request, e: APIError):
+# (the handlers take any Exception, as Starlette's signature has them; each gets the class it is registered for)
+async def _api_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, APIError)  # registered for APIError
     return _error(request, e)
 
 
-async def _internal_error(request: Request, e: Exception):
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
     log.exception("unhandled error on %s", request.url.path)
     return _error(request, APIError(500, f"internal error: {e}"))
 
 
-async def _value_error(request: Request, e: ValueError):
+async def _value_error(request: Request, e: Exception) -> JSONResponse:  # (a ValueError)
     # Python refuses to read an integer literal of more digits than sys.get_int_max_str_digits()
     # (a guard against quadratic conversion): in a body, or in JSON sent inside one (guided_json)
     if "integer string conversion" in str(e):

@@ -126,12 +126,13 @@ class ChatRenderer:
         if self.jinja is None:
             return self._render_builtin(messages, tools, add_generation_prompt, continue_final_message,
                                         template_kwargs)
-        return self._render_jinja(messages, tools, add_generation_prompt, continue_final_message,
+        return self._render_jinja(self.jinja, messages, tools, add_generation_prompt, continue_final_message,
                                   template_kwargs or {})
 
     # -- the checkpoint's Jinja template ---------------------------------------------------
 
-    def _prepare(self, messages: list) -> list[dict]:
+    @staticmethod
+    def _prepare(jinja: JinjaTemplate, messages: list) -> list[dict]:
         """Messages as templates expect them (as transformers gives them): no None-valued keys (OpenAI
         sends `content: null` beside tool calls; templates handle a missing key), reasoning under
         every name templates read, and tool-call arguments as objects where the template writes
@@ -142,12 +143,13 @@ class ChatRenderer:
             reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
             if reasoning is not None:
                 m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-            if self.jinja.decodes_arguments and m.get("tool_calls"):
+            if jinja.decodes_arguments and m.get("tool_calls"):
                 m["tool_calls"] = [_decoded_arguments(c) for c in m["tool_calls"]]
             out.append(m)
         return out
 
-    def _with_parts(self, messages: list[dict], wrap) -> list[dict]:
+    @staticmethod
+    def _with_parts(jinja: JinjaTemplate, messages: list[dict], wrap) -> list[dict]:
         """Text parts as the template reads them: a list of parts, or (most templates) one string,
         joined by newlines as vLLM joins them. `wrap(text, unit)` marks each client string."""
         out = []
@@ -156,25 +158,26 @@ class ChatRenderer:
             rest = wrap({k: v for k, v in m.items() if k != "content"}, ("message", i))
             if isinstance(content, list):
                 parts = [wrap(p["text"], ("part", i, j)) for j, p in enumerate(content)]
-                content = [{**p, "text": t} for p, t in zip(content, parts)] if self.jinja.parts_as_list \
+                content = [{**p, "text": t} for p, t in zip(content, parts)] if jinja.parts_as_list \
                     else "\n".join(parts)
             elif isinstance(content, str):
                 content = wrap(content, ("message", i))
             out.append({**rest, "content": content} if "content" in m else rest)
         return out
 
-    def _render_jinja(self, messages, tools, add_generation_prompt, continue_final_message, kwargs) -> RenderedChat:
+    def _render_jinja(self, jinja: JinjaTemplate, messages, tools, add_generation_prompt, continue_final_message,
+                      kwargs) -> RenderedChat:
         if bad := sorted(set(kwargs) & RESERVED):
             raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}")
         if self._has_special(json.dumps(kwargs, ensure_ascii=False)):
             raise ValueError("chat_template_kwargs holds a special token's text")
         hidden = SpecialText(self._specials, self._special_re)
-        prepared, tools = hidden.hide(self._prepare(messages)), hidden.hide(tools)
+        prepared, tools = hidden.hide(self._prepare(jinja, messages)), hidden.hide(tools)
         marks = Marks()
-        marked = self.jinja.render(self._with_parts(prepared, marks.wrap),
+        marked = jinja.render(self._with_parts(jinja, prepared, marks.wrap),
                                    [marks.wrap(t, ("tool", k)) for k, t in enumerate(tools or [])],
                                    add_generation_prompt, kwargs)
-        plain = self.jinja.render(self._with_parts(prepared, lambda v, unit: v), tools, add_generation_prompt, kwargs)
+        plain = jinja.render(self._with_parts(jinja, prepared, lambda v, unit: v), tools, add_generation_prompt, kwargs)
         split = marks.split(marked)
         if split is not None and split[0] == plain:
             text, pieces = split
@@ -187,7 +190,8 @@ class ChatRenderer:
                 raise ValueError("continue_final_message: the chat template does not show the final message")
             text = text[: max(ends)]
             pieces = [Piece(p.start, min(p.end, len(text)), p.unit) for p in pieces if p.start < len(text)]
-        tokens, starts = [], []
+        tokens: list[int] = []
+        starts: list[int] = []
         cuts = boundaries(text, pieces, self._added_re) + [len(text)]
         # each segment's client pieces, in one sweep over pieces in order (not a scan of every piece per
         # segment: a request of many text parts would take time quadratic in their number)

@@ -66,6 +66,11 @@ class Failed:
 Event = Delta | Finished | Failed
 
 
+def unsubmitted(event: Event) -> None:
+    """A job's `emit` until it is submitted (`OpenAIServing.submit` gives it its channel's)."""
+    raise RuntimeError(f"an event for a job that was not submitted: {event!r}")
+
+
 @dataclass(eq=False)
 class Job:
     tokens: list[int]
@@ -385,12 +390,14 @@ class EngineClient:
                 job.emit(Delta(out.text, fresh))
             if out.finished:
                 self._admitted_ids.discard(out.seq.id)
-                seq = self._jobs.pop(out.seq.id).seq
-                finished = Finished(seq.text, seq.finish_reason, seq.stats, len(seq.output_ids),
-                                    tuple(seq.logprobs) if seq.params.logprobs is not None else None)
+                done = self._jobs.pop(out.seq.id).seq
+                # (a job in _jobs was accepted: it has its sequence; a finished sequence has its reason)
+                assert done is not None and done.finish_reason is not None
+                finished = Finished(done.text, done.finish_reason, done.stats, len(done.output_ids),
+                                    tuple(done.logprobs) if done.params.logprobs is not None else None)
                 job.emit(finished)
                 if self.metrics:
-                    self.metrics.finished(self._shown_reason(job, finished), len(seq.output_ids), now=now,
+                    self.metrics.finished(self._shown_reason(job, finished), len(done.output_ids), now=now,
                                           arrival=job.arrival)
 
     @staticmethod
@@ -407,6 +414,7 @@ class EngineClient:
     def _end(self, job: Job, event: Failed) -> None:
         job.emit(event)
         if self.metrics:
+            assert job.seq is not None  # (a job in _jobs, the only ones that end here, was accepted)
             self.metrics.finished("abort", len(job.seq.output_ids), now=time.monotonic(), arrival=job.arrival)
 
     def _abort(self, job: Job) -> None:

@@ -26,8 +26,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from irminsul.engine.grammar import Constraint
 from irminsul.server.body import parse_body, read_body
-from irminsul.server.engine_client import Failed, Finished, Job, QueueFull
+from irminsul.server.engine_client import Failed, Finished, Job, QueueFull, unsubmitted
 from irminsul.server.errors import APIError, context_exceeded
 from irminsul.server.limits import MAX_CHOICES
 from irminsul.server.protocol import UsageInfo
@@ -52,7 +53,7 @@ class Prompts:
 
     token_ids: list[list[int]]  # one prompt, or a completions batch
     requested_max_tokens: int | None
-    constraint: object | None = None  # the structured-output Constraint
+    constraint: Constraint | None = None  # the structured-output constraint
     constrained_by: str | None = None  # the field that asked for it (for errors)
     segment_starts: list[int] | None = None  # a rendered chat's message boundaries
 
@@ -204,7 +205,7 @@ class OpenAIServing:
             for i in range(n):
                 seeded = params if params.seed is None or i == 0 else \
                     dataclasses.replace(params, seed=(params.seed + i) % SEED_RANGE)
-                jobs.append(Job(tokens=tokens, params=seeded, emit=None, segment_starts=prompts.segment_starts,
+                jobs.append(Job(tokens=tokens, params=seeded, emit=unsubmitted, segment_starts=prompts.segment_starts,
                                 tenant=tenant, matcher=self._matcher(prompts, tenant), leader=leader,
                                 shown_reason=shown_reason))
                 leader = leader or jobs[-1]  # the other choices share the first one's prompt rows

@@ -6,6 +6,7 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from irminsul.server.engine_client import Delta, Finished, Job
 from irminsul.server.errors import APIError
@@ -35,7 +36,7 @@ from irminsul.server.serving_base import (
     text_chars,
     usage_of,
 )
-from irminsul.server.tools import CallStart, Content, ToolCallParser, ToolEvent, parse_all, tool_constraint
+from irminsul.server.tools import CallStart, Content, ToolCallParser, ToolEvent, ToolFormat, parse_all, tool_constraint
 from irminsul.server.translate import check_supported, check_text_only, constraint_of, tool_functions
 
 
@@ -69,11 +70,12 @@ class ChatFormat:
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.skip_special = req.skip_special_tokens  # the log-probs' token texts follow the output text
         self.max_calls = 1 if req.parallel_tool_calls is False else None
-        self.tool_format = self.tool_names = None
+        self.tool_format: ToolFormat | None = None
+        self.tool_names: frozenset[str] | None = None
         if req.tools and req.tool_choice != "none" and renderer.tool_format:
             self.tool_format = renderer.tool_format
-            self.tool_names = frozenset(f.get("name") for f in tool_functions(req))
-        self._parsers: dict[int, ToolCallParser] = {}  # choice index -> its stream's parser
+            self.tool_names = frozenset(f["name"] for f in tool_functions(req))  # (each a string: checked there)
+        self._parsers: dict[int, ToolCallParser | None] = {}  # choice index -> its stream's parser (None: no tools)
 
     def parser(self) -> ToolCallParser | None:
         """A fresh parser of a streamed choice's tool calls (None when the request has no tools)."""
@@ -149,9 +151,10 @@ class ChatFormat:
 
     def event(self, index: int, event) -> list[str]:
         parser = self._parsers.get(index)
-        if isinstance(event, Delta) and parser is None:
-            return [self._chunk(DeltaMessage(content=event.text), index, logprobs=event.logprobs)]
-        if isinstance(event, Delta):  # tool calls: the parser decides what the text is
+        if isinstance(event, Delta):
+            if parser is None:
+                return [self._chunk(DeltaMessage(content=event.text), index, logprobs=event.logprobs)]
+            # tool calls: the parser decides what the text is
             deltas = [self.tool_delta(e) for e in parser.feed(event.text)] or ([DeltaMessage()] if event.logprobs
                                                                                else [])
             return [self._chunk(d, index, logprobs=event.logprobs if k == 0 else ()) for k, d in enumerate(deltas)]
@@ -166,7 +169,7 @@ class ChatFormat:
 
 
 class OpenAIServingChat(OpenAIServing):
-    request_model = ChatCompletionRequest
+    request_model: type[BaseModel] = ChatCompletionRequest  # (the Responses endpoint's subclass parses another)
     names = FieldNames(prompt="messages")
 
     async def create(self, request: Request):
@@ -181,7 +184,7 @@ class OpenAIServingChat(OpenAIServing):
                                          lambda event: self.json_response(request, fmt.response, [event]))
         merged = Merged() if req.stream else None
         channels = await self.submit_all(jobs, merged)
-        if req.stream:
+        if merged is not None:  # (streamed)
             return StreamingResponse(self.stream(jobs, merged, fmt), media_type="text/event-stream")
         events = await self.finish_all(request, jobs, channels)
         if events is None:

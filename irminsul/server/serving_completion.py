@@ -51,8 +51,11 @@ class CompletionFormat:
         self.echo_only = req.echo and req.max_tokens == 0  # the prompt scored, nothing generated
         # echo: a prompt sent as a string comes back as that string, not as its decoding
         prompt = req.prompt
-        self.prompt_strings = [prompt] if isinstance(prompt, str) else \
-            list(prompt) if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt) else None
+        self.prompt_strings: list[str] | None = None
+        if isinstance(prompt, str):
+            self.prompt_strings = [prompt]
+        elif prompt and all(isinstance(p, str) for p in prompt):
+            self.prompt_strings = [p for p in prompt if isinstance(p, str)]  # (every one)
 
     def logprobs(self, entries, text_start: int = 0) -> CompletionLogprobs | None:
         """The legacy parallel lists for generated tokens. A token's text is what it completes of the
@@ -60,8 +63,9 @@ class CompletionFormat:
         so the tokens join to the text and `text_offset` indexes it, as lm-evaluation-harness reads
         them; an alternative always shows by its own text, as vLLM names it (one that is such a piece
         as `bytes:\\xNN`), or a client could not tell which one it was."""
-        if not entries:
-            return None
+        return self._logprobs(entries, text_start) if entries else None
+
+    def _logprobs(self, entries, text_start: int = 0) -> CompletionLogprobs:
         tok = self.tokenizer
 
         def shown(t: int) -> str:  # (an alternative: skipped, every special token would be the one key "")
@@ -100,8 +104,9 @@ class CompletionFormat:
                                                                          skip_special_tokens=self.skip_special)
             text = prompt + text
             if event.logprobs is not None or echo.logprobs:
-                before = self.logprobs([TokenLogprob(echo.tokens[0], None), *echo.logprobs])
-                before.top_logprobs[0] = None
+                # (the first token has no log-prob: a placeholder's, then None in the lists)
+                before = self._logprobs([TokenLogprob(echo.tokens[0], 0.0), *echo.logprobs])
+                before.token_logprobs[0] = before.top_logprobs[0] = None
                 after = self.logprobs(event.logprobs, text_start=len(prompt))
                 if after is not None:
                     before = CompletionLogprobs(**{k: getattr(before, k) + getattr(after, k)
@@ -159,19 +164,20 @@ class OpenAIServingCompletion(OpenAIServing):
 
             return await self.answer_one(request, jobs[0], channel, stream, whole)
         channels = await self.submit_all(jobs, merged)
-        if req.stream:  # (stream with echo is refused up front)
+        if merged is not None:  # streamed (stream with echo is refused up front)
             return StreamingResponse(self.stream(jobs, merged, fmt, None, prompts), media_type="text/event-stream")
         events = await self.finish_all(request, jobs, channels)
         if events is None:
             return JSONResponse({}, status_code=499)
-        echoes = []
+        echoes: list[Echo] = []
         for i, job in enumerate(jobs if req.echo else ()):
             if i % req.n:  # the n choices of one prompt (consecutive jobs) share its scoring
                 echoes.append(echoes[-1])
                 continue
-            echoes.append(await self.echo(request, job))
-            if echoes[-1] is None:
+            echo = await self.echo(request, job)
+            if echo is None:
                 return JSONResponse({}, status_code=499)
+            echoes.append(echo)
         return await self.json_response(request, fmt.response, events, echoes or None, prompts)
 
     def prepare(self, request: Request, req: CompletionRequest) -> list[Job]:
@@ -218,7 +224,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
 
 def _echo(job: Job, lp) -> Echo:
-    if lp is None:
+    n = job.params.logprobs
+    if lp is None or n is None:  # (a job without logprobs is not scored: lp is None)
         return Echo(job.tokens, [])
-    return Echo(job.tokens, [TokenLogprob.of(row, token, job.params.logprobs) for row, token in zip(lp, job.tokens[1:])])
+    return Echo(job.tokens, [TokenLogprob.of(row, token, n) for row, token in zip(lp, job.tokens[1:])])
 

@@ -281,6 +281,8 @@ class ResponsesBuilder:
         return out
 
     def arguments(self, piece: str) -> list[str]:
+        # a call's arguments come after its CallStart (ToolCallParser), which opened its item
+        assert isinstance(self.open, ResponseFunctionCall)
         self.open.arguments += piece
         return [self.event(ArgumentsDeltaEvent, "response.function_call_arguments.delta", item_id=self.open.id,
                            output_index=len(self.output), delta=piece)]

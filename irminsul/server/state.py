@@ -10,10 +10,14 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from irminsul.server.config import ServerConfig
 from irminsul.server.errors import APIError, context_exceeded
 from irminsul.server.tenancy import Tenancy
+
+if TYPE_CHECKING:
+    from irminsul.model.tokenizer import Tokenizer
 
 log = logging.getLogger("irminsul.server")
 
@@ -23,7 +27,7 @@ class Checkpoint:
     """A loaded checkpoint: the model, its tokenizer, the name clients send and the id of its weights."""
 
     model: object
-    tokenizer: object
+    tokenizer: Tokenizer
     name: str
     checkpoint_id: str
 

@@ -208,6 +208,7 @@ class SpecialText:
         self._stand_in = re.compile(re.escape(self._open) + r"(\d+)" + re.escape(self._close))
 
     def _hide_str(self, s: str) -> str:
+        assert self._pattern is not None  # (hide returns before calling this without a pattern)
         return self._pattern.sub(lambda m: f"{self._open}{self._index[m.group()]}{self._close}", s)
 
     def hide(self, value):
@@ -225,7 +226,11 @@ class SpecialText:
         """`text` with every stand-in replaced by the special token's text, and the client spans
         in it: `spans` (offsets into `text`, none inside a stand-in) moved to match, with one span
         per restored text, overlapping ones merged, in order."""
-        out, ends, deltas, restored, at = [], [], [], [], 0
+        out: list[str] = []
+        ends: list[int] = []  # where each stand-in ended in `text`
+        deltas: list[int] = []  # the shift of `text`'s offsets after each stand-in
+        restored: list[tuple[int, int]] = []
+        at = 0
         for m in self._stand_in.finditer(text):
             out.append(text[at : m.start()])
             start = m.start() + (deltas[-1] if deltas else 0)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import regex
 
@@ -106,12 +105,12 @@ def tool_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, added_token
     - "auto" (or unset) with `text`: one or more calls, or text that matches `text`, as one
       grammar, so an agent with an output type can still call its tools.
     - otherwise `text` (None: nothing constrains the output)."""
-    if tool_choice == "none" or (tool_choice in (None, "auto") and text is None):
+    if tool_choice == "none":
         return text
     named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
     alternative = None
     if tool_choice in (None, "auto"):
-        alternative = _inline_json(text)
+        alternative = _inline_json(text) if text is not None else None
         if alternative is None:
             return text
     try:
@@ -134,20 +133,24 @@ class Call:
     arguments: str = ""
 
 
-class Content(NamedTuple):
+# (frozen dataclasses, not NamedTuples: a tuple's field may not be called `index`, its method's name)
+@dataclass(frozen=True, slots=True)
+class Content:
     """Output text that is not a tool call."""
 
     text: str
 
 
-class CallStart(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class CallStart:
     """Call number `index` begins: the function's name is known."""
 
     index: int
     name: str
 
 
-class CallArguments(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class CallArguments:
     """More of call number `index`'s arguments (JSON text, in order)."""
 
     index: int

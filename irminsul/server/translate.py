@@ -7,6 +7,10 @@ honour (``best_of``, ``suffix``, an image part ...) is a 400 that names it, neve
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 from irminsul.engine.grammar import Constraint
 from irminsul.engine.grammar_limits import parse_json
 from irminsul.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
@@ -16,6 +20,7 @@ from irminsul.server.errors import APIError, context_exceeded
 from irminsul.server.limits import MAX_CHOICES, MAX_MESSAGES, MAX_PARTS, MAX_STOP, MAX_STOP_CHARS
 from irminsul.server.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
     GenerationRequest,
     IrminsulUsage,
     PromptTokensDetails,
@@ -37,7 +42,7 @@ def check_supported(req: GenerationRequest, messages: str = "messages") -> None:
         refuse += [("top_logprobs", top is not None and not req.logprobs, "top_logprobs needs logprobs=true"),
                    ("top_logprobs", top is not None and not (isinstance(top, int) and 0 <= top <= MAX_TOP_LOGPROBS),
                     f"top_logprobs={top!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]")]
-    else:
+    elif isinstance(req, CompletionRequest):
         refuse += [("suffix", bool(req.suffix), "suffix is not supported"),
                    ("top_logprobs", req.top_logprobs is not None, "top_logprobs is a chat field; completions take "
                                                                   "logprobs=N")]
@@ -105,11 +110,12 @@ def requested_logprobs(req: GenerationRequest) -> int | None:
 def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id as a string": bias} -> ((id, bias), ...); at most MAX_LOGIT_BIAS entries,
     counted before any is read."""
-    if len(bias or {}) > MAX_LOGIT_BIAS:
+    bias = bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
         raise APIError(400, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
                        param="logit_bias")
     out = []
-    for key, value in (bias or {}).items():
+    for key, value in bias.items():
         try:
             token = int(key)
         except (TypeError, ValueError):
@@ -123,7 +129,7 @@ def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
 def constraint_of(req: GenerationRequest, response_format: str = "response_format") -> tuple[Constraint | None, str | None]:
     """The structured-output constraint a request asks for, and the field that asked (for errors;
     `response_format`: what the request calls that field)."""
-    asked = []
+    asked: list[tuple[str, Callable[[], Constraint]]] = []  # (the field, its constraint's maker)
     rf = req.response_format
     if rf is not None:
         kind = rf.get("type", "text")
@@ -142,24 +148,25 @@ def constraint_of(req: GenerationRequest, response_format: str = "response_forma
     so = req.structured_outputs or {}
     if not isinstance(so, dict):
         raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
-    for name, value, make in (
+    makers: list[tuple[str, Any, Callable[[Any], Constraint]]] = [
         ("guided_json", req.guided_json, _json_constraint), ("guided_regex", req.guided_regex, Constraint.regex),
         ("guided_choice", req.guided_choice, Constraint.choice), ("guided_grammar", req.guided_grammar, Constraint.lark),
         ("structured_outputs.json", so.get("json"), _json_constraint),
         ("structured_outputs.regex", so.get("regex"), Constraint.regex),
         ("structured_outputs.choice", so.get("choice"), Constraint.choice),
         ("structured_outputs.grammar", so.get("grammar"), Constraint.lark),
-    ):
+    ]
+    for name, value, make in makers:
         if value is not None:
-            asked.append((name, lambda make=make, value=value: make(value)))
+            asked.append((name, functools.partial(make, value)))
     if not asked:
         return None, None
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(n for n, _ in asked)} each constrain the output; set only one",
                        param=asked[1][0])
-    name, make = asked[0]
+    name, build = asked[0]
     try:
-        return make(), name
+        return build(), name
     except RequestError as e:
         raise APIError(400, f"{name}: {e}", param=name) from None
 
