@@ -27,9 +27,9 @@ import torch
 
 from irminsul import LLM
 from irminsul.cli import run_for_people
-from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.build import build_engine
 from irminsul.engine.config import EngineConfig
+from irminsul.engine.sampling import SamplingParams
 from irminsul.machine import describe
 
 WARM = 20

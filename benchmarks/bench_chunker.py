@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from irminsul.machine import best_of, describe
 from irminsul.kvcache.chunker import ChunkerConfig, boundaries, candidates, chunk, namespace_seed
+from irminsul.machine import best_of, describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' slow reference is the baseline
-from tests.kvcache.oracles import reference_candidates  # noqa: E402
 from irminsul.cli import run_for_people
+from tests.kvcache.oracles import reference_candidates  # noqa: E402
 
 TARGET = 10e6  # tokens/s: the chunker's throughput target (README, Chunker); 10 ms per 100k-token prompt
 

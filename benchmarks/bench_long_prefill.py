@@ -74,7 +74,7 @@ def child(args) -> None:
     loaded = _status("VmRSS")
     rng = np.random.default_rng(0)
     times = []
-    for i in range(args.repeats):
+    for _ in range(args.repeats):
         ids = rng.integers(300, SHAPES["vocab_size"], args.child_length).tolist()  # a new prompt each time
         t0 = time.perf_counter()
         out = llm.generate(ids, max_tokens=1, ignore_eos=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-
 from pathlib import Path
 
 import torch

@@ -475,7 +475,7 @@ def report(results: dict, args) -> None:
     print("| shape | Irminsul | " + " | ".join(peers) + " |\n|---|---:|" + "---:|" * len(peers))
     for s in SHAPES:
         cells = [_fmt(ours[s]) if ours and s in ours else "not run"]
-        for name, (theirs, _) in peers.items():
+        for theirs, _ in peers.values():
             if not theirs or s not in theirs:
                 cells.append("not run")
                 continue
@@ -488,7 +488,7 @@ def report(results: dict, args) -> None:
               + "---:|---:|---|" * len(peers))
         for s in SHAPES:
             cells = []
-            for name, (theirs, targets) in peers.items():
+            for theirs, targets in peers.values():
                 if theirs is None or s not in theirs or s not in ours:
                     cells += ["not run", "-", "-"]
                     continue

@@ -30,7 +30,6 @@ from irminsul.machine import best_of, describe
 from irminsul.model.rope import encode_pairwise
 
 
-
 def ttft(llm: LLM, tokens: list[int], segments=None) -> tuple[float, float, object]:
     """Seconds from admission to the first sampled token (planning, row copies and prefill), and
     the same plus the registration of the request's chunks that follows it."""

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     requests = read_trace(args.trace)[: args.limit]
     results = {}
     for mode in args.modes.split(","):
-        server = ServerProcess("--model", str(model), "--reuse", mode, 
+        server = ServerProcess("--model", str(model), "--reuse", mode,
                                "--log-level", "warning", timeout=300)
         try:
             samples, duration, card, failures = asyncio.run(replay(server.url, requests, args.concurrency,

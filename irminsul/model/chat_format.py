@@ -16,8 +16,8 @@ its neighbours) and every segment start can be handed to S2 chunking (docs/desig
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 BOS, EOS, END, PAD = "<|bos|>", "<|eos|>", "<|end|>", "<|pad|>"
 ROLES = ("system", "user", "assistant", "tool")

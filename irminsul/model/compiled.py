@@ -117,7 +117,7 @@ def built(compile_decode: bool | None, build, failed: str):
         return None
 
 
-def resolve(model, compile_decode: bool | None) -> "CompiledDecode | Compiling | None":
+def resolve(model, compile_decode: bool | None) -> CompiledDecode | Compiling | None:
     """The model's compiled step (`wanted` says when there is one): with compile_decode=True built
     and warmed now; with None (auto) a `Compiling`, built on a thread of its own while the eager
     path serves (or the step itself, when an earlier engine's build has finished)."""
@@ -166,10 +166,10 @@ class Compiling:
                      time.perf_counter() - start)
             self._model._compiled_decode = self._step  # (later engines take the step itself)
 
-    def ready(self) -> "CompiledDecode | None":
+    def ready(self) -> CompiledDecode | None:
         return self._step
 
-    def wait(self, timeout: float | None = None) -> "CompiledDecode | None":
+    def wait(self, timeout: float | None = None) -> CompiledDecode | None:
         """The step once built (None if the build failed, or `timeout` seconds passed first)."""
         self._done.wait(timeout)
         return self._step
@@ -214,7 +214,7 @@ class CompiledDecode:
                 torch._dynamo.config.patch(capture_scalar_outputs=True):  # (`MoE.one_token`'s expert ids)
             self._warm_up(progress)
 
-    def warmed(self, progress: bool = True) -> "CompiledDecode":
+    def warmed(self, progress: bool = True) -> CompiledDecode:
         self.warm_up(progress)
         return self
 

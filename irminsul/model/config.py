@@ -156,11 +156,11 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict) -> ModelConfig:
         return _parse(raw)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path) -> ModelConfig:
         return _parse(read_json_config(Path(path)))
 
 

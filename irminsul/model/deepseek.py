@@ -101,7 +101,7 @@ class DeepseekModel(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-             pack: bool = True) -> "DeepseekModel":
+             pack: bool = True) -> DeepseekModel:
         """An MLA checkpoint (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash, LongCat-Flash) as a DeepseekModel
         (`loader.load_model` reaches it through the registry); `pack`: laid out for inference."""
         path = Path(path)
@@ -160,7 +160,7 @@ class DeepseekModel(nn.Module):
             elif isinstance(module, MoE):
                 module.kernel = kernel
 
-    def pack(self, kernels=None) -> "DeepseekModel":
+    def pack(self, kernels=None) -> DeepseekModel:
         """Lay the weights out for inference, once, after loading (the parameters become views, state
         dicts are unchanged): the products that read one input fused (q|kv_a, gate|up, the stacked
         experts), each product's weight held once in the layout, and with the oneDNN blocked copy (if
@@ -169,7 +169,7 @@ class DeepseekModel(nn.Module):
         rule instead, input-major with oneDNN copies for 256, 32 and 8 rows of each float32 weight;
         a `kernel_choice.KernelChoices`: those. They are kept as `kernel_choices`."""
         from irminsul.model import kernel_choice
-        from irminsul.model.layers import laid_out, chosen_layout
+        from irminsul.model.layers import chosen_layout, laid_out
 
         choices = kernel_choice.choose(self.products(), *self._weight_bytes(), device=self.device, kernels=kernels)
         with kernel_choice.active(choices):

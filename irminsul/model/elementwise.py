@@ -15,7 +15,6 @@ the caller computes with torch.
 
 from __future__ import annotations
 
-
 import torch
 
 from irminsul.model import native

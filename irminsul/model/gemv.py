@@ -20,7 +20,6 @@ torch's threads; kernel_choice times it against F.linear at torch's thread count
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -31,10 +31,10 @@ import torch
 from tqdm import tqdm
 
 from irminsul.model.attention import EMPTY_SLOT
+from irminsul.model.attention.triton import Tiles, TritonAttention, TritonPlan
 from irminsul.model.compiled import built, wanted
 from irminsul.model.layers import LongcatMoE
 from irminsul.model.mla import ForwardBatch
-from irminsul.model.attention.triton import Tiles, TritonAttention, TritonPlan
 
 MAX_BATCH = 128  # the largest captured batch (vLLM's default capture sizes reach 512)
 MAX_LEN = 16384  # keys per sequence a captured step covers (longer sequences decode eagerly)
@@ -57,7 +57,7 @@ def supported(model) -> str | None:
     return None
 
 
-def resolve(model, pool: torch.Tensor, compile_decode: bool | None) -> "DecodeGraphs | None":
+def resolve(model, pool: torch.Tensor, compile_decode: bool | None) -> DecodeGraphs | None:
     """The engine's captured decode steps over `pool`, or None (`compiled.wanted` says when; auto
     captures on a GPU only, and True on a CPU runs the uncaptured static step, a test mode)."""
     if not wanted(compile_decode, supported(model), "capturing decode steps as CUDA graphs"):
@@ -150,7 +150,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(dev)
             assert self.model.rotary.table(self.max_len, dev)[0] is self.table[0]
 
-    def captured(self) -> "DecodeGraphs":
+    def captured(self) -> DecodeGraphs:
         self.capture_all()
         return self
 

@@ -437,7 +437,7 @@ class KernelChoices:
     forced: Choice | None = None  # every shape's choice (`KernelChoices.every`), for tests and benchmarks
 
     @classmethod
-    def every(cls, layout: str, blocks: tuple[int, ...] = (), gemv: int = 0, widen: int = 0) -> "KernelChoices":
+    def every(cls, layout: str, blocks: tuple[int, ...] = (), gemv: int = 0, widen: int = 0) -> KernelChoices:
         """Choices that give every shape this layout (where the weight's own may change), blocks, gemv
         rows (for the out-major ones) and widened rows."""
         return cls("forced", {}, forced=Choice(layout, blocks, gemv, widen))
@@ -513,7 +513,7 @@ def _merged(products: list[Product]) -> list[Product]:
 
 
 def choose(products: list[Product], model_bytes: int, decode_bytes: int | None = None,
-           device: torch.device | str = "cpu", kernels: "str | KernelChoices | None" = None,
+           device: torch.device | str = "cpu", kernels: str | KernelChoices | None = None,
            budget: float | None = None, progress: bool = True) -> KernelChoices:
     """The choice for each product (`Product`s: the model's distinct shapes with their counts and uses);
     kernels: "measured" / "fixed" (default IRMINSUL_KERNEL_CHOICE, else measured) or KernelChoices to use.
@@ -599,8 +599,8 @@ def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -
                 x = torch.randn(n, hidden, generator=g).to(dtype)
                 ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
                 weights = torch.rand(n, k, generator=g).softmax(-1)
-                t = _time({"native": lambda: kernel(x, weights, ids, gate_up, down),
-                           "torch": lambda: moe.torch_experts(x, weights, ids)})
+                t = _time({"native": lambda x=x, w=weights, i=ids: kernel(x, w, i, gate_up, down),
+                           "torch": lambda x=x, w=weights, i=ids: moe.torch_experts(x, w, i)})
                 times[str(n)] = t
                 if t["native"] <= t["torch"]:
                     wins.append(n)

@@ -11,16 +11,15 @@ DeepSeek's own `inference/model.py`:
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
 from irminsul.model import elementwise, gemv, kernel_choice, native_ops
-from irminsul.model.widen import widened
 from irminsul.model.config import ModelConfig
 from irminsul.model.settings import settings
+from irminsul.model.widen import widened
 
 
 class RMSNorm(nn.Module):

@@ -86,12 +86,12 @@ class SequenceRows:
         self.pool[:, 1 + start : 1 + start + n] = raw.to(self.pool.dtype)
         self.filled[start : start + n] = True
 
-    def clone(self) -> "SequenceRows":
+    def clone(self) -> SequenceRows:
         other = object.__new__(SequenceRows)
         other.cfg, other.pool, other.filled = self.cfg, self.pool.clone(), self.filled.clone()
         return other
 
-    def batch(self, backend: AttentionBackend, token_ids: torch.Tensor, positions: torch.Tensor) -> "ForwardBatch":
+    def batch(self, backend: AttentionBackend, token_ids: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
         """A one-sequence forward batch computing token_ids at positions into these rows."""
         self.ensure(int(positions.max()) + 1)
         self.filled[positions] = True  # every layer writes these rows before it attends
@@ -125,7 +125,7 @@ class ForwardBatch:
             self._memo[key] = compute()
         return self._memo[key]
 
-    def attend(self, attn: "MLAttention", q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+    def attend(self, attn: MLAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
                index=None) -> torch.Tensor:
         """Store the layer's computed rows [N, row_width] at write_slots and attend over the pool
         (the backend's `forward` with this batch's plan) -> [N, H, v]."""

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from irminsul.model.chat_format import BOS, EOS, END, ROLE_TOKENS
+from irminsul.model.chat_format import BOS, END, EOS, ROLE_TOKENS
 from irminsul.model.config import ModelConfig
 from irminsul.model.deepseek import DeepseekModel
 

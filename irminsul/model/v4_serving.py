@@ -93,7 +93,7 @@ class V4Model(nn.Module):
         self.attention = V4Backend()
 
     @classmethod
-    def load(cls, path, dtype="float32", device: str = "cpu", pack: bool = True) -> "V4Model":
+    def load(cls, path, dtype="float32", device: str = "cpu", pack: bool = True) -> V4Model:
         """(`pack` has nothing to do: V4's reference path keeps the checkpoint's layout.)"""
         raw = json.loads((Path(path) / "config.json").read_text())
         eos = raw.get("eos_token_id")

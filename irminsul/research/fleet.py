@@ -44,13 +44,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from irminsul.fleet.router import ContentRouter, ReplicaLoad, ReplicaView, RouterWeights
 from irminsul.kvcache.chunker import ChunkerConfig, namespace_seed
+from irminsul.kvcache.journal import ChunkJournal
 from irminsul.kvcache.planner import Planner, PlannerConfig
 from irminsul.kvcache.radix import RadixCache
 from irminsul.kvcache.registry import MemoryRegistry
 from irminsul.kvcache.windows import WindowIndex
-from irminsul.fleet.router import ContentRouter, ReplicaLoad, ReplicaView, RouterWeights
-from irminsul.kvcache.journal import ChunkJournal
 from irminsul.research.workloads.recovery import BYTES_PER_TOKEN
 from irminsul.research.workloads.render import Rendered
 

@@ -10,9 +10,19 @@ from safetensors.torch import load_file, save_file
 
 from irminsul.errors import CheckpointError
 from irminsul.model.config import RopeConfig
+from irminsul.model.deepseek_v4 import (
+    CSA,
+    HASH_MOE,
+    HCA,
+    SLIDING,
+    TINY_V4,
+    TINY_V4_YARN,
+    TOPK_MOE,
+    V4Config,
+    load_deepseek_v4,
+    make_tiny_v4_checkpoint,
+)
 from irminsul.research.eval.v4_reuse import shifted_reuse_error
-from irminsul.model.deepseek_v4 import (CSA, HASH_MOE, HCA, SLIDING, TINY_V4, TINY_V4_YARN, TOPK_MOE, V4Config,
-                                        load_deepseek_v4, make_tiny_v4_checkpoint)
 
 transformers = pytest.importorskip("transformers", minversion="5.24")
 

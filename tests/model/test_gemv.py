@@ -5,10 +5,10 @@ out-major weight, and a model packed with it computes the same logits through ev
 has one row (attention's input product, the LM head, the dense MLP, each routed expert)."""
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from irminsul.model import gemv, kernel_choice, native
 from irminsul.model.kernel_choice import Choice, KernelChoices, Product

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from irminsul.model import kernel_choice
 from irminsul.model.kernel_choice import Choice, KernelChoices, Product
-from irminsul.model.layers import MLP, MoE, dnn_linear, dnn_weight, pack_linears, packed
+from irminsul.model.layers import MoE, dnn_linear, dnn_weight, pack_linears, packed
 from irminsul.model.loader import load_model
 
 BF16_DNN = kernel_choice.dnn_applies(torch.bfloat16)

@@ -35,9 +35,9 @@ def test_the_loader_picks_the_class_and_the_model_declares_what_it_can(tmp_path)
     v32 = load_model(make_tiny_checkpoint(tmp_path / "v32", "v32"))
     v4 = load_model(make_tiny_v4_checkpoint(tmp_path / "v4", seed=1))
     assert isinstance(mla, Model) and isinstance(v4, Model)
-    assert mla.capabilities == Capabilities(backend="torch", fresh_rows=True, indexer=False)
+    assert mla.capabilities == Capabilities(backend="cpu", fresh_rows=True, indexer=False)
     assert v32.capabilities.indexer
-    assert v4.capabilities == Capabilities(backend="torch", fresh_rows=False)
+    assert v4.capabilities == Capabilities(backend="v4-reference", fresh_rows=False)
     from irminsul.model import compiled
 
     assert compiled.resolve(v4, None) is None  # no compiled step covers it: eager

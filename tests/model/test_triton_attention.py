@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from irminsul import LLM, Segments
-from irminsul.model.tiny import make_tiny_checkpoint
 from irminsul.model.attention.triton import TritonAttention
-
+from irminsul.model.tiny import make_tiny_checkpoint
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (benchmarks/gpu_check.sh runs these on a GPU)
 
@@ -75,9 +74,9 @@ def test_pic_on_one_layer_equals_full_prefill_and_naive_does_not(tmp_path, varia
 def test_the_kernel_alone_against_a_dense_reference():
     """mla_attention on a hand-made pool: shuffled slots, empty slots (masked), keys encoded at
     explicit RoPE positions, queries that see different prefixes."""
+    from irminsul.model.attention.triton import Tiles, TritonPlan, mla_attention
     from irminsul.model.config import RopeConfig
     from irminsul.model.rope import Rotary
-    from irminsul.model.attention.triton import Tiles, TritonPlan, mla_attention
 
     g = torch.Generator().manual_seed(0)
     h, r, rope, t = 3, 24, 8, 45

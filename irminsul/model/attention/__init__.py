@@ -3,8 +3,14 @@ implementations: reference.py (plain torch ops, any device), cpu.py (the referen
 kernels where they run: the default) and triton.py (a GPU, or Triton's interpreter). The triton
 backend is imported only when asked for (`backend`): the others need no triton."""
 
-from irminsul.model.attention.base import (EMPTY_SLOT, PADDING_SLACK, AttentionBackend, SeqAttention, consecutive,
-                                           dsa_selection)
+from irminsul.model.attention.base import (
+    EMPTY_SLOT,
+    PADDING_SLACK,
+    AttentionBackend,
+    SeqAttention,
+    consecutive,
+    dsa_selection,
+)
 from irminsul.model.attention.cpu import CPUAttention
 from irminsul.model.attention.reference import AttentionGroup, ReferenceAttention, expand_is_cheaper
 

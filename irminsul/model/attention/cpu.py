@@ -19,9 +19,8 @@ built, IRMINSUL_NATIVE_DECODE / IRMINSUL_NATIVE_PREFILL = 0) runs the reference'
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from irminsul.model import kernel_choice, native, native_ops
 from irminsul.model.attention.base import SeqAttention, absorb_output, absorb_query

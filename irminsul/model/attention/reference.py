@@ -27,8 +27,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from irminsul.model.attention.base import (EMPTY_SLOT, PADDING_SLACK, AttentionBackend, SeqAttention, absorb_output,
-                                           absorb_query, consecutive, dsa_selection)
+from irminsul.model.attention.base import (
+    EMPTY_SLOT,
+    PADDING_SLACK,
+    AttentionBackend,
+    SeqAttention,
+    absorb_output,
+    absorb_query,
+    consecutive,
+    dsa_selection,
+)
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import encode_half, encode_pairwise
 

@@ -33,13 +33,34 @@ tiny random ones). `irminsul/model/v4_serving.py` puts it behind the engine. Att
 [heads, S, S + entries] score matrix and re-pools every compressed entry from the rows: a reference path.
 """
 
-from irminsul.model.deepseek_v4.attention import (CSACompressor, HCACompressor, Indexer, RMSNorm, V4Attention,
-                                                  WindowPool, sink_attention)
+from irminsul.model.deepseek_v4.attention import (
+                                                  CSACompressor,
+                                                  HCACompressor,
+                                                  Indexer,
+                                                  RMSNorm,
+                                                  V4Attention,
+                                                  WindowPool,
+                                                  sink_attention,
+)
 from irminsul.model.deepseek_v4.blocks import HyperConnection, HyperHead, V4MoE
-from irminsul.model.deepseek_v4.config import (CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, Rotations, V4Config,
-                                               rotary_table, rotate_tail)
-from irminsul.model.deepseek_v4.loader import (TINY_V4, TINY_V4_YARN, load_deepseek_v4, make_tiny_v4_checkpoint,
-                                               module_name)
+from irminsul.model.deepseek_v4.config import (
+                                                  CSA,
+                                                  HASH_MOE,
+                                                  HCA,
+                                                  SLIDING,
+                                                  TOPK_MOE,
+                                                  Rotations,
+                                                  V4Config,
+                                                  rotary_table,
+                                                  rotate_tail,
+)
+from irminsul.model.deepseek_v4.loader import (
+                                                  TINY_V4,
+                                                  TINY_V4_YARN,
+                                                  load_deepseek_v4,
+                                                  make_tiny_v4_checkpoint,
+                                                  module_name,
+)
 from irminsul.model.deepseek_v4.model import DeepseekV4ForCausalLM, V4DecoderLayer
 
 __all__ = ["CSA", "CSACompressor", "DeepseekV4ForCausalLM", "HASH_MOE", "HCA", "HCACompressor", "HyperConnection",

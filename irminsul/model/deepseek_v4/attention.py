@@ -10,7 +10,6 @@ from torch import nn
 
 from irminsul.model.deepseek_v4.config import CSA, HCA, SLIDING, CosSin, Rotations, V4Config, rotate_tail
 
-
 # ------------------------------------------------------------------------------------------------ norms
 
 

@@ -12,7 +12,6 @@ from torch import nn
 from irminsul.model.deepseek_v4.attention import unit_rms
 from irminsul.model.deepseek_v4.config import HASH_MOE, V4Config
 
-
 # ------------------------------------------------------------------------------------------------ hyper-connections
 
 

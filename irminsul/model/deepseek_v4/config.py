@@ -70,7 +70,7 @@ class V4Config:
                 raise ConfigError(f"the rotary dim {rope.dim} exceeds head_dim or index_head_dim")
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "V4Config":
+    def from_dict(cls, raw: dict) -> V4Config:
         """config.json as transformers' `DeepseekV4Config` reads it, legacy keys included."""
         if raw.get("model_type") != "deepseek_v4":
             raise ConfigError(f"model_type={raw.get('model_type')!r}: this loader reads deepseek_v4 checkpoints")

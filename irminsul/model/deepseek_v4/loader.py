@@ -15,7 +15,6 @@ from irminsul.model.deepseek_v4.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_
 from irminsul.model.deepseek_v4.model import DeepseekV4ForCausalLM
 from irminsul.model.loader import owned, resolve_dtype, weight_files
 
-
 # ------------------------------------------------------------------------------------------------ loading
 
 # DeepSeek's checkpoint names -> transformers' module names, applied in order to a key without its "model."

@@ -10,7 +10,6 @@ from irminsul.model.deepseek_v4.attention import RMSNorm, V4Attention
 from irminsul.model.deepseek_v4.blocks import HyperConnection, HyperHead, V4MoE, merge_streams
 from irminsul.model.deepseek_v4.config import Rotations, V4Config, rotary_table
 
-
 # ------------------------------------------------------------------------------------------------ model
 
 

@@ -60,7 +60,7 @@ class Arch:
     config: ModelConfig | None = None  # MLA: the engine's config, for its attention-form rule
 
     @classmethod
-    def from_config(cls, raw: dict, name: str = "") -> "Arch":
+    def from_config(cls, raw: dict, name: str = "") -> Arch:
         t = raw.get("model_type")
         name = name or t
         if t in MLA_TYPES:
@@ -155,12 +155,12 @@ class Pass:
     logits: int = 1  # tokens whose LM-head logits are computed
 
     @classmethod
-    def causal(cls, positions, logits: int = 1) -> "Pass":
+    def causal(cls, positions, logits: int = 1) -> Pass:
         positions = np.asarray(positions, dtype=np.int64)
         return cls(positions, positions + 1, logits)
 
     @classmethod
-    def dense(cls, positions, logits: int = 1) -> "Pass":
+    def dense(cls, positions, logits: int = 1) -> Pass:
         """As the engine's CPU attention runs: every query scores all rows up to the last position."""
         positions = np.asarray(positions, dtype=np.int64)
         return cls(positions, np.full(len(positions), positions.max() + 1), logits)

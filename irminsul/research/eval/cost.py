@@ -52,7 +52,7 @@ class Scenario:
     carve_out: bool = True
 
     @classmethod
-    def of(cls, prompt_tokens: int, shared_fraction: float = 0.875) -> "Scenario":
+    def of(cls, prompt_tokens: int, shared_fraction: float = 0.875) -> Scenario:
         """The shared span in the middle; header and tail split the rest evenly."""
         shared = int(round(prompt_tokens * shared_fraction))
         return cls(prompt_tokens, (prompt_tokens - shared) // 2, shared)

@@ -29,7 +29,7 @@ class RunInfo:
     threads: int
 
     @classmethod
-    def now(cls, args, model: str, started: float) -> "RunInfo":
+    def now(cls, args, model: str, started: float) -> RunInfo:
         argv = getattr(args, "argv", None) or sys.argv
         command = "irminsul " + shlex.join(argv[1:]) if argv and argv[0].endswith("irminsul") else shlex.join(argv)
         return cls(command=command, seed=args.seed, model=str(model), n=args.n,

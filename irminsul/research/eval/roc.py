@@ -17,9 +17,9 @@ between, so each block is seen at all five positions after different content, in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

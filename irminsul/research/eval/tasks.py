@@ -72,7 +72,7 @@ class Sweep:
     def cells(self) -> list[tuple[int, int]]:
         return [(a, d) for a in self.depths for d in self.deltas if a + d >= 0]
 
-    def scaled(self, context: int) -> "Sweep":
+    def scaled(self, context: int) -> Sweep:
         """The grid for a model whose context is `context` tokens (the defaults fit 2048)."""
         f = min(1.0, context / 2048)
         return Sweep(tuple(max(1, int(a * f)) for a in self.depths), tuple(int(d * f) for d in self.deltas))

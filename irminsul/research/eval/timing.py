@@ -43,7 +43,7 @@ class MovedSpan:
         return len(self.header) - len(self.other_header)
 
     @classmethod
-    def random(cls, rng: np.random.Generator, vocab: int, header: int, shared: int, tail: int, head=()) -> "MovedSpan":
+    def random(cls, rng: np.random.Generator, vocab: int, header: int, shared: int, tail: int, head=()) -> MovedSpan:
         def ids(k):
             return rng.integers(16, vocab, k).tolist()
 

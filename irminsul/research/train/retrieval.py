@@ -12,8 +12,8 @@ reuse `off`, `naive` or `pic`, or a fake in tests:
 
 import re
 import string
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from irminsul.data import data_dir
 from irminsul.errors import UserFacingError

@@ -14,8 +14,8 @@ Windows of a request that repeat its session's previous request are copied, not 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 import xxhash

@@ -14,7 +14,6 @@ from irminsul.errors import UserFacingError
 def _build(args) -> int:
     from pathlib import Path
 
-    from irminsul.errors import UserFacingError
     from irminsul.research.workloads.builders import build_source
     from irminsul.research.workloads.patterns import apply_pattern
     from irminsul.research.workloads.trace import write_trace

@@ -14,9 +14,9 @@ seeded (`random.Random(seed)`, nothing global) and its knobs are keyword argumen
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Callable
 
 from irminsul.errors import UserFacingError
 from irminsul.research.workloads.trace import TraceRequest

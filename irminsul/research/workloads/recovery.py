@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 import xxhash

@@ -4,8 +4,8 @@ with a named tokenizer and concatenated, every segment start recorded for S2 chu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 

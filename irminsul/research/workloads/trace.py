@@ -12,9 +12,9 @@ each part is its own segment when rendered (a retrieved passage, say).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from irminsul.errors import UserFacingError
 from irminsul.model.chat_format import parse_chat

@@ -70,7 +70,9 @@ def _reference(trace, w, sink):
             while k < min(len(t), len(u)) and t[k] == u[k]:
                 k += 1
             prefix = max(prefix, k)
-        wins = lambda seq: {tuple(seq[j:j + w]) for j in range(len(seq) - w + 1)}
+        def wins(seq, w=w):
+            return {tuple(seq[j : j + w]) for j in range(len(seq) - w + 1)}
+
         any_seen = set().union(*[wins(u) for _, u in trace[:i]]) if i else set()
         own_seen = set().union(*[wins(u) for s, u in trace[:i] if s == session] or [set()])
         within = cross = oracle_extra = 0

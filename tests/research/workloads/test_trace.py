@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from irminsul.research.workloads.trace import TraceRequest, TraceError, read_trace, write_trace
+from irminsul.research.workloads.trace import TraceError, TraceRequest, read_trace, write_trace
 
 
 def test_round_trip(tmp_path):
