@@ -65,7 +65,7 @@ from irminsul.kvcache.namespaces import SHARED
 log = logging.getLogger("vllm.irminsul")
 
 # every live connector, by role (an in-process engine's tests and benchmarks read their counters)
-INSTANCES: dict[str, list["IrminsulConnector"]] = {"scheduler": [], "worker": []}
+INSTANCES: dict[str, list[IrminsulConnector]] = {"scheduler": [], "worker": []}
 KEEP_FINISHED = 1024  # finished requests whose stats stay readable
 
 
@@ -102,7 +102,7 @@ class IrminsulWorkerMetadata(KVConnectorWorkerMetadata):
     missed: dict[str, list[int]] = field(default_factory=dict)  # request id -> keys it lacked for its loads
     unsaved: list[int] = field(default_factory=list)  # keys not saved: their request read a missed load
 
-    def aggregate(self, other: "IrminsulWorkerMetadata") -> "IrminsulWorkerMetadata":
+    def aggregate(self, other: IrminsulWorkerMetadata) -> IrminsulWorkerMetadata:
         missed = {rid: self.missed.get(rid, []) + other.missed.get(rid, []) for rid in {**self.missed, **other.missed}}
         return IrminsulWorkerMetadata(missed, self.unsaved + other.unsaved)
 

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from irminsul.kvcache.chunker import ChunkerConfig
+from irminsul.kvcache.namespaces import Namespaces
 from irminsul.kvcache.planner import Plan, Planner, PlannerConfig
 from irminsul.kvcache.radix import RadixCache
 from irminsul.kvcache.registry import MemoryRegistry
-from irminsul.kvcache.namespaces import Namespaces
 
 
 @dataclass(frozen=True)
