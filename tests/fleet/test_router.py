@@ -39,8 +39,12 @@ def serve(kv: KVCacheManager, prompt, segment_starts=None, tenant=None) -> None:
     """Admit a prompt, 'compute' its rows, finish it: its chunks go to the registry (and journal)."""
     seq = Sequence(tokens=list(prompt), prompt_len=len(prompt), params=SamplingParams(max_tokens=1),
                    segment_starts=segment_starts, tenant=tenant)
-    kv.plan(seq)
-    assert kv.allocate(seq, seq.pending)
+    # as the scheduler admits one: the admission, then fresh rows for the positions it computes
+    seq.admit(kv.admission(seq))
+    if len(seq.pending):
+        slots = kv.fresh_rows(seq.pending, [seq.tenant])
+        assert slots is not None  # (the pool holds every prompt these tests serve)
+        seq.place(seq.pending, slots)
     seq.take_pending(len(prompt))
     kv.computed(seq)
     seq.finish_reason = "length"
