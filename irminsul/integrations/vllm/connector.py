@@ -26,7 +26,14 @@ tenant itself. Each searches its own namespace, then the operator's shared one (
 request fills when its `cache_salt` is the operator's secret `publish_salt` (extra config; unset, no
 request can publish).
 
-Counters: the worker's rows loaded, saved and missed go to vLLM's stat loggers (its log, /metrics), and
+Store tiers (tiers.py): with `"stores": ["disk:PATH", "redis://host:port/db"]` in the extra config, the
+registry is the memory tier of Irminsul's tiered store, as in Irminsul's own server. The worker sends
+the rows it saved back to the scheduler side, which writes them down to the disk and Redis tiers in
+the background; a plan's chunk that memory lacks is looked up there (verified: MAC, token ids,
+namespace), brought into memory under a new key, and its rows ride to the worker in the next step's
+metadata. A vLLM restarted on the same disk, or replicas sharing one Redis, load each other's chunks.
+
+Counters: the worker's rows loaded, saved, missed and fetched go to vLLM's stat loggers (its log, /metrics), and
 each request's loaded rows into vLLM's own count of its cached tokens (metrics.py).
 
 Use: `irminsul vllm-serve MODEL ...` (serve.py), or in vLLM's own configuration `--kv-transfer-config
@@ -38,6 +45,7 @@ the upstream change).
 
 from __future__ import annotations
 
+import atexit
 import hmac
 import json
 import logging
@@ -58,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from irminsul.integrations.vllm.metrics import COUNTERS, IrminsulPromMetrics, IrminsulStats, count_as_cached
 from irminsul.integrations.vllm.spans import Load, RequestSpans, SpanIndex, rotate_interleaved
+from irminsul.integrations.vllm.tiers import open_tiers, rows_model_id, store_specs
 from irminsul.kvcache.namespaces import SHARED
 
 # NOTE: a child of vLLM's "vllm" logger, which is the one vLLM gives a handler and a format, so these
@@ -88,7 +97,9 @@ class SlotSave:
 
 @dataclass
 class IrminsulMetadata(KVConnectorMetadata):
-    """One step's work for the worker: loads before the forward, then saves, then drops."""
+    """One step's work for the worker: rows from the store tiers and loads before the forward, then
+    saves, then drops."""
+    puts: dict[int, torch.Tensor] = field(default_factory=dict)  # key -> rows a lower tier gave
     loads: list[SlotLoad] = field(default_factory=list)
     saves: list[SlotSave] = field(default_factory=list)
     # NOTE: applied after the saves: a key saved and evicted in the same step is then not held; a key
@@ -101,10 +112,11 @@ class IrminsulWorkerMetadata(KVConnectorWorkerMetadata):
     """What a worker could not do in a step, back to the scheduler side."""
     missed: dict[str, list[int]] = field(default_factory=dict)  # request id -> keys it lacked for its loads
     unsaved: list[int] = field(default_factory=list)  # keys not saved: their request read a missed load
+    saved: dict[int, torch.Tensor] = field(default_factory=dict)  # key -> rows saved, for the store tiers
 
     def aggregate(self, other: IrminsulWorkerMetadata) -> IrminsulWorkerMetadata:
         missed = {rid: self.missed.get(rid, []) + other.missed.get(rid, []) for rid in {**self.missed, **other.missed}}
-        return IrminsulWorkerMetadata(missed, self.unsaved + other.unsaved)
+        return IrminsulWorkerMetadata(missed, self.unsaved + other.unsaved, {**self.saved, **other.saved})
 
 
 @dataclass
@@ -115,6 +127,7 @@ class RequestStats:
     computed_prompt_tokens: int = 0
     reported_tokens: int = 0  # loaded tokens added to vLLM's own count of the request's cached tokens
     preemptions: int = 0  # times vLLM preempted the request before this plan (the counts are this plan's)
+    fetched_tokens: int = 0  # rows its plan brought in from the store tiers (disk, Redis)
 
 
 def _cut(run: list[Load], end: int) -> list[Load]:
@@ -155,6 +168,12 @@ def _inv_freq(raw: dict) -> torch.Tensor:
     return inv_freq(ModelConfig.from_dict(raw).rope)
 
 
+def _cache_dtype(vllm_config) -> torch.dtype:
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
+    return kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config)
+
+
 def _after_load_chunk(vllm_config, extra: dict) -> int:
     """Tokens a compute span after loaded rows may take per step: 0 (no limit) where the backend prefills
     after cached rows (chunked prefill on), else `after_load_chunk` (default 256; 1 is one token a step
@@ -180,8 +199,17 @@ class IrminsulConnector(KVConnectorBase_V1):
             budget = int(float(extra.get("registry_gib", 1.0)) * 2**30)
             self.tenant = str(extra.get("tenant", ""))
             self.publish_salt = extra.get("publish_salt")  # a request with this cache_salt writes to SHARED
-            self.index = SpanIndex(str(vllm_config.model_config.model), n_layers * self.row_width * 2, budget,
-                                   tenant=self.tenant, sink=int(extra.get("sink", 32)))
+            model_id, tiers = str(vllm_config.model_config.model), None
+            if store_specs(extra):  # (namespaces a restart or another replica shares: the checkpoint's identity)
+                model_config = vllm_config.model_config
+                dtype = _cache_dtype(vllm_config)
+                model_id = rows_model_id(model_config.model, dtype, getattr(model_config, "revision", None))
+                tiers = open_tiers(extra, model_id, n_layers, self.row_width, dtype, budget)
+            self.index = SpanIndex(model_id, n_layers * self.row_width * 2, budget, tenant=self.tenant,
+                                   sink=int(extra.get("sink", 32)), registry=tiers)
+            self._closed = False
+            if tiers is not None:  # (the engine's shutdown closes it first; this writes down what an exit leaves)
+                atexit.register(self.shutdown)
             self.requests: dict[str, Any] = {}  # request id -> the vLLM Request
             self.spans: dict[str, RequestSpans] = {}
             self.pending: dict[str, list[Load]] = {}  # loads moved over, waiting for their blocks
@@ -208,7 +236,9 @@ class IrminsulConnector(KVConnectorBase_V1):
             self.inv_freq = _inv_freq(raw)
             self.rows: dict[int, torch.Tensor] = {}  # key -> [layers, len, row_width]
             self.layers: list[torch.Tensor] = []  # each layer's cache viewed as [slots, row_width]
-            self.loaded_rows = self.saved_rows = self.missed_rows = 0  # (metrics.COUNTERS)
+            self.loaded_rows = self.saved_rows = self.missed_rows = self.fetched_rows = 0  # (metrics.COUNTERS)
+            self.spills = bool(store_specs(extra))  # saved rows go back to the scheduler side, for the tiers
+            self.saved: dict[int, torch.Tensor] = {}
             self.reported = dict.fromkeys(COUNTERS, 0)  # the counters as the last get_kv_connector_stats saw them
             self.missed: dict[str, list[int]] = {}  # this step's loads without rows, by request
             self.unsaved: list[int] = []
@@ -225,6 +255,9 @@ class IrminsulConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
+        for key, rows in meta.puts.items():  # (before the loads that read them)
+            self.rows[key] = rows.to(self.layers[0].device) if self.layers else rows
+            self.fetched_rows += rows.shape[1]
         for load in meta.loads:
             stored = self.rows.get(load.key)
             if stored is None:  # a miss: vLLM recomputes the request from the first of these blocks
@@ -257,6 +290,8 @@ class IrminsulConnector(KVConnectorBase_V1):
             slots = torch.from_numpy(save.slots)
             self.rows[save.key] = torch.stack([layer[slots] for layer in self.layers])
             self.saved_rows += len(save.slots)
+            if self.spills:
+                self.saved[save.key] = self.rows[save.key].cpu()  # (no copy on a CPU)
         for key in meta.drops:
             self.rows.pop(key, None)
 
@@ -283,11 +318,17 @@ class IrminsulConnector(KVConnectorBase_V1):
         return IrminsulPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> IrminsulWorkerMetadata | None:
-        if not self.missed and not self.unsaved:
+        if not self.missed and not self.unsaved and not self.saved:
             return None
-        out = IrminsulWorkerMetadata(self.missed, self.unsaved)
-        self.missed, self.unsaved = {}, []
+        out = IrminsulWorkerMetadata(self.missed, self.unsaved, self.saved)
+        self.missed, self.unsaved, self.saved = {}, [], {}
         return out
+
+    def shutdown(self) -> None:
+        """The scheduler side writes down what it queued for the store tiers and stops their threads."""
+        if self.role == KVConnectorRole.SCHEDULER and not self._closed:
+            self._closed = True
+            self.index.close()
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -297,12 +338,14 @@ class IrminsulConnector(KVConnectorBase_V1):
         self.pending.pop(rid, None)
         self.loaded.pop(rid, None)
         self.offered.pop(rid, None)
+        fetched = self.index.fetched_tokens
         spans = self.index.plan(request.prompt_token_ids, self.tenant_of(request))
         spans.loads = [load for load in spans.loads if load.start >= num_computed_tokens]
         self.requests[rid], self.spans[rid] = request, spans
         self.stats[rid] = RequestStats(prompt_tokens=spans.n,
                                        planned_load_tokens=sum(len(x) for x in spans.loads),
-                                       preemptions=int(getattr(request, "num_preemptions", 0) or 0))
+                                       preemptions=int(getattr(request, "num_preemptions", 0) or 0),
+                                       fetched_tokens=self.index.fetched_tokens - fetched)
         return 0, False  # nothing right after the prefix: a carve-out or a new header comes first
 
     def tenant_of(self, request) -> str | None:
@@ -408,6 +451,7 @@ class IrminsulConnector(KVConnectorBase_V1):
             upto = min(start + n, spans.n)
             for save in self.index.to_save(spans, upto):
                 meta.saves.append(SlotSave(rid, save.key, self._slots(rid, save.start, save.end)))
+        meta.puts = self.index.fetched()  # (this step's plans' included)
         meta.drops = self.index.evicted()  # (this step's evictions included)
         return meta
 
@@ -419,6 +463,9 @@ class IrminsulConnector(KVConnectorBase_V1):
         if not isinstance(report, IrminsulWorkerMetadata):
             return
         lost = {key for keys in report.missed.values() for key in keys} | set(report.unsaved)
+        for key, rows in report.saved.items():  # down to the store tiers, in the background
+            if key not in lost:
+                self.index.spill(key, rows)
         for rid, spans in self.spans.items():
             spans.loads = [x for x in spans.loads if x.key not in lost]
             if rid in report.missed and rid in self.requests:
