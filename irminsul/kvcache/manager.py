@@ -403,20 +403,3 @@ class KVCacheManager:
     def cached_slots(self) -> np.ndarray:
         """Distinct slots the tree and the registry hold (for the pool's statistics)."""
         return np.flatnonzero(self.order.held > 0)
-
-    # -- one sequence driven by hand, without a scheduler (tools and tests) -----------------
-
-    def plan(self, seq) -> None:
-        """Admit seq in place: `seq.admit(self.admission(seq))`."""
-        seq.admit(self.admission(seq))
-
-    def allocate(self, seq, positions: np.ndarray) -> bool:
-        """Fresh rows for positions of seq, placed in its slot table; False (nothing taken) if the
-        pool cannot give them."""
-        if not len(positions):
-            return True
-        slots = self.fresh_rows(positions, [seq.tenant])
-        if slots is None:
-            return False
-        seq.place(positions, slots)
-        return True

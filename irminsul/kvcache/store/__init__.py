@@ -10,7 +10,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from irminsul.kvcache.registry import MemoryRegistry, Registry
+from irminsul.kvcache.registry import ChunkStore, MemoryRegistry, Registry
 from irminsul.kvcache.store.stats import TierStats, memory_tier_stats
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class StoreConfig:
         return next((s for s in self.specs if s != "memory" and not s.startswith("disk:")), None)
 
 
-def open_registry(config: StoreConfig, layout: RowLayout, memory_bytes: int | None = None) -> Registry:
+def open_registry(config: StoreConfig, layout: RowLayout, memory_bytes: int | None = None) -> ChunkStore:
     memory = MemoryRegistry(config.memory_bytes if memory_bytes is None else memory_bytes)
     lower: list[Registry] = []
     if config.disk_path:
