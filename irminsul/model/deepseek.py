@@ -215,6 +215,11 @@ class DeepseekModel(nn.Module):
                 found.append(Product(q_in.out_features + kv_a.out_features, kv_a.in_features, kv_a.weight.dtype, 1, 1.0))
                 for lin in (module.kv_b_proj, module.o_proj) + ((module.q_b_proj,) if module.cfg.q_lora_rank else ()):
                     found.append(Product(*lin.weight.shape, lin.weight.dtype, 1, 1.0, "out"))
+                cfg, dtype = module.cfg, module.kv_b_proj.weight.dtype
+                if dtype == torch.bfloat16:  # (each head's absorbed product: whether to widen it, `MLAttention.pack`)
+                    heads = cfg.num_attention_heads
+                    found += [Product(cfg.kv_lora_rank, cfg.qk_nope_head_dim, dtype, heads, heads, "out"),
+                              Product(cfg.v_head_dim, cfg.kv_lora_rank, dtype, heads, heads, "out")]
         w = self.lm_head.weight
         found.append(Product(*w.shape, w.dtype, 1, 1.0))
         return found

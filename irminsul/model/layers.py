@@ -151,10 +151,16 @@ def widen_rows(w: torch.Tensor, layout: str | None = None) -> int:
     `DeepseekModel.pack` packs, what its choices measured for this shape (`kernel_choice.Choice.widen`);
     0 outside a pack (the fixed rule)."""
 
+    return widen_rows_of(w.shape[0], w.shape[1], w.dtype, w.device, layout)
+
+
+def widen_rows_of(out: int, inp: int, dtype: torch.dtype, device, layout: str | None = "out") -> int:
+    """`widen_rows` for a product shape [out, in] that has no weight of its own laid out by the choices
+    (each head's share of the absorbed W_UK / W_UV products)."""
     choices = kernel_choice.current()
-    if choices is None or choices.kernels == "fixed" or w.device.type != "cpu":
+    if choices is None or choices.kernels == "fixed" or torch.device(device).type != "cpu":
         return 0
-    return choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout).widen
+    return choices.choice(out, inp, dtype, device, layout=layout).widen
 
 
 def laid_out(w: torch.Tensor, layout: str) -> torch.Tensor:

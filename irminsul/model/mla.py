@@ -26,7 +26,7 @@ from torch import nn
 
 from irminsul.model.attention import EMPTY_SLOT, AttentionBackend, SeqAttention
 from irminsul.model.config import ModelConfig
-from irminsul.model.layers import Linear, RMSNorm, dnn_weight, gemv_rows, pack_linears, packed, widen_rows
+from irminsul.model.layers import Linear, RMSNorm, dnn_weight, gemv_rows, pack_linears, packed, widen_rows, widen_rows_of
 from irminsul.model.rope import Rotary, encode_half
 
 
@@ -162,6 +162,8 @@ class MLAttention(nn.Module):
         # (W_UK, W_UV) each in memory of its own, for bf16/fp16 after `pack` (`AttentionBackend.absorbed_weights`),
         # and the kv_b_proj weight they were copied from
         self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # from how many rows on the W_UK and W_UV products run in float32 (bf16, after `pack`)
+        self.absorbed_widen: tuple[int, int] = (0, 0)
         self.absorbed_from: int | None = None
 
     def _q_in(self) -> nn.Linear:
@@ -187,6 +189,9 @@ class MLAttention(nn.Module):
                 # (W_UK stored [H, r, nope]: each output's weights contiguous, as the native per-head
                 # products read them, attention.base._heads; bmm reads either)
                 self.absorbed = (w_uk.transpose(1, 2).contiguous().transpose(1, 2), w_uv.contiguous())
+                cfg = self.cfg  # (each head's product: [n, nope] x [nope, r], then [n, r] x [r, v])
+                self.absorbed_widen = (widen_rows_of(cfg.kv_lora_rank, cfg.qk_nope_head_dim, w.dtype, w.device),
+                                       widen_rows_of(cfg.v_head_dim, cfg.kv_lora_rank, w.dtype, w.device))
             self.absorbed_from = w.data_ptr()
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

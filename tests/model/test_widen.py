@@ -103,3 +103,37 @@ def test_from_eight_rows_where_it_wins_there_and_gemv_keeps_its_rows():
         assert torch.equal(lin(x), gemv.product(x, lin.weight))
     x9 = torch.randn(9, 64).bfloat16()
     assert torch.equal(lin(x9), widened(x9, lin.weight))
+
+
+def test_the_absorbed_products_widen_from_their_rows():
+    from irminsul.model.attention.base import absorb_output, absorb_query
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(12, 4, 16, generator=g).bfloat16()  # [n, H, nope]
+    w_uk = torch.randn(4, 16, 32, generator=g).bfloat16()  # [H, nope, r]
+    want = torch.einsum("nhd,hdr->nhr", q.double(), w_uk.double())
+    got = absorb_query(q, w_uk, widen_rows=8)
+    assert got.dtype == torch.bfloat16 and ((got.double() - want).abs() <= _bf16_step(want)).all()
+    o = torch.randn(12, 4, 32, generator=g).bfloat16()  # [n, H, r]
+    w_uv = torch.randn(4, 8, 32, generator=g).bfloat16()  # [H, v, r]
+    want = torch.einsum("nhr,hvr->nhv", o.double(), w_uv.double())
+    got = absorb_output(o, w_uv, widen_rows=8)
+    assert ((got.double() - want).abs() <= _bf16_step(want)).all()
+    assert torch.equal(absorb_output(o[:7], w_uv, widen_rows=8), absorb_output(o[:7], w_uv))  # (below: bmm's)
+
+
+def test_a_bf16_model_packed_to_widen_keeps_its_logits(tiny_dir, tmp_path, monkeypatch):
+    from irminsul.model.loader import load_model
+    from irminsul.model.mla import MLAttention
+
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    plain = load_model(tiny_dir, dtype="bfloat16", pack=False)
+    model = load_model(tiny_dir, dtype="bfloat16", pack=False).pack(kernels=KernelChoices.every("out", widen=8))
+    attn = next(m for m in model.modules() if isinstance(m, MLAttention))
+    assert attn.absorbed_widen == (8, 8)
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = []
+    for m in (model, plain):
+        seq = m.new_rows(64)
+        got.append(m.logits(m.prefill(seq, ids, list(range(40)))).float())
+    assert (got[0] - got[1]).abs().max().item() < 0.1 * got[1].abs().max().item()

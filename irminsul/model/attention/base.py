@@ -69,18 +69,29 @@ class AttentionBackend(ABC):
                                        cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
+    def absorbed_widen(self, attn) -> tuple[int, int]:
+        """From how many rows on the W_UK and the W_UV products run in float32 (0: never): what
+        `MLAttention.pack` took from the kernel choices for a bf16 model (`kernel_choice.Choice.widen`)."""
+        return getattr(attn, "absorbed_widen", (0, 0))
 
-def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """q_nope [n, H, nope] -> q_lat [n, H, r]: W_UK absorbed into the query."""
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor, widen_rows: int = 0) -> torch.Tensor:
+    """q_nope [n, H, nope] -> q_lat [n, H, r]: W_UK absorbed into the query; from `widen_rows` rows on
+    (0: never) in float32 (`AttentionBackend.absorbed_widen`)."""
     if (y := _heads(q_nope, w_uk.transpose(1, 2))) is not None:
         return y
+    if 0 < widen_rows <= q_nope.shape[0]:
+        return torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1).to(q_nope.dtype)
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
-def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_lat [n, H, r] (softmax-weighted latents) -> [n, H, v]: W_UV absorbed into the output."""
+def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor, widen_rows: int = 0) -> torch.Tensor:
+    """o_lat [n, H, r] (softmax-weighted latents) -> [n, H, v]: W_UV absorbed into the output; from
+    `widen_rows` rows on (0: never) in float32."""
     if (y := _heads(o_lat, w_uv)) is not None:
         return y
+    if 0 < widen_rows <= o_lat.shape[0]:
+        return torch.bmm(o_lat.transpose(0, 1).float(), w_uv.float().transpose(1, 2)).transpose(0, 1).to(o_lat.dtype)
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 

@@ -184,15 +184,16 @@ class ReferenceAttention(AttentionBackend):
             idx = torch.cat([g.token_index for g in absorbed]) if absorbed else None
         out = None if idx is None and absorbed else q_nope.new_empty(n, h, cfg.v_head_dim)
         if absorbed:
+            widen_uk, widen_uv = self.absorbed_widen(attn)
             qn, qp = (q_nope, q_pe) if idx is None else (q_nope[idx], q_pe[idx])
-            q_lat = absorb_query(qn, w_uk)  # [n', H, r]
+            q_lat = absorb_query(qn, w_uk, widen_uk)  # [n', H, r]
             o_lat, at = [], 0
             for g in absorbed:
                 k = len(g.token_index)
                 o_lat.append(self._absorbed(q_lat[at : at + k], qp[at : at + k], pool, g, _rows_of(index, g)))
                 at += k
             o_lat = o_lat[0] if len(o_lat) == 1 else torch.cat(o_lat)
-            o = absorb_output(o_lat, w_uv)
+            o = absorb_output(o_lat, w_uv, widen_uv)
             if idx is None:
                 return o
             out[idx] = o
