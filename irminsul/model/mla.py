@@ -26,7 +26,16 @@ from torch import nn
 
 from irminsul.model.attention import EMPTY_SLOT, AttentionBackend, SeqAttention
 from irminsul.model.config import ModelConfig
-from irminsul.model.layers import Linear, RMSNorm, dnn_weight, gemv_rows, pack_linears, packed, widen_rows, widen_rows_of
+from irminsul.model.layers import (
+    Linear,
+    RMSNorm,
+    dnn_weight,
+    gemv_rows,
+    pack_linears,
+    packed,
+    widen_rows,
+    widen_rows_of,
+)
 from irminsul.model.rope import Rotary, encode_half
 
 
