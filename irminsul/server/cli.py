@@ -52,7 +52,8 @@ def register(sub) -> None:
                         "it the read is a miss and the tier is skipped until Redis answers again")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="threads for the engine's torch operations and native kernels (default: torch's, the "
-                        "cores it sees); 1 on a machine whose other cores are busy")
+                        "cores it sees, or 1 where one request ran faster on one thread when this model was "
+                        "first loaded here); 1 on a machine whose other cores are busy")
     p.add_argument("--max-running-requests", type=int, default=DEFAULTS.max_running_requests,
                    help="requests the engine runs at once; the rest wait")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULTS.max_queued_requests,

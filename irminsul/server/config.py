@@ -66,7 +66,7 @@ class ServerConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     kv_cache_gib: float | None = None  # the latent pool, one budget; None: the device's default (engine.py)
     tenant_cache_share: float | None = None  # each API key's cached rows kept from other keys' admissions, up to this share
-    threads: int | None = None  # torch's intra-op threads; None: torch's default (the cores it sees)
+    threads: int | None = None  # torch's intra-op threads; None: torch's default or 1, measured (model/threads.py)
     max_running_requests: int = 64
     max_queued_requests: int = 1024
     max_prefill_tokens: int = 2048  # per engine step; longer prompts are prefilled in chunks

@@ -47,7 +47,18 @@ def load_checkpoint(config: ServerConfig) -> Checkpoint:
     model = load_model(path, dtype=config.dtype, device=config.device)
     if config.attention_backend not in ("cpu", "torch"):  # (the default every family starts with)
         model.set_attention_backend(config.attention_backend)
-    return Checkpoint(model, Tokenizer(path), config.served_model_name or path.name, checkpoint_id(path, config.dtype))
+    ident = checkpoint_id(path, config.dtype)
+    if config.threads is None:
+        import torch
+
+        from irminsul.model.threads import fastest_threads
+
+        start = torch.get_num_threads()
+        threads = fastest_threads(model, ident)
+        if threads != start:
+            torch.set_num_threads(threads)
+            log.info("threads: %d of %d (one request ran faster on it here; --threads N sets it)", threads, start)
+    return Checkpoint(model, Tokenizer(path), config.served_model_name or path.name, ident)
 
 
 class ServerState:
