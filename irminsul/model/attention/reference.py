@@ -187,13 +187,16 @@ class ReferenceAttention(AttentionBackend):
             widen_uk, widen_uv = self.absorbed_widen(attn)
             qn, qp = (q_nope, q_pe) if idx is None else (q_nope[idx], q_pe[idx])
             q_lat = absorb_query(qn, w_uk, widen_uk)  # [n', H, r]
+            dtype = q_lat.dtype
+            if 0 < widen_uk <= q_lat.shape[0]:  # (then the scores and weighted latents in float32 too)
+                q_lat, qp = q_lat.float(), qp.float()
             o_lat, at = [], 0
             for g in absorbed:
                 k = len(g.token_index)
                 o_lat.append(self._absorbed(q_lat[at : at + k], qp[at : at + k], pool, g, _rows_of(index, g)))
                 at += k
             o_lat = o_lat[0] if len(o_lat) == 1 else torch.cat(o_lat)
-            o = absorb_output(o_lat, w_uv, widen_uv)
+            o = absorb_output(o_lat.to(dtype), w_uv, widen_uv)
             if idx is None:
                 return o
             out[idx] = o
