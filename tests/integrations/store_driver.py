@@ -52,12 +52,14 @@ def run(path: str, job: dict) -> dict:
         done = llm.generate([request], params, use_tqdm=False)[0]
         stats = next(v for k, v in scheduler.stats.items() if k.split("-")[0] == done.request_id)
         first = done.outputs[0].logprobs[0]
-        out.append({
-            **asked,
-            "token_ids": list(done.outputs[0].token_ids),
-            "logprobs": {str(t): lp.logprob for t, lp in first.items()},
-            **dataclasses.asdict(stats),
-        })
+        out.append(
+            {
+                **asked,
+                "token_ids": list(done.outputs[0].token_ids),
+                "logprobs": {str(t): lp.logprob for t, lp in first.items()},
+                **dataclasses.asdict(stats),
+            }
+        )
     counters = {"fetched_rows": worker.fetched_rows, "missed_rows": worker.missed_rows}
     llm.llm_engine.engine_core.shutdown()  # (vLLM's shutdown: the scheduler's, then the connector's)
     tiers = getattr(scheduler.index.registry, "all_tier_stats", [])

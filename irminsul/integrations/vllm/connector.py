@@ -33,7 +33,7 @@ the background; a plan's chunk that memory lacks is looked up there (verified: M
 namespace), brought into memory under a new key, and its rows ride to the worker in the next step's
 metadata. A vLLM restarted on the same disk, or replicas sharing one Redis, load each other's chunks.
 
-Counters: the worker's rows loaded, saved, missed and fetched go to vLLM's stat loggers (its log, /metrics), and
+Counters: the worker's rows loaded, saved and missed go to vLLM's stat loggers (its log, /metrics), and
 each request's loaded rows into vLLM's own count of its cached tokens (metrics.py).
 
 Use: `irminsul vllm-serve MODEL ...` (serve.py), or in vLLM's own configuration `--kv-transfer-config
@@ -236,7 +236,8 @@ class IrminsulConnector(KVConnectorBase_V1):
             self.inv_freq = _inv_freq(raw)
             self.rows: dict[int, torch.Tensor] = {}  # key -> [layers, len, row_width]
             self.layers: list[torch.Tensor] = []  # each layer's cache viewed as [slots, row_width]
-            self.loaded_rows = self.saved_rows = self.missed_rows = self.fetched_rows = 0  # (metrics.COUNTERS)
+            self.loaded_rows = self.saved_rows = self.missed_rows = 0  # (metrics.COUNTERS)
+            self.fetched_rows = 0  # rows taken in from the store tiers
             self.spills = bool(store_specs(extra))  # saved rows go back to the scheduler side, for the tiers
             self.saved: dict[int, torch.Tensor] = {}
             self.reported = dict.fromkeys(COUNTERS, 0)  # the counters as the last get_kv_connector_stats saw them

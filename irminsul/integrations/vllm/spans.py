@@ -115,6 +115,7 @@ class SpanIndex:
         self._fetched: dict[int, torch.Tensor] = {}  # key -> rows a lower tier gave, for the engine to take in
         self._unspilled: OrderedDict[int, Entry] = OrderedDict()  # key -> its entry, until its rows come back
         self.fetched_tokens = 0  # rows brought in from the lower tiers, all plans together
+        self._promoted: list[int] = []  # fingerprints the plan under way brought in (pinned until it ends)
         self.registry.on_store.append(lambda entry: self._fingerprints.__setitem__(entry.payload, entry.fingerprint))
         self.registry.on_evict.append(self._on_evict)
         self.registry.bind(self._promote, lambda entry: entry)
@@ -133,15 +134,25 @@ class SpanIndex:
         entry = dataclasses.replace(found, payload=key, nbytes=len(found) * self.bytes_per_token)
         if not self.registry.memory.put(entry):
             return None
+        # NOTE: pinned until the plan ends (plan() unpins, the planner having pinned what it uses): a
+        # later chunk of the same plan brought in must not evict it before the plan names it
+        self.registry.memory.pin(entry.fingerprint)
+        self._promoted.append(entry.fingerprint)
         self._fetched[key] = rows
         self.fetched_tokens += len(found)
         return entry
 
     def plan(self, token_ids, tenant: str | None = None) -> RequestSpans:
         planner = self.namespaces.planner(tenant)
-        plan = planner.plan(np.asarray(token_ids, dtype=np.int64))
-        loads = [Load(s.start, s.end, s.entry.payload, s.src_offset, s.delta)
-                 for s in plan.spans if s.kind == "reuse" and s.entry.payload not in self._lost]
+        try:
+            plan = planner.plan(np.asarray(token_ids, dtype=np.int64))
+        finally:
+            for fp in self._promoted:
+                self.registry.memory.unpin(fp)
+            self._promoted.clear()
+        # (an entry no longer stored is never loaded: its rows are being dropped)
+        loads = [Load(s.start, s.end, s.entry.payload, s.src_offset, s.delta) for s in plan.spans
+                 if s.kind == "reuse" and s.entry.payload not in self._lost and s.entry.payload in self._fingerprints]
         return RequestSpans(plan, loads, planner, tenant)
 
     def release(self, spans: RequestSpans) -> None:

@@ -67,9 +67,13 @@ def store_config(extra: dict, memory_bytes: int) -> StoreConfig:
     """The server's StoreConfig from the extra config (validated as `--store` is)."""
     disk_gib = float(extra.get("disk_gib", StoreConfig().disk_bytes / 2**30))
     ttl = extra.get("redis_ttl_s")
-    config = StoreConfig(("memory", *store_specs(extra)), memory_bytes=memory_bytes, disk_bytes=int(disk_gib * 2**30),
-                         redis_ttl_s=None if ttl is None else int(ttl),
-                         redis_timeout_s=float(extra.get("redis_timeout_s", StoreConfig().redis_timeout_s)))
+    config = StoreConfig(
+        ("memory", *store_specs(extra)),
+        memory_bytes=memory_bytes,
+        disk_bytes=int(disk_gib * 2**30),
+        redis_ttl_s=None if ttl is None else int(ttl),
+        redis_timeout_s=float(extra.get("redis_timeout_s", StoreConfig().redis_timeout_s)),
+    )
     if config.disk_path and config.disk_bytes < 1:
         raise ValueError(f"disk_gib {disk_gib} holds nothing; give it a size, or drop the disk tier")
     return config
@@ -90,8 +94,9 @@ def rows_model_id(model: str, dtype: torch.dtype, revision: str | None = None) -
     return xxhash.xxh64(f"{checkpoint_id(path, dtype_name)};{ROWS}".encode()).hexdigest()
 
 
-def open_tiers(extra: dict, model_id: str, n_layers: int, row_width: int, dtype: torch.dtype,
-               memory_bytes: int) -> ConnectorTiers | None:
+def open_tiers(
+    extra: dict, model_id: str, n_layers: int, row_width: int, dtype: torch.dtype, memory_bytes: int
+) -> ConnectorTiers | None:
     """The registry over the tiers `extra` names (None when it names none)."""
     config = store_config(extra, memory_bytes)
     layout = RowLayout(model_id, n_layers, row_width, dtype, "cpu", os.environ.get(SECRET_ENV, "").encode())
@@ -100,11 +105,18 @@ def open_tiers(extra: dict, model_id: str, n_layers: int, row_width: int, dtype:
         return None
     tiers = ConnectorTiers(opened.memory, opened.lower)
     where = [f"disk:{config.disk_path}" if t.key_prefix is None else t.location for t in tiers.lower]
-    log.info("irminsul: store tiers under the registry: %s (entries keyed by %s:%s)", ", ".join(where), model_id,
-             layout.key_id)
+    log.info(
+        "irminsul: store tiers under the registry: %s (entries keyed by %s:%s)",
+        ", ".join(where),
+        model_id,
+        layout.key_id,
+    )
     if not layout.secret:
-        log.warning("irminsul: %s is not set: the store tiers' MACs check integrity, not who wrote an entry; "
-                    "set it (the same on every replica) where others can write the disk or Redis", SECRET_ENV)
+        log.warning(
+            "irminsul: %s is not set: the store tiers' MACs check integrity, not who wrote an entry; "
+            "set it (the same on every replica) where others can write the disk or Redis",
+            SECRET_ENV,
+        )
     for tier in tiers.lower:
         if not tier.available:  # (it reconnects by itself; say so once)
             log.warning("irminsul: the store tier %s does not answer; serving without it until it does", tier.location)
