@@ -5,9 +5,11 @@
 change in `upstream/scheduler.patch`) import vLLM.
 """
 
-CONNECTOR = {"kv_connector": "IrminsulConnector",
-             "kv_connector_module_path": "irminsul.integrations.vllm.connector",
-             "kv_role": "kv_both",
-             # a load the worker cannot serve is a cache miss: recomputed, never a failed request
-             "kv_load_failure_policy": "recompute"}
+CONNECTOR = {
+    "kv_connector": "IrminsulConnector",
+    "kv_connector_module_path": "irminsul.integrations.vllm.connector",
+    "kv_role": "kv_both",
+    # a load the worker cannot serve is a cache miss: recomputed, never a failed request
+    "kv_load_failure_policy": "recompute",
+}
 SCHEDULER = "irminsul.integrations.vllm.scheduler.IrminsulScheduler"

@@ -99,6 +99,7 @@ class SlotSave:
 class IrminsulMetadata(KVConnectorMetadata):
     """One step's work for the worker: rows from the store tiers and loads before the forward, then
     saves, then drops."""
+
     puts: dict[int, torch.Tensor] = field(default_factory=dict)  # key -> rows a lower tier gave
     loads: list[SlotLoad] = field(default_factory=list)
     saves: list[SlotSave] = field(default_factory=list)
@@ -110,6 +111,7 @@ class IrminsulMetadata(KVConnectorMetadata):
 @dataclass
 class IrminsulWorkerMetadata(KVConnectorWorkerMetadata):
     """What a worker could not do in a step, back to the scheduler side."""
+
     missed: dict[str, list[int]] = field(default_factory=dict)  # request id -> keys it lacked for its loads
     unsaved: list[int] = field(default_factory=list)  # keys not saved: their request read a missed load
     saved: dict[int, torch.Tensor] = field(default_factory=dict)  # key -> rows saved, for the store tiers
@@ -189,8 +191,10 @@ class IrminsulConnector(KVConnectorBase_V1):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         raw = _model_config(vllm_config)
         if "kv_lora_rank" not in raw:
-            raise ValueError(f"IrminsulConnector serves MLA models (DeepSeek V2/V3 and their family): "
-                             f"{vllm_config.model_config.model} has no kv_lora_rank in its config")
+            raise ValueError(
+                f"IrminsulConnector serves MLA models (DeepSeek V2/V3 and their family): "
+                f"{vllm_config.model_config.model} has no kv_lora_rank in its config"
+            )
         self.block_size = vllm_config.cache_config.block_size
         self.row_width = raw["kv_lora_rank"] + raw["qk_rope_head_dim"]
         self.kv_lora_rank = raw["kv_lora_rank"]
@@ -205,8 +209,14 @@ class IrminsulConnector(KVConnectorBase_V1):
                 dtype = _cache_dtype(vllm_config)
                 model_id = rows_model_id(model_config.model, dtype, getattr(model_config, "revision", None))
                 tiers = open_tiers(extra, model_id, n_layers, self.row_width, dtype, budget)
-            self.index = SpanIndex(model_id, n_layers * self.row_width * 2, budget, tenant=self.tenant,
-                                   sink=int(extra.get("sink", 32)), registry=tiers)
+            self.index = SpanIndex(
+                model_id,
+                n_layers * self.row_width * 2,
+                budget,
+                tenant=self.tenant,
+                sink=int(extra.get("sink", 32)),
+                registry=tiers,
+            )
             self._closed = False
             if tiers is not None:  # (the engine's shutdown closes it first; this writes down what an exit leaves)
                 atexit.register(self.shutdown)
@@ -222,10 +232,12 @@ class IrminsulConnector(KVConnectorBase_V1):
             # (cpu_mla.py; 0 when the backend has chunked prefill and the span is one chunk)
             self.after_load_chunk = _after_load_chunk(vllm_config, extra)
             if not _scheduler_asks_hooks(vllm_config):
-                log.warning("irminsul: this vLLM's scheduler asks a KV connector only at admission: rows are "
-                            "saved but never loaded mid-prompt; use --scheduler-cls %s or a vLLM with the "
-                            "upstream change (docs/vllm-upstream.md)", "irminsul.integrations.vllm.scheduler."
-                            "IrminsulScheduler")
+                log.warning(
+                    "irminsul: this vLLM's scheduler asks a KV connector only at admission: rows are "
+                    "saved but never loaded mid-prompt; use --scheduler-cls %s or a vLLM with the "
+                    "upstream change (docs/vllm-upstream.md)",
+                    "irminsul.integrations.vllm.scheduler.IrminsulScheduler",
+                )
             INSTANCES["scheduler"].append(self)
         else:
             chunk = _after_load_chunk(vllm_config, extra)
@@ -266,12 +278,12 @@ class IrminsulConnector(KVConnectorBase_V1):
                 self.invalid_blocks.update((load.slots // self.block_size).tolist())
                 self.missed_rows += load.length
                 continue
-            rows = stored[:, load.src_offset:load.src_offset + load.length]
+            rows = stored[:, load.src_offset : load.src_offset + load.length]
             slots = torch.from_numpy(load.slots)
-            k_pe = rotate_interleaved(rows[..., self.kv_lora_rank:], load.delta, self.inv_freq)
-            for layer, (c_kv, pe) in zip(self.layers, zip(rows[..., :self.kv_lora_rank], k_pe)):
-                layer[slots, :self.kv_lora_rank] = c_kv.to(layer.dtype)
-                layer[slots, self.kv_lora_rank:] = pe.to(layer.dtype)
+            k_pe = rotate_interleaved(rows[..., self.kv_lora_rank :], load.delta, self.inv_freq)
+            for layer, (c_kv, pe) in zip(self.layers, zip(rows[..., : self.kv_lora_rank], k_pe)):
+                layer[slots, : self.kv_lora_rank] = c_kv.to(layer.dtype)
+                layer[slots, self.kv_lora_rank :] = pe.to(layer.dtype)
             self.loaded_rows += load.length
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -343,10 +355,12 @@ class IrminsulConnector(KVConnectorBase_V1):
         spans = self.index.plan(request.prompt_token_ids, self.tenant_of(request))
         spans.loads = [load for load in spans.loads if load.start >= num_computed_tokens]
         self.requests[rid], self.spans[rid] = request, spans
-        self.stats[rid] = RequestStats(prompt_tokens=spans.n,
-                                       planned_load_tokens=sum(len(x) for x in spans.loads),
-                                       preemptions=int(getattr(request, "num_preemptions", 0) or 0),
-                                       fetched_tokens=self.index.fetched_tokens - fetched)
+        self.stats[rid] = RequestStats(
+            prompt_tokens=spans.n,
+            planned_load_tokens=sum(len(x) for x in spans.loads),
+            preemptions=int(getattr(request, "num_preemptions", 0) or 0),
+            fetched_tokens=self.index.fetched_tokens - fetched,
+        )
         return 0, False  # nothing right after the prefix: a carve-out or a new header comes first
 
     def tenant_of(self, request) -> str | None:
@@ -413,9 +427,14 @@ class IrminsulConnector(KVConnectorBase_V1):
     def in_flight(self) -> dict[str, int]:
         """The scheduler side's per-request bookkeeping, by kind (all 0 once every request has finished,
         been aborted or been preempted and finished), and the registry's pinned entries."""
-        return {"requests": len(self.requests), "plans": len(self.spans), "pending_loads": len(self.pending),
-                "loaded": len(self.loaded), "offered": len(self.offered),
-                "pinned_entries": self.index.registry.stats.pinned}
+        return {
+            "requests": len(self.requests),
+            "plans": len(self.spans),
+            "pending_loads": len(self.pending),
+            "loaded": len(self.loaded),
+            "offered": len(self.offered),
+            "pinned_entries": self.index.registry.stats.pinned,
+        }
 
     def _report_cached(self, request) -> None:
         """vLLM's own count of the request's reused tokens includes the rows loaded so far
@@ -439,8 +458,11 @@ class IrminsulConnector(KVConnectorBase_V1):
             if rid not in scheduled:
                 continue  # its blocks come with the step that schedules it
             for load in loads:
-                meta.loads.append(SlotLoad(rid, load.key, load.src_offset, len(load), load.delta,
-                                           self._slots(rid, load.start, load.end)))
+                meta.loads.append(
+                    SlotLoad(
+                        rid, load.key, load.src_offset, len(load), load.delta, self._slots(rid, load.start, load.end)
+                    )
+                )
             del self.pending[rid]
         for rid, n in scheduled.items():
             spans, request = self.spans.get(rid), self.requests.get(rid)
@@ -470,8 +492,11 @@ class IrminsulConnector(KVConnectorBase_V1):
         for rid, spans in self.spans.items():
             spans.loads = [x for x in spans.loads if x.key not in lost]
             if rid in report.missed and rid in self.requests:
-                log.warning("irminsul: request %s: %d stored chunks were not on the worker; recomputing them",
-                            rid, len(report.missed[rid]))
+                log.warning(
+                    "irminsul: request %s: %d stored chunks were not on the worker; recomputing them",
+                    rid,
+                    len(report.missed[rid]),
+                )
                 pos = self.requests[rid].num_computed_tokens  # (rows after it are computed again)
                 self.loaded[rid] = [(a, min(b, pos)) for a, b in self.loaded.get(rid, []) if a < pos]
                 self.stats[rid].loaded_tokens = sum(b - a for a, b in self.loaded[rid])
@@ -484,8 +509,13 @@ class IrminsulConnector(KVConnectorBase_V1):
         if spans is not None:
             self.index.release(spans)
             st = self.stats[rid]
-            log.info("irminsul: request %s: %d prompt tokens, %d loaded from the registry, %d computed",
-                     rid, st.prompt_tokens, st.loaded_tokens, st.computed_prompt_tokens)
+            log.info(
+                "irminsul: request %s: %d prompt tokens, %d loaded from the registry, %d computed",
+                rid,
+                st.prompt_tokens,
+                st.loaded_tokens,
+                st.computed_prompt_tokens,
+            )
             self.finished.append(rid)
             while len(self.finished) > KEEP_FINISHED:
                 self.stats.pop(self.finished.popleft(), None)

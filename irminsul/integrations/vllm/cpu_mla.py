@@ -34,8 +34,17 @@ def enable(threshold: int) -> None:
         query_len_support = QueryLenSupport.VARLEN
         reorder_batch_threshold = threshold
 
-        def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
-                          query_start_loc_device, num_decode_tokens, max_query_len, dcp_tot_seq_lens_device):
+        def _build_decode(
+            self,
+            block_table_tensor,
+            seq_lens_device,
+            max_seq_len,
+            query_start_loc_cpu,
+            query_start_loc_device,
+            num_decode_tokens,
+            max_query_len,
+            dcp_tot_seq_lens_device,
+        ):
             starts = query_start_loc_cpu.to(torch.long)
             lens = starts[1:] - starts[:-1]
             if len(lens) and int(lens.max()) > 1:
@@ -44,9 +53,16 @@ def enable(threshold: int) -> None:
                 seq = seq_lens_device.to(torch.long).cpu()[req] - lens[req] + j + 1
                 block_table_tensor = block_table_tensor[req.to(block_table_tensor.device)]
                 seq_lens_device = seq.to(seq_lens_device.dtype).to(seq_lens_device.device)
-            return super()._build_decode(block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
-                                         query_start_loc_device, num_decode_tokens, max_query_len,
-                                         dcp_tot_seq_lens_device)
+            return super()._build_decode(
+                block_table_tensor,
+                seq_lens_device,
+                max_seq_len,
+                query_start_loc_cpu,
+                query_start_loc_device,
+                num_decode_tokens,
+                max_query_len,
+                dcp_tot_seq_lens_device,
+            )
 
     CPUMLABackend.get_builder_cls = staticmethod(lambda: IrminsulCPUMLABuilder)
     _ENABLED["threshold"] = threshold

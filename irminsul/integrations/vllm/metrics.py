@@ -52,14 +52,17 @@ class IrminsulPromMetrics(KVConnectorPromMetrics):
     """`vllm:irminsul_<counter>_total` per engine (vLLM's `model_name` and `engine` labels). The `vllm:`
     prefix is what vLLM unregisters before it registers its metrics again in one process."""
 
-    def __init__(self, vllm_config, metric_types, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]):
+    def __init__(
+        self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters = {
             name: create_metric_per_engine(
                 self._counter_cls(name=f"vllm:irminsul_{name}", documentation=doc, labelnames=labelnames),
-                per_engine_labelvalues)
-            for name, doc in COUNTERS.items()}
+                per_engine_labelvalues,
+            )
+            for name, doc in COUNTERS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for name, per_engine in self.counters.items():

@@ -27,17 +27,24 @@ import dataclasses
 from irminsul.errors import UserFacingError
 
 USAGE = "irminsul vllm-serve MODEL [vLLM serve options]"
-DESCRIPTION = ("vLLM's OpenAI-compatible server (`vllm serve`) with Irminsul's KV connector and scheduler: "
-               "prompts reuse stored chunks at any position. Every option is vLLM's; left out, "
-               "--kv-transfer-config, --scheduler-cls, --no-async-scheduling, --enable-prompt-tokens-details "
-               "and, on a CPU, --attention-backend CPU_MLA are filled in (docs/vllm.md).")
+DESCRIPTION = (
+    "vLLM's OpenAI-compatible server (`vllm serve`) with Irminsul's KV connector and scheduler: "
+    "prompts reuse stored chunks at any position. Every option is vLLM's; left out, "
+    "--kv-transfer-config, --scheduler-cls, --no-async-scheduling, --enable-prompt-tokens-details "
+    "and, on a CPU, --attention-backend CPU_MLA are filled in (docs/vllm.md)."
+)
 
 
 def register(subparsers) -> None:
     # NOTE: every argument is vLLM's and vLLM's parser reads them (its --help included); this parser
     # has no option prefix of its own, so it hands them all over as they are
-    p = subparsers.add_parser("vllm-serve", help="vLLM's OpenAI server with Irminsul's connector (docs/vllm.md)",
-                              usage=USAGE, add_help=False, prefix_chars="\x01")
+    p = subparsers.add_parser(
+        "vllm-serve",
+        help="vLLM's OpenAI server with Irminsul's connector (docs/vllm.md)",
+        usage=USAGE,
+        add_help=False,
+        prefix_chars="\x01",
+    )
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM's own arguments, passed on as they are")
     p.set_defaults(func=lambda args: serve(args.vllm_args))
 
@@ -50,8 +57,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "vllm":
             raise
-        raise UserFacingError("vLLM is not installed in this environment: pip install -e '.[vllm]' "
-                              "(docs/vllm.md)") from None
+        raise UserFacingError(
+            "vLLM is not installed in this environment: pip install -e '.[vllm]' (docs/vllm.md)"
+        ) from None
     parser = make_arg_parser(FlexibleArgumentParser(prog="irminsul vllm-serve", usage=USAGE, description=DESCRIPTION))
     parser.set_defaults(enable_prompt_tokens_details=True)
     args = parser.parse_args(argv)
@@ -74,13 +82,16 @@ def _fill(args: argparse.Namespace) -> None:
     elif transfer.kv_connector in (None, CONNECTOR["kv_connector"]):
         args.kv_transfer_config = dataclasses.replace(transfer, **CONNECTOR)
     else:
-        raise UserFacingError(f"--kv-transfer-config names the connector {transfer.kv_connector!r}; this command "
-                              "runs Irminsul's: leave kv_connector out (kv_connector_extra_config is kept)")
+        raise UserFacingError(
+            f"--kv-transfer-config names the connector {transfer.kv_connector!r}; this command "
+            "runs Irminsul's: leave kv_connector out (kv_connector_extra_config is kept)"
+        )
     if args.scheduler_cls is None:
         args.scheduler_cls = SCHEDULER
     if args.async_scheduling:
-        raise UserFacingError("--async-scheduling: Irminsul's scheduler is vLLM's synchronous one; "
-                              "leave the option out")
+        raise UserFacingError(
+            "--async-scheduling: Irminsul's scheduler is vLLM's synchronous one; leave the option out"
+        )
     args.async_scheduling = False
     backend_chosen = args.attention_backend is not None or getattr(args.attention_config, "backend", None)
     if current_platform.is_cpu() and not backend_chosen:

@@ -48,6 +48,7 @@ KEEP_UNSPILLED = 4096  # saves whose rows have not come back from the engine yet
 class Load:
     """Rows [start, end) of the prompt come from a stored chunk: its rows [src_offset, src_offset +
     len), computed at source positions that are `delta` positions before the target ones."""
+
     start: int
     end: int
     key: int  # the stored rows' key (Save.key of the step that saved them)
@@ -61,6 +62,7 @@ class Load:
 @dataclass(frozen=True)
 class Save:
     """Rows [start, end) of the prompt exist now: the engine copies them out under `key`."""
+
     start: int
     end: int
     key: int
@@ -98,9 +100,17 @@ class SpanIndex:
     `registry`: the chunk store (tiers.py's, over disk and Redis tiers); a memory registry of
     `budget_bytes` by default. Its memory tier's entries name the engine's keys."""
 
-    def __init__(self, model_id: str, bytes_per_token: int, budget_bytes: int, tenant: str = "",
-                 sink: int = 32, chunker: ChunkerConfig | None = None, max_namespaces: int = 1024,
-                 registry: ChunkStore | None = None):
+    def __init__(
+        self,
+        model_id: str,
+        bytes_per_token: int,
+        budget_bytes: int,
+        tenant: str = "",
+        sink: int = 32,
+        chunker: ChunkerConfig | None = None,
+        max_namespaces: int = 1024,
+        registry: ChunkStore | None = None,
+    ):
         self.bytes_per_token = bytes_per_token
         self.registry: ChunkStore = registry if registry is not None else MemoryRegistry(budget_bytes)
         self.tiered = bool(self.registry.lower)
@@ -151,8 +161,11 @@ class SpanIndex:
                 self.registry.memory.unpin(fp)
             self._promoted.clear()
         # (an entry no longer stored is never loaded: its rows are being dropped)
-        loads = [Load(s.start, s.end, s.entry.payload, s.src_offset, s.delta) for s in plan.spans
-                 if s.kind == "reuse" and s.entry.payload not in self._lost and s.entry.payload in self._fingerprints]
+        loads = [
+            Load(s.start, s.end, s.entry.payload, s.src_offset, s.delta)
+            for s in plan.spans
+            if s.kind == "reuse" and s.entry.payload not in self._lost and s.entry.payload in self._fingerprints
+        ]
         return RequestSpans(plan, loads, planner, tenant)
 
     def release(self, spans: RequestSpans) -> None:
@@ -171,8 +184,9 @@ class SpanIndex:
             handed.append(Save(start, end, next(self._keys)))
             return handed[-1].key
 
-        self.namespaces.planner(spans.tenant).register(spans.plan, key_of, lambda n: n * self.bytes_per_token,
-                                                       upto=upto)
+        self.namespaces.planner(spans.tenant).register(
+            spans.plan, key_of, lambda n: n * self.bytes_per_token, upto=upto
+        )
         # (the budget may refuse some, or evict one stored here to fit a later one)
         saves = [s for s in handed if s.key in self._fingerprints]
         if self.tiered:  # each entry as it will go down to the lower tiers, once the engine has its rows
