@@ -38,8 +38,9 @@ WARM = 20
 def run(llm: LLM, slowdown: float | None, streams: int, burst: int, burst_len: int, window: int | None) -> dict:
     """window None: with the burst, until its last first token; else: that many steps, no burst."""
     llm.engine.close()
-    engine = build_engine(EngineConfig.of(reuse=llm.reuse, decode_slowdown=slowdown), llm.model, llm.tokenizer,
-                          pool=llm.engine.pool)
+    engine = build_engine(
+        EngineConfig.of(reuse=llm.reuse, decode_slowdown=slowdown), llm.model, llm.tokenizer, pool=llm.engine.pool
+    )
     rng = np.random.default_rng(0)
     vocab = llm.model.config.vocab_size
     params = SamplingParams(max_tokens=100_000, ignore_eos=True)
@@ -93,13 +94,17 @@ def main() -> None:
     llm.wait_compiled()  # timed once the decode steps compiling in the background are ready
     print(f"machine: {describe()}")
     print(f"{args.streams} streams decoding; a burst of {args.burst} prompts of {args.burst_len} new tokens arrives\n")
-    print(f"{'prefill sizing':18} {'window':>7} {'ITL p50 alone':>14} {'ITL p99 alone':>14} {'ITL p50 burst':>14} "
-          f"{'ITL p99 burst':>14} {'p99 ratio':>10} {'burst TTFT p50':>15} {'TTFT max':>9}")
+    print(
+        f"{'prefill sizing':18} {'window':>7} {'ITL p50 alone':>14} {'ITL p99 alone':>14} {'ITL p50 burst':>14} "
+        f"{'ITL p99 burst':>14} {'p99 ratio':>10} {'burst TTFT p50':>15} {'TTFT max':>9}"
+    )
     for name, slowdown in (("decode_slowdown 2", 2.0), ("none", None)):
         b = run(llm, slowdown, args.streams, args.burst, args.burst_len, window=None)
         a = run(llm, slowdown, args.streams, args.burst, args.burst_len, window=b["steps"])
-        print(f"{name:18} {b['steps']:7d} {a['p50'] * 1e3:12.1f}ms {a['p99'] * 1e3:12.1f}ms {b['p50'] * 1e3:12.1f}ms "
-              f"{b['p99'] * 1e3:12.1f}ms {b['p99'] / a['p99']:9.2f}x {b['ttft_p50']:14.2f}s {b['ttft_max']:8.2f}s")
+        print(
+            f"{name:18} {b['steps']:7d} {a['p50'] * 1e3:12.1f}ms {a['p99'] * 1e3:12.1f}ms {b['p50'] * 1e3:12.1f}ms "
+            f"{b['p99'] * 1e3:12.1f}ms {b['p99'] / a['p99']:9.2f}x {b['ttft_p50']:14.2f}s {b['ttft_max']:8.2f}s"
+        )
 
 
 if __name__ == "__main__":

@@ -63,31 +63,70 @@ def main() -> None:
                 timing[k] += dt
             total_tokens += census.prompt_tokens
             f = census.fraction
-            census_rows.append((f"{source} / {pattern}", census.requests, census.sessions, f"{census.prompt_tokens:,}",
-                                pct(f(census.prefix_tokens)), pct(f(census.shifted_tokens)),
-                                pct(f(census.within_session_shifted)), pct(f(census.cross_session_shifted)),
-                                pct(f(census.novel_tokens)), pct(f(census.oracle_tokens))))
+            census_rows.append(
+                (
+                    f"{source} / {pattern}",
+                    census.requests,
+                    census.sessions,
+                    f"{census.prompt_tokens:,}",
+                    pct(f(census.prefix_tokens)),
+                    pct(f(census.shifted_tokens)),
+                    pct(f(census.within_session_shifted)),
+                    pct(f(census.cross_session_shifted)),
+                    pct(f(census.novel_tokens)),
+                    pct(f(census.oracle_tokens)),
+                )
+            )
             st = rec.strategies
             fixed = st["fixed128"].recovered_tokens
-            recovery_rows.append((f"{source} / {pattern}", pct(rec.prefix_tokens / rec.prompt_tokens),
-                                  *(pct(st[s].recovered_tokens / rec.prompt_tokens) for s in STRATEGIES[1:]),
-                                  pct(rec.of_oracle(st["cdc+s1"])), pct(rec.of_oracle(st["cdc+s2"])),
-                                  f"{st['cdc+s1'].recovered_tokens / fixed:.1f}x" if fixed else "n/a"))
+            recovery_rows.append(
+                (
+                    f"{source} / {pattern}",
+                    pct(rec.prefix_tokens / rec.prompt_tokens),
+                    *(pct(st[s].recovered_tokens / rec.prompt_tokens) for s in STRATEGIES[1:]),
+                    pct(rec.of_oracle(st["cdc+s1"])),
+                    pct(rec.of_oracle(st["cdc+s2"])),
+                    f"{st['cdc+s1'].recovered_tokens / fixed:.1f}x" if fixed else "n/a",
+                )
+            )
     wall = time.perf_counter() - wall
 
     print(f"machine: {describe()}")
     print(f"tokenizer {args.tokenizer}, seed {args.seed}\n\ncensus (share of prompt tokens):\n")
-    print(table(("trace", "requests", "sessions", "prompt tokens", "prefix", "shifted", "within", "cross",
-                 "novel", "oracle"), census_rows))
+    print(
+        table(
+            (
+                "trace",
+                "requests",
+                "sessions",
+                "prompt tokens",
+                "prefix",
+                "shifted",
+                "within",
+                "cross",
+                "novel",
+                "oracle",
+            ),
+            census_rows,
+        )
+    )
     print("\nrecovery (exact prefix, then tokens served beyond it, as shares of prompt tokens):\n")
-    print(table(("trace", "prefix", "fixed128", "cdc", "cdc+s1", "cdc+s2", "s1 of oracle", "s2 of oracle",
-                 "s1 / fixed128"), recovery_rows))
-    print(f"\n{total_tokens:,} prompt tokens; " + ", ".join(
-        f"{k} {v:.1f}s ({total_tokens / v / 1e6:.2f} M tok/s)" for k, v in timing.items()) +
-        f" (recovery: {len(STRATEGIES)} replays)")
-    print(f"wall {wall:.1f}s (build + render + census + recovery) vs target {TARGET_SECONDS:.0f}s: "
-          f"{'met' if wall < TARGET_SECONDS else 'NOT met'}; "
-          f"end to end {total_tokens / wall / 1e6:.2f} M tok/s")
+    print(
+        table(
+            ("trace", "prefix", "fixed128", "cdc", "cdc+s1", "cdc+s2", "s1 of oracle", "s2 of oracle", "s1 / fixed128"),
+            recovery_rows,
+        )
+    )
+    print(
+        f"\n{total_tokens:,} prompt tokens; "
+        + ", ".join(f"{k} {v:.1f}s ({total_tokens / v / 1e6:.2f} M tok/s)" for k, v in timing.items())
+        + f" (recovery: {len(STRATEGIES)} replays)"
+    )
+    print(
+        f"wall {wall:.1f}s (build + render + census + recovery) vs target {TARGET_SECONDS:.0f}s: "
+        f"{'met' if wall < TARGET_SECONDS else 'NOT met'}; "
+        f"end to end {total_tokens / wall / 1e6:.2f} M tok/s"
+    )
 
 
 if __name__ == "__main__":

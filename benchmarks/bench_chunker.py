@@ -46,8 +46,10 @@ def main() -> None:
     ]
 
     print(f"machine: {describe()} (benchmark pinned to 1 core)")
-    print(f"python {platform.python_version()}, numpy {np.__version__}; {args.tokens:,} random tokens, "
-          f"vocab {args.vocab:,}, {n_chunks:,} chunks (mean {args.tokens / n_chunks:.0f} tokens)")
+    print(
+        f"python {platform.python_version()}, numpy {np.__version__}; {args.tokens:,} random tokens, "
+        f"vocab {args.vocab:,}, {n_chunks:,} chunks (mean {args.tokens / n_chunks:.0f} tokens)"
+    )
     base = rows[0][1] / rows[0][2]
     print(f"{'stage':<40} {'tokens':>12} {'seconds':>9} {'M tok/s':>9} {'x reference':>12} {'x target':>9}")
     for name, n, sec in rows:

@@ -75,8 +75,14 @@ def transformers_side(path: Path, prompts: list[list[int]], new: int, long: list
 
     @torch.inference_mode()
     def batch():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=pad)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+        )
 
     @torch.inference_mode()
     def prefill():
@@ -118,9 +124,11 @@ def main() -> None:
     print(f"model: {path}\n")
     a = ours(llm, prompts, args.new, long)
     b = transformers_side(path, prompts, args.new, long)
-    rows = (("batch", f"{args.batch} x ({args.prompt} + {args.new} new)", args.batch * args.new),
-            ("prefill", f"{args.depth} tokens", args.depth), ("decode", f"{args.new - 1} at depth {args.depth}",
-                                                              args.new - 1))
+    rows = (
+        ("batch", f"{args.batch} x ({args.prompt} + {args.new} new)", args.batch * args.new),
+        ("prefill", f"{args.depth} tokens", args.depth),
+        ("decode", f"{args.new - 1} at depth {args.depth}", args.new - 1),
+    )
     print(f"{'case':8} {'shape':24} {'irminsul tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
     for key, shape, n in rows:
         print(f"{key:8} {shape:24} {n / a[key]:15.1f} {n / b[key]:19.1f} {b[key] / a[key]:6.2f}x")

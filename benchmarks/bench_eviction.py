@@ -39,8 +39,11 @@ def decode_rate(llm: LLM, fill: bool, rng_seed: int = 0) -> tuple[float, int]:
     vocab = llm.model.config.vocab_size
     if fill:  # cached prompts until the pool has less free than the requests will need
         while engine.pool.free > 600:
-            engine.run(engine.add(rng.integers(10, vocab, min(900, engine.pool.free - 2)).tolist(),
-                                  SamplingParams(max_tokens=1)))
+            engine.run(
+                engine.add(
+                    rng.integers(10, vocab, min(900, engine.pool.free - 2)).tolist(), SamplingParams(max_tokens=1)
+                )
+            )
     evicted = engine.kv.evicted_rows
     params = SamplingParams(max_tokens=128, ignore_eos=True)
     seqs = [engine.new_sequence(rng.integers(10, vocab, 100).tolist(), params) for _ in range(8)]
@@ -100,8 +103,10 @@ def main(argv=None) -> int:
     print("|---|---:|")
     print(f"| room to spare | {a:.0f} |")
     print(f"| full of cached prompts: admission and decoding evict | {b:.0f} |")
-    print(f"ratio full / spare: {b / a:.2f} (rows evicted during the run: {statistics.median(lost):.0f}; "
-          f"the requests needed 8 x 228)")
+    print(
+        f"ratio full / spare: {b / a:.2f} (rows evicted during the run: {statistics.median(lost):.0f}; "
+        f"the requests needed 8 x 228)"
+    )
     ms, entries = make_room_ms()
     print(f"make_room on a 200,000-row pool holding {entries:,} entries: {ms:.1f} ms per call that evicts")
     return 0

@@ -92,8 +92,9 @@ def fleet_counters(url: str) -> tuple[int, tuple[int, ...]]:
     return int(computed), tuple(sorted((int(v) for v in requests.values()), reverse=True))
 
 
-def run_fleet(router: str, requests, model: Path, kv_cache_gib: float, replicas: int, concurrency: int,
-              max_tokens: int) -> Run:
+def run_fleet(
+    router: str, requests, model: Path, kv_cache_gib: float, replicas: int, concurrency: int, max_tokens: int
+) -> Run:
     import httpx
     import ray
     from ray import serve
@@ -104,21 +105,30 @@ def run_fleet(router: str, requests, model: Path, kv_cache_gib: float, replicas:
 
     env = {"OMP_NUM_THREADS": "1", "IRMINSUL_COMPILE_DECODE": "0"}
     # one CPU a replica, and one for Ray's prefix tree actor (the ingress and Serve's own take none)
-    ray.init(num_cpus=replicas + 1, include_dashboard=False, logging_level="error", log_to_driver=False,
-             runtime_env={"env_vars": env})
+    ray.init(
+        num_cpus=replicas + 1,
+        include_dashboard=False,
+        logging_level="error",
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+    )
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = ServerConfig(model=str(model), kv_cache_gib=kv_cache_gib, compile_decode=False)
-        serve.run(build(config, FleetConfig(replicas=replicas, threads=1, router=router)), name="irminsul",
-                  route_prefix="/")
+        serve.run(
+            build(config, FleetConfig(replicas=replicas, threads=1, router=router)), name="irminsul", route_prefix="/"
+        )
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: len(httpx.get(url + "/health", timeout=60).json()["replicas"]) == replicas, 180,
-                 f"{replicas} replicas")
-        samples, duration, card, failures = asyncio.run(replay(url, requests, concurrency, max_tokens,
-                                                               progress=False))
+        wait_for(
+            lambda: len(httpx.get(url + "/health", timeout=60).json()["replicas"]) == replicas,
+            180,
+            f"{replicas} replicas",
+        )
+        samples, duration, card, failures = asyncio.run(replay(url, requests, concurrency, max_tokens, progress=False))
         if failures:  # the routers must serve the same requests for their figures to compare
             raise UserFacingError(f"{router}: {len(failures)} requests failed; the first: {failures[0]}")
+
         def counted():
             counters = fleet_counters(url)
             return counters if sum(counters[1]) >= len(samples) else None
@@ -144,32 +154,64 @@ def ceiling(rendered, rows: int, replicas: int) -> float:
 
 def report(name: str, runs: dict[str, Run], bound: float | None = None) -> None:
     first = next(iter(runs.values())).result
-    rows = [(r.router, f"{r.result.ttft_p50_s * 1e3:.0f} ms", f"{r.result.ttft_p95_s * 1e3:.0f} ms",
-             f"{r.result.requests_per_s:.2f}", f"{r.result.prompt_tokens_per_s:,.0f}", f"{r.computed_tokens:,}",
-             f"{r.computed_tokens / first.prompt_tokens:.1%}", " / ".join(str(n) for n in r.per_replica),
-             f"{r.max_share:.1%}") for r in runs.values()]
-    print(f"\n**{name}: {first.requests} requests, {first.sessions} sessions, {first.prompt_tokens:,} prompt tokens "
-          f"(as the replicas count them), concurrency {first.concurrency}**\n")
-    print(table(("router", "TTFT p50", "TTFT p95", "req/s", "prompt tok/s", "computed tokens", "computed share",
-                 "requests per replica", "max share"), rows))
+    rows = [
+        (
+            r.router,
+            f"{r.result.ttft_p50_s * 1e3:.0f} ms",
+            f"{r.result.ttft_p95_s * 1e3:.0f} ms",
+            f"{r.result.requests_per_s:.2f}",
+            f"{r.result.prompt_tokens_per_s:,.0f}",
+            f"{r.computed_tokens:,}",
+            f"{r.computed_tokens / first.prompt_tokens:.1%}",
+            " / ".join(str(n) for n in r.per_replica),
+            f"{r.max_share:.1%}",
+        )
+        for r in runs.values()
+    ]
+    print(
+        f"\n**{name}: {first.requests} requests, {first.sessions} sessions, {first.prompt_tokens:,} prompt tokens "
+        f"(as the replicas count them), concurrency {first.concurrency}**\n"
+    )
+    print(
+        table(
+            (
+                "router",
+                "TTFT p50",
+                "TTFT p95",
+                "req/s",
+                "prompt tok/s",
+                "computed tokens",
+                "computed share",
+                "requests per replica",
+                "max share",
+            ),
+            rows,
+        )
+    )
     if "content" in runs:
         c = runs["content"]
         for other in (r for r in ROUTERS[1:] if r in runs):
             o = runs[other]
-            print(f"content / {other}: computed tokens {c.computed_tokens / max(1, o.computed_tokens):.2f}x, "
-                  f"TTFT p50 {other} / content {o.result.ttft_p50_s / c.result.ttft_p50_s:.2f}x, "
-                  f"p95 {o.result.ttft_p95_s / c.result.ttft_p95_s:.2f}x, throughput content / {other} "
-                  f"{c.result.requests_per_s / o.result.requests_per_s:.2f}x")
+            print(
+                f"content / {other}: computed tokens {c.computed_tokens / max(1, o.computed_tokens):.2f}x, "
+                f"TTFT p50 {other} / content {o.result.ttft_p50_s / c.result.ttft_p50_s:.2f}x, "
+                f"p95 {o.result.ttft_p95_s / c.result.ttft_p95_s:.2f}x, throughput content / {other} "
+                f"{c.result.requests_per_s / o.result.requests_per_s:.2f}x"
+            )
         if "prefix" in runs:
             p = runs["prefix"]
             ratio, speedup = c.computed_tokens / max(1, p.computed_tokens), p.result.ttft_p50_s / c.result.ttft_p50_s
-            print(f"targets: content computes <= 60% of prefix's tokens: {ratio:.1%} "
-                  f"({'met' if ratio <= 0.6 else 'not met'}); TTFT p50 >= 2x lower: {speedup:.2f}x "
-                  f"({'met' if speedup >= 2 else 'not met'}); no replica > 65% of requests: {c.max_share:.1%} "
-                  f"({'met' if c.max_share <= 0.65 else 'not met'})")
+            print(
+                f"targets: content computes <= 60% of prefix's tokens: {ratio:.1%} "
+                f"({'met' if ratio <= 0.6 else 'not met'}); TTFT p50 >= 2x lower: {speedup:.2f}x "
+                f"({'met' if speedup >= 2 else 'not met'}); no replica > 65% of requests: {c.max_share:.1%} "
+                f"({'met' if c.max_share <= 0.65 else 'not met'})"
+            )
         if bound is not None:
-            print(f"ceiling: in the simulator, perfect routing computes {bound:.1%} of the prefix policy's tokens "
-                  "on these requests and pools: no router can compute less than that share here")
+            print(
+                f"ceiling: in the simulator, perfect routing computes {bound:.1%} of the prefix policy's tokens "
+                "on these requests and pools: no router can compute less than that share here"
+            )
 
 
 def main(argv=None) -> int:
@@ -191,13 +233,16 @@ def main(argv=None) -> int:
     names, routers = args.traces.split(","), args.routers.split(",")
     unknown = (set(names) - set(TRACES)) | (set(routers) - set(ROUTERS))
     if unknown:
-        raise UserFacingError(f"unknown traces or routers {sorted(unknown)}: traces {', '.join(TRACES)}; "
-                              f"routers {', '.join(ROUTERS)}")
+        raise UserFacingError(
+            f"unknown traces or routers {sorted(unknown)}: traces {', '.join(TRACES)}; routers {', '.join(ROUTERS)}"
+        )
     model = Path(args.model) if args.model else fleet_model()
     bytes_per_row = LLM(str(model), reuse="off", compile_decode=False).engine.pool.bytes_per_slot
     print(f"machine  {describe()}")
-    print(f"model    {model} ({bytes_per_row} bytes a pool row); {args.replicas} replicas, 1 thread each, "
-          f"no shared store; max_tokens {args.max_tokens}")
+    print(
+        f"model    {model} ({bytes_per_row} bytes a pool row); {args.replicas} replicas, 1 thread each, "
+        f"no shared store; max_tokens {args.max_tokens}"
+    )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         paths, plans, bounds = {}, {}, {}
@@ -211,26 +256,32 @@ def main(argv=None) -> int:
             rows = max(1, ref.distinct_tokens // 2)
             plans[name] = (read_trace(paths[name]), rows * bytes_per_row / 2**30)
             bounds[name] = ceiling(rendered, rows, args.replicas)
-            print(f"{name} ({TRACES[name]}): first {len(lines)} requests, {ref.distinct_tokens:,} distinct content "
-                  f"tokens; each pool {rows:,} rows (--kv-cache-gib {plans[name][1]:.4f})")
+            print(
+                f"{name} ({TRACES[name]}): first {len(lines)} requests, {ref.distinct_tokens:,} distinct content "
+                f"tokens; each pool {rows:,} rows (--kv-cache-gib {plans[name][1]:.4f})"
+            )
         grid = [(n, r) for n in names for r in routers]
         runs: dict[str, dict[str, Run]] = defaultdict(dict)
         for name, router in tqdm(grid, desc="fleets", file=sys.stderr):
             requests, gib = plans[name]
-            runs[name][router] = run_fleet(router, requests, model, gib, args.replicas, args.concurrency,
-                                           args.max_tokens)
+            runs[name][router] = run_fleet(
+                router, requests, model, gib, args.replicas, args.concurrency, args.max_tokens
+            )
             tqdm.write(f"{name} / {router}: {runs[name][router].result.duration_s:.0f} s", file=sys.stderr)
-        print("\nPrefix router: Ray Serve LLM's PrefixCacheAffinityRouter itself (ray 2.60, ray/llm/_internal/serve/"
-              "routing_policies/prefix_aware/prefix_aware_router.py), fed the request's messages text; pow2: Serve's "
-              "PowerOfTwoChoicesRequestRouter. Computed tokens: every replica's irminsul_computed_tokens_total.")
+        print(
+            "\nPrefix router: Ray Serve LLM's PrefixCacheAffinityRouter itself (ray 2.60, ray/llm/_internal/serve/"
+            "routing_policies/prefix_aware/prefix_aware_router.py), fed the request's messages text; pow2: Serve's "
+            "PowerOfTwoChoicesRequestRouter. Computed tokens: every replica's irminsul_computed_tokens_total."
+        )
         for name in names:
             report(f"{name} ({TRACES[name]})", runs[name], bounds[name])
         fleet_s = time.perf_counter() - started
         if not args.skip_sim:
             for name in names:
                 print(f"\n## simulator: {name} ({TRACES[name]}), the same {args.requests} requests\n", flush=True)
-                irminsul(["bench", "fleet", str(paths[name]), "--replicas", args.sim_replicas,
-                          "--tokenizer", TOKENIZER])
+                irminsul(
+                    ["bench", "fleet", str(paths[name]), "--replicas", args.sim_replicas, "--tokenizer", TOKENIZER]
+                )
     print(f"\nfleets {fleet_s:.0f} s, total {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -66,9 +66,14 @@ def bytes_per_poll(resident: int, changes_per_poll: int, polls: int = 20) -> dic
     router = ContentRouter("m")
     t = time.perf_counter()
     router.choose(rng.integers(5, 30_000, 5000), {"r0": view})
-    return dict(full_bytes=first.nbytes, full_apply_s=full_s, poll_bytes=float(np.mean(sizes)),
-                poll_apply_s=float(np.mean(apply_s)), view_bytes_per_chunk=view.chunks.nbytes / len(view),
-                choose_s=time.perf_counter() - t)
+    return dict(
+        full_bytes=first.nbytes,
+        full_apply_s=full_s,
+        poll_bytes=float(np.mean(sizes)),
+        poll_apply_s=float(np.mean(apply_s)),
+        view_bytes_per_chunk=view.chunks.nbytes / len(view),
+        choose_s=time.perf_counter() - t,
+    )
 
 
 def main() -> None:
@@ -92,13 +97,32 @@ def main() -> None:
     churn = churn_per_request(trace, FleetConfig(pool_tokens=ref.distinct_tokens // 2))
     changes = max(2, int(round(churn * args.requests_per_poll)))
     m = bytes_per_poll(1 << 20, changes)
-    print(f"\njournal churn on agent_meta: {churn:.1f} changes per request (a replica with half the distinct "
-          f"content); {args.requests_per_poll} requests per poll: {changes} changes")
-    print(table(("replica holds", "first poll (whole set)", "each poll after", "apply a poll",
-                 "router view per chunk", "choose (5k-token prompt)"),
-                [("1,048,576 chunks", f"{m['full_bytes'] / 2**20:.1f} MiB", f"{m['poll_bytes']:.0f} B",
-                  f"{m['poll_apply_s'] * 1e3:.2f} ms", f"{m['view_bytes_per_chunk']:.1f} B",
-                  f"{m['choose_s'] * 1e3:.2f} ms")]))
+    print(
+        f"\njournal churn on agent_meta: {churn:.1f} changes per request (a replica with half the distinct "
+        f"content); {args.requests_per_poll} requests per poll: {changes} changes"
+    )
+    print(
+        table(
+            (
+                "replica holds",
+                "first poll (whole set)",
+                "each poll after",
+                "apply a poll",
+                "router view per chunk",
+                "choose (5k-token prompt)",
+            ),
+            [
+                (
+                    "1,048,576 chunks",
+                    f"{m['full_bytes'] / 2**20:.1f} MiB",
+                    f"{m['poll_bytes']:.0f} B",
+                    f"{m['poll_apply_s'] * 1e3:.2f} ms",
+                    f"{m['view_bytes_per_chunk']:.1f} B",
+                    f"{m['choose_s'] * 1e3:.2f} ms",
+                )
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,16 @@ from irminsul.model.kernel_choice import Product
 from irminsul.model.layers import dnn_linear, dnn_weight
 from irminsul.model.loader import load_model
 
-REAL = {"lm_head": (129280, 2048), "q|kv_a": (16 * 192 + 576, 2048), "kv_b": (16 * 256, 512),
-        "o_proj": (2048, 16 * 128), "dense gate|up": (2 * 10944, 2048), "dense down": (2048, 10944),
-        "expert gate|up": (2 * 1408, 2048), "expert down": (2048, 1408)}
+REAL = {
+    "lm_head": (129280, 2048),
+    "q|kv_a": (16 * 192 + 576, 2048),
+    "kv_b": (16 * 256, 512),
+    "o_proj": (2048, 16 * 128),
+    "dense gate|up": (2 * 10944, 2048),
+    "dense down": (2048, 10944),
+    "expert gate|up": (2 * 1408, 2048),
+    "expert down": (2048, 1408),
+}
 REAL_DECODE_BYTES = 2**30  # (far beyond any cache: every weight cold)
 
 
@@ -87,14 +94,20 @@ def main() -> int:
         model_bytes, decode_bytes = model._weight_bytes()
     streamed = kernel_choice.stream_bytes(decode_bytes)
     with_gemv = gemv.available(dtype=dtype)
-    print(f"dtype {args.dtype}; timed over {streamed / 2**20:.0f} MiB of copies at 1 and 8 rows; "
-          f"oneDNN a candidate: {kernel_choice.dnn_applies(dtype)}; gemv a candidate: {with_gemv}\n")
-    print(f"{'product':22s} {'rows':>5s} {'out':>10s} {'in':>10s} {'dnn':>10s} {'gemv':>10s} {'fixed':>10s}  "
-          f"{'best/out':>8s}  GB/s of one and eight rows (out, in, gemv)")
+    print(
+        f"dtype {args.dtype}; timed over {streamed / 2**20:.0f} MiB of copies at 1 and 8 rows; "
+        f"oneDNN a candidate: {kernel_choice.dnn_applies(dtype)}; gemv a candidate: {with_gemv}\n"
+    )
+    print(
+        f"{'product':22s} {'rows':>5s} {'out':>10s} {'in':>10s} {'dnn':>10s} {'gemv':>10s} {'fixed':>10s}  "
+        f"{'best/out':>8s}  GB/s of one and eight rows (out, in, gemv)"
+    )
     all_times = {}
     for name, p in zip(names, products):
-        runs = [kernel_choice.measure(p.out, p.inp, p.dtype, streamed, kernel_choice.dnn_applies(dtype), with_gemv)
-                for _ in range(args.repeat)]
+        runs = [
+            kernel_choice.measure(p.out, p.inp, p.dtype, streamed, kernel_choice.dnn_applies(dtype), with_gemv)
+            for _ in range(args.repeat)
+        ]
         times = {r: {c: statistics.median(run[r][c] for run in runs) for c in runs[0][r]} for r in runs[0]}
         all_times[p.key] = times
         fixed = fixed_times(p.out, p.inp, dtype, streamed) if dtype == torch.float32 else {}
@@ -106,12 +119,17 @@ def main() -> int:
             gbs = ""
             if rows in (1, kernel_choice.STREAM_ROWS):
                 size = p.out * p.inp * kernel_choice._itemsize(dtype) / 1e9
-                gbs = f"  {size / t['out']:5.1f}, {size / t['in']:5.1f}" + (f", {size / t['gemv']:5.1f}" if "gemv" in t else "")
-            print(f"{name if rows == 1 else '':22s} {rows:5d} {cell('out')} {cell('in')} {cell('dnn')} {cell('gemv')} {fx}  "
-                  f"{t['out'] / best:7.2f}x{gbs}")
+                gbs = f"  {size / t['out']:5.1f}, {size / t['in']:5.1f}" + (
+                    f", {size / t['gemv']:5.1f}" if "gemv" in t else ""
+                )
+            print(
+                f"{name if rows == 1 else '':22s} {rows:5d} {cell('out')} {cell('in')} {cell('dnn')} {cell('gemv')} {fx}  "
+                f"{t['out'] / best:7.2f}x{gbs}"
+            )
     # the choice these times make (the model's copy budget, its counts and uses)
-    kernel_choice._memory.update({kernel_choice.entry_key(p.out, p.inp, p.dtype, streamed, with_gemv): all_times[p.key]
-                                  for p in products})
+    kernel_choice._memory.update(
+        {kernel_choice.entry_key(p.out, p.inp, p.dtype, streamed, with_gemv): all_times[p.key] for p in products}
+    )
     choices = kernel_choice.choose(products, model_bytes, decode_bytes, kernels="measured", progress=False)
     print("\nchosen (" + ("one of each shape" if args.real else "this model's counts") + "):")
     for line in kernel_choice.describe(choices):

@@ -54,16 +54,60 @@ def llamacpp(llama: Path, gguf: Path, depth: int, new: int, threads: int) -> dic
     out: dict[str, float] = {}
     for fa in ("0", "1"):
         for b, p, g in SHAPES.values():
-            text = subprocess.run([str(_tool(llama, "llama-batched-bench")), "-m", str(gguf), "-t", str(threads),
-                                   "-c", "8192", "-b", "2048", "-ub", "512", "-npp", str(p), "-ntg", str(g), "-npl", str(b),
-                                   "-fa", "on" if fa == "1" else "off", "--output-format", "jsonl"],
-                                  capture_output=True, text=True, check=True).stdout
+            text = subprocess.run(
+                [
+                    str(_tool(llama, "llama-batched-bench")),
+                    "-m",
+                    str(gguf),
+                    "-t",
+                    str(threads),
+                    "-c",
+                    "8192",
+                    "-b",
+                    "2048",
+                    "-ub",
+                    "512",
+                    "-npp",
+                    str(p),
+                    "-ntg",
+                    str(g),
+                    "-npl",
+                    str(b),
+                    "-fa",
+                    "on" if fa == "1" else "off",
+                    "--output-format",
+                    "jsonl",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             row = [json.loads(line) for line in text.splitlines() if line.startswith("{")][-1]
             key = "one" if b == 1 else "batch32"
             out[key] = max(out.get(key, 0.0), row["speed"])
-        for key, args in (("prefill", ["-p", str(depth), "-n", "0"]), ("decode", ["-p", "0", "-n", str(new), "-d", str(depth)])):
-            text = subprocess.run([str(_tool(llama, "llama-bench")), "-m", str(gguf), "-t", str(threads), "-fa", fa,
-                                   "-r", "3", "-o", "json", *args], capture_output=True, text=True, check=True).stdout
+        for key, args in (
+            ("prefill", ["-p", str(depth), "-n", "0"]),
+            ("decode", ["-p", "0", "-n", str(new), "-d", str(depth)]),
+        ):
+            text = subprocess.run(
+                [
+                    str(_tool(llama, "llama-bench")),
+                    "-m",
+                    str(gguf),
+                    "-t",
+                    str(threads),
+                    "-fa",
+                    fa,
+                    "-r",
+                    "3",
+                    "-o",
+                    "json",
+                    *args,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             out[key] = max(out.get(key, 0.0), json.loads(text)[0]["avg_ts"])
     return out
 
@@ -88,24 +132,32 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled MLA model)")
     ap.add_argument("--depth", type=int, default=1500)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--eager", action="store_true",
-                    help="LLM(compile_decode=False): no compiled decode steps (on by default)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="threads for both engines (torch's and llama.cpp's -t); 0: every core")
+    ap.add_argument(
+        "--eager", action="store_true", help="LLM(compile_decode=False): no compiled decode steps (on by default)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="threads for both engines (torch's and llama.cpp's -t); 0: every core"
+    )
     args = ap.parse_args()
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
     if not Path(args.gguf).exists():
         raise UserFacingError(f"{args.gguf} does not exist; convert the model first (llamacpp_convert.py)")
     model = Path(args.model) if args.model else bundled_model("mla")
-    print(f"machine: {describe()}\nmodel: {model} (f32), llama.cpp {args.llama_cpp} with {args.gguf}, "
-          f"{threads} thread(s) each\n")
+    print(
+        f"machine: {describe()}\nmodel: {model} (f32), llama.cpp {args.llama_cpp} with {args.gguf}, "
+        f"{threads} thread(s) each\n"
+    )
     theirs = llamacpp(Path(args.llama_cpp), Path(args.gguf), args.depth, args.new, threads)
     llm = LLM(model, compile_decode=False if args.eager else None)
     llm.wait_compiled()  # timed once the decode steps compiling in the background are ready
     ours = irminsul(llm, args.depth, args.new)
-    shapes = {"one": "1 x (100 + 64)", "batch32": "32 x (100 + 64)", "prefill": f"{args.depth} tokens",
-              "decode": f"{args.new} at depth {args.depth}"}
+    shapes = {
+        "one": "1 x (100 + 64)",
+        "batch32": "32 x (100 + 64)",
+        "prefill": f"{args.depth} tokens",
+        "decode": f"{args.new} at depth {args.depth}",
+    }
     print(f"{'case':8} {'shape':20} {'irminsul tok/s':>15} {'llama.cpp tok/s':>16} {'ratio':>7}")
     for key, shape in shapes.items():
         print(f"{key:8} {shape:20} {ours[key]:15.1f} {theirs[key]:16.1f} {ours[key] / theirs[key]:6.2f}x")

@@ -42,8 +42,10 @@ def main(argv=None) -> int:
     dtype = moe.experts[0].gate_proj.weight.dtype
     inner, hidden = moe.experts[0].gate_proj.weight.shape
     print(f"machine  {describe()}")
-    print(f"model    {args.model or 'bundled'}: {len(moe.experts)} experts of {hidden} x {inner}, top "
-          f"{moe.gate.cfg.num_experts_per_tok}, {str(dtype).removeprefix('torch.')}, 1 thread")
+    print(
+        f"model    {args.model or 'bundled'}: {len(moe.experts)} experts of {hidden} x {inner}, top "
+        f"{moe.gate.cfg.num_experts_per_tok}, {str(dtype).removeprefix('torch.')}, 1 thread"
+    )
     torch.manual_seed(0)
     rows = []
     for n in (int(r) for r in args.rows.split(",")):
@@ -58,13 +60,39 @@ def main(argv=None) -> int:
         kernel = moe.native_kernel(dtype)
         native = median_of(lambda: kernel(x, weights, ids, *moe.stacked())) if kernel is not None else None
         takes = moe._native(x, weights, ids) is not None
-        rows.append((n, hit, f"{len(moe.experts) * cap / (n * ids.shape[1]):.1f}x", f"{grouped * 1e3:.2f}",
-                     f"{looped * 1e3:.2f}", f"{looped / grouped:.2f}", chose,
-                     f"{(grouped if chose == 'grouped' else looped) / best:.2f}",
-                     "-" if native is None else f"{native * 1e3:.2f}",
-                     "-" if native is None else f"{best / native:.2f}", "yes" if takes else "no"))
-    print(table(("tokens", "experts hit", "padded / real rows", "grouped ms", "loop ms", "loop / grouped",
-                 "engine's choice", "choice / best", "native ms", "best / native", "engine takes native"), rows))
+        rows.append(
+            (
+                n,
+                hit,
+                f"{len(moe.experts) * cap / (n * ids.shape[1]):.1f}x",
+                f"{grouped * 1e3:.2f}",
+                f"{looped * 1e3:.2f}",
+                f"{looped / grouped:.2f}",
+                chose,
+                f"{(grouped if chose == 'grouped' else looped) / best:.2f}",
+                "-" if native is None else f"{native * 1e3:.2f}",
+                "-" if native is None else f"{best / native:.2f}",
+                "yes" if takes else "no",
+            )
+        )
+    print(
+        table(
+            (
+                "tokens",
+                "experts hit",
+                "padded / real rows",
+                "grouped ms",
+                "loop ms",
+                "loop / grouped",
+                "engine's choice",
+                "choice / best",
+                "native ms",
+                "best / native",
+                "engine takes native",
+            ),
+            rows,
+        )
+    )
     return 0
 
 

@@ -68,8 +68,10 @@ def main() -> None:
             rows.append((moved_s, prefix_s, alone_s, st.computed_tokens, pst.computed_tokens))
     moved, prefix, alone = (statistics.median(r[k] for r in rows) for k in range(3))
     print(f"prompt {len(pair.moved)} tokens; pic computed {rows[-1][3]}, the exact-prefix hit computed {rows[-1][4]}")
-    print(f"TTFT moved (pic) {1000 * moved:.1f} ms, exact-prefix hit {1000 * prefix:.1f} ms, "
-          f"computed tokens alone {1000 * alone:.1f} ms (medians of {len(rows)})")
+    print(
+        f"TTFT moved (pic) {1000 * moved:.1f} ms, exact-prefix hit {1000 * prefix:.1f} ms, "
+        f"computed tokens alone {1000 * alone:.1f} ms (medians of {len(rows)})"
+    )
     print(f"moved / exact-prefix {moved / prefix:.2f}x (target <= 1.2), moved / alone {moved / alone:.2f}x")
 
 

@@ -74,20 +74,41 @@ def cases(only: set[str] | None):
         dt, hd = m["dtype"], m["hidden"]
         for n in rows:
             x, w = torch.randn(n, hd, generator=g).to(dt), torch.randn(hd, generator=g).to(dt)
-            out.append(("rms_norm", f"{name} {n} x {hd}", lambda x=x, w=w: _rms_torch(x, w),
-                        lambda x=x, w=w: elementwise.rms_norm(x, w, 1e-6)))
+            out.append(
+                (
+                    "rms_norm",
+                    f"{name} {n} x {hd}",
+                    lambda x=x, w=w: _rms_torch(x, w),
+                    lambda x=x, w=w: elementwise.rms_norm(x, w, 1e-6),
+                )
+            )
             if dt == torch.float32:
                 gu = torch.randn(n, 2 * m["inner"] * (6 if name == "bundled" else 1), generator=g)
                 i = gu.shape[1] // 2
-                out.append(("silu_mul", f"{name} {n} x {i}", lambda gu=gu, i=i: F.silu(gu[:, :i]) * gu[:, i:],
-                            lambda gu=gu: elementwise.silu_mul(gu)))
-        for o, i in ((3 * m["heads"] * (m["nope"] + m["rope"]) // 2, hd), (hd, m["heads"] * m["v"]),
-                     (8192 if name == "bundled" else 129280, hd)):
+                out.append(
+                    (
+                        "silu_mul",
+                        f"{name} {n} x {i}",
+                        lambda gu=gu, i=i: F.silu(gu[:, :i]) * gu[:, i:],
+                        lambda gu=gu: elementwise.silu_mul(gu),
+                    )
+                )
+        for o, i in (
+            (3 * m["heads"] * (m["nope"] + m["rope"]) // 2, hd),
+            (hd, m["heads"] * m["v"]),
+            (8192 if name == "bundled" else 129280, hd),
+        ):
             w = (torch.randn(o, i, generator=g) / i**0.5).to(dt)
             for n in (1, 8):
                 x = torch.randn(n, i, generator=g).to(dt)
-                out.append(("gemv", f"{name} {n} x {o} x {i}", lambda x=x, w=w: F.linear(x, w),
-                            lambda x=x, w=w: gemv.product(x, w)))
+                out.append(
+                    (
+                        "gemv",
+                        f"{name} {n} x {o} x {i}",
+                        lambda x=x, w=w: F.linear(x, w),
+                        lambda x=x, w=w: gemv.product(x, w),
+                    )
+                )
         r, rope, h = m["r"], m["rope"], m["heads"]
         for b, t in ((1, 1500), (32 if name == "bundled" else 8, 200)):
             pool = torch.randn(b * t + 1, r + rope, generator=g).to(dt)
@@ -104,9 +125,16 @@ def cases(only: set[str] | None):
                 p = (torch.bmm(q, k.transpose(1, 2)) * 0.1).softmax(-1)
                 return torch.bmm(p, keys[..., :r])
 
-            out.append(("mla_decode", f"{name} {b} x {t}", decode_torch,
-                        lambda q=q, pool=pool, slots=slots, cos=cos, sin=sin, r=r:
-                        native_ops.call_mla_decode(q, pool, slots, cos, sin, None, r, True, 0.1)))
+            out.append(
+                (
+                    "mla_decode",
+                    f"{name} {b} x {t}",
+                    decode_torch,
+                    lambda q=q, pool=pool, slots=slots, cos=cos, sin=sin, r=r: native_ops.call_mla_decode(
+                        q, pool, slots, cos, sin, None, r, True, 0.1
+                    ),
+                )
+            )
         nope, vd = m["nope"], m["v"]
         for b, n in ((21, 100), (1, 1500)) if name == "bundled" else ((1, 1500),):
             kv = torch.randn(b, n, h, nope + vd, generator=g)
@@ -119,15 +147,24 @@ def cases(only: set[str] | None):
             def sdpa(qq=qq, k_nope=k_nope, k_r=k_r, v=v, h=h, nope=nope, rope=rope, vd=vd):
                 width = max(nope + rope, vd)
                 q4 = F.pad(qq, (0, width - nope - rope)).transpose(1, 2)
-                k4 = F.pad(torch.cat([k_nope, k_r[:, :, None].expand(-1, -1, h, -1)], -1),
-                           (0, width - nope - rope)).transpose(1, 2)
+                k4 = F.pad(
+                    torch.cat([k_nope, k_r[:, :, None].expand(-1, -1, h, -1)], -1), (0, width - nope - rope)
+                ).transpose(1, 2)
                 v4 = F.pad(v, (0, width - vd)).transpose(1, 2)
                 return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=0.1)
 
-            out.append(("prefill_attention", f"{name} {b} x {n}", sdpa,
-                        lambda qq=qq, k_nope=k_nope, k_r=k_r, v=v, slots=slots, pos=pos, qlen=qlen, nope=nope:
-                        native_ops.call_prefill_attention(qq[..., :nope], qq[..., nope:], k_nope, k_r, v, slots, pos,
-                                                          qlen, 0.1)))
+            out.append(
+                (
+                    "prefill_attention",
+                    f"{name} {b} x {n}",
+                    sdpa,
+                    lambda qq=qq, k_nope=k_nope, k_r=k_r, v=v, slots=slots, pos=pos, qlen=qlen, nope=nope: (
+                        native_ops.call_prefill_attention(
+                            qq[..., :nope], qq[..., nope:], k_nope, k_r, v, slots, pos, qlen, 0.1
+                        )
+                    ),
+                )
+            )
         e, inner, k = m["experts"], m["inner"], m["k"]
         gate_up = (torch.randn(e, 2 * inner, hd, generator=g) / hd**0.5).to(dt).transpose(1, 2)  # out-major
         down = (torch.randn(e, hd, inner, generator=g) / inner**0.5).to(dt).transpose(1, 2)
@@ -142,10 +179,16 @@ def cases(only: set[str] | None):
                     gu = xs @ gate_up[ex]
                     return (F.silu(gu[:, :inner]) * gu[:, inner:]) @ down[ex]
 
-                out.append(("moe", f"{name} {n} tokens", lambda x=x, wts=wts, ids=ids, run=run:
-                            layers.expert_loop(x, wts, ids, run),
-                            lambda x=x, wts=wts, ids=ids, kernel=kernel, gate_up=gate_up, down=down:
-                            kernel(x, wts, ids, gate_up, down)))
+                out.append(
+                    (
+                        "moe",
+                        f"{name} {n} tokens",
+                        lambda x=x, wts=wts, ids=ids, run=run: layers.expert_loop(x, wts, ids, run),
+                        lambda x=x, wts=wts, ids=ids, kernel=kernel, gate_up=gate_up, down=down: kernel(
+                            x, wts, ids, gate_up, down
+                        ),
+                    )
+                )
     return [c for c in out if only is None or c[0] in only]
 
 
@@ -170,11 +213,21 @@ def main(argv=None) -> int:
             torch.set_num_threads(threads)
             with torch.no_grad():
                 t = compare(torch_fn, native_fn, variants, args.repeats)
-            rows.append((kernel, shape, threads, f"{t[0] * 1e3:.3f}",
-                         *[c for x in t[1:] for c in (f"{x * 1e3:.3f}", f"{t[0] / x:.2f}")]))
+            rows.append(
+                (
+                    kernel,
+                    shape,
+                    threads,
+                    f"{t[0] * 1e3:.3f}",
+                    *[c for x in t[1:] for c in (f"{x * 1e3:.3f}", f"{t[0] / x:.2f}")],
+                )
+            )
             print(*rows[-1], sep="\t", flush=True)
-    print(table(("kernel", "shape", "threads", "torch ms", *[c for v in variants for c in (f"{v} ms", "torch / it")]),
-                rows))
+    print(
+        table(
+            ("kernel", "shape", "threads", "torch ms", *[c for v in variants for c in (f"{v} ms", "torch / it")]), rows
+        )
+    )
     return 0
 
 

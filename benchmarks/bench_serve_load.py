@@ -27,8 +27,10 @@ from irminsul.machine import describe
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's root, for tests/support
 from tests.support.services import ServerProcess, rss_mib  # noqa: E402
 
-WORDS = ("policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "
-         "reservation economy business gold silver airport delay voucher").split()
+WORDS = (
+    "policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "
+    "reservation economy business gold silver airport delay voucher"
+).split()
 
 
 def gauges(url: str) -> dict[str, float]:
@@ -42,9 +44,16 @@ def gauges(url: str) -> dict[str, float]:
 
 async def stream(client: httpx.AsyncClient, url: str, i: int, rnd: int, words: int) -> str | None:
     rng = random.Random(rnd * 100_000 + i)
-    body = {"messages": [{"role": "system", "content": f"agent {i} round {rnd}"},
-                         {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))}],
-            "max_tokens": 32, "temperature": 0.7, "seed": i, "stream": True}
+    body = {
+        "messages": [
+            {"role": "system", "content": f"agent {i} round {rnd}"},
+            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))},
+        ],
+        "max_tokens": 32,
+        "temperature": 0.7,
+        "seed": i,
+        "stream": True,
+    }
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             return f"HTTP {r.status_code}"
@@ -65,8 +74,10 @@ def main() -> None:
     extra = ("--model", args.model) if args.model else ()
     server = ServerProcess("--kv-cache-gib", args.kv_cache_gib, *extra)
     print(f"machine: {describe()}\n{args.streams} concurrent streams per round, --kv-cache-gib {args.kv_cache_gib}\n")
-    print(f"{'round':>5} {'errors':>6} {'seconds':>8} {'RSS MiB':>8} {'running':>8} {'queued':>7} "
-          f"{'pool used MiB':>14} {'cached MiB':>11} {'capacity MiB':>13}")
+    print(
+        f"{'round':>5} {'errors':>6} {'seconds':>8} {'RSS MiB':>8} {'running':>8} {'queued':>7} "
+        f"{'pool used MiB':>14} {'cached MiB':>11} {'capacity MiB':>13}"
+    )
     try:
         print(f"{'start':>5} {'':6} {'':8} {rss_mib(server.proc.pid):8d}")
         for rnd in range(args.rounds):
@@ -74,15 +85,18 @@ def main() -> None:
 
             async def go():
                 async with httpx.AsyncClient(timeout=600) as client:
-                    return await asyncio.gather(*(stream(client, server.url, i, rnd, args.words)
-                                                  for i in range(args.streams)))
+                    return await asyncio.gather(
+                        *(stream(client, server.url, i, rnd, args.words) for i in range(args.streams))
+                    )
 
             errors = [e for e in asyncio.run(go()) if e is not None]
             g = gauges(server.url)
-            print(f"{rnd:5d} {len(errors):6d} {time.perf_counter() - t:8.1f} {rss_mib(server.proc.pid):8d} "
-                  f"{g['irminsul_running_requests']:8.0f} {g['irminsul_queued_requests']:7.0f} "
-                  f"{g['irminsul_kv_pool_bytes_used'] / 2**20:14.1f} {g['irminsul_cached_bytes'] / 2**20:11.1f} "
-                  f"{g['irminsul_kv_pool_bytes_capacity'] / 2**20:13.1f}")
+            print(
+                f"{rnd:5d} {len(errors):6d} {time.perf_counter() - t:8.1f} {rss_mib(server.proc.pid):8d} "
+                f"{g['irminsul_running_requests']:8.0f} {g['irminsul_queued_requests']:7.0f} "
+                f"{g['irminsul_kv_pool_bytes_used'] / 2**20:14.1f} {g['irminsul_cached_bytes'] / 2**20:11.1f} "
+                f"{g['irminsul_kv_pool_bytes_capacity'] / 2**20:13.1f}"
+            )
             for e in errors[:3]:
                 print(f"      {e}")
     finally:

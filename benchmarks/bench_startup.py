@@ -38,10 +38,17 @@ MODES = {"default": [], "--compile-decode": ["--compile-decode"], "--no-compile-
 def _ask(port: int, max_tokens: int = 16) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as r:
         model = json.loads(r.read())["data"][0]["id"]
-    body = json.dumps({"model": model, "max_tokens": max_tokens, "temperature": 0,
-                       "messages": [{"role": "user", "content": "Say something about caches."}]}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                 {"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Say something about caches."}],
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=1800) as r:
         json.loads(r.read())
 
@@ -58,13 +65,23 @@ def first_answer(model: Path, flags: list[str], limit: float) -> tuple[float, fl
     """(seconds from start to the first answer, seconds of a later answer once any background compile
     is done, seconds from start until it was done or None), with every cache empty."""
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, IRMINSUL_NATIVE_CACHE=f"{cache}/native", IRMINSUL_KERNEL_CACHE=f"{cache}/kernels.json",
-                   TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", XDG_CACHE_HOME=cache)
+        env = dict(
+            os.environ,
+            IRMINSUL_NATIVE_CACHE=f"{cache}/native",
+            IRMINSUL_KERNEL_CACHE=f"{cache}/kernels.json",
+            TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor",
+            XDG_CACHE_HOME=cache,
+        )
         env.pop("IRMINSUL_COMPILE_DECODE", None)
         port = free_port()
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "irminsul", "serve", "--model", str(model), "--port", str(port),
-                                 *flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "irminsul", "serve", "--model", str(model), "--port", str(port), *flags],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         log: list[str] = []
         compiled: list[float] = []
 
@@ -98,8 +115,11 @@ def first_answer(model: Path, flags: list[str], limit: float) -> tuple[float, fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a checkpoint directory (default: the bundled model and a "
-                                                  "random DeepSeek-V3 made here)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint directory (default: the bundled model and a random DeepSeek-V3 made here)",
+    )
     ap.add_argument("--limit", type=float, default=1800, help="give up on a start after this many seconds")
     args = ap.parse_args()
     print(f"machine: {describe()}\n")
@@ -107,9 +127,26 @@ def main() -> None:
         models = {"given": Path(args.model)} if args.model else {"bundled": bundled_model("mla")}
         if not args.model:
             new = Path(tmp) / "random-v3"
-            subprocess.run([sys.executable, "-m", "irminsul", "checkpoint", "random", str(new), "--family",
-                            "deepseek_v3", "--layers", "2", "--hidden", "256", "--vocab", "4096"],
-                           check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "irminsul",
+                    "checkpoint",
+                    "random",
+                    str(new),
+                    "--family",
+                    "deepseek_v3",
+                    "--layers",
+                    "2",
+                    "--hidden",
+                    "256",
+                    "--vocab",
+                    "4096",
+                ],
+                check=True,
+                capture_output=True,
+            )
             models["new random V3"] = new
         print(f"{'model':14} {'mode':20} {'first answer s':>15} {'compiled at s':>14} {'a later answer ms':>18}")
         for name, model in models.items():

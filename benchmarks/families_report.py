@@ -32,10 +32,17 @@ from irminsul.machine import describe  # noqa: E402
 from irminsul.model.loader import load_model  # noqa: E402
 from irminsul.model.tiny import make_tiny_checkpoint  # noqa: E402
 
-CASES = [("v2", True, {}), ("v3", True, {}), ("v32", False, {}), ("v32", True, {"index_topk": 8}),
-         ("glm", False, {}), ("glm", True, {"mlp_layer_types": ["dense", "sparse", "dense"]}),
-         ("glm", True, {"rope_interleave": False, "q_lora_rank": None}),
-         ("longcat", False, {}), ("longcat", True, {"zero_expert_num": 4, "moe_topk": 3})]
+CASES = [
+    ("v2", True, {}),
+    ("v3", True, {}),
+    ("v32", False, {}),
+    ("v32", True, {"index_topk": 8}),
+    ("glm", False, {}),
+    ("glm", True, {"mlp_layer_types": ["dense", "sparse", "dense"]}),
+    ("glm", True, {"rope_interleave": False, "q_lora_rank": None}),
+    ("longcat", False, {}),
+    ("longcat", True, {"zero_expert_num": 4, "moe_topk": 3}),
+]
 
 
 def _rand(n, seed):
@@ -94,8 +101,10 @@ def main() -> int:
     for k, (variant, yarn, extra) in enumerate(CASES):
         path = make_tiny_checkpoint(folder / f"c{k}", variant, yarn, seed=3, **extra)
         lp, rows = parity(path)
-        print(f"{variant:8s} {str(yarn):5s} {str(extra):52s} {lp:11.1e} {rows:9.1e} {triton_vs_torch(path):9.1e}",
-              flush=True)
+        print(
+            f"{variant:8s} {str(yarn):5s} {str(extra):52s} {lp:11.1e} {rows:9.1e} {triton_vs_torch(path):9.1e}",
+            flush=True,
+        )
     print("\npic on one layer, max |Δ log-prob| against full prefill:")
     for variant in ("v2", "v3", "v32", "glm", "longcat"):
         print(f"  {variant:8s} {pic_exactness(variant, folder):.1e}", flush=True)

@@ -44,11 +44,29 @@ from irminsul.model.tokenizer import Tokenizer
 
 # DeepSeek-V2-Lite (15.7 B parameters, 2.4 B active), from its published config.json
 V2_LITE = dict(
-    BASE, **VARIANTS["v2"], vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
-    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
-    bos_token_id=100000, eos_token_id=100001, n_group=1, topk_group=1,
+    BASE,
+    **VARIANTS["v2"],
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    max_position_embeddings=163840,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+    bos_token_id=100000,
+    eos_token_id=100001,
+    n_group=1,
+    topk_group=1,
     rope_scaling=dict(YARN, factor=40.0, original_max_position_embeddings=4096),
 )
 TINY = dict(BASE, **VARIANTS["v2"], rope_scaling=dict(YARN))
@@ -87,8 +105,16 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def build(raw: dict, device: str, dtype: torch.dtype, backend: str, reuse: str, kv_gib: float,
-          weights_of: Engine | None = None, compile_decode: bool | None = None) -> Engine:
+def build(
+    raw: dict,
+    device: str,
+    dtype: torch.dtype,
+    backend: str,
+    reuse: str,
+    kv_gib: float,
+    weights_of: Engine | None = None,
+    compile_decode: bool | None = None,
+) -> Engine:
     """An engine over random weights made on the device (nn.Linear's own initialisation), or over
     `weights_of`'s weights and pool (the same tensors: one copy on the device for both engines).
     compile_decode: decode steps as CUDA graphs (None: on a GPU; True in tiny mode: the uncaptured
@@ -109,8 +135,12 @@ def build(raw: dict, device: str, dtype: torch.dtype, backend: str, reuse: str, 
     if weights_of is not None:
         model.load_state_dict(weights_of.model.state_dict(), assign=True)
     model.set_attention_backend(backend)
-    return build_engine(EngineConfig.of(reuse=reuse, kv_cache_gib=kv_gib, compile_decode=compile_decode),
-                        model, Tokenizer(folder), pool=weights_of.pool if weights_of is not None else None)
+    return build_engine(
+        EngineConfig.of(reuse=reuse, kv_cache_gib=kv_gib, compile_decode=compile_decode),
+        model,
+        Tokenizer(folder),
+        pool=weights_of.pool if weights_of is not None else None,
+    )
 
 
 def generate(engine: Engine, prompts: list[list[int]], new: int) -> float:
@@ -133,8 +163,9 @@ def hf_generate(model, prompts: list[list[int]], new: int) -> float:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     sync()
     t = time.perf_counter()
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                   pad_token_id=pad)
+    model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad
+    )
     sync()
     return time.perf_counter() - t
 
@@ -157,7 +188,8 @@ def agent_meta(n: int, vocab: int, seed: int, body_tokens: int) -> list[list[int
     out = []
     for i in range(n):
         header = f"request_id={rng.integers(1e9)} agent=support " + " ".join(
-            f"pref{int(x)}" for x in rng.integers(0, 1000, int(rng.integers(1, 60))))
+            f"pref{int(x)}" for x in rng.integers(0, 1000, int(rng.integers(1, 60)))
+        )
         question = f"\nQuestion {i}: can reservation {rng.integers(1e5)} be changed?"
         out.append(list(header.encode()) + body + list(question.encode()))
     return [[t % vocab for t in p] for p in out]
@@ -187,8 +219,11 @@ def main() -> None:
     raw = TINY if tiny else V2_LITE
     concurrency, new, prompt_len = ((1, 4, 8), 8, 24) if tiny else ((1, 32, 128), 64, 100)
     kv_gib = 0.25 if tiny else 40.0
-    print(f"machine: {describe()}\ngpu: {gpu_name()}\nshapes: {'tiny' if tiny else 'DeepSeek-V2-Lite'} "
-          f"(random weights, {dtype})", flush=True)
+    print(
+        f"machine: {describe()}\ngpu: {gpu_name()}\nshapes: {'tiny' if tiny else 'DeepSeek-V2-Lite'} "
+        f"(random weights, {dtype})",
+        flush=True,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"machine": describe(), "gpu": gpu_name(), "tiny": tiny}
@@ -196,8 +231,11 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = build(raw, device, dtype, "triton", "off", kv_gib, compile_decode=True)
     params = sum(p.numel() for p in engine.model.parameters())
-    print(f"built {params / 1e9:.2f} B parameters and captured {len(engine.runner.graphs.graphs)} decode graphs in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    print(
+        f"built {params / 1e9:.2f} B parameters and captured {len(engine.runner.graphs.graphs)} decode graphs in "
+        f"{time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
     eager = build(raw, device, dtype, "triton", "off", kv_gib, weights_of=engine, compile_decode=False)
     res["parameters"] = params
     vocab = raw["vocab_size"]
@@ -212,15 +250,22 @@ def main() -> None:
         ours = c * new / generate(engine, prompts, new)
         generate(eager, prompts[:1], 2)
         uncaptured = c * new / generate(eager, prompts, new)
-        row = {"concurrency": c, "irminsul_tok_s": ours, "eager_tok_s": uncaptured, "graphs_vs_eager": ours / uncaptured}
+        row = {
+            "concurrency": c,
+            "irminsul_tok_s": ours,
+            "eager_tok_s": uncaptured,
+            "graphs_vs_eager": ours / uncaptured,
+        }
         if hf is not None:
             hf_generate(hf, prompts[:1], 2)
             theirs = c * new / hf_generate(hf, prompts, new)
             row.update(transformers_tok_s=theirs, ratio=ours / theirs)
         res["decode"].append(row)
-        print(f"decode, {c:>3} concurrent: irminsul {ours:,.0f} tok/s ({ours / uncaptured:.2f}x its eager steps)"
-              + (f", transformers {row['transformers_tok_s']:,.0f} tok/s: {row['ratio']:.2f}x" if hf else ""),
-              flush=True)
+        print(
+            f"decode, {c:>3} concurrent: irminsul {ours:,.0f} tok/s ({ours / uncaptured:.2f}x its eager steps)"
+            + (f", transformers {row['transformers_tok_s']:,.0f} tok/s: {row['ratio']:.2f}x" if hf else ""),
+            flush=True,
+        )
     del hf, eager
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -240,13 +285,19 @@ def main() -> None:
     st = [r[2] for r in modes["pic"]]
     ideal = sum(s.computed_tokens for s in st) / sum(s.prompt_tokens for s in st)
     res["ttft"] = {"prefix_s": t["prefix"], "pic_s": t["pic"], "ratio": t["pic"] / t["prefix"], "ideal": ideal}
-    print(f"agent_meta TTFT (median of {args.requests}): prefix {t['prefix'] * 1e3:.1f} ms, pic {t['pic'] * 1e3:.1f} ms,"
-          f" pic/prefix {t['pic'] / t['prefix']:.3f} (ideal computed/prompt {ideal:.3f})", flush=True)
+    print(
+        f"agent_meta TTFT (median of {args.requests}): prefix {t['prefix'] * 1e3:.1f} ms, pic {t['pic'] * 1e3:.1f} ms,"
+        f" pic/prefix {t['pic'] / t['prefix']:.3f} (ideal computed/prompt {ideal:.3f})",
+        flush=True,
+    )
     if energy.handle is not None:
         j = {m: statistics.median(r[1] for r in runs) for m, runs in modes.items()}
         res["energy"] = {"prefix_j": j["prefix"], "pic_j": j["pic"], "saved": 1 - j["pic"] / j["prefix"]}
-        print(f"prefill energy per request: prefix {j['prefix']:.2f} J, pic {j['pic']:.2f} J: "
-              f"{1 - j['pic'] / j['prefix']:.0%} saved (the paper: 63% for MLA)", flush=True)
+        print(
+            f"prefill energy per request: prefix {j['prefix']:.2f} J, pic {j['pic']:.2f} J: "
+            f"{1 - j['pic'] / j['prefix']:.0%} saved (the paper: 63% for MLA)",
+            flush=True,
+        )
     else:
         print("prefill energy: NVML's energy counter is not available here", flush=True)
 

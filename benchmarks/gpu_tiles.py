@@ -68,8 +68,16 @@ def sweep(name: str, default: dict, candidates: list[dict], run) -> dict:
     print(f"{name:<36} default {base:9.4f} ms   best {best_ms:9.4f} ms  {base / best_ms:5.2f}x  {best}", flush=True)
     for line in wrong:
         print(f"    OUTPUT DIFFERS: {line}", flush=True)
-    return {"shape": name, "default": default, "default_ms": base, "best": best, "best_ms": best_ms,
-            "speedup": base / best_ms, "wrong": wrong, "failed": failed}
+    return {
+        "shape": name,
+        "default": default,
+        "default_ms": base,
+        "best": best,
+        "best_ms": best_ms,
+        "speedup": base / best_ms,
+        "wrong": wrong,
+        "failed": failed,
+    }
 
 
 def attention_cases(cfg: ModelConfig, device, dtype, tiny: bool):
@@ -79,8 +87,11 @@ def attention_cases(cfg: ModelConfig, device, dtype, tiny: bool):
     rotary = Rotary(cfg.rope, device)
     backend = TritonAttention(cfg, rotary)
     h, r, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    shapes = [("decode", 2, 40), ("decode", 4, 70), ("prefill", 24, 40)] if tiny else \
-        [("decode", 1, 4096), ("decode", 32, 2048), ("decode", 128, 1024), ("prefill", 512, 2048)]
+    shapes = (
+        [("decode", 2, 40), ("decode", 4, 70), ("prefill", 24, 40)]
+        if tiny
+        else [("decode", 1, 4096), ("decode", 32, 2048), ("decode", 128, 1024), ("prefill", 512, 2048)]
+    )
     g = torch.Generator(device="cpu").manual_seed(0)
     for kind, a, b in shapes:
         if kind == "decode":  # a sequences of b keys
@@ -96,9 +107,19 @@ def attention_cases(cfg: ModelConfig, device, dtype, tiny: bool):
         cos, sin = rotary.table(plan.max_pos + 1, device)
 
         def run(block_t, num_warps, plan=plan, pool=pool, q_lat=q_lat, q_pe=q_pe, cos=cos, sin=sin):
-            return mla_attention(q_lat, q_pe, pool, plan, cos, sin, cfg.softmax_scale,
-                                 rotary.config.cache_layout == "interleaved", block_t, backend.SPLIT,
-                                 num_warps=num_warps)
+            return mla_attention(
+                q_lat,
+                q_pe,
+                pool,
+                plan,
+                cos,
+                sin,
+                cfg.softmax_scale,
+                rotary.config.cache_layout == "interleaved",
+                block_t,
+                backend.SPLIT,
+                num_warps=num_warps,
+            )
 
         yield f"attention {kind} {a} x {b}", run
 
@@ -111,7 +132,7 @@ def moe_cases(cfg: ModelConfig, device, dtype, tiny: bool):
     g = torch.Generator(device="cpu").manual_seed(1)
     gate_up = (torch.randn(e, hidden, 2 * inner, generator=g) * hidden**-0.5).to(device, dtype)
     down = (torch.randn(e, inner, hidden, generator=g) * inner**-0.5).to(device, dtype)
-    for n in ((1, 5, 37) if tiny else (1, 32, 128, 2048)):
+    for n in (1, 5, 37) if tiny else (1, 32, 128, 2048):
         x = torch.randn(n, hidden, generator=g).to(device, dtype)
         ids = torch.rand(n, e, generator=g).argsort(-1)[:, :k].to(device)  # k distinct experts per token
         w = torch.rand(n, k, generator=g).to(device)
@@ -130,24 +151,34 @@ def main() -> None:
     tiny = args.tiny or not torch.cuda.is_available()
     device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
     cfg = ModelConfig.from_dict(TINY if tiny else V2_LITE)
-    print(f"machine: {describe()}\ngpu: {gpu_name()}\nshapes: {'tiny' if tiny else 'DeepSeek-V2-Lite'} ({dtype})",
-          flush=True)
+    print(
+        f"machine: {describe()}\ngpu: {gpu_name()}\nshapes: {'tiny' if tiny else 'DeepSeek-V2-Lite'} ({dtype})",
+        flush=True,
+    )
     from irminsul.model.triton_moe import TILES
 
     results = []
-    attn = [dict(block_t=t, num_warps=w) for t, w in
-            (((16, 4), (64, 4)) if tiny else itertools.product((16, 32, 64, 128), (2, 4, 8)))]
+    attn = [
+        dict(block_t=t, num_warps=w)
+        for t, w in (((16, 4), (64, 4)) if tiny else itertools.product((16, 32, 64, 128), (2, 4, 8)))
+    ]
     for name, run in attention_cases(cfg, device, dtype, tiny):
         results.append(sweep(name, dict(block_t=32, num_warps=None), attn, run))
-    moe = [dict(block_m=m, block_n=n, block_k=kk, num_warps=w, num_stages=s) for m, n, kk, w, s in
-           (((16, 16, 16, 4, 2), (32, 64, 32, 4, 2)) if tiny else
-            itertools.product((16, 64), (64, 128), (64, 128), (4, 8), (3,)))]
+    moe = [
+        dict(block_m=m, block_n=n, block_k=kk, num_warps=w, num_stages=s)
+        for m, n, kk, w, s in (
+            ((16, 16, 16, 4, 2), (32, 64, 32, 4, 2))
+            if tiny
+            else itertools.product((16, 64), (64, 128), (64, 128), (4, 8), (3,))
+        )
+    ]
     for name, run in moe_cases(cfg, device, dtype, tiny):
         results.append(sweep(name, TILES._asdict(), moe, run))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_tiles.json").write_text(json.dumps({"machine": describe(), "gpu": gpu_name(), "tiny": tiny,
-                                                    "results": results}, indent=1))
+    (out / "gpu_tiles.json").write_text(
+        json.dumps({"machine": describe(), "gpu": gpu_name(), "tiny": tiny, "results": results}, indent=1)
+    )
     print(f"wrote {out / 'gpu_tiles.json'}")
 
 

@@ -32,8 +32,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("llama_cpp", type=Path, help="llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py)")
     ap.add_argument("model", type=Path, help="the checkpoint directory")
     ap.add_argument("out", type=Path, help="the GGUF file to write")
-    ap.add_argument("--outtype", default="f32", choices=["f32", "bf16", "f16"],
-                    help="tensor type in the GGUF (f32: the bundled model; bf16: a bf16 checkpoint as stored)")
+    ap.add_argument(
+        "--outtype",
+        default="f32",
+        choices=["f32", "bf16", "f16"],
+        help="tensor type in the GGUF (f32: the bundled model; bf16: a bf16 checkpoint as stored)",
+    )
     args = ap.parse_args(argv)
     llama = args.llama_cpp
     sys.path.insert(0, str(llama))

@@ -32,7 +32,9 @@ import numpy as np
 
 
 def machine() -> str:
-    return f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, python {platform.python_version()}"
+    return (
+        f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, python {platform.python_version()}"
+    )
 
 
 def build_items(model_dir: Path, n: int, seed: int) -> list[dict]:
@@ -56,9 +58,16 @@ def build_items(model_dir: Path, n: int, seed: int) -> list[dict]:
                 others.add(o)
         choices = [value, *sorted(others)]
         order = rng.permutation(4)
-        items.append({"id": i, "prompt": tok.decode(ex.prompt_ids, skip_special_tokens=False),
-                      "choices": [" " + choices[j] for j in order], "answer": int(np.argmax(order == 0)),
-                      "value": " " + value, "end": END})
+        items.append(
+            {
+                "id": i,
+                "prompt": tok.decode(ex.prompt_ids, skip_special_tokens=False),
+                "choices": [" " + choices[j] for j in order],
+                "answer": int(np.argmax(order == 0)),
+                "value": " " + value,
+                "end": END,
+            }
+        )
     return items
 
 
@@ -145,20 +154,36 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     irminsul = Path(sys.executable).with_name("irminsul")
-    server = subprocess.Popen([str(irminsul), "serve", "--model", str(model_dir), "--port", str(port),
-                               "--served-model-name", "tiny"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(irminsul), "serve", "--model", str(model_dir), "--port", str(port), "--served-model-name", "tiny"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_ready(url, server)
-        cmd = [str(Path(sys.executable).with_name("lm_eval")), "--model", "local-completions", "--model_args",
-               f"model=tiny,base_url={url}/v1/completions,tokenizer_backend=huggingface,tokenizer={model_dir},"
-               "num_concurrent=1,max_retries=1,tokenized_requests=True",
-               "--tasks", "irminsul_passkey_mc,irminsul_passkey_gen", "--include_path", str(work / "tasks"),
-               "--batch_size", "4", "--output_path", str(work / "out"), "--log_samples"]
+        cmd = [
+            str(Path(sys.executable).with_name("lm_eval")),
+            "--model",
+            "local-completions",
+            "--model_args",
+            f"model=tiny,base_url={url}/v1/completions,tokenizer_backend=huggingface,tokenizer={model_dir},"
+            "num_concurrent=1,max_retries=1,tokenized_requests=True",
+            "--tasks",
+            "irminsul_passkey_mc,irminsul_passkey_gen",
+            "--include_path",
+            str(work / "tasks"),
+            "--batch_size",
+            "4",
+            "--output_path",
+            str(work / "out"),
+            "--log_samples",
+        ]
         print("$ " + " ".join(cmd), flush=True)
         t0 = time.time()
-        run = subprocess.run(cmd, env={**env, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
-                             capture_output=True, text=True)
+        run = subprocess.run(
+            cmd, env={**env, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True
+        )
         print(f"lm_eval exited {run.returncode} after {time.time() - t0:.0f} s")
         table = [line for line in run.stdout.splitlines() if line.startswith("|")]
         print("\n".join(table) if table else run.stdout[-3000:] + run.stderr[-3000:])
@@ -194,7 +219,7 @@ def check(model_dir: Path, out: Path, items: list[dict]) -> int:
             context, continuation = arg["arg_0"], arg["arg_1"]
             whole = hf(context + continuation, add_special_tokens=False)["input_ids"]
             ctx = hf(context, add_special_tokens=False)["input_ids"]
-            cont = whole[len(ctx):]
+            cont = whole[len(ctx) :]
             lp = llm.score(whole[: len(ctx)], cont)
             ll = float(lp[torch.arange(len(cont)), torch.tensor(cont)].sum())
             worst = max(worst, abs(ll - float(resp[0][0])))
@@ -209,8 +234,10 @@ def check(model_dir: Path, out: Path, items: list[dict]) -> int:
         assert text == s["resps"][0][0], (text, s["resps"][0][0])
     n_mc, n_gen = len(samples["mc"]), len(samples["gen"])
     print(f"multiple choice: {n_mc} items x 4 choices; max |harness log-likelihood - LLM.score| = {worst:.2e}")
-    print(f"without the server: acc {right_mc / n_mc:.3f} (multiple choice), exact match {right_gen / n_gen:.3f} "
-          f"(generate_until; every generation identical to the harness's)")
+    print(
+        f"without the server: acc {right_mc / n_mc:.3f} (multiple choice), exact match {right_gen / n_gen:.3f} "
+        f"(generate_until; every generation identical to the harness's)"
+    )
     ok = worst < 1e-4
     print("harness log-likelihoods equal LLM.score within 1e-4: " + ("yes" if ok else "NO"))
     return 0 if ok else 1

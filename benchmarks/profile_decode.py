@@ -41,8 +41,10 @@ def main() -> int:
     short, long = ops(8), ops(40)
     per = {k: ((c - short.get(k, (0, 0))[0]) / 32, (t - short.get(k, (0, 0))[1]) / 32) for k, (c, t) in long.items()}
     calls, self_us = sum(c for c, _ in per.values()), sum(t for _, t in per.values())
-    print(f"depth {args.depth}, {args.batch} sequence(s): per decode step {calls:.0f} aten calls, "
-          f"{self_us / 1e3:.2f} ms of their self time")
+    print(
+        f"depth {args.depth}, {args.batch} sequence(s): per decode step {calls:.0f} aten calls, "
+        f"{self_us / 1e3:.2f} ms of their self time"
+    )
     print(f"{'operator':32s} {'calls':>7s} {'self ms':>8s}")
     for k, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"{k:32s} {c:7.1f} {t / 1e3:8.3f}")

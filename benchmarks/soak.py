@@ -39,15 +39,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's root
 from tests.support.services import ServerProcess, rss_mib  # noqa: E402
 
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
-WORDS = ("policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "
-         "reservation economy business gold silver airport delay voucher").split()
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40},
-                                           "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},
-          "required": ["answer", "confidence"], "additionalProperties": False}
-TOOL = {"type": "function", "function": {"name": "lookup", "description": "look a booking up",
-                                         "parameters": {"type": "object",
-                                                        "properties": {"code": {"type": "string", "maxLength": 12}},
-                                                        "required": ["code"]}}}
+WORDS = (
+    "policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "
+    "reservation economy business gold silver airport delay voucher"
+).split()
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 40},
+        "confidence": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "confidence"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "look a booking up",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "maxLength": 12}},
+            "required": ["code"],
+        },
+    },
+}
 
 
 def documents(n: int = 6, words: int = 150) -> list[str]:
@@ -65,12 +81,22 @@ def request(rng: random.Random, docs: list[str]) -> tuple[str, str, dict]:
     if kind == "chat":
         return kind, "/v1/chat/completions", {"messages": messages, **common}
     if kind == "json":
-        return kind, "/v1/chat/completions", {"messages": messages, **common, "max_tokens": 96,
-                                              "response_format": {"type": "json_schema",
-                                                                  "json_schema": {"name": "a", "schema": SCHEMA}}}
+        return (
+            kind,
+            "/v1/chat/completions",
+            {
+                "messages": messages,
+                **common,
+                "max_tokens": 96,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+            },
+        )
     if kind == "tool":
-        return kind, "/v1/chat/completions", {"messages": messages, **common, "max_tokens": 64, "tools": [TOOL],
-                                              "tool_choice": "required"}
+        return (
+            kind,
+            "/v1/chat/completions",
+            {"messages": messages, **common, "max_tokens": 64, "tools": [TOOL], "tool_choice": "required"},
+        )
     return kind, "/v1/completions", {"prompt": header + "\n" + rng.choice(docs), **common}
 
 
@@ -81,18 +107,24 @@ def _responses_calls(n: int) -> dict:
 
 def _tools(n_tools: int, n_props: int, n_enum: int) -> list[dict]:
     props = {f"p{j}": {"type": "string", "enum": [f"v{k}" for k in range(n_enum)]} for j in range(n_props)}
-    return [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": props}}}
-            for i in range(n_tools)]
+    return [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": props}}}
+        for i in range(n_tools)
+    ]
 
 
 HI = [{"role": "user", "content": "hi"}]
 HOSTILE = {  # name -> (path, body): each must be answered below 500, in its turn, hurting nobody else
     "4,000 Responses calls": ("/v1/responses", _responses_calls(4000)),
     "2,000 Responses calls": ("/v1/responses", _responses_calls(2000)),
-    "logit_bias, all ids, n=8": ("/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": 16,
-                                                     "logit_bias": {str(i): 1 for i in range(8192)}}),
-    "logit_bias, 300 ids, n=8": ("/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": 16,
-                                                     "logit_bias": {str(i): 1 for i in range(300)}}),
+    "logit_bias, all ids, n=8": (
+        "/v1/completions",
+        {"prompt": "hi", "n": 8, "max_tokens": 16, "logit_bias": {str(i): 1 for i in range(8192)}},
+    ),
+    "logit_bias, 300 ids, n=8": (
+        "/v1/completions",
+        {"prompt": "hi", "n": 8, "max_tokens": 16, "logit_bias": {str(i): 1 for i in range(300)}},
+    ),
     "tools 20 x 400 x 50": ("/v1/chat/completions", {"messages": HI, "tools": _tools(20, 400, 50)}),
     "metadata 7 MB": ("/v1/responses", {"input": "hi", "stream": True, "metadata": {"k": "v" * 7_000_000}}),
     "100,000 stop strings": ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 100_000}),
@@ -102,13 +134,15 @@ HOSTILE = {  # name -> (path, body): each must be answered below 500, in its tur
 }
 
 
-async def hostile(client: httpx.AsyncClient, url: str, key: str, rng: random.Random, bodies: dict, tally: Counter,
-                  failures: list[str]) -> None:
+async def hostile(
+    client: httpx.AsyncClient, url: str, key: str, rng: random.Random, bodies: dict, tally: Counter, failures: list[str]
+) -> None:
     name = rng.choice(sorted(bodies))
     path, body = bodies[name]
     try:
-        r = await client.post(url + path, content=body, headers={"Authorization": f"Bearer {key}",
-                                                                 "Content-Type": "application/json"})
+        r = await client.post(
+            url + path, content=body, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        )
     except httpx.HTTPError as e:
         tally["server errors"] += 1
         failures.append(f"hostile {name}: {type(e).__name__} {e}")
@@ -120,8 +154,16 @@ async def hostile(client: httpx.AsyncClient, url: str, key: str, rng: random.Ran
         tally["hostile answered"] += 1
 
 
-async def one(client: httpx.AsyncClient, url: str, key: str, rng: random.Random, docs, cancel: float,
-              tally: Counter, failures: list[str]) -> None:
+async def one(
+    client: httpx.AsyncClient,
+    url: str,
+    key: str,
+    rng: random.Random,
+    docs,
+    cancel: float,
+    tally: Counter,
+    failures: list[str],
+) -> None:
     kind, path, body = request(rng, docs)
     cut = rng.random() < cancel
     text, calls, reason = [], {}, None
@@ -150,7 +192,9 @@ async def one(client: httpx.AsyncClient, url: str, key: str, rng: random.Random,
                     delta = choice.get("delta") or {}
                     text.append(delta.get("content") or choice.get("text") or "")
                     for call in delta.get("tool_calls") or []:
-                        calls[call["index"]] = calls.get(call["index"], "") + (call.get("function", {}).get("arguments") or "")
+                        calls[call["index"]] = calls.get(call["index"], "") + (
+                            call.get("function", {}).get("arguments") or ""
+                        )
                     reason = choice.get("finish_reason") or reason
                 if cut and events >= 3:
                     tally["cancelled"] += 1
@@ -176,8 +220,9 @@ async def one(client: httpx.AsyncClient, url: str, key: str, rng: random.Random,
             failures.append(f"tool: no valid call ({reason}): {calls!r} {''.join(text)[:100]!r}")
 
 
-async def soak(url: str, pid: int, streams: int, seconds: float, cancel: float,
-               share: float) -> tuple[Counter, list[str], list, list]:
+async def soak(
+    url: str, pid: int, streams: int, seconds: float, cancel: float, share: float
+) -> tuple[Counter, list[str], list, list]:
     docs, tally, failures, rss, health = documents(), Counter(), [], [], []
     bodies = {name: (path, json.dumps(body).encode()) for name, (path, body) in HOSTILE.items()}
     stop_at = time.monotonic() + seconds
@@ -221,44 +266,67 @@ def main() -> int:
     args = ap.parse_args()
     extra = ("--model", args.model) if args.model else ()
     keys = [a for k, t in KEYS.items() for a in ("--api-key", f"{k}={t}")]
-    server = ServerProcess("--kv-cache-gib", args.kv_cache_gib, "--max-running-requests", str(args.streams),
-                           *keys, *extra, timeout=600)
-    print(f"machine: {describe()}\n{args.streams} streams for {args.seconds:.0f} s, two tenants, temperature 1, "
-          f"{args.cancel:.0%} cancelled, {args.hostile:.0%} of hostile sizes, --kv-cache-gib {args.kv_cache_gib}\n")
+    server = ServerProcess(
+        "--kv-cache-gib", args.kv_cache_gib, "--max-running-requests", str(args.streams), *keys, *extra, timeout=600
+    )
+    print(
+        f"machine: {describe()}\n{args.streams} streams for {args.seconds:.0f} s, two tenants, temperature 1, "
+        f"{args.cancel:.0%} cancelled, {args.hostile:.0%} of hostile sizes, --kv-cache-gib {args.kv_cache_gib}\n"
+    )
     try:
         start_rss = rss_mib(server.proc.pid)
         idle = min(_timed(lambda: httpx.get(server.url + "/health")) for _ in range(20))
-        tally, failures, rss, health = asyncio.run(soak(server.url, server.proc.pid, args.streams, args.seconds,
-                                                        args.cancel, args.hostile))
+        tally, failures, rss, health = asyncio.run(
+            soak(server.url, server.proc.pid, args.streams, args.seconds, args.cancel, args.hostile)
+        )
         time.sleep(1)
         metrics = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer key-alpha"}).text
-        gauges = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                  if line.startswith(("irminsul_kv_pool_bytes_used", "irminsul_cached_bytes", "irminsul_running_requests",
-                                      "irminsul_event_loop_stall_seconds_max"))}
+        gauges = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith(
+                (
+                    "irminsul_kv_pool_bytes_used",
+                    "irminsul_cached_bytes",
+                    "irminsul_running_requests",
+                    "irminsul_event_loop_stall_seconds_max",
+                )
+            )
+        }
         alive = server.proc.poll() is None
     finally:
         server.stop()
     done = sum(v for k, v in tally.items() if k.endswith(" done"))
-    print(f"{'requests completed':>24}: {done}  ({', '.join(f'{k} {v}' for k, v in sorted(tally.items()) if k.endswith(' done'))})")
+    print(
+        f"{'requests completed':>24}: {done}  ({', '.join(f'{k} {v}' for k, v in sorted(tally.items()) if k.endswith(' done'))})"
+    )
     for name in ("cancelled", "hostile answered", "server errors", "constraint failures", "client errors"):
         print(f"{name:>24}: {tally.get(name, 0)}")
     peak = max(r for _, r in rss) if rss else -1
     mid = [r for t, r in rss if t >= args.seconds / 2]
     print(f"{'server alive':>24}: {alive}")
-    print(f"{'RSS MiB':>24}: start {start_rss}, peak {peak}, second half {min(mid, default=-1)}–{max(mid, default=-1)}, "
-          f"end {rss[-1][1] if rss else -1}")
-    print(f"{'after the traffic':>24}: running {gauges.get('irminsul_running_requests', -1):.0f}, pool used "
-          f"{gauges.get('irminsul_kv_pool_bytes_used', -1) / 2**20:.1f} MiB, cached "
-          f"{gauges.get('irminsul_cached_bytes', -1) / 2**20:.1f} MiB")
+    print(
+        f"{'RSS MiB':>24}: start {start_rss}, peak {peak}, second half {min(mid, default=-1)}–{max(mid, default=-1)}, "
+        f"end {rss[-1][1] if rss else -1}"
+    )
+    print(
+        f"{'after the traffic':>24}: running {gauges.get('irminsul_running_requests', -1):.0f}, pool used "
+        f"{gauges.get('irminsul_kv_pool_bytes_used', -1) / 2**20:.1f} MiB, cached "
+        f"{gauges.get('irminsul_cached_bytes', -1) / 2**20:.1f} MiB"
+    )
     slow = sorted(t for t, _ in health)
-    print(f"{'/health':>24}: idle {idle * 1e3:.1f} ms; under the soak median {slow[len(slow) // 2] * 1e3:.1f} ms, "
-          f"slowest {slow[-1] * 1e3:.0f} ms ({len(slow)} probes, {sum(c != 200 for _, c in health)} not 200)")
+    print(
+        f"{'/health':>24}: idle {idle * 1e3:.1f} ms; under the soak median {slow[len(slow) // 2] * 1e3:.1f} ms, "
+        f"slowest {slow[-1] * 1e3:.0f} ms ({len(slow)} probes, {sum(c != 200 for _, c in health)} not 200)"
+    )
     print(f"{'event loop stall':>24}: longest {gauges.get('irminsul_event_loop_stall_seconds_max', -1) * 1e3:.0f} ms")
     for f in failures[:10]:
         print("   ", f)
     # once every request is done, the pool holds cached content only
-    leaked = gauges.get("irminsul_kv_pool_bytes_used", 0) > gauges.get("irminsul_cached_bytes", 0) \
+    leaked = (
+        gauges.get("irminsul_kv_pool_bytes_used", 0) > gauges.get("irminsul_cached_bytes", 0)
         or gauges.get("irminsul_running_requests", 0) > 0
+    )
     return 1 if tally.get("server errors") or tally.get("constraint failures") or not alive or leaked else 0
 
 

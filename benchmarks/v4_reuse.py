@@ -37,15 +37,36 @@ from irminsul.research.eval.v4_reuse import shifted_reuse_error
 
 # a small V4: the released model's ratios where they fit (K = V head with a rope slice, CSA every 4,
 # HCA every 32 here for 128 there, a window shorter than the prompts)
-BENCH_V4 = dict(hidden_size=128, head_dim=64, partial_rotary_factor=0.25, num_attention_heads=4, q_lora_rank=64,
-                o_groups=2, o_lora_rank=32, sliding_window=64, compress_rates={CSA: 4, HCA: 32}, index_n_heads=2,
-                index_head_dim=32, index_topk=8, hc_mult=2, n_routed_experts=8, num_experts_per_tok=2,
-                moe_intermediate_size=64, num_hidden_layers=6,
-                layer_types=[HCA, CSA, SLIDING, HCA, CSA, HCA],
-                mlp_layer_types=[HASH_MOE, HASH_MOE, TOPK_MOE, TOPK_MOE, TOPK_MOE, TOPK_MOE])
+BENCH_V4 = dict(
+    hidden_size=128,
+    head_dim=64,
+    partial_rotary_factor=0.25,
+    num_attention_heads=4,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=32,
+    sliding_window=64,
+    compress_rates={CSA: 4, HCA: 32},
+    index_n_heads=2,
+    index_head_dim=32,
+    index_topk=8,
+    hc_mult=2,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    num_hidden_layers=6,
+    layer_types=[HCA, CSA, SLIDING, HCA, CSA, HCA],
+    mlp_layer_types=[HASH_MOE, HASH_MOE, TOPK_MOE, TOPK_MOE, TOPK_MOE, TOPK_MOE],
+)
 # DeepSeek-V4-Flash as transformers' DeepseekV4Config describes it (43 layers: 2 HCA, then CSA / HCA)
-FLASH = dict(head_dim=512, index_head_dim=128, sliding_window=128, csa=4, hca=128,
-             layer_types=[HCA] * 2 + [CSA if i % 2 else HCA for i in range(41)])
+FLASH = dict(
+    head_dim=512,
+    index_head_dim=128,
+    sliding_window=128,
+    csa=4,
+    hca=128,
+    layer_types=[HCA] * 2 + [CSA if i % 2 else HCA for i in range(41)],
+)
 
 
 def policy(llm: LLM) -> list[int]:
@@ -56,8 +77,11 @@ def agent_meta(llm: LLM, n: int, rng) -> list[list[int]]:
     body, tok = policy(llm)[:900], llm.tokenizer
     out = []
     for i in range(n):
-        header = tok.encode(f"request_id={rng.integers(1e9)} agent=support " +
-                            " ".join(f"pref{int(x)}" for x in rng.integers(0, 1000, int(rng.integers(1, 25)))) + "\n")
+        header = tok.encode(
+            f"request_id={rng.integers(1e9)} agent=support "
+            + " ".join(f"pref{int(x)}" for x in rng.integers(0, 1000, int(rng.integers(1, 25))))
+            + "\n"
+        )
         out.append(header + body + tok.encode(f"\nQuestion {i}: may I change my seat?", add_bos=False))
     return out
 
@@ -68,8 +92,11 @@ def rerank(llm: LLM, n: int, rng) -> list[list[int]]:
     out = []
     for i in range(n):
         docs = [d for j in rng.permutation(6) for d in tok.encode(f"\n[doc {j}] ", add_bos=False) + passages[j]]
-        out.append(tok.encode("Rank the passages for the question.") + docs +
-                   tok.encode(f"\nQuestion {i}: which passage covers refunds?", add_bos=False))
+        out.append(
+            tok.encode("Rank the passages for the question.")
+            + docs
+            + tok.encode(f"\nQuestion {i}: which passage covers refunds?", add_bos=False)
+        )
     return out
 
 
@@ -90,6 +117,7 @@ class PoolTimer:
             out = _orig(pool, rows, rot)
             self.seconds += time.perf_counter() - t
             return out
+
         deepseek_v4.WindowPool.entries = timed
 
     def close(self):
@@ -118,8 +146,7 @@ def workload(path: Path, build, n: int, seed: int) -> dict:
             reused += llm.last_stats.reused_tokens
             prompt += llm.last_stats.prompt_tokens
             llm.generate(r, max_tokens=1)  # and caches this one's too
-        out[mode] = dict(kl=statistics.mean(kls), reused=reused / prompt,
-                         pooling=sum(pooled) / sum(total))
+        out[mode] = dict(kl=statistics.mean(kls), reused=reused / prompt, pooling=sum(pooled) / sum(total))
     return out
 
 
@@ -152,9 +179,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None,
-                    help="a DeepSeek-V4 checkpoint for the workloads (default: a random six-layer one); e.g. the "
-                         "one `irminsul train-reference --arch v4 --attn-weight 0` trains")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a DeepSeek-V4 checkpoint for the workloads (default: a random six-layer one); e.g. the "
+        "one `irminsul train-reference --arch v4 --attn-weight 0` trains",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {describe()}")
@@ -163,34 +193,43 @@ def main() -> int:
         for kind in (HCA, CSA, SLIDING):
             one = dict(BENCH_V4, num_hidden_layers=1, layer_types=[kind], mlp_layer_types=[TOPK_MOE])
             model = deepseek_v4.load_deepseek_v4(make_tiny_v4_checkpoint(Path(tmp) / kind, seed=args.seed, **one))
-            cells = [f"shift {b - a:+d}: pic {shifted_reuse_error(model, a, b, 96, seed=args.seed):.1e}, "
-                     f"naive {shifted_reuse_error(model, a, b, 96, naive=True, seed=args.seed):.1e}"
-                     for a, b in ((3, 35), (3, 8), (40, 8))]
+            cells = [
+                f"shift {b - a:+d}: pic {shifted_reuse_error(model, a, b, 96, seed=args.seed):.1e}, "
+                f"naive {shifted_reuse_error(model, a, b, 96, naive=True, seed=args.seed):.1e}"
+                for a, b in ((3, 35), (3, 8), (40, 8))
+            ]
             print(f"  {kind:30s} " + "; ".join(cells))
         print()
-        path = Path(args.model) if args.model else make_tiny_v4_checkpoint(Path(tmp) / "v4", seed=args.seed,
-                                                                             **BENCH_V4)
+        path = Path(args.model) if args.model else make_tiny_v4_checkpoint(Path(tmp) / "v4", seed=args.seed, **BENCH_V4)
         cfg = deepseek_v4.V4Config.from_dict(json.loads((path / "config.json").read_text()))
-        print(f"model: {args.model or 'random DeepSeek-V4'}, layers {list(cfg.layer_types)}, window "
-              f"{cfg.sliding_window}, CSA rate {cfg.csa_rate}, HCA rate {cfg.hca_rate}, fp32\n")
+        print(
+            f"model: {args.model or 'random DeepSeek-V4'}, layers {list(cfg.layer_types)}, window "
+            f"{cfg.sliding_window}, CSA rate {cfg.csa_rate}, HCA rate {cfg.hca_rate}, fp32\n"
+        )
         for name, build in (("agent_meta", agent_meta), ("rerank", rerank)):
             res = workload(path, build, args.requests, args.seed)
-            print(f"{name}: reused {res['pic']['reused']:.1%} of prompt tokens; KL from full prefill over the last "
-                  f"8 prompt positions: pic {res['pic']['kl']:.2e}, naive {res['naive']['kl']:.2e} "
-                  f"(pic {1 - res['pic']['kl'] / res['naive']['kl']:.1%} lower); pooling entries from rows: "
-                  f"{res['pic']['pooling']:.1%} of pic's prefill time")
+            print(
+                f"{name}: reused {res['pic']['reused']:.1%} of prompt tokens; KL from full prefill over the last "
+                f"8 prompt positions: pic {res['pic']['kl']:.2e}, naive {res['naive']['kl']:.2e} "
+                f"(pic {1 - res['pic']['kl'] / res['naive']['kl']:.1%} lower); pooling entries from rows: "
+                f"{res['pic']['pooling']:.1%} of pic's prefill time"
+            )
         llm = LLM(path)
         widths = llm.model.widths
     mine = rows_per_token(cfg.layer_types, cfg.head_dim, cfg.index_head_dim)
     assert mine == sum(widths), (mine, widths)  # the formula is the pool's own row
     native = native_bytes_per_token(cfg.layer_types, cfg.head_dim, cfg.index_head_dim, cfg.csa_rate, cfg.hca_rate)
-    print(f"\ncache per token (elements, all layers): the pool's rows {mine}, V4's own cache {native:.1f} "
-          f"({mine / native:.0f}x)")
+    print(
+        f"\ncache per token (elements, all layers): the pool's rows {mine}, V4's own cache {native:.1f} "
+        f"({mine / native:.0f}x)"
+    )
     f = FLASH
     flash_rows = rows_per_token(f["layer_types"], f["head_dim"], f["index_head_dim"])
     flash_native = native_bytes_per_token(f["layer_types"], f["head_dim"], f["index_head_dim"], f["csa"], f["hca"])
-    print(f"DeepSeek-V4-Flash (from its config): rows {flash_rows} elements a token, V4's own cache "
-          f"{flash_native:.0f} ({flash_rows / flash_native:.0f}x)")
+    print(
+        f"DeepSeek-V4-Flash (from its config): rows {flash_rows} elements a token, V4's own cache "
+        f"{flash_native:.0f} ({flash_rows / flash_native:.0f}x)"
+    )
     return 0
 
 

@@ -4,10 +4,17 @@ import importlib
 
 # (imported when first named: `irminsul --help` and the other command-line paths that do not run a
 # model never import torch)
-_EXPORTS = {"bundled_model": "irminsul.bundled", "LLM": "irminsul.engine.llm",
-            "GenerationResult": "irminsul.engine.llm", "Segments": "irminsul.engine.llm",
-            "SamplingParams": "irminsul.engine.sampling", "CheckpointError": "irminsul.errors",
-            "ConfigError": "irminsul.errors", "RequestError": "irminsul.errors", "UserFacingError": "irminsul.errors"}
+_EXPORTS = {
+    "bundled_model": "irminsul.bundled",
+    "LLM": "irminsul.engine.llm",
+    "GenerationResult": "irminsul.engine.llm",
+    "Segments": "irminsul.engine.llm",
+    "SamplingParams": "irminsul.engine.sampling",
+    "CheckpointError": "irminsul.errors",
+    "ConfigError": "irminsul.errors",
+    "RequestError": "irminsul.errors",
+    "UserFacingError": "irminsul.errors",
+}
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 

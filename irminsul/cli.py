@@ -11,10 +11,17 @@ import importlib
 import importlib.metadata
 import sys
 
-AREAS = ("irminsul.engine.cli", "irminsul.research.train.cli", "irminsul.research.workloads.cli",
-         "irminsul.research.eval.cli", "irminsul.server.cli", "irminsul.fleet.cli",
-         "irminsul.research.bench_serve",
-         "irminsul.model.random_checkpoint", "irminsul.integrations.vllm.serve")
+AREAS = (
+    "irminsul.engine.cli",
+    "irminsul.research.train.cli",
+    "irminsul.research.workloads.cli",
+    "irminsul.research.eval.cli",
+    "irminsul.server.cli",
+    "irminsul.fleet.cli",
+    "irminsul.research.bench_serve",
+    "irminsul.model.random_checkpoint",
+    "irminsul.integrations.vllm.serve",
+)
 
 
 def _area_modules():
@@ -34,6 +41,7 @@ def version() -> str:
         return importlib.metadata.version("irminsul")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         from irminsul import __version__
+
         return __version__
 
 
@@ -68,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def at_least(low: int):
     """An argparse type: an integer >= low (a clear usage error otherwise, never a crash later)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)

@@ -34,8 +34,23 @@ def cpu_flags() -> frozenset[str]:
 
 
 # the instruction sets that decide which kernels run, in the order they grow
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "sve")
+ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "asimd",
+    "sve",
+)
 
 
 def instruction_sets() -> str:
@@ -52,9 +67,11 @@ def describe() -> str:
         extra = f", torch {torch.__version__} ({torch.get_num_threads()} threads)"
     except ImportError:
         extra = ""
-    return (f"{platform.platform()} | {cpu_model()} [{instruction_sets() or 'instruction sets unknown'}] | "
-            f"{os.cpu_count()} cores | "
-            f"python {platform.python_version()}{extra}")
+    return (
+        f"{platform.platform()} | {cpu_model()} [{instruction_sets() or 'instruction sets unknown'}] | "
+        f"{os.cpu_count()} cores | "
+        f"python {platform.python_version()}{extra}"
+    )
 
 
 def median_of(fn: Callable[[], object], repeats: int = 5) -> float:

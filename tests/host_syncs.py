@@ -17,8 +17,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-READS = {aten._local_scalar_dense, aten.nonzero, aten.bincount, aten.masked_select, aten._unique2, aten.unique_dim,
-         aten.unique_consecutive, aten.equal, aten.is_nonzero, aten.histc, aten.argwhere}
+READS = {
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.bincount,
+    aten.masked_select,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.equal,
+    aten.is_nonzero,
+    aten.histc,
+    aten.argwhere,
+}
 MASK_INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 PYTHON_READS = ("tolist", "numpy", "item")
 
@@ -36,11 +47,15 @@ class HostReads(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in READS:
             self.found.append(func.name())
-        elif packet is aten.repeat_interleave and func is aten.repeat_interleave.Tensor and kwargs.get(
-                "output_size") is None:
+        elif (
+            packet is aten.repeat_interleave
+            and func is aten.repeat_interleave.Tensor
+            and kwargs.get("output_size") is None
+        ):
             self.found.append(func.name())
         elif packet in MASK_INDEXING and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())
+        ):
             self.found.append(f"{func.name()} (boolean mask)")
         return func(*args, **kwargs)
 

@@ -18,8 +18,13 @@ def test_version(capsys):
 
 
 def test_python_dash_m():
-    done = subprocess.run([sys.executable, "-m", "irminsul", "--help"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "irminsul", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: irminsul") and "LLM serving engine" in done.stdout
 
@@ -27,10 +32,12 @@ def test_python_dash_m():
 def test_help_and_version_do_not_load_torch():
     """Every option's help, and the version, without importing torch (seconds on a busy machine): a
     mistyped flag is answered at once."""
-    code = ("import sys\nfrom irminsul.cli import build_parser\nparser = build_parser()\n"
-            "for name in ('serve', 'demo', 'checkpoint', 'vllm-serve', 'bench'):\n"
-            "    try:\n        parser.parse_args([name, '--help'])\n    except SystemExit:\n        pass\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    code = (
+        "import sys\nfrom irminsul.cli import build_parser\nparser = build_parser()\n"
+        "for name in ('serve', 'demo', 'checkpoint', 'vllm-serve', 'bench'):\n"
+        "    try:\n        parser.parse_args([name, '--help'])\n    except SystemExit:\n        pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 

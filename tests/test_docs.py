@@ -47,20 +47,28 @@ def named_paths(md: Path) -> list[tuple[str, Path]]:
 
 @pytest.mark.parametrize("md", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_paths_exist(md):
-    missing = [written for written, path in named_paths(md)
-               if not path.resolve().is_relative_to(ROOT) or not path.exists()]
+    missing = [
+        written for written, path in named_paths(md) if not path.resolve().is_relative_to(ROOT) or not path.exists()
+    ]
     assert not missing, f"{md.relative_to(ROOT)} names paths that are not in the repository: {missing}"
 
 
 def test_the_rule_reads_paths(tmp_path):
     # the check can fail: it finds what a page names, suffixes stripped, templates and URLs skipped
     md = tmp_path / "page.md"
-    md.write_text("Run `pytest tests/test_docs.py::test_named_paths_exist`, read `irminsul/cli.py:12` and\n"
-                  "`irminsul/gone.py`, not `docs/results/<name>.json`; [up](../elsewhere.md), [web](https://x.org).\n"
-                  "```\npython benchmarks/soak.py --out runs/soak.json\n```\n")
+    md.write_text(
+        "Run `pytest tests/test_docs.py::test_named_paths_exist`, read `irminsul/cli.py:12` and\n"
+        "`irminsul/gone.py`, not `docs/results/<name>.json`; [up](../elsewhere.md), [web](https://x.org).\n"
+        "```\npython benchmarks/soak.py --out runs/soak.json\n```\n"
+    )
     found = {written: path.exists() for written, path in named_paths(md)}
-    assert found == {"tests/test_docs.py::test_named_paths_exist": True, "irminsul/cli.py:12": True,
-                     "irminsul/gone.py": False, "../elsewhere.md": False, "benchmarks/soak.py": True}
+    assert found == {
+        "tests/test_docs.py::test_named_paths_exist": True,
+        "irminsul/cli.py:12": True,
+        "irminsul/gone.py": False,
+        "../elsewhere.md": False,
+        "benchmarks/soak.py": True,
+    }
 
 
 # -- the README is a landing page, the docs a user's guide: no lab notebook -----------------------------
@@ -68,37 +76,55 @@ def test_the_rule_reads_paths(tmp_path):
 README_MAX_LINES = 150
 # A commit hash: 40 hex digits anywhere, or 7-12 (holding a digit and a letter) near a word that names a
 # revision. A date: YYYY-MM-DD. A machine's path: an absolute path under a home, a workspace or /tmp.
-HASH = re.compile(r"\b[0-9a-f]{40}\b|(?i:\b(?:commits?|revisions?|rev|HEAD|sha)\b)[^.\n]{0,40}?"
-                  r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,12}\b")
+HASH = re.compile(
+    r"\b[0-9a-f]{40}\b|(?i:\b(?:commits?|revisions?|rev|HEAD|sha)\b)[^.\n]{0,40}?"
+    r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,12}\b"
+)
 DATE = re.compile(r"\b(?:19|20)\d\d-[01]\d-[0-3]\d\b")
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|root|tmp|Users|mnt|scratch)(?=/|\b)")
 
 
 def notebook_lines(text: str) -> list[str]:
     """'line N: what' for every commit hash, date and machine path in a page."""
-    return [f"line {n}: {what}" for n, line in enumerate(text.splitlines(), 1)
-            for what, rule in (("commit hash", HASH), ("date", DATE), ("machine path", MACHINE_PATH))
-            if rule.search(line)]
+    return [
+        f"line {n}: {what}"
+        for n, line in enumerate(text.splitlines(), 1)
+        for what, rule in (("commit hash", HASH), ("date", DATE), ("machine path", MACHINE_PATH))
+        if rule.search(line)
+    ]
 
 
 def test_the_readme_is_a_landing_page():
     lines = len((ROOT / "README.md").read_text().splitlines())
-    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+    )
 
 
 @pytest.mark.parametrize("md", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_lab_notebook(md):
     found = notebook_lines(md.read_text())
-    assert not found, (f"{md.relative_to(ROOT)} holds dates, commit hashes or one machine's paths (git keeps the "
-                       f"history; say what is true now and how to reproduce it): {found}")
+    assert not found, (
+        f"{md.relative_to(ROOT)} holds dates, commit hashes or one machine's paths (git keeps the "
+        f"history; say what is true now and how to reproduce it): {found}"
+    )
 
 
 def test_the_notebook_rule_finds_them():
-    page = ("measured at commit `a0f9fc9` on the EPYC\nrun on 2026-12-04 at 03:07\n"
-            "python x.py --out /tmp/rs/run.json\nmodel /work/main/irminsul/bundled/mla\n"
-            "git show 1f825b1e0c2a43f1d6c0a0b1c2d3e4f5a6b7c8d9\n")
-    assert notebook_lines(page) == ["line 1: commit hash", "line 2: date", "line 3: machine path",
-                                    "line 4: machine path", "line 5: commit hash"]
-    fine = ("at most 100,000 characters (`a{1000000}`)\nthe commit that adds it, 3 decades\n"
-            "read irminsul/model/native/gemv.c and runs/tmp/x\n12–14 minutes, 2.8 GB, x86-64-v3\n")
+    page = (
+        "measured at commit `a0f9fc9` on the EPYC\nrun on 2026-12-04 at 03:07\n"
+        "python x.py --out /tmp/rs/run.json\nmodel /work/main/irminsul/bundled/mla\n"
+        "git show 1f825b1e0c2a43f1d6c0a0b1c2d3e4f5a6b7c8d9\n"
+    )
+    assert notebook_lines(page) == [
+        "line 1: commit hash",
+        "line 2: date",
+        "line 3: machine path",
+        "line 4: machine path",
+        "line 5: commit hash",
+    ]
+    fine = (
+        "at most 100,000 characters (`a{1000000}`)\nthe commit that adds it, 3 decades\n"
+        "read irminsul/model/native/gemv.c and runs/tmp/x\n12–14 minutes, 2.8 GB, x86-64-v3\n"
+    )
     assert notebook_lines(fine) == []

@@ -51,8 +51,7 @@ def imported(source: str, name: str, is_package: bool, known: set[str]) -> set[s
 def module_graph(package: str = PACKAGE) -> dict[str, set[str]]:
     found = modules(package)
     known = set(found)
-    return {name: imported(path.read_text(), name, path.name == "__init__.py", known)
-            for name, path in found.items()}
+    return {name: imported(path.read_text(), name, path.name == "__init__.py", known) for name, path in found.items()}
 
 
 def package_graph(graph: dict[str, set[str]], package: str = PACKAGE) -> dict[str, set[str]]:
@@ -138,6 +137,11 @@ def test_the_server_never_imports_the_fleet():
     """The fleet is an ingress over replicas of the server: it imports the server's modules, never
     the other way round."""
     graph = module_graph()
-    bad = [f"{m} imports {t}" for m, targets in sorted(graph.items()) if m.startswith(f"{PACKAGE}.server")
-           for t in sorted(targets) if t.startswith(f"{PACKAGE}.fleet")]
+    bad = [
+        f"{m} imports {t}"
+        for m, targets in sorted(graph.items())
+        if m.startswith(f"{PACKAGE}.server")
+        for t in sorted(targets)
+        if t.startswith(f"{PACKAGE}.fleet")
+    ]
     assert not bad, "\n".join(bad)

@@ -27,18 +27,26 @@ def research_imports(source: str) -> list[tuple[int, str]]:
 
 
 def test_the_serving_path_imports_no_research_code():
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}"
-           for area in SERVING for path in sorted((ROOT / "irminsul" / area).rglob("*.py"))
-           for line, name in research_imports(path.read_text())]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for area in SERVING
+        for path in sorted((ROOT / "irminsul" / area).rglob("*.py"))
+        for line, name in research_imports(path.read_text())
+    ]
     assert not bad, "the serving path imports research code:\n" + "\n".join(bad)
 
 
 def test_the_check_finds_every_form_of_import():
-    source = ("import json\nfrom irminsul.model import chat_format\n"
-              "def f():\n    from irminsul.research.workloads.trace import read_trace\n"
-              "import irminsul.train.data\nfrom irminsul import research\nfrom irminsul.evaluation import x\n")
-    assert research_imports(source) == [(4, "irminsul.research.workloads.trace"), (5, "irminsul.train.data"),
-                                         (6, "irminsul.research")]
+    source = (
+        "import json\nfrom irminsul.model import chat_format\n"
+        "def f():\n    from irminsul.research.workloads.trace import read_trace\n"
+        "import irminsul.train.data\nfrom irminsul import research\nfrom irminsul.evaluation import x\n"
+    )
+    assert research_imports(source) == [
+        (4, "irminsul.research.workloads.trace"),
+        (5, "irminsul.train.data"),
+        (6, "irminsul.research"),
+    ]
 
 
 # A comment, docstring or doc that needs the tracker to be understood: "issue 30", "stop 12", "(#41)".
@@ -50,11 +58,16 @@ def tracker_references(text: str) -> list[int]:
 
 
 def test_comments_and_docs_stand_without_the_tracker():
-    files = [p for area in ("irminsul", "tests", "benchmarks", "docs") for p in sorted((ROOT / area).rglob("*"))
-             if p.suffix in (".py", ".md", ".sh") and "data" not in p.relative_to(ROOT).parts]
+    files = [
+        p
+        for area in ("irminsul", "tests", "benchmarks", "docs")
+        for p in sorted((ROOT / area).rglob("*"))
+        if p.suffix in (".py", ".md", ".sh") and "data" not in p.relative_to(ROOT).parts
+    ]
     files += [ROOT / "README.md", ROOT / ".ci" / "run", ROOT / "pyproject.toml"]
-    bad = [f"{p.relative_to(ROOT)}:{n}" for p in files if p != Path(__file__)
-           for n in tracker_references(p.read_text())]
+    bad = [
+        f"{p.relative_to(ROOT)}:{n}" for p in files if p != Path(__file__) for n in tracker_references(p.read_text())
+    ]
     assert not bad, "these lines name the tracker's history; say what the code does instead:\n" + "\n".join(bad)
 
 
@@ -91,7 +104,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                circles.append(path[path.index(nxt):] + [nxt])
+                circles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"
@@ -112,9 +125,13 @@ def test_the_model_layer_has_no_import_circles():
 def test_the_model_layer_reads_the_environment_only_in_its_settings():
     """Every switch of irminsul.model is named in model/settings.py (its table says what each does)."""
     reads = re.compile(r"os\.environ|os\.getenv|getenv\(")
-    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "irminsul" / "model").rglob("*.py"))
-             if path.name != "settings.py"
-             for n, line in enumerate(path.read_text().splitlines(), 1) if reads.search(line)]
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "irminsul" / "model").rglob("*.py"))
+        if path.name != "settings.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if reads.search(line)
+    ]
     assert found == []
     table = (ROOT / "irminsul" / "model" / "settings.py").read_text()
     for name in re.findall(r'_Variable\("(\w+)"', table):
@@ -144,8 +161,13 @@ def test_the_cache_layer_imports_nothing_above_it():
     """No module of irminsul.kvcache imports the engine, the server, the fleet or the integrations:
     data flows server -> engine -> cache -> model, and the KV manager hands the scheduler values
     (an admission, fresh slots) instead of writing into its sequences."""
-    assert _upward("def f():\n    from irminsul.engine.sequence import Sequence\nimport irminsul.server\n"
-                   "import irminsul.kvcache.pool\n") == {"irminsul.engine.sequence", "irminsul.server"}
-    found = {str(path.relative_to(ROOT)): sorted(up) for path in sorted((ROOT / "irminsul" / "kvcache").rglob("*.py"))
-             if (up := _upward(path.read_text()))}
+    assert _upward(
+        "def f():\n    from irminsul.engine.sequence import Sequence\nimport irminsul.server\n"
+        "import irminsul.kvcache.pool\n"
+    ) == {"irminsul.engine.sequence", "irminsul.server"}
+    found = {
+        str(path.relative_to(ROOT)): sorted(up)
+        for path in sorted((ROOT / "irminsul" / "kvcache").rglob("*.py"))
+        if (up := _upward(path.read_text()))
+    }
     assert found == {}

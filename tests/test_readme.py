@@ -22,6 +22,7 @@ def test_use_it_runs(tmp_path):
     script = tmp_path / "use_it.py"
     script.write_text(use_it_block())
     env = {**os.environ, "IRMINSUL_COMPILE_DECODE": "0", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]

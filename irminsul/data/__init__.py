@@ -16,8 +16,9 @@ def data_dir(override: str | Path | None = None) -> Path:
     """The data folder: `override` (a `--data` option) if given, else the one shipped here."""
     path = Path(override) if override else DATA_DIR
     if not path.is_dir():
-        raise UserFacingError(f"the data folder {path} does not exist; pass --data with a folder laid out "
-                              f"like {DATA_DIR}")
+        raise UserFacingError(
+            f"the data folder {path} does not exist; pass --data with a folder laid out like {DATA_DIR}"
+        )
     return path
 
 
@@ -25,6 +26,8 @@ def data_file(*parts: str, root: str | Path | None = None) -> Path:
     """A file of the data folder; a one-line error naming it if it is missing."""
     path = data_dir(root).joinpath(*parts)
     if not path.exists():
-        raise UserFacingError(f"missing data file {path}: the installation is incomplete (reinstall "
-                              f"irminsul) or --data points at a folder without it")
+        raise UserFacingError(
+            f"missing data file {path}: the installation is incomplete (reinstall "
+            f"irminsul) or --data points at a folder without it"
+        )
     return path

@@ -44,13 +44,20 @@ def build_pool(config: EngineConfig, model) -> LatentPool:
     """A latent pool of `config.kv_cache_gib` GiB (the device's default if None) for the model."""
     gib = default_kv_cache_gib(model.device) if config.kv_cache_gib is None else config.kv_cache_gib
     if gib * 2**30 > (total := memory_bytes(model.device)):
-        raise RequestError(f"kv_cache_gib={config.kv_cache_gib!r} is more than the {total / 2**30:.0f} GiB of memory "
-                           f"{'this GPU' if torch.device(model.device).type == 'cuda' else 'this machine'} has")
+        raise RequestError(
+            f"kv_cache_gib={config.kv_cache_gib!r} is more than the {total / 2**30:.0f} GiB of memory "
+            f"{'this GPU' if torch.device(model.device).type == 'cuda' else 'this machine'} has"
+        )
     return LatentPool.sized(model.config, int(gib * 2**30), model.dtype, model.device)
 
 
-def build_engine(config: EngineConfig, model, tokenizer: Tokenizer, pool: LatentPool | None = None,
-                 registry: ChunkStore | None = None) -> Engine:
+def build_engine(
+    config: EngineConfig,
+    model,
+    tokenizer: Tokenizer,
+    pool: LatentPool | None = None,
+    registry: ChunkStore | None = None,
+) -> Engine:
     """An engine over a loaded model. `pool`: share another engine's (engines over the same
     weights, each with its own cache, as the evaluations compare strategies; `kv_cache_gib` is then
     unused). `registry`: the content registry its cache runs over (the store's tiers); an

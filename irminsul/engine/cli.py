@@ -16,8 +16,10 @@ import time
 
 from irminsul.cli import at_least
 
-HEADERS = ("request 1 agent=planner\n",
-           "request 22 agent=support-bot tier=gold region=eu-west user=alice session=8812 locale=en-GB\n")
+HEADERS = (
+    "request 1 agent=planner\n",
+    "request 22 agent=support-bot tier=gold region=eu-west user=alice session=8812 locale=en-GB\n",
+)
 QUESTION, ANSWER_PREFIX = "\n\nWhat is the passkey?", "The passkey is"
 
 
@@ -86,9 +88,11 @@ def run(args) -> int:
     warm = [[head, doc[::-1], tail] for head, _, _ in requests]
     longest = max(sum(map(len, r)) for r in requests)
     if longest + params.max_tokens > cfg.max_position_embeddings:
-        raise UserFacingError(f"--doc-chars {args.doc_chars} makes the prompt {longest} tokens, and with the "
-                              f"{params.max_tokens}-token answer more than the model's {cfg.max_position_embeddings}"
-                              f"-token context; use a smaller value")
+        raise UserFacingError(
+            f"--doc-chars {args.doc_chars} makes the prompt {longest} tokens, and with the "
+            f"{params.max_tokens}-token answer more than the model's {cfg.max_position_embeddings}"
+            f"-token context; use a smaller value"
+        )
     print(f"document {len(doc)} tokens of tau-bench's airline policy; the passkey {key} is inside it\n")
 
     def ask(engine: Engine, segments: list[list[int]]):
@@ -96,8 +100,12 @@ def run(args) -> int:
         return engine.run(engine.add([t for s in segments for t in s], params, starts))
 
     def fresh(mode: str) -> Engine:  # an empty cache on the loaded model's pool
-        return build_engine(EngineConfig.of(reuse=mode, model_id=f"demo-{mode}", compile_decode=False),
-                            llm.model, tok, pool=llm.engine.pool)
+        return build_engine(
+            EngineConfig.of(reuse=mode, model_id=f"demo-{mode}", compile_decode=False),
+            llm.model,
+            tok,
+            pool=llm.engine.pool,
+        )
 
     modes = ("prefix", "pic")
     for mode in modes:  # kernels, allocator and each mode's reuse path, before anything is timed
@@ -121,11 +129,35 @@ def run(args) -> int:
         for i, segments in enumerate(requests):
             out, s = answers[mode, i], answers[mode, i].stats
             answer = out.text.strip()
-            rows.append((mode, f"{i + 1}", len(segments[0]), f"{answer} ({'right' if answer == key else 'wrong'})",
-                         s.prefix_tokens, s.reused_tokens, s.carve_out_tokens,
-                         f"{s.computed_tokens} / {s.prompt_tokens}", f"{ms[mode, i]:.0f} ms"))
-    print(table(("mode", "request", "doc at", "answer", "prefix rows", "reused rows", "carve-out",
-                 "computed / prompt", "time"), rows))
+            rows.append(
+                (
+                    mode,
+                    f"{i + 1}",
+                    len(segments[0]),
+                    f"{answer} ({'right' if answer == key else 'wrong'})",
+                    s.prefix_tokens,
+                    s.reused_tokens,
+                    s.carve_out_tokens,
+                    f"{s.computed_tokens} / {s.prompt_tokens}",
+                    f"{ms[mode, i]:.0f} ms",
+                )
+            )
+    print(
+        table(
+            (
+                "mode",
+                "request",
+                "doc at",
+                "answer",
+                "prefix rows",
+                "reused rows",
+                "carve-out",
+                "computed / prompt",
+                "time",
+            ),
+            rows,
+        )
+    )
     print(f"""
 doc at             the position of the document's first token (after the header)
 prefix rows        rows the exact-prefix cache had: the same tokens from position 0
@@ -134,12 +166,16 @@ carve-out          rows the cache had but computed anyway (counted in computed):
                    they were stored (the attention sink belongs to the sequence's start)
 computed / prompt  rows this request computed, of its prompt's rows
 time               the request's prefill and {params.max_tokens}-token answer, the median of {args.repeats} \
-empty cache{'s' if args.repeats > 1 else ''} per mode""")
+empty cache{"s" if args.repeats > 1 else ""} per mode""")
     pic, ref = answers["pic", 1], answers["prefix", 1]
     delta = len(requests[1][0]) - len(requests[0][0])
-    print(f"\nRequest 2 moved the document by δ = {delta:+d} tokens. prefix recomputed "
-          f"{ref.stats.computed_tokens} of {ref.stats.prompt_tokens} rows; pic computed {pic.stats.computed_tokens} "
-          f"and reused {pic.stats.reused_tokens} ({pic.stats.reused_tokens / pic.stats.prompt_tokens:.0%}),")
-    print(f"taking {ms['pic', 1] / ms['prefix', 1]:.2f}x the time of the full recompute. "
-          f"Answers: full recompute {ref.text.strip()!r}, pic {pic.text.strip()!r} (the passkey is {key}).")
+    print(
+        f"\nRequest 2 moved the document by δ = {delta:+d} tokens. prefix recomputed "
+        f"{ref.stats.computed_tokens} of {ref.stats.prompt_tokens} rows; pic computed {pic.stats.computed_tokens} "
+        f"and reused {pic.stats.reused_tokens} ({pic.stats.reused_tokens / pic.stats.prompt_tokens:.0%}),"
+    )
+    print(
+        f"taking {ms['pic', 1] / ms['prefix', 1]:.2f}x the time of the full recompute. "
+        f"Answers: full recompute {ref.text.strip()!r}, pic {pic.text.strip()!r} (the passkey is {key})."
+    )
     return 0

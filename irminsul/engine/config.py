@@ -46,25 +46,30 @@ class EngineConfig:
         if self.compile_decode not in (None, True, False):
             raise RequestError(f"compile_decode={self.compile_decode!r} must be True, False or None (where available)")
         slowdown = self.decode_slowdown
-        if slowdown is not None and (isinstance(slowdown, bool) or not isinstance(slowdown, (int, float))
-                                     or not slowdown > 1):
+        if slowdown is not None and (
+            isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not slowdown > 1
+        ):
             raise RequestError(f"decode_slowdown={slowdown!r} must be > 1 (or None: no limit)")
 
     @classmethod
     def options(cls) -> frozenset[str]:
         """The keyword options `of` takes: this config's fields but `cache`, and the cache's."""
-        return frozenset(f.name for f in dataclasses.fields(cls) if f.name != "cache") | \
-            frozenset(f.name for f in dataclasses.fields(KVCacheConfig))
+        return frozenset(f.name for f in dataclasses.fields(cls) if f.name != "cache") | frozenset(
+            f.name for f in dataclasses.fields(KVCacheConfig)
+        )
 
     @classmethod
     def of(cls, **options) -> EngineConfig:
         """From flat keyword options (`reuse="pic", tenant="acme", max_prefill_tokens=512`)."""
         if unknown := sorted(set(options) - cls.options()):
-            raise RequestError(f"unknown cache option {', '.join(unknown)}; "
-                               f"the options are {', '.join(sorted(cls.options()))}")
+            raise RequestError(
+                f"unknown cache option {', '.join(unknown)}; the options are {', '.join(sorted(cls.options()))}"
+            )
         cache = {f.name for f in dataclasses.fields(KVCacheConfig)}
-        return cls(KVCacheConfig(**{k: v for k, v in options.items() if k in cache}),
-                   **{k: v for k, v in options.items() if k not in cache})
+        return cls(
+            KVCacheConfig(**{k: v for k, v in options.items() if k in cache}),
+            **{k: v for k, v in options.items() if k not in cache},
+        )
 
     def replace(self, **options) -> EngineConfig:
         """A copy with some options changed (flat, as `of` takes them)."""

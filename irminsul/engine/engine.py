@@ -59,8 +59,9 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, pool: LatentPool,
-                 registry: ChunkStore | None = None):
+    def __init__(
+        self, model, tokenizer: Tokenizer, config: EngineConfig, pool: LatentPool, registry: ChunkStore | None = None
+    ):
         """Build engines with `build_engine` (it sizes the pool). `pool`: the latent pool, perhaps
         another engine's. `registry`: the content registry the cache runs over (see `KVCacheManager`)."""
         self.model, self.tokenizer, self.engine_config = model, tokenizer, config
@@ -73,10 +74,13 @@ class Engine:
             if not self.runner.supports_recompute:
                 raise RequestError(f"recompute_ratio (pic+r) is not available for {cfg.model_type} yet")
             recompute = Recompute(self.kv, self.runner.latents, cfg.kv_lora_rank)
-        self.eos_ids: frozenset[int] = frozenset(t for t in (*cfg.eos_token_ids, tokenizer.eos_token_id) if t is not None)
+        self.eos_ids: frozenset[int] = frozenset(
+            t for t in (*cfg.eos_token_ids, tokenizer.eos_token_id) if t is not None
+        )
         self.output = OutputProcessor(tokenizer, cfg.vocab_size, self.eos_ids, cfg.max_position_embeddings)
-        self.scheduler = Scheduler(self.kv, config.max_prefill_tokens, config.max_running_requests,
-                                   config.decode_slowdown, recompute)
+        self.scheduler = Scheduler(
+            self.kv, config.max_prefill_tokens, config.max_running_requests, config.decode_slowdown, recompute
+        )
 
     @property
     def reuse(self) -> str:
@@ -117,8 +121,15 @@ class Engine:
                 f"shorten it to at most {limit - room} tokens"
             )
 
-    def new_sequence(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
-                     tenant: str | None = None, matcher=None, leader: Sequence | None = None) -> Sequence:
+    def new_sequence(
+        self,
+        tokens: list[int],
+        params: SamplingParams,
+        segment_starts: list[int] | None = None,
+        tenant: str | None = None,
+        matcher=None,
+        leader: Sequence | None = None,
+    ) -> Sequence:
         """A validated request, not yet admitted (it holds no rows). `matcher`: the constraint's
         grammar state, compiled beforehand (`grammars.matcher`) so the caller's thread pays for it;
         compiled here when not given. `leader`: another choice of the same prompt, queued before
@@ -134,9 +145,17 @@ class Engine:
             matcher = self.grammars.matcher(params.constraint, tenant)
         if leader is not None and (leader.tokens[: leader.prompt_len] != tokens or leader.tenant != tenant):
             raise ValueError("a leader must be a choice of the same prompt, for the same tenant")
-        return Sequence(tokens=tokens, prompt_len=len(tokens), params=params, segment_starts=segment_starts,
-                        tenant=tenant, seed=request_seed(params.seed), matcher=matcher,
-                        detok=self.tokenizer.decode_stream(params.skip_special_tokens), leader=leader)
+        return Sequence(
+            tokens=tokens,
+            prompt_len=len(tokens),
+            params=params,
+            segment_starts=segment_starts,
+            tenant=tenant,
+            seed=request_seed(params.seed),
+            matcher=matcher,
+            detok=self.tokenizer.decode_stream(params.skip_special_tokens),
+            leader=leader,
+        )
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a sequence; `step` admits it when the pool has room."""
@@ -235,16 +254,23 @@ class Engine:
 
     # -- whole-request helpers (offline; the scheduler batches many) ------------------------
 
-    def add(self, tokens: list[int], params: SamplingParams, segment_starts: list[int] | None = None,
-            tenant: str | None = None) -> Sequence:
+    def add(
+        self,
+        tokens: list[int],
+        params: SamplingParams,
+        segment_starts: list[int] | None = None,
+        tenant: str | None = None,
+    ) -> Sequence:
         """Validate and admit now (single-request use; `add_request` queues instead)."""
         seq = self.new_sequence(tokens, params, segment_starts, tenant)
         if self.scheduler.admit(seq):
             return seq
         if self.kv.waits_for(seq):
             raise PoolFull("a running request is computing this prompt's content; admit it through the scheduler")
-        raise PoolFull(f"the KV pool ({self.pool.describe()}) cannot hold this request even "
-                       f"after evicting every cached row; raise kv_cache_gib or shorten the prompt")
+        raise PoolFull(
+            f"the KV pool ({self.pool.describe()}) cannot hold this request even "
+            f"after evicting every cached row; raise kv_cache_gib or shorten the prompt"
+        )
 
     def prefill(self, seq: Sequence) -> None:
         """Compute an admitted sequence's pending prompt rows, sampling nothing."""
@@ -290,9 +316,14 @@ class Engine:
         self.kv.clear()
 
     @torch.inference_mode()
-    def score(self, prompt: list[int], continuation: list[int], segment_starts: list[int] | None = None,
-              tenant: str | None = None, cancelled: Callable[[], bool] = lambda: False
-              ) -> tuple[torch.Tensor, Sequence]:
+    def score(
+        self,
+        prompt: list[int],
+        continuation: list[int],
+        segment_starts: list[int] | None = None,
+        tenant: str | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> tuple[torch.Tensor, Sequence]:
         """Teacher-forced log-probs [len(continuation), vocab] of continuation after prompt, computed
         at most max_prefill_tokens positions a pass. `cancelled` is asked before each pass (another
         thread may set what it reads): once it says so, the rows go back and ScoringCancelled is
@@ -338,7 +369,12 @@ class Engine:
         ids = [int(t) for t in tokens]
         self.validate_prompt(ids, room=0)  # (nothing is generated after it)
         if len(ids) > self.pool.n_slots - 1:
-            raise RequestError(f"the document has {len(ids)} tokens but the KV pool holds {self.pool.describe()}; "
-                               f"raise kv_cache_gib or publish it in parts")
-        return self.kv.publish(np.asarray(ids, np.int64), segment_starts,
-                               lambda slots: self.runner.prefill(ids, slots, self.max_prefill_tokens, self.stale_keys))
+            raise RequestError(
+                f"the document has {len(ids)} tokens but the KV pool holds {self.pool.describe()}; "
+                f"raise kv_cache_gib or publish it in parts"
+            )
+        return self.kv.publish(
+            np.asarray(ids, np.int64),
+            segment_starts,
+            lambda slots: self.runner.prefill(ids, slots, self.max_prefill_tokens, self.stale_keys),
+        )

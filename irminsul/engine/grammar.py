@@ -212,15 +212,18 @@ class Grammars:
             raise RequestError(f"the {what} could not be compiled: {reason(matcher)}")
         matcher.compute_bitmask()  # the first step's mask: a grammar no output can match fails here
         if matcher.is_error():
-            raise RequestError(f"the {what} matches no output at all (it cannot be satisfied: a reference "
-                               f"to itself with no way to end, a character class of nothing, ...): "
-                               f"{reason(matcher)}")
+            raise RequestError(
+                f"the {what} matches no output at all (it cannot be satisfied: a reference "
+                f"to itself with no way to end, a character class of nothing, ...): "
+                f"{reason(matcher)}"
+            )
         return matcher
 
     def allowed(self, matchers: list[LLMatcher]) -> torch.Tensor:
         """bool [len(matchers), vocab]: the tokens each matcher accepts next."""
         words = (self.vocab_size + 31) // 32
         bits = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.data_ptr(),
-                                               words * 4, len(matchers))
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(matchers)
+        )
         return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).view(len(matchers), -1)[:, : self.vocab_size].bool()

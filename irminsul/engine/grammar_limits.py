@@ -60,8 +60,10 @@ def check_schema(schema) -> None:
             raise RequestError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays")
         nodes.append(node)
         if len(nodes) > MAX_SCHEMA_NODES:
-            raise RequestError(f"the schema has more than {MAX_SCHEMA_NODES} objects and arrays; this server "
-                               f"compiles at most that many")
+            raise RequestError(
+                f"the schema has more than {MAX_SCHEMA_NODES} objects and arrays; this server "
+                f"compiles at most that many"
+            )
         if isinstance(node, dict):
             if isinstance(node.get("pattern"), str):
                 check_regex(node["pattern"], "a pattern in the schema")
@@ -83,16 +85,20 @@ def check_schema(schema) -> None:
         target = _UNRESOLVED if embedded else _pointed_to(ref, schema, anchors)
         if target is _UNRESOLVED:
             if len(nodes) > MAX_SCHEMA_DEPTH:  # it may point anywhere: each node may be one more level
-                raise RequestError(f"$ref {ref[:80]!r} is not one this server follows ('#', '#/json/pointer' or "
-                                   f"'#anchor', in a schema without nested $id), and a schema with such a "
-                                   f"reference may have at most {MAX_SCHEMA_DEPTH} objects and arrays "
-                                   f"(this one has {len(nodes)})")
+                raise RequestError(
+                    f"$ref {ref[:80]!r} is not one this server follows ('#', '#/json/pointer' or "
+                    f"'#anchor', in a schema without nested $id), and a schema with such a "
+                    f"reference may have at most {MAX_SCHEMA_DEPTH} objects and arrays "
+                    f"(this one has {len(nodes)})"
+                )
         else:
             targets[ref] = target
     if _deepest(schema, targets) > MAX_SCHEMA_DEPTH:
-        raise RequestError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays, "
-                           f"counting into what its $refs point to (a chain of definitions each referring to "
-                           f"the next is as deep as it is long)")
+        raise RequestError(
+            f"the schema nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays, "
+            f"counting into what its $refs point to (a chain of definitions each referring to "
+            f"the next is as deep as it is long)"
+        )
 
 
 _UNRESOLVED = object()
@@ -155,8 +161,10 @@ def check_options(options) -> None:
         raise RequestError("choices must be a non-empty list of strings")
     size = sum(len(o.encode("utf-8", "surrogatepass")) for o in options)
     if len(options) > MAX_OPTIONS or size > MAX_OPTION_BYTES:
-        raise RequestError(f"{len(options)} choices of {size} bytes in all: this server takes at most "
-                           f"{MAX_OPTIONS} choices of at most {MAX_OPTION_BYTES} bytes in all")
+        raise RequestError(
+            f"{len(options)} choices of {size} bytes in all: this server takes at most "
+            f"{MAX_OPTIONS} choices of at most {MAX_OPTION_BYTES} bytes in all"
+        )
 
 
 _REPEAT = re.compile(r"\{(\d*)(?:,(\d*))?\}")
@@ -174,8 +182,8 @@ def spelled_out(pattern: str, strings: bool = False) -> int:
         if c == "\\":
             i += 2
         elif c == "[":  # a class is one character (its `]` may come first, as in []] or [^]])
-            j = i + 1 + (pattern[i + 1: i + 2] == "^")
-            j += pattern[j: j + 1] == "]"
+            j = i + 1 + (pattern[i + 1 : i + 2] == "^")
+            j += pattern[j : j + 1] == "]"
             while j < len(pattern) and pattern[j] != "]":
                 j += 2 if pattern[j] == "\\" else 1
             i = j + 1
@@ -193,7 +201,7 @@ def spelled_out(pattern: str, strings: bool = False) -> int:
             continue
         elif c == "{" and (m := _REPEAT.match(pattern, i)) and (m.group(1) or m.group(2)):
             # (a count of more than 9 digits is over every bound; int() of thousands of digits raises)
-            n = max(int(g) if len(g) <= 9 else 10 ** 9 for g in m.groups("") if g)
+            n = max(int(g) if len(g) <= 9 else 10**9 for g in m.groups("") if g)
             frames[-1][0] += frames[-1][1] * (n - 1)
             frames[-1][1] *= n
             i = m.end()
@@ -212,8 +220,10 @@ def spelled_out(pattern: str, strings: bool = False) -> int:
 
 def check_regex(pattern: str, what: str, strings: bool = False) -> None:
     if (size := spelled_out(pattern, strings)) > MAX_REGEX_SIZE:
-        raise RequestError(f"{what} spells out {size} characters, counting each bounded repetition {{n}} n "
-                           f"times; this server takes at most {MAX_REGEX_SIZE} (use * or + for long runs)")
+        raise RequestError(
+            f"{what} spells out {size} characters, counting each bounded repetition {{n}} n "
+            f"times; this server takes at most {MAX_REGEX_SIZE} (use * or + for long runs)"
+        )
 
 
 # What a rule's symbols are spelled with: a name, a "literal", a /regex/, a GBNF [class] or `.`,
@@ -235,8 +245,7 @@ _INLINE_JSON = re.compile(r"%json\s*")
 def check_lark(grammar: str) -> None:
     """A Lark (or GBNF) grammar's rule count, its size, its inline %json schemas and its repetitions."""
     if (rules := len(_DEFINITION.findall(grammar))) > MAX_RULES:
-        raise RequestError(f"the grammar defines {rules} rules and terminals; this server compiles at most "
-                           f"{MAX_RULES}")
+        raise RequestError(f"the grammar defines {rules} rules and terminals; this server compiles at most {MAX_RULES}")
     decoder = json.JSONDecoder()
     rest, at, size = [], 0, 0  # the grammar without its %json schemas (checked as schemas, not as lines)
 
@@ -244,9 +253,11 @@ def check_lark(grammar: str) -> None:
         nonlocal size
         rest.append(text)
         if (size := size + grammar_size(text)) > MAX_GRAMMAR_SIZE:
-            raise RequestError(f"the grammar has more than {MAX_GRAMMAR_SIZE} symbols and alternatives (names, "
-                               f"literals, regexes, classes and |s, counted outside its %json schemas); this "
-                               f"server compiles at most that many")
+            raise RequestError(
+                f"the grammar has more than {MAX_GRAMMAR_SIZE} symbols and alternatives (names, "
+                f"literals, regexes, classes and |s, counted outside its %json schemas); this "
+                f"server compiles at most that many"
+            )
 
     for m in _INLINE_JSON.finditer(grammar):
         if m.start() < at:
@@ -256,7 +267,9 @@ def check_lark(grammar: str) -> None:
         except json.JSONDecodeError:
             continue  # not a schema: llguidance says what is wrong with it
         except RecursionError:
-            raise RequestError(f"a %json schema in the grammar nests more than {MAX_SCHEMA_DEPTH} levels deep") from None
+            raise RequestError(
+                f"a %json schema in the grammar nests more than {MAX_SCHEMA_DEPTH} levels deep"
+            ) from None
         keep(grammar[at : m.end()])  # (each %json counts: its name is a word)
         check_schema(schema)
         at = end

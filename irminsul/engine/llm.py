@@ -26,7 +26,16 @@ from irminsul.model.tokenizer import Tokenizer
 
 # generate()'s keyword controls: SamplingParams' fields that are not its named arguments
 CONTROLS = frozenset(f.name for f in fields(SamplingParams)) - {
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs"}
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+}
 
 
 class Segments(tuple):
@@ -52,9 +61,15 @@ def _token_ids(x) -> bool:
 
 def normalize_prompt(prompt, tokenizer: Tokenizer) -> tuple[list[int], list[int] | None]:
     """str | list[int] (or a 1-D integer array / tensor) | Segments -> (token ids, segment starts or None)."""
-    if isinstance(prompt, (np.ndarray, torch.Tensor)) and prompt.ndim == 1 and \
-            (prompt.dtype.kind in "iu" if isinstance(prompt, np.ndarray) else not prompt.is_floating_point()
-             and prompt.dtype != torch.bool):
+    if (
+        isinstance(prompt, (np.ndarray, torch.Tensor))
+        and prompt.ndim == 1
+        and (
+            prompt.dtype.kind in "iu"
+            if isinstance(prompt, np.ndarray)
+            else not prompt.is_floating_point() and prompt.dtype != torch.bool
+        )
+    ):
         prompt = prompt.tolist()
     if isinstance(prompt, str):
         if not prompt:
@@ -83,14 +98,30 @@ class LLM:
     False never. `cache_options`: the rest of `EngineConfig.of`'s options (max_prefill_tokens,
     tenant, recompute_ratio, ...)."""
 
-    def __init__(self, model: str | Path | None = None, dtype: str = "float32", reuse: str = "off",
-                 device: str = "cpu", kv_cache_gib: float | None = None, max_running_requests: int = 256,
-                 attention_backend: str = "cpu", compile_decode: bool | None = None, **cache_options):
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str = "float32",
+        reuse: str = "off",
+        device: str = "cpu",
+        kv_cache_gib: float | None = None,
+        max_running_requests: int = 256,
+        attention_backend: str = "cpu",
+        compile_decode: bool | None = None,
+        **cache_options,
+    ):
         # Offline batches are for throughput: prompts are prefilled at the full per-step budget
         # (the server keeps decode_slowdown=2: its streams' inter-token latency comes first).
-        config = EngineConfig.of(**{"decode_slowdown": None, **cache_options, "reuse": reuse,
-                                    "kv_cache_gib": kv_cache_gib, "compile_decode": compile_decode,
-                                    "max_running_requests": max_running_requests})
+        config = EngineConfig.of(
+            **{
+                "decode_slowdown": None,
+                **cache_options,
+                "reuse": reuse,
+                "kv_cache_gib": kv_cache_gib,
+                "compile_decode": compile_decode,
+                "max_running_requests": max_running_requests,
+            }
+        )
         self.path = Path(model) if model is not None else bundled_model("mla")
         self.model = load_model(self.path, dtype=dtype, device=device)
         if attention_backend not in ("cpu", "torch"):  # (the default every family starts with)
@@ -109,22 +140,42 @@ class LLM:
     def reuse(self) -> str:
         return self.engine.reuse
 
-    def generate(self, prompts, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop=None, stop_token_ids=(),
-                 ignore_eos: bool = False, logprobs: int | None = None,
-                 **controls) -> GenerationResult | list[GenerationResult]:
+    def generate(
+        self,
+        prompts,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop=None,
+        stop_token_ids=(),
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        **controls,
+    ) -> GenerationResult | list[GenerationResult]:
         """One prompt -> one result; a list of prompts -> a list of results, in order, generated
         together (continuous batching). Greedy by default; the sampling options apply to every prompt;
         `controls` are SamplingParams' logit controls (presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias as ((id, bias), ...) or {id: bias}, min_p, min_tokens,
         include_stop_str_in_output, skip_special_tokens, constraint)."""
         if unknown := sorted(set(controls) - CONTROLS):
-            raise RequestError(f"generate() has no option {', '.join(unknown)}; its logit controls are "
-                               f"{', '.join(sorted(CONTROLS))}")
+            raise RequestError(
+                f"generate() has no option {', '.join(unknown)}; its logit controls are {', '.join(sorted(CONTROLS))}"
+            )
         batch = isinstance(prompts, (list, tuple)) and not isinstance(prompts, Segments) and not _token_ids(prompts)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=() if stop is None else stop, stop_token_ids=stop_token_ids,
-                                ignore_eos=ignore_eos, logprobs=logprobs, **controls)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=() if stop is None else stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            **controls,
+        )
         items = list(prompts) if batch else [prompts]  # NOTE: [] is an empty prompt, refused as such
         seqs = []
         for p in items:
@@ -144,19 +195,30 @@ class LLM:
             if seq.error:
                 raise RequestError(seq.error)
             assert seq.finish_reason is not None, "the engine stepped until every sequence finished"
-            results.append(GenerationResult(token_ids=seq.output_ids, text=seq.text, stats=seq.stats,
-                                            finish_reason=seq.finish_reason,
-                                            prompt_token_ids=seq.tokens[: seq.prompt_len],
-                                            logprobs=seq.logprobs if logprobs is not None else None))
+            results.append(
+                GenerationResult(
+                    token_ids=seq.output_ids,
+                    text=seq.text,
+                    stats=seq.stats,
+                    finish_reason=seq.finish_reason,
+                    prompt_token_ids=seq.tokens[: seq.prompt_len],
+                    logprobs=seq.logprobs if logprobs is not None else None,
+                )
+            )
         return results if batch else results[0]
 
     def score(self, prompt_ids, continuation_ids) -> torch.Tensor:
         """Teacher-forced log-probabilities [len(continuation_ids), vocab] under this LLM's reuse mode.
         `prompt_ids` may be token ids or Segments (a list of token-id lists is read as segments too)."""
-        if isinstance(prompt_ids, (list, tuple)) and prompt_ids and all(isinstance(s, (list, tuple)) for s in prompt_ids):
+        if (
+            isinstance(prompt_ids, (list, tuple))
+            and prompt_ids
+            and all(isinstance(s, (list, tuple)) for s in prompt_ids)
+        ):
             prompt_ids = Segments(prompt_ids)
-        tokens, segments = normalize_prompt(prompt_ids if isinstance(prompt_ids, Segments) else list(prompt_ids),
-                                            self.tokenizer)
+        tokens, segments = normalize_prompt(
+            prompt_ids if isinstance(prompt_ids, Segments) else list(prompt_ids), self.tokenizer
+        )
         logprobs, seq = self.engine.score(tokens, list(continuation_ids), segments)
         self.last_stats = seq.stats
         return logprobs

@@ -120,16 +120,18 @@ class ModelRunner:
                 out = {ran[i][0].id: logits[row] for row, i in enumerate(wanted)}
         return [out.get(seq.id) for seq in batch.seqs]
 
-    def forward(self, seqs: list[Sequence], takes: list[np.ndarray],
-                stale_keys: bool = False) -> tuple[torch.Tensor, list[int]]:
+    def forward(
+        self, seqs: list[Sequence], takes: list[np.ndarray], stale_keys: bool = False
+    ) -> tuple[torch.Tensor, list[int]]:
         """Compute positions takes[i] of seqs[i] (their slots already allocated); the final hidden
         states [N, H] and each sequence's offset into them."""
         specs, ids, offsets = [], [], [0]
         for seq, take in zip(seqs, takes):
             keys = seq.slots[: int(take[-1]) + 1]
             specs.append(SeqAttention(take, keys, self.pool.computed_at[keys] if stale_keys else None))
-            ids.append([seq.tokens[-1]] if len(take) == 1 and take[0] == len(seq.tokens) - 1
-                       else np.asarray(seq.tokens)[take])
+            ids.append(
+                [seq.tokens[-1]] if len(take) == 1 and take[0] == len(seq.tokens) - 1 else np.asarray(seq.tokens)[take]
+            )
             offsets.append(offsets[-1] + len(take))
         write = np.concatenate([seq.slots[take] for seq, take in zip(seqs, takes)])
         return self.model(self._batch(np.concatenate(ids), np.concatenate(takes), write, specs, offsets)), offsets
@@ -144,15 +146,26 @@ class ModelRunner:
             spec = SeqAttention(take, keys, self.pool.computed_at[keys] if stale_keys else None)
             self.model(self._batch(ids[take], take, slots[take], [spec], [0, len(take)]))
 
-    def _batch(self, token_ids: np.ndarray, positions: np.ndarray, write: np.ndarray, specs: list[SeqAttention],
-               offsets: list[int]) -> ForwardBatch:
+    def _batch(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        write: np.ndarray,
+        specs: list[SeqAttention],
+        offsets: list[int],
+    ) -> ForwardBatch:
         """The model's batch on its device: tokens at positions, rows written to `write`, attention
         over the slots each spec names."""
         dev = self.device
         # (cast: Model declares its attention backend `object`; model/base.py says it has this `plan`)
         attention = cast(_AttentionBackend, self.model.attention)
-        return ForwardBatch(torch.as_tensor(token_ids, device=dev), torch.as_tensor(positions, device=dev),
-                            self.pool.rows, torch.as_tensor(write, device=dev), attention.plan(specs, offsets, dev))
+        return ForwardBatch(
+            torch.as_tensor(token_ids, device=dev),
+            torch.as_tensor(positions, device=dev),
+            self.pool.rows,
+            torch.as_tensor(write, device=dev),
+            attention.plan(specs, offsets, dev),
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
@@ -174,8 +187,13 @@ class ModelRunner:
         dev = self.device
         lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
         if len(seqs) == 1 and consecutive(slots := seqs[0].slots[: lens[0]]):
-            hidden = step(torch.tensor([seqs[0].tokens[-1]], device=dev), torch.tensor(lens - 1, device=dev),
-                          self.pool.rows, int(slots[0]), int(lens[0]))
+            hidden = step(
+                torch.tensor([seqs[0].tokens[-1]], device=dev),
+                torch.tensor(lens - 1, device=dev),
+                self.pool.rows,
+                int(slots[0]),
+                int(lens[0]),
+            )
         else:
             t = int(lens.max()) - 1
             if len(seqs) > step.max_batch or len(seqs) * t > PADDING_SLACK * (lens.sum() - len(seqs)):
@@ -184,20 +202,28 @@ class ModelRunner:
             for i, s in enumerate(seqs):
                 key_slots[i, : lens[i] - 1] = s.slots[: lens[i] - 1]
             write = np.fromiter((s.slots[n - 1] for s, n in zip(seqs, lens)), np.int64, len(seqs))
-            hidden = step.batch(torch.tensor([s.tokens[-1] for s in seqs], device=dev),
-                                torch.from_numpy(lens - 1).to(dev), torch.from_numpy(key_slots).to(dev),
-                                self.pool.rows, torch.from_numpy(write).to(dev))
+            hidden = step.batch(
+                torch.tensor([s.tokens[-1] for s in seqs], device=dev),
+                torch.from_numpy(lens - 1).to(dev),
+                torch.from_numpy(key_slots).to(dev),
+                self.pool.rows,
+                torch.from_numpy(write).to(dev),
+            )
         return self.model.logits(hidden)
 
     def _graph_decode(self, graphs: CapturedStep, seqs: list[Sequence]) -> torch.Tensor | None:
         lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
         if not graphs.fits(len(seqs), int(lens.max())):
             return None
-        return graphs(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens,
-                      [s.slots[:n] for s, n in zip(seqs, lens)])
+        return graphs(
+            np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)),
+            lens,
+            [s.slots[:n] for s, n in zip(seqs, lens)],
+        )
 
-    def latents(self, tokens: np.ndarray, run: np.ndarray, table: np.ndarray, write: np.ndarray,
-                layer: int) -> torch.Tensor:
+    def latents(
+        self, tokens: np.ndarray, run: np.ndarray, table: np.ndarray, write: np.ndarray, layer: int
+    ) -> torch.Tensor:
         """pic+r's check: layers [0, layer) over positions `run` of `tokens`, their rows written to
         the scratch slots `write`, each attending to the rows `table` names; the latent c_KV
         [len(run), kv_lora_rank] the context gives them at `layer`."""

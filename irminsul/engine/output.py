@@ -52,8 +52,9 @@ class OutputProcessor:
             if p.adjusts_logits:
                 ends = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_ids)]
                 try:
-                    stacked[row] = adjust_logits(stacked[row], p, seqs[i].tokens[: seqs[i].prompt_len],
-                                                 seqs[i].output_ids, ends)
+                    stacked[row] = adjust_logits(
+                        stacked[row], p, seqs[i].tokens[: seqs[i].prompt_len], seqs[i].output_ids, ends
+                    )
                 except Exception as e:
                     failed[row] = self._internal_error("adjusting the logits", seqs[i], e)
         constrained = [row for row, i in enumerate(rows) if seqs[i].matcher is not None and row not in failed]
@@ -79,8 +80,9 @@ class OutputProcessor:
             new[i] = token
         return new
 
-    def _mask(self, stacked: torch.Tensor, constrained: list[int], seqs: list[Sequence],
-              failed: dict[int, str]) -> None:
+    def _mask(
+        self, stacked: torch.Tensor, constrained: list[int], seqs: list[Sequence], failed: dict[int, str]
+    ) -> None:
         """-inf on the tokens each constrained row's grammar rules out: one mask call for all of
         them; should it fail, one call per row, so a failing matcher ends only its own sequence."""
         matchers: list[LLMatcher] = []
@@ -106,15 +108,20 @@ class OutputProcessor:
         if all(seq.params.greedy for seq in batch):
             return stacked.max(-1).indices.tolist()  # (argmax's tokens; on a CPU 3x faster, sampling.py)
         try:
-            return sample_batch(stacked, [seq.params for seq in batch], [seq.seed for seq in batch],
-                                [len(seq.output_ids) for seq in batch]).tolist()
+            return sample_batch(
+                stacked,
+                [seq.params for seq in batch],
+                [seq.seed for seq in batch],
+                [len(seq.output_ids) for seq in batch],
+            ).tolist()
         except Exception:
             pass
         tokens = []
         for row, seq in enumerate(batch):
             try:
-                tokens.append(int(sample_batch(stacked[row : row + 1], [seq.params], [seq.seed],
-                                               [len(seq.output_ids)])[0]))
+                tokens.append(
+                    int(sample_batch(stacked[row : row + 1], [seq.params], [seq.seed], [len(seq.output_ids)])[0])
+                )
             except Exception as e:
                 failed[row] = self._internal_error("sampling", seq, e)
                 tokens.append(-1)
@@ -122,8 +129,9 @@ class OutputProcessor:
 
     @staticmethod
     def _internal_error(doing: str, seq: Sequence, e: Exception) -> str:
-        log.error("request %s: internal error while %s (%s: %s); ending this request only",
-                  seq.id, doing, type(e).__name__, e)
+        log.error(
+            "request %s: internal error while %s (%s: %s); ending this request only", seq.id, doing, type(e).__name__, e
+        )
         return f"internal error while {doing}: {type(e).__name__}"
 
     def _append(self, seq: Sequence, token: int) -> None:

@@ -46,28 +46,37 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise RequestError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and 0.0 <= self.temperature <= 100.0):
+        if not (
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and 0.0 <= self.temperature <= 100.0
+        ):
             raise RequestError(f"temperature={self.temperature!r} must be in [0, 100]")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
+        ):
             raise RequestError(f"seed={self.seed!r} must be an integer in [0, 2^63)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise RequestError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
             raise RequestError(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
-                             ("min_p", 0.0, 1.0)):
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0)):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi):
                 raise RequestError(f"{name}={value!r} must be in [{lo:g}, {hi:g}]")
         if not (isinstance(self.repetition_penalty, (int, float)) and 0.0 < self.repetition_penalty <= 10.0):
             raise RequestError(f"repetition_penalty={self.repetition_penalty!r} must be in (0, 10]")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
-                not 0 <= self.min_tokens <= self.max_tokens:
+        if (
+            not isinstance(self.min_tokens, int)
+            or isinstance(self.min_tokens, bool)
+            or not 0 <= self.min_tokens <= self.max_tokens
+        ):
             raise RequestError(f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens]")
         bias = self.logit_bias
         if not isinstance(bias, (tuple, list, dict)):
@@ -98,8 +107,13 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def _bias_on(self, device: torch.device, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """logit_bias as rounds of (ids [n] int64, biases [n] float32) on `device`, ids outside
@@ -116,14 +130,19 @@ class SamplingParams:
                     if k > len(rounds):
                         rounds.append([])
                     rounds[k - 1].append((token, bias))
-            self._bias[key] = [(torch.tensor([t for t, _ in r], dtype=torch.long, device=device),
-                                torch.tensor([b for _, b in r], dtype=torch.float32, device=device))
-                               for r in rounds]
+            self._bias[key] = [
+                (
+                    torch.tensor([t for t, _ in r], dtype=torch.long, device=device),
+                    torch.tensor([b for _, b in r], dtype=torch.float32, device=device),
+                )
+                for r in rounds
+            ]
         return self._bias[key]
 
 
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
-                  banned_until_min: list[int]) -> torch.Tensor:
+def adjust_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int], banned_until_min: list[int]
+) -> torch.Tensor:
     """logits [vocab] -> the logits the choice is made from: logit bias, penalties (vLLM's
     definitions) and, before min_tokens, the end tokens masked out."""
     logits = logits.float().clone()
@@ -235,7 +254,9 @@ def unit_interval(bits: torch.Tensor) -> torch.Tensor:
 _UNIFORM_BITS = 23  # float32's mantissa: k + 0.5 for k < 2^23 is exact
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> torch.Tensor:
+def sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]
+) -> torch.Tensor:
     """logits [B, vocab] -> token ids [B] (on the logits' device, no host synchronisation): each row
     greedy or sampled after temperature, top-k, min-p and top-p, by an exponential race
     (argmax p / E, E ~ Exp(1) from `uniforms`): the sampled row's distribution exactly, with the

@@ -47,8 +47,14 @@ MIN_CHUNK = 32.0
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_prefill_tokens: int = 2048, max_running_requests: int = 256,
-                 decode_slowdown: float | None = 2.0, recompute: Recompute | None = None):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_prefill_tokens: int = 2048,
+        max_running_requests: int = 256,
+        decode_slowdown: float | None = 2.0,
+        recompute: Recompute | None = None,
+    ):
         """`recompute`: pic+r's choice of the reused rows each admitted sequence recomputes (None: none)."""
         if decode_slowdown is not None and not decode_slowdown > 1:
             raise ValueError(f"decode_slowdown={decode_slowdown} must be > 1 (or None: no limit)")
@@ -241,8 +247,9 @@ class Scheduler:
             # can never fit.
             self.waiting.popleft()
             seq.finish_reason = "abort"
-            seq.error = (f"the request needs more rows than the KV pool holds "
-                         f"({self.kv.pool.describe()}); raise kv_cache_gib")
+            seq.error = (
+                f"the request needs more rows than the KV pool holds ({self.kv.pool.describe()}); raise kv_cache_gib"
+            )
             failed.append(seq)
         return failed
 
@@ -266,6 +273,10 @@ class Scheduler:
         """The pool and the queue now: bytes the pool holds and can hold, bytes the cache holds
         (counted once however many sequences and entries share them), sequences running and waiting."""
         pool = self.kv.pool
-        return {"kv_pool_bytes_used": pool.used_bytes, "kv_pool_bytes_capacity": pool.capacity_bytes,
-                "cached_bytes": len(self.kv.cached_slots) * pool.bytes_per_slot,
-                "running_sequences": len(self.running), "waiting_sequences": len(self.waiting)}
+        return {
+            "kv_pool_bytes_used": pool.used_bytes,
+            "kv_pool_bytes_capacity": pool.capacity_bytes,
+            "cached_bytes": len(self.kv.cached_slots) * pool.bytes_per_slot,
+            "running_sequences": len(self.running),
+            "waiting_sequences": len(self.waiting),
+        }

@@ -54,8 +54,12 @@ class TokenLogprob:
     def of(cls, logprobs: torch.Tensor, token: int, n: int, stop: bool = False) -> TokenLogprob:
         """From one position's log-probs [vocab]: the token's, and the n most likely (n = 0: none)."""
         top = logprobs.topk(n) if n else None
-        return cls(token, float(logprobs[token]),
-                   tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else (), stop)
+        return cls(
+            token,
+            float(logprobs[token]),
+            tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else (),
+            stop,
+        )
 
 
 @dataclass(eq=False)

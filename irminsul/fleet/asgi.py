@@ -31,9 +31,20 @@ class Forwarded:
         framing = {b"content-length", b"transfer-encoding", b"connection"}
         headers = [(k, v) for k, v in self.headers if k not in framing]
         headers.append((b"content-length", str(len(self.body)).encode()))
-        return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": self.method,
-                "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "query_string": self.query,
-                "root_path": "", "headers": headers, "client": self.client, "server": None}
+        return {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": self.method,
+            "scheme": "http",
+            "path": self.path,
+            "raw_path": self.path.encode(),
+            "query_string": self.query,
+            "root_path": "",
+            "headers": headers,
+            "client": self.client,
+            "server": None,
+        }
 
 
 class InProcessApp:
@@ -47,8 +58,9 @@ class InProcessApp:
         self._events = asyncio.Queue()
         sent: asyncio.Queue = asyncio.Queue()
         await self._events.put({"type": "lifespan.startup"})
-        self._task = asyncio.ensure_future(self.app({"type": "lifespan", "asgi": {"version": "3.0"}},
-                                                    self._events.get, sent.put))
+        self._task = asyncio.ensure_future(
+            self.app({"type": "lifespan", "asgi": {"version": "3.0"}}, self._events.get, sent.put)
+        )
         reply = await sent.get()
         if reply["type"] != "lifespan.startup.complete":
             raise RuntimeError(f"the server app did not start: {reply.get('message', reply['type'])}")

@@ -55,15 +55,20 @@ class RoutingStats:
     periods: tuple[Period, ...]
 
     def as_dict(self) -> dict:
-        return {"report": self.report, "load": (self.load.running, self.load.waiting, self.load.queued_prefill_tokens),
-                "seq": self.seq, "periods": [(p.start, p.end, p.added, p.removed) for p in self.periods]}
+        return {
+            "report": self.report,
+            "load": (self.load.running, self.load.waiting, self.load.queued_prefill_tokens),
+            "seq": self.seq,
+            "periods": [(p.start, p.end, p.added, p.removed) for p in self.periods],
+        }
 
     @classmethod
     def of(cls, stats: dict | None) -> RoutingStats | None:
         if not stats or "report" not in stats:
             return None  # (a replica that has not answered yet)
-        return cls(stats["report"], ReplicaLoad(*stats["load"]), stats["seq"],
-                   tuple(Period(*p) for p in stats["periods"]))
+        return cls(
+            stats["report"], ReplicaLoad(*stats["load"]), stats["seq"], tuple(Period(*p) for p in stats["periods"])
+        )
 
     @property
     def nbytes(self) -> int:

@@ -65,8 +65,8 @@ class _ReplicaGone(Exception):
 class FleetIngress:
     # (an async __init__, which Serve awaits: replica.py)
     async def __init__(  # type: ignore[misc]  # (Serve awaits it; mypy wants __init__ -> None)
-            self, replicas, config: ServerConfig, replica_deployment: str = "IrminsulReplica",
-            expected_replicas: int = 1):
+        self, replicas, config: ServerConfig, replica_deployment: str = "IrminsulReplica", expected_replicas: int = 1
+    ):
         from irminsul.bundled import bundled_model
         from irminsul.model.tokenizer import Tokenizer
         from irminsul.server.chat import ChatRenderer
@@ -85,16 +85,16 @@ class FleetIngress:
 
     @api.get("/health")
     async def health(self):
-        states = {rid: "ok" if v is True else "down"
-                  for rid, v in (await self._each("healthy", HEALTH_TIMEOUT_S)).items()}
+        states = {
+            rid: "ok" if v is True else "down" for rid, v in (await self._each("healthy", HEALTH_TIMEOUT_S)).items()
+        }
         ready = sum(v == "ok" for v in states.values())
         self.started = self.started or ready >= self.expected_replicas
         if not self.started:
             status = "starting"
         else:
             status = "ok" if ready >= self.expected_replicas else "degraded" if ready else "down"
-        body = {"status": status, "replicas_ready": ready, "replicas": self.expected_replicas,
-                "replica_status": states}
+        body = {"status": status, "replicas_ready": ready, "replicas": self.expected_replicas, "replica_status": states}
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     @api.get("/metrics")
@@ -106,12 +106,22 @@ class FleetIngress:
     def _own_metrics(self) -> str:
         lines = []
         for name, value, what in (
-                ("irminsul_fleet_retries_total", self.retries,
-                 "requests sent to another replica because the one answering stopped before the client saw output"),
-                ("irminsul_fleet_unanswered_total", self.unanswered,
-                 f"requests answered 503 after {ATTEMPTS} replicas stopped before answering"),
-                ("irminsul_fleet_streams_cut_total", self.streams_cut,
-                 "streams ended with an error event because their replica stopped after output was sent")):
+            (
+                "irminsul_fleet_retries_total",
+                self.retries,
+                "requests sent to another replica because the one answering stopped before the client saw output",
+            ),
+            (
+                "irminsul_fleet_unanswered_total",
+                self.unanswered,
+                f"requests answered 503 after {ATTEMPTS} replicas stopped before answering",
+            ),
+            (
+                "irminsul_fleet_streams_cut_total",
+                self.streams_cut,
+                "streams ended with an error event because their replica stopped after output was sent",
+            ),
+        ):
             lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {value}"]
         return "\n".join(lines) + "\n"
 
@@ -244,8 +254,9 @@ class FleetIngress:
                 yield chunk
         except _ReplicaGone:
             self.streams_cut += 1
-            e = APIError(502, "the replica serving this stream stopped; the output above is incomplete",
-                         type="server_error")
+            e = APIError(
+                502, "the replica serving this stream stopped; the output above is incomplete", type="server_error"
+            )
             yield sse(e.body())
             yield "data: [DONE]\n\n"
         finally:

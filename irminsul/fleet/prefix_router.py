@@ -45,8 +45,9 @@ class _FleetCalls(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._fleet().drop(replica_id.unique_id)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         target = pending_request.kwargs.get("target") if pending_request is not None else None
         if target is not None:
             named = [r for r in candidate_replicas if r.replica_id.unique_id == target]
@@ -60,7 +61,8 @@ class _FleetCalls(RequestRouter):
 class PrefixAffinityRequestRouter(_FleetCalls, PrefixCacheAffinityRouter):  # type: ignore[misc]  # (Ray's annotation)
     # None: no text to match (Ray's callers test for it, though its annotation says str)
     def _extract_text_from_request(  # type: ignore[override]  # (Ray's annotation)
-            self, pending_request: PendingRequest) -> str | None:
+        self, pending_request: PendingRequest
+    ) -> str | None:
         forwarded = next((a for a in pending_request.args if isinstance(a, Forwarded)), None)
         try:
             body = json.loads(forwarded.body) if forwarded is not None and forwarded.body else None

@@ -91,8 +91,9 @@ class PromptReader:
         if text_chars(req.messages) > self.max_chars:
             return None
         rendered = render_prompt(self.renderer, req)
-        return self._key(rendered.token_ids, tuple(rendered.segment_starts),
-                         self.tenancy.tenant_of(request, req.cache_salt))
+        return self._key(
+            rendered.token_ids, tuple(rendered.segment_starts), self.tenancy.tenant_of(request, req.cache_salt)
+        )
 
     @staticmethod
     def _key(tokens, starts, tenant) -> RouteKey | None:

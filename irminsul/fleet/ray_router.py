@@ -95,8 +95,12 @@ class FleetView:
 
     def _build(self, meta: dict) -> None:
         marker = meta.get("marker")
-        self.router = ContentRouter(meta["model_id"], ChunkerConfig(marker=tuple(marker) if marker else None),
-                                    assignment_ttl_s=self.assignment_ttl_s, sink=meta["sink"])
+        self.router = ContentRouter(
+            meta["model_id"],
+            ChunkerConfig(marker=tuple(marker) if marker else None),
+            assignment_ttl_s=self.assignment_ttl_s,
+            sink=meta["sink"],
+        )
         self.default_tenant = meta.get("default_tenant", "")
         self.meta = dict(meta)
 
@@ -114,8 +118,9 @@ class FleetView:
             if self.router is None:
                 return None
             views = {rid: self.views.setdefault(rid, ReplicaView(rid)) for rid in replica_ids}
-            return self.router.choose(route.token_ids, views, route.segment_starts, self._tenant(route),
-                                      store=route.stored or None)
+            return self.router.choose(
+                route.token_ids, views, route.segment_starts, self._tenant(route), store=route.stored or None
+            )
 
     def record(self, decision: Decision, route: RouteKey) -> None:
         with self._lock:
@@ -160,8 +165,9 @@ class ContentRequestRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.fleet.drop(replica_id.unique_id)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         target = kwargs.get("target")

@@ -62,10 +62,14 @@ class IrminsulReplica:
         if naming is None:  # reuse off: nothing is cached, nothing to fingerprint
             return {}
         # store_prefix: the shared store's key prefix, for store credit
-        return {"model_id": naming.model_id, "default_tenant": naming.default_tenant,
-                "marker": list(naming.marker) if naming.marker else None, "sink": naming.sink,
-                "max_prompt_chars": self.state.context * self.state.max_token_bytes,
-                "store_prefix": naming.store_prefix}
+        return {
+            "model_id": naming.model_id,
+            "default_tenant": naming.default_tenant,
+            "marker": list(naming.marker) if naming.marker else None,
+            "sink": naming.sink,
+            "max_prompt_chars": self.state.context * self.state.max_token_bytes,
+            "store_prefix": naming.store_prefix,
+        }
 
     async def record_routing_stats(self) -> dict:
         try:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from irminsul.server.config import ServerConfig
 
 # `--router`: the content router; Ray Serve's prefix-affinity and power-of-two routers, to compare against
-ROUTERS = {"content": "irminsul.fleet.ray_router.ContentRequestRouter",
-           "prefix": "irminsul.fleet.prefix_router.PrefixAffinityRequestRouter",
-           "pow2": "irminsul.fleet.prefix_router.PowerOfTwoRequestRouter"}
+ROUTERS = {
+    "content": "irminsul.fleet.ray_router.ContentRequestRouter",
+    "prefix": "irminsul.fleet.prefix_router.PrefixAffinityRequestRouter",
+    "pow2": "irminsul.fleet.prefix_router.PowerOfTwoRequestRouter",
+}
 REPLICA, INGRESS = "IrminsulReplica", "FleetIngress"
 
 
@@ -56,16 +58,23 @@ def build(config: ServerConfig, fleet: FleetConfig):
         num_replicas=fleet.replicas,
         # the engine queues and batches; Serve's own cap only has to stay out of its way
         max_ongoing_requests=config.max_queued_requests + 16,
-        ray_actor_options={"num_cpus": fleet.threads, "num_gpus": fleet.gpus,
-                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}}},
+        ray_actor_options={
+            "num_cpus": fleet.threads,
+            "num_gpus": fleet.gpus,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}},
+        },
         # (RequestRouterConfig.__init__ annotates its **kwargs as dict[str, Any]: each value's type, not the mapping's)
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[fleet.router],  # type: ignore[arg-type]  # Ray's **kwargs annotation
             request_routing_stats_period_s=fleet.stats_period_s,  # type: ignore[arg-type]  # (the same)
-            request_routing_stats_timeout_s=max(5.0, 4 * fleet.stats_period_s)),  # type: ignore[arg-type]  # (the same)
-        health_check_period_s=2.0, graceful_shutdown_timeout_s=10.0)
+            request_routing_stats_timeout_s=max(5.0, 4 * fleet.stats_period_s),
+        ),  # type: ignore[arg-type]  # (the same)
+        health_check_period_s=2.0,
+        graceful_shutdown_timeout_s=10.0,
+    )
     ingress = serve.deployment(name=INGRESS)(FleetIngress).options(
-        num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+        num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
+    )
     return ingress.bind(replica.bind(config, fleet.threads), config, REPLICA, fleet.replicas)
 
 
@@ -74,8 +83,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, FleetConf
     from irminsul.server.config import ServerConfigError
 
     try:
-        fleet = FleetConfig(args.replicas or 1, args.replica_threads, args.replica_gpus, args.stats_period,
-                            args.router)
+        fleet = FleetConfig(args.replicas or 1, args.replica_threads, args.replica_gpus, args.stats_period, args.router)
     except ValueError as e:
         raise ServerConfigError(str(e)) from None
     return config_from_args(args), fleet
@@ -92,7 +100,7 @@ def app_builder(args: dict):
             on = value if isinstance(value, bool) else str(value).lower() == "true"
             argv.append(flag if on else "--no-" + flag[2:])
             continue
-        for item in (value if isinstance(value, list) else str(value).split(",")):
+        for item in value if isinstance(value, list) else str(value).split(","):
             argv += [flag, str(item)]
     parsed = build_parser().parse_args(argv)
     return build(*configs_from_args(parsed))
@@ -119,15 +127,24 @@ def run_fleet(config: ServerConfig, fleet: FleetConfig, log_level: str = "info")
     try:
         # NOTE: after ray.init, which installs a SIGTERM handler that logs a stack and exits, skipping the shutdown
         # (ray.init annotates logging_level as int; its setup_logger takes a level's name too)
-        ray.init(num_cpus=cpus, include_dashboard=False, logging_level=log_level.upper(),  # type: ignore[arg-type]
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}})
+        ray.init(
+            num_cpus=cpus,
+            include_dashboard=False,
+            logging_level=log_level.upper(),  # type: ignore[arg-type]
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}},
+        )
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        serve.start(http_options={"host": config.host, "port": config.port,
-                                  "keep_alive_timeout_s": config.timeout_keep_alive})
+        serve.start(
+            http_options={"host": config.host, "port": config.port, "keep_alive_timeout_s": config.timeout_keep_alive}
+        )
         serve.run(build(config, fleet), name="irminsul", route_prefix="/")
-        log.info("serving a fleet of %d replicas on http://%s:%d (Ctrl-C or SIGTERM stops it)", fleet.replicas,
-                 config.host, config.port)
+        log.info(
+            "serving a fleet of %d replicas on http://%s:%d (Ctrl-C or SIGTERM stops it)",
+            fleet.replicas,
+            config.host,
+            config.port,
+        )
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
@@ -177,7 +194,7 @@ def _stat(pid: int) -> list[str] | None:
             text = f.read()
     except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def _reap(processes: dict[int, int], grace_s: float) -> int:

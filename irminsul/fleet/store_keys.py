@@ -26,8 +26,9 @@ class StoreKeys:
         from redis.retry import Retry
 
         self.prefix, self.backoff_s, self.clock = prefix, backoff_s, clock
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                           retry=Retry(NoBackoff(), 0))
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+        )
         self._errors = (redis.RedisError, OSError)
         self._retry_at = 0.0
         self.lookups = self.failures = 0
@@ -45,8 +46,9 @@ class StoreKeys:
         except self._errors as e:
             self.failures += 1
             self._retry_at = self.clock() + self.backoff_s
-            log.warning("the shared store did not answer the router (%s); no store credit for %.0f s",
-                        e, self.backoff_s)
+            log.warning(
+                "the shared store did not answer the router (%s); no store credit for %.0f s", e, self.backoff_s
+            )
             return frozenset()
         self.lookups += 1
         return frozenset(f for f, there in zip(wanted, answers) if there)

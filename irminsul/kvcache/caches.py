@@ -61,8 +61,9 @@ class Cache(ABC):
     def __contains__(self, fingerprint: int) -> bool:
         return False
 
-    def register(self, tenant: str | None, plan_or_tokens, slots: np.ndarray, bytes_per_slot: int,
-                 segment_starts=None, upto=None) -> Registered | None:
+    def register(
+        self, tenant: str | None, plan_or_tokens, slots: np.ndarray, bytes_per_slot: int, segment_starts=None, upto=None
+    ) -> Registered | None:
         """Chunks whose rows are `slots` into the tenant's namespace (with content reuse)."""
         return None
 
@@ -108,9 +109,16 @@ class ReuseCache(Cache):
     caching = True
     journal: ChunkJournal  # (always one: the chunks its registry's memory tier holds)
 
-    def __init__(self, config: KVCacheConfig, bytes_per_slot: int, registry: ChunkStore | None,
-                 hold: Callable[[np.ndarray], None], unhold: Callable[[np.ndarray], None],
-                 promote: Callable[[Entry], Entry | None], to_lower: Callable[[Entry], Entry]):
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        bytes_per_slot: int,
+        registry: ChunkStore | None,
+        hold: Callable[[np.ndarray], None],
+        unhold: Callable[[np.ndarray], None],
+        promote: Callable[[Entry], Entry | None],
+        to_lower: Callable[[Entry], Entry],
+    ):
         """`registry`: the content registry (the store tiers' `TieredRegistry`, say); an in-memory one
         by default. `hold` / `unhold`: a structure takes / drops its reference on rows. `promote` /
         `to_lower`: a lower tier's entry into the pool, and a memory entry's rows out of it."""
@@ -125,11 +133,16 @@ class ReuseCache(Cache):
         self.registry.bind(promote, to_lower)  # store tiers below memory hold rows, memory holds slots
         self.radix = RadixCache(UNBOUNDED, bytes_per_slot, on_store=hold, on_evict=unhold)
         carve_out = mode == "pic" if config.carve_out is None else config.carve_out  # (naive: the paper's, none)
-        self.planner_config = PlannerConfig(chunker=ChunkerConfig(marker=config.marker), content_reuse=mode != "prefix",
-                                            s1=config.s1, carve_out=carve_out)
+        self.planner_config = PlannerConfig(
+            chunker=ChunkerConfig(marker=config.marker),
+            content_reuse=mode != "prefix",
+            s1=config.s1,
+            carve_out=carve_out,
+        )
         self.content_reuse, self.sink = self.planner_config.content_reuse, self.planner_config.sink
-        self.namespaces = Namespaces(self.planner_config, self.registry, self.radix, config.model_id, config.tenant,
-                                     config.max_namespaces)
+        self.namespaces = Namespaces(
+            self.planner_config, self.registry, self.radix, config.model_id, config.tenant, config.max_namespaces
+        )
 
     def planner(self, tenant: str | None):
         return self.namespaces.planner(tenant)
@@ -150,9 +163,13 @@ class ReuseCache(Cache):
         if not self.content_reuse:
             return None
         # An entry's payload is its slots; the registry's on_store / on_evict count their references.
-        return self.planner(tenant).register(plan_or_tokens, rows_of=lambda a, b: slots[a:b].copy(),
-                                             nbytes_of=lambda k: k * bytes_per_slot,
-                                             segment_starts=segment_starts, upto=upto)
+        return self.planner(tenant).register(
+            plan_or_tokens,
+            rows_of=lambda a, b: slots[a:b].copy(),
+            nbytes_of=lambda k: k * bytes_per_slot,
+            segment_starts=segment_starts,
+            upto=upto,
+        )
 
     def insert(self, tenant, tokens, slots) -> bool:
         self.planner(tenant).radix.insert(tokens, slots)
@@ -190,8 +207,10 @@ class ReuseCache(Cache):
         wanted = []
         for name in dict.fromkeys([self.namespaces.resolve(tenant), SHARED]):
             seed, namespace = self.namespaces.ids(name)
-            wanted += [(c.fingerprint, tokens[c.start : c.end], namespace)
-                       for c in chunk(tokens, self.planner_config.chunker, seed, segment_starts)]
+            wanted += [
+                (c.fingerprint, tokens[c.start : c.end], namespace)
+                for c in chunk(tokens, self.planner_config.chunker, seed, segment_starts)
+            ]
         return self.registry.prefetch(wanted)
 
     def clear(self) -> None:
@@ -204,5 +223,10 @@ class ReuseCache(Cache):
 
     @property
     def naming(self) -> ChunkNaming:
-        return ChunkNaming(self.namespaces.model_id, self.namespaces.default_tenant, self.planner_config.chunker.marker,
-                           self.sink, self.registry.key_prefix)
+        return ChunkNaming(
+            self.namespaces.model_id,
+            self.namespaces.default_tenant,
+            self.planner_config.chunker.marker,
+            self.sink,
+            self.registry.key_prefix,
+        )

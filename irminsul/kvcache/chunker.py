@@ -103,8 +103,7 @@ def gear(tokens: TokenArray) -> np.ndarray:
     return splitmix64(ids.astype(np.uint64) ^ np.uint64(GEAR_SEED))
 
 
-def segment_starts_of(tokens: np.ndarray, cfg: ChunkerConfig,
-                      segment_starts: TokenArray | None = None) -> np.ndarray:
+def segment_starts_of(tokens: np.ndarray, cfg: ChunkerConfig, segment_starts: TokenArray | None = None) -> np.ndarray:
     """Sorted unique segment starts in (0, n): the caller's plus one after every marker."""
     n = len(tokens)
     starts = np.zeros(0, np.int64)
@@ -127,8 +126,7 @@ def marker_ends(tokens: np.ndarray, marker: tuple[int, ...]) -> np.ndarray:
     return hits + m
 
 
-def candidates(tokens: TokenArray, cfg: ChunkerConfig,
-               segment_starts: TokenArray | None = None) -> np.ndarray:
+def candidates(tokens: TokenArray, cfg: ChunkerConfig, segment_starts: TokenArray | None = None) -> np.ndarray:
     """Raw Gear cut positions ``i + 1`` where ``h_i & mask == 0`` (before clamping)."""
     ids = as_tokens(tokens)
     return _candidates(ids, cfg, segment_starts_of(ids, cfg, segment_starts))
@@ -161,8 +159,7 @@ def clamp(cands: np.ndarray, n: int, starts: np.ndarray, cfg: ChunkerConfig) -> 
     One Python step per chunk (``np.searchsorted``), not per token.
     """
     cuts = []
-    for seg_start, seg_end in zip(np.concatenate([[0], starts]).tolist(),
-                                  np.concatenate([starts, [n]]).tolist()):
+    for seg_start, seg_end in zip(np.concatenate([[0], starts]).tolist(), np.concatenate([starts, [n]]).tolist()):
         pos = seg_start
         while pos < seg_end:
             limit = min(pos + cfg.max_len, seg_end)
@@ -172,8 +169,7 @@ def clamp(cands: np.ndarray, n: int, starts: np.ndarray, cfg: ChunkerConfig) -> 
     return np.asarray(cuts, np.int64)
 
 
-def boundaries(tokens: TokenArray, cfg: ChunkerConfig,
-               segment_starts: TokenArray | None = None) -> np.ndarray:
+def boundaries(tokens: TokenArray, cfg: ChunkerConfig, segment_starts: TokenArray | None = None) -> np.ndarray:
     """Chunk end positions after clamping: strictly increasing, last one is ``len(tokens)``."""
     ids = as_tokens(tokens)
     starts = segment_starts_of(ids, cfg, segment_starts)
@@ -197,9 +193,13 @@ def namespace_seed(model_id: str, tenant: str = "") -> int:
     return xxhash.xxh64_intdigest(data, 0)
 
 
-def chunk(tokens: TokenArray, cfg: ChunkerConfig, seed: int,
-          segment_starts: TokenArray | None = None,
-          fingerprint_fn: FingerprintFn | None = None) -> list[Chunk]:
+def chunk(
+    tokens: TokenArray,
+    cfg: ChunkerConfig,
+    seed: int,
+    segment_starts: TokenArray | None = None,
+    fingerprint_fn: FingerprintFn | None = None,
+) -> list[Chunk]:
     """Cut ``tokens`` into content-defined chunks and fingerprint each one.
 
     ``fingerprint_fn(token_ids, seed)`` replaces xxHash64 (tests inject colliding hashes).
@@ -209,7 +209,7 @@ def chunk(tokens: TokenArray, cfg: ChunkerConfig, seed: int,
     starts = [0] + ends[:-1]
     if fingerprint_fn is None:
         buf = memoryview(_le_u32(ids))  # 4 bytes per token, sliced per chunk without copies
-        fps = [xxhash.xxh64_intdigest(buf[4 * s:4 * e], seed) for s, e in zip(starts, ends)]
+        fps = [xxhash.xxh64_intdigest(buf[4 * s : 4 * e], seed) for s, e in zip(starts, ends)]
     else:
         fps = [fingerprint_fn(ids[s:e], seed) for s, e in zip(starts, ends)]
     return [Chunk(s, e, f) for s, e, f in zip(starts, ends, fps)]

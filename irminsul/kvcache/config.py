@@ -37,7 +37,8 @@ class KVCacheConfig:
         if self.reuse not in MODES:
             raise RequestError(f"reuse={self.reuse!r} is not a reuse mode; choose one of {', '.join(MODES)}")
         if self.tenant_share is not None and not (
-                isinstance(self.tenant_share, (int, float)) and 0 < self.tenant_share <= 1):
+            isinstance(self.tenant_share, (int, float)) and 0 < self.tenant_share <= 1
+        ):
             raise RequestError(f"tenant_share={self.tenant_share!r} must be a share of the pool in (0, 1]")
         if self.max_namespaces < 2:
             raise RequestError(f"max_namespaces={self.max_namespaces} must be at least 2 (one is the shared namespace)")

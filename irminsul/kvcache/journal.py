@@ -77,8 +77,9 @@ class ChunkJournal:
         whole resident set, `full`)."""
         with self._lock:
             if seq is None or seq < self._floor or seq > self._seq:
-                return JournalDelta(self._seq, np.fromiter(self._resident, np.uint64, len(self._resident)),
-                                    np.zeros(0, np.uint64), True)
+                return JournalDelta(
+                    self._seq, np.fromiter(self._resident, np.uint64, len(self._resident)), np.zeros(0, np.uint64), True
+                )
             # changes alternate per fingerprint (only transitions are logged), so its first change
             # after `seq` says whether it was resident then: a removal means it was
             first: dict[int, bool] = {}

@@ -58,8 +58,14 @@ class PoolBusy(PoolFull):
 
 
 class KVCacheManager:
-    def __init__(self, config: KVCacheConfig | str, pool: LatentPool, num_layers: int,
-                 registry: ChunkStore | None = None, **options):
+    def __init__(
+        self,
+        config: KVCacheConfig | str,
+        pool: LatentPool,
+        num_layers: int,
+        registry: ChunkStore | None = None,
+        **options,
+    ):
         """`config`: the cache's options, or its reuse mode with the other options as keywords
         (`KVCacheConfig`'s fields). `registry`: the content registry the cache runs over (the store
         tiers' `TieredRegistry`, say); an in-memory one by default."""
@@ -73,9 +79,11 @@ class KVCacheManager:
         self.order = EvictionOrder(pool.n_slots)
         self.inflight: dict[int, int] = {}  # fingerprint -> running sequences that will compute it
         self.evicted_rows = 0  # rows eviction has freed, in all
-        self.cache: Cache = (ReuseCache(config, pool.bytes_per_slot, registry, self._hold, self._unhold,
-                                        self._promote, self._to_lower)
-                             if config.caching else NoCache())  # (off: cache options are accepted and ignored)
+        self.cache: Cache = (
+            ReuseCache(config, pool.bytes_per_slot, registry, self._hold, self._unhold, self._promote, self._to_lower)
+            if config.caching
+            else NoCache()
+        )  # (off: cache options are accepted and ignored)
 
     @property
     def mode(self) -> str:
@@ -159,8 +167,10 @@ class KVCacheManager:
         the prompt after those rows exist reuses them instead of computing them again."""
         if not self.inflight or not self.content_reuse:
             return False
-        return any(c.fingerprint in self.inflight and c.fingerprint not in self.cache
-                   for c in self.cache.chunks(np.asarray(seq.tokens, np.int64), seq.segment_starts, seq.tenant))
+        return any(
+            c.fingerprint in self.inflight and c.fingerprint not in self.cache
+            for c in self.cache.chunks(np.asarray(seq.tokens, np.int64), seq.segment_starts, seq.tenant)
+        )
 
     def queued_tokens(self, waiting) -> int:
         """Prompt tokens these queued sequences will compute, in order: a chunk the registry holds,
@@ -213,9 +223,19 @@ class KVCacheManager:
             if c.fingerprint not in self.cache:
                 self.inflight[c.fingerprint] = self.inflight.get(c.fingerprint, 0) + 1
         st = plan.stats
-        return Admission(slots, np.asarray(plan.compute_positions(), dtype=np.int64), plan,
-                         AdmissionStats(st.prompt_tokens, st.prefix_tokens, st.reused_tokens, st.computed_tokens,
-                                        st.carve_out_tokens, st.s1_tokens))
+        return Admission(
+            slots,
+            np.asarray(plan.compute_positions(), dtype=np.int64),
+            plan,
+            AdmissionStats(
+                st.prompt_tokens,
+                st.prefix_tokens,
+                st.reused_tokens,
+                st.computed_tokens,
+                st.carve_out_tokens,
+                st.s1_tokens,
+            ),
+        )
 
     def shared_admission(self, seq: CachedSequence, lead: CachedSequence) -> Admission:
         """Another choice of lead's prompt: one more reference on each of its prompt rows but the last,
@@ -302,8 +322,14 @@ class KVCacheManager:
 
     def _to_lower(self, entry: Entry) -> Entry:
         """A memory entry (slots) as the disk and Redis tiers store it: its rows, read from the pool."""
-        return Entry(entry.fingerprint, entry.token_ids, entry.base_pos, self.pool.read_host(slots_of(entry)),
-                     entry.nbytes, entry.namespace)
+        return Entry(
+            entry.fingerprint,
+            entry.token_ids,
+            entry.base_pos,
+            self.pool.read_host(slots_of(entry)),
+            entry.nbytes,
+            entry.namespace,
+        )
 
     def _promote(self, entry: Entry) -> Entry | None:
         """A lower tier's hit (rows) into the pool and the memory tier; None if there is no room."""
@@ -377,8 +403,10 @@ class KVCacheManager:
         n = len(tokens)
         slots = self.fresh_rows(np.arange(n), [None])
         if slots is None:
-            raise PoolBusy(f"the KV pool ({self.pool.describe()}) has no room for this document's {n} rows "
-                           f"while the running requests hold theirs; retry later")
+            raise PoolBusy(
+                f"the KV pool ({self.pool.describe()}) has no room for this document's {n} rows "
+                f"while the running requests hold theirs; retry later"
+            )
         try:
             compute(slots)
             return self.cache.register(SHARED, tokens, slots, self.pool.bytes_per_slot, segment_starts=segment_starts)

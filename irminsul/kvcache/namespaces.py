@@ -84,8 +84,15 @@ class Namespaces:
     planner or a cached row are kept apart from the planners (`_forget_names` bounds them).
     """
 
-    def __init__(self, config: PlannerConfig, registry: Registry | ChunkStore, radix: RadixCache, model_id: str,
-                 default_tenant: str, limit: int = 1024):
+    def __init__(
+        self,
+        config: PlannerConfig,
+        registry: Registry | ChunkStore,
+        radix: RadixCache,
+        model_id: str,
+        default_tenant: str,
+        limit: int = 1024,
+    ):
         self.config, self.registry, self.radix = config, registry, radix
         self.model_id, self.default_tenant, self.limit = model_id, default_tenant, limit
         self._planners: OrderedDict[str, Planner] = OrderedDict()  # least recently used first
@@ -112,9 +119,14 @@ class Namespaces:
         if tenant not in self._planners:
             salt, name = self._name(tenant)
             fallbacks = [] if tenant == SHARED else [self.planner(SHARED)]
-            self._planners[tenant] = Planner(self.config, ScopedRegistry(self.registry, name),
-                                             SaltedRadix(self.radix, salt), WindowIndex(self.config.window),
-                                             seed=namespace_seed(self.model_id, tenant), fallbacks=fallbacks)
+            self._planners[tenant] = Planner(
+                self.config,
+                ScopedRegistry(self.registry, name),
+                SaltedRadix(self.radix, salt),
+                WindowIndex(self.config.window),
+                seed=namespace_seed(self.model_id, tenant),
+                fallbacks=fallbacks,
+            )
             if tenant != SHARED:
                 self._owned.setdefault(owner_of(tenant), OrderedDict())[tenant] = None
             self._forget_idle(tenant)

@@ -115,9 +115,17 @@ class _Found:
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, registry: Registry, radix: PrefixTree | None,
-                 windows: WindowIndex | None, seed: int, *,
-                 fingerprint_fn: FingerprintFn | None = None, fallbacks: Sequence[Planner] = ()):
+    def __init__(
+        self,
+        config: PlannerConfig,
+        registry: Registry,
+        radix: PrefixTree | None,
+        windows: WindowIndex | None,
+        seed: int,
+        *,
+        fingerprint_fn: FingerprintFn | None = None,
+        fallbacks: Sequence[Planner] = (),
+    ):
         if windows is not None and windows.window != config.window:
             raise ValueError(f"WindowIndex.window={windows.window} != PlannerConfig.window={config.window}")
         self.config, self.registry, self.radix, self.windows = config, registry, radix, windows
@@ -150,9 +158,9 @@ class Planner:
                 continue
             start = max(c.start, matched)
             stats.chunks += 1
-            entry = self.registry.get(c.fingerprint, ids[c.start:c.end])
+            entry = self.registry.get(c.fingerprint, ids[c.start : c.end])
             for other in self.fallbacks:
-                entry = entry or other.lookup(ids[c.start:c.end])
+                entry = entry or other.lookup(ids[c.start : c.end])
             if entry is not None:
                 stats.chunk_hits += 1
                 found.append(_Found(start, c.end, entry, start - c.start, False))
@@ -183,10 +191,14 @@ class Planner:
             self.radix.unlock(plan.prefix.node)
         plan.released = True
 
-    def register(self, plan_or_tokens: Plan | TokenArray,
-                 rows_of: Callable[[int, int], np.ndarray | torch.Tensor | None],
-                 nbytes_of: Callable[[int], int], segment_starts: TokenArray | None = None,
-                 upto: int | None = None) -> Registered:
+    def register(
+        self,
+        plan_or_tokens: Plan | TokenArray,
+        rows_of: Callable[[int, int], np.ndarray | torch.Tensor | None],
+        nbytes_of: Callable[[int], int],
+        segment_starts: TokenArray | None = None,
+        upto: int | None = None,
+    ) -> Registered:
         """Store every CDC chunk of the sequence that the registry lacks, with base_pos = start.
 
         ``rows_of(start, end)`` returns the payload for rows [start, end) (None in replay);
@@ -206,7 +218,7 @@ class Planner:
             if c.fingerprint in self.registry:
                 skipped += 1
                 continue
-            token_ids = ids[c.start:c.end].copy()
+            token_ids = ids[c.start : c.end].copy()
             entry = Entry(c.fingerprint, token_ids, c.start, rows_of(c.start, c.end), nbytes_of(len(c)))
             if not self.registry.put(entry):
                 rejected += 1
@@ -229,8 +241,12 @@ class Planner:
     def _recover(self, ids: np.ndarray, start: int, end: int) -> list[_Found]:
         """S1: confirmed, extended, non-overlapping window matches inside ids[start:end]."""
         w, out, covered = self.config.window, [], start
-        hits = [(hit, p.registry) for p in (self, *self.fallbacks) if p.windows is not None
-                for hit in p.windows.candidates(ids, start, end)]
+        hits = [
+            (hit, p.registry)
+            for p in (self, *self.fallbacks)
+            if p.windows is not None
+            for hit in p.windows.candidates(ids, start, end)
+        ]
         for hit, registry in sorted(hits, key=lambda h: h[0].query_pos):
             q, off = hit.query_pos, hit.entry_offset
             if q < covered:
@@ -239,10 +255,10 @@ class Planner:
             if entry is None or off + w > len(entry.token_ids):
                 continue  # stale window: its entry left the registry or was replaced
             src = entry.token_ids
-            if not np.array_equal(src[off:off + w], ids[q:q + w]):
+            if not np.array_equal(src[off : off + w], ids[q : q + w]):
                 continue  # rolling-hash collision
             back = common_prefix(ids[covered:q][::-1], src[:off][::-1])
-            fwd = common_prefix(ids[q + w:end], src[off + w:])
+            fwd = common_prefix(ids[q + w : end], src[off + w :])
             out.append(_Found(q - back, q + w + fwd, entry, off - back, True))
             covered = q + w + fwd
         return out

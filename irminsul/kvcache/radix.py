@@ -102,8 +102,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class RadixCache:
-    def __init__(self, budget_bytes: int, bytes_per_token: int, split_value: SplitFn = split_axis0,
-                 on_store: Callable[[Any], None] | None = None, on_evict: Callable[[Any], None] | None = None):
+    def __init__(
+        self,
+        budget_bytes: int,
+        bytes_per_token: int,
+        split_value: SplitFn = split_axis0,
+        on_store: Callable[[Any], None] | None = None,
+        on_evict: Callable[[Any], None] | None = None,
+    ):
         if budget_bytes < 0 or bytes_per_token < 1:
             raise ValueError("need budget_bytes >= 0 and bytes_per_token >= 1")
         self.budget_bytes, self.bytes_per_token = budget_bytes, bytes_per_token
@@ -151,7 +157,7 @@ class RadixCache:
         suffix = self.split_value(value, length)[1] if length else value
         if fits < len(ids) - length:
             suffix = self.split_value(suffix, fits)[0]
-        child = Node(ids[length:length + fits].copy(), suffix, node, next(self._clock))
+        child = Node(ids[length : length + fits].copy(), suffix, node, next(self._clock))
         node.children[int(ids[length])] = child
         if self.on_store is not None:
             self.on_store(suffix)
@@ -224,8 +230,12 @@ class RadixCache:
             return dropped
         for node in bare:
             # (a node may be listed twice, or already gone: only one still in the tree is removed)
-            while (node is not self.root and not node.children and hollow(node.value)
-                   and node.up.children.get(int(node.key[0])) is node):
+            while (
+                node is not self.root
+                and not node.children
+                and hollow(node.value)
+                and node.up.children.get(int(node.key[0])) is node
+            ):
                 del node.up.children[int(node.key[0])]
                 dropped += self._forget(node.value, len(node.key), whole=True)
                 node = node.up
@@ -257,8 +267,18 @@ class RadixCache:
 
     @property
     def stats(self) -> RadixStats:
-        return RadixStats(self._matches, self._hits, self._matched, self._inserted, self._rejected,
-                          self._evictions, self._evicted, self._nodes, self.bytes, self.budget_bytes)
+        return RadixStats(
+            self._matches,
+            self._hits,
+            self._matched,
+            self._inserted,
+            self._rejected,
+            self._evictions,
+            self._evicted,
+            self._nodes,
+            self.bytes,
+            self.budget_bytes,
+        )
 
     def _walk(self, ids: np.ndarray) -> tuple[Node, int]:
         """Deepest node whose path is a prefix of ``ids`` (splitting a partly matched edge)."""

@@ -33,8 +33,9 @@ class Recompute:
         for the scratch rows now."""
         kv, pool = self.kv, self.kv.pool
         assert seq.reuse_plan is not None, "the scheduler asks only for a sequence admitted with a plan"
-        reused = np.concatenate([np.arange(s.start, s.end) for s in seq.reuse_plan.spans if s.kind == "reuse"] or
-                                [np.zeros(0, np.int64)])
+        reused = np.concatenate(
+            [np.arange(s.start, s.end) for s in seq.reuse_plan.spans if s.kind == "reuse"] or [np.zeros(0, np.int64)]
+        )
         k = int(math.ceil(self.ratio * len(reused)))
         if k == 0:
             return reused[:0]

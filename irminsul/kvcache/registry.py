@@ -333,9 +333,18 @@ class MemoryRegistry(Registry):
 
     @property
     def stats(self) -> RegistryStats:
-        return RegistryStats(self._hits, self._misses, self._collisions, self._evictions,
-                             self._insertions, self._rejected, len(self._entries), len(self._pins),
-                             self._bytes, self.budget_bytes)
+        return RegistryStats(
+            self._hits,
+            self._misses,
+            self._collisions,
+            self._evictions,
+            self._insertions,
+            self._rejected,
+            len(self._entries),
+            len(self._pins),
+            self._bytes,
+            self.budget_bytes,
+        )
 
     def _remove(self, fingerprint: int) -> None:
         entry = self._entries.pop(fingerprint)

@@ -82,9 +82,12 @@ class WindowIndex:
         """Unconfirmed hits for every window fully inside ``tokens[start:end]``, by query_pos."""
         ids = as_tokens(tokens)
         hashes = self.rolling_hashes(ids[start:end]).tolist()
-        return [WindowHit(start + s, fp, off)
-                for s, h in enumerate(hashes) if h in self._by_hash
-                for fp, off in self._by_hash[h]]
+        return [
+            WindowHit(start + s, fp, off)
+            for s, h in enumerate(hashes)
+            if h in self._by_hash
+            for fp, off in self._by_hash[h]
+        ]
 
     def __len__(self) -> int:
         """Number of indexed windows."""

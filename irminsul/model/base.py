@@ -47,11 +47,13 @@ class CompiledStep(Protocol):
 
     max_batch: int
 
-    def __call__(self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int,
-                 n_keys: int) -> torch.Tensor: ...
+    def __call__(
+        self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int, n_keys: int
+    ) -> torch.Tensor: ...
 
-    def batch(self, tokens: torch.Tensor, pos: torch.Tensor, key_slots: torch.Tensor, pool: torch.Tensor,
-              write: torch.Tensor) -> torch.Tensor: ...
+    def batch(
+        self, tokens: torch.Tensor, pos: torch.Tensor, key_slots: torch.Tensor, pool: torch.Tensor, write: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 @runtime_checkable

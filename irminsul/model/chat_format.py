@@ -98,8 +98,10 @@ def _deepseek_calls(calls) -> str:
 
 def _deepseek_tool(t: dict) -> str:
     f = t.get("function", t)
-    return (f"\n### {f.get('name', '')}\nDescription: {f.get('description', '')}\n\n"
-            f"Parameters: {_json(f.get('parameters', {}))}\n")
+    return (
+        f"\n### {f.get('name', '')}\nDescription: {f.get('description', '')}\n\n"
+        f"Parameters: {_json(f.get('parameters', {}))}\n"
+    )
 
 
 def _qwen2_calls(calls) -> str:
@@ -127,15 +129,25 @@ IRMINSUL = ChatTemplate(
 
 DEEPSEEK = ChatTemplate(
     bos="<｜begin▁of▁sentence｜>",
-    opener={"system": "", "user": "<｜User｜>", "assistant": "<｜Assistant｜>",
-            "tool": "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>"},
-    closer={"system": "\n\n", "user": "", "assistant": "<｜end▁of▁sentence｜>",
-            "tool": "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"},
+    opener={
+        "system": "",
+        "user": "<｜User｜>",
+        "assistant": "<｜Assistant｜>",
+        "tool": "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>",
+    },
+    closer={
+        "system": "\n\n",
+        "user": "",
+        "assistant": "<｜end▁of▁sentence｜>",
+        "tool": "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>",
+    },
     generation="<｜Assistant｜>",
     tools_header="## Tools\nYou have access to the following tools:\n",
-    tools_footer=("\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n<｜tool▁calls▁begin｜>"
-                  "<｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments<｜tool▁call▁end｜>"
-                  "<｜tool▁calls▁end｜>\n"),
+    tools_footer=(
+        "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n<｜tool▁calls▁begin｜>"
+        "<｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>\n"
+    ),
     tool_text=_deepseek_tool,
     calls_text=_deepseek_calls,
     markers=("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"),
@@ -145,14 +157,22 @@ QWEN2 = ChatTemplate(
     bos="",
     opener={r: f"<|im_start|>{r}\n" for r in ("system", "user", "assistant")}
     | {"tool": "<|im_start|>user\n<tool_response>\n"},
-    closer={"system": "<|im_end|>\n", "user": "<|im_end|>\n", "assistant": "<|im_end|>\n",
-            "tool": "\n</tool_response><|im_end|>\n"},
+    closer={
+        "system": "<|im_end|>\n",
+        "user": "<|im_end|>\n",
+        "assistant": "<|im_end|>\n",
+        "tool": "\n</tool_response><|im_end|>\n",
+    },
     generation="<|im_start|>assistant\n",
-    tools_header=("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"),
-    tools_footer=("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-                  'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
-                  '"arguments": <args-json-object>}\n</tool_call>'),
+    tools_header=(
+        "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    ),
+    tools_footer=(
+        "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+        'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+        '"arguments": <args-json-object>}\n</tool_call>'
+    ),
     tool_text=lambda t: "\n" + _json(t),
     calls_text=_qwen2_calls,
     markers=("<|im_start|>", "<|im_end|>"),
@@ -188,8 +208,10 @@ def _check_message(i: int, m) -> None:
     for j, call in enumerate(calls or []):
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
-            raise ValueError(f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': "
-                             f"{{'name': ..., 'arguments': ...}}}}")
+            raise ValueError(
+                f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': "
+                f"{{'name': ..., 'arguments': ...}}}}"
+            )
     legacy = m.get("function_call")
     if legacy is not None and not (isinstance(legacy, dict) and isinstance(legacy.get("name"), str)):
         raise ValueError(f"messages[{i}].function_call must be {{'name': ..., 'arguments': ...}}")

@@ -72,8 +72,9 @@ def supported(model) -> str | None:
     if not all(isinstance(layer, DecoderLayer) for layer in model.model.layers):
         return "plain decoder layers"
     mlps = [layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp for layer in model.model.layers]
-    if (any(getattr(layer.self_attn, "in_proj", None) is None for layer in model.model.layers)
-            or not all(mlp is None or mlp.packed for mlp in mlps)):
+    if any(getattr(layer.self_attn, "in_proj", None) is None for layer in model.model.layers) or not all(
+        mlp is None or mlp.packed for mlp in mlps
+    ):
         return "a packed model (DeepseekModel.pack)"
     return None
 
@@ -130,8 +131,10 @@ def resolve(model, compile_decode: bool | None) -> CompiledDecode | Compiling | 
             raise ValueError("the compiled decode step failed to compile (see the log)")
     if step is None:
         if compile_decode:
-            log.info("compiling the decode steps before serving (irminsul serve --no-compile-decode, or "
-                     "LLM(compile_decode=False), never compiles them)")
+            log.info(
+                "compiling the decode steps before serving (irminsul serve --no-compile-decode, or "
+                "LLM(compile_decode=False), never compiles them)"
+            )
             step = built(True, lambda: CompiledDecode(model).warmed(), "the compiled decode step failed to compile")
         else:
             step = Compiling(model)
@@ -149,21 +152,28 @@ class Compiling:
         self._model = model
         self._step: CompiledDecode | None = None
         self._done = threading.Event()
-        log.info("compiling the decode steps in the background; decoding eagerly until they are ready "
-                 "(irminsul serve --compile-decode waits for them before serving, --no-compile-decode never "
-                 "compiles them)")
+        log.info(
+            "compiling the decode steps in the background; decoding eagerly until they are ready "
+            "(irminsul serve --compile-decode waits for them before serving, --no-compile-decode never "
+            "compiles them)"
+        )
         threading.Thread(target=self._build, name="irminsul-compile-decode", daemon=True).start()
 
     def _build(self) -> None:
         start = time.perf_counter()
         try:
-            self._step = built(None, lambda: CompiledDecode(self._model).warmed(progress=False),
-                               "the compiled decode step failed to compile")
+            self._step = built(
+                None,
+                lambda: CompiledDecode(self._model).warmed(progress=False),
+                "the compiled decode step failed to compile",
+            )
         finally:
             self._done.set()
         if self._step is not None:
-            log.info("the compiled decode steps are ready (%.0f s); engines use them from their next decode step",
-                     time.perf_counter() - start)
+            log.info(
+                "the compiled decode steps are ready (%.0f s); engines use them from their next decode step",
+                time.perf_counter() - start,
+            )
             self._model._compiled_decode = self._step  # (later engines take the step itself)
 
     def ready(self) -> CompiledDecode | None:
@@ -195,8 +205,12 @@ class CompiledDecode:
         cfg = model.config
         # the batched step's attention and routed experts through the native kernels, as torch
         # operators (model/native_ops.py), where they run; else the torch ops and every expert
-        self.native = (isinstance(model.attention, CPUAttention) and native_ops.available() and settings.native_decode
-                       and settings.native_moe)
+        self.native = (
+            isinstance(model.attention, CPUAttention)
+            and native_ops.available()
+            and settings.native_decode
+            and settings.native_moe
+        )
         for layer in model.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.native_graph = self.native
@@ -210,8 +224,10 @@ class CompiledDecode:
         """Compile now, on scratch rows laid out as the pool's (sizes 0 and 1 would be specialised:
         2 and up share the dynamic graphs). Without duck sizing: sizes that happen to be equal here
         (scratch slots and a layer count, say) must not become one size, or a real step recompiles."""
-        with torch.fx.experimental._config.patch(use_duck_shape=False), \
-                torch._dynamo.config.patch(capture_scalar_outputs=True):  # (`MoE.one_token`'s expert ids)
+        with (
+            torch.fx.experimental._config.patch(use_duck_shape=False),
+            torch._dynamo.config.patch(capture_scalar_outputs=True),
+        ):  # (`MoE.one_token`'s expert ids)
             self._warm_up(progress)
 
     def warmed(self, progress: bool = True) -> CompiledDecode:
@@ -222,20 +238,34 @@ class CompiledDecode:
         cfg = self.model.config
         dev = self.model.device
         pool = torch.zeros(cfg.num_hidden_layers, 11, cfg.row_width, dtype=self.model.dtype, device=dev)
-        steps = [lambda: self(torch.tensor([0], device=dev), torch.tensor([2], device=dev), pool, 1, 3),
-                 # the gathered step: one sequence (its own graph: a size of 1 is specialised)
-                 lambda: self.batch(torch.tensor([0], device=dev), torch.tensor([3], device=dev),
-                                    torch.tensor([[1, 2, 3]], device=dev), pool, torch.tensor([6], device=dev))]
+        steps = [
+            lambda: self(torch.tensor([0], device=dev), torch.tensor([2], device=dev), pool, 1, 3),
+            # the gathered step: one sequence (its own graph: a size of 1 is specialised)
+            lambda: self.batch(
+                torch.tensor([0], device=dev),
+                torch.tensor([3], device=dev),
+                torch.tensor([[1, 2, 3]], device=dev),
+                pool,
+                torch.tensor([6], device=dev),
+            ),
+        ]
         if self.max_batch > 1:  # and 2 x 3 keys (distinct sizes, or the graph would assume B == T)
-            steps.append(lambda: self.batch(torch.tensor([0, 1], device=dev), torch.tensor([3, 2], device=dev),
-                                            torch.tensor([[1, 2, 3], [4, 5, 0]], device=dev), pool,
-                                            torch.tensor([6, 7], device=dev)))
+            steps.append(
+                lambda: self.batch(
+                    torch.tensor([0, 1], device=dev),
+                    torch.tensor([3, 2], device=dev),
+                    torch.tensor([[1, 2, 3], [4, 5, 0]], device=dev),
+                    pool,
+                    torch.tensor([6, 7], device=dev),
+                )
+            )
         # (a minute the first time on a small CPU: people who wait for it see it move)
         for step in tqdm(steps, desc="compiling decode steps", unit="graph", leave=False, disable=not progress):
             step()
 
-    def __call__(self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int,
-                 n_keys: int) -> torch.Tensor:
+    def __call__(
+        self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int, n_keys: int
+    ) -> torch.Tensor:
         """token [1] at position pos [1] (= n_keys - 1); the sequence's rows are pool[:, base : base + n_keys],
         the new token's at base + pos -> final hidden [1, hidden]; the token's rows are written."""
         cos, sin = self.model.rotary.table(n_keys, pool.device)
@@ -249,8 +279,9 @@ class CompiledDecode:
             pool[:, base + n_keys - 1] = rows[:, 0]
         return hidden
 
-    def batch(self, tokens: torch.Tensor, pos: torch.Tensor, key_slots: torch.Tensor, pool: torch.Tensor,
-              write: torch.Tensor) -> torch.Tensor:
+    def batch(
+        self, tokens: torch.Tensor, pos: torch.Tensor, key_slots: torch.Tensor, pool: torch.Tensor, write: torch.Tensor
+    ) -> torch.Tensor:
         """B <= `max_batch` sequences decoding together: tokens [B] at positions
         pos [B]; key_slots [B, T] the slots of each one's earlier rows (positions 0..pos-1; padding
         masked), write [B] the slots their new rows go to -> final hidden [B, hidden]; rows written."""
@@ -276,8 +307,9 @@ class CompiledDecode:
         (rows not in one run of slots, as a content hit leaves them) takes its k experts alone."""
         t = key_slots.shape[1]
         visible = torch.arange(t, device=pos.device)[None, :] < pos[:, None]  # [B, T]
-        batch = DecodeBatch(tokens, pos, cos_tab, sin_tab, t, pool=pool, key_slots=key_slots, visible=visible,
-                            native=self.native)
+        batch = DecodeBatch(
+            tokens, pos, cos_tab, sin_tab, t, pool=pool, key_slots=key_slots, visible=visible, native=self.native
+        )
         return self.model.hidden(batch), torch.stack(batch.new_rows)
 
 
@@ -287,8 +319,19 @@ class DecodeBatch:
     attention reads the earlier rows, key j at position j: `rows` [layers, T, width] of one sequence in
     place, or the pool gathered through key_slots [B, T] (`visible` [B, T]: which are real)."""
 
-    def __init__(self, token_ids, positions, cos_tab, sin_tab, t: int, rows=None, pool=None, key_slots=None,
-                 visible=None, native: bool = False):
+    def __init__(
+        self,
+        token_ids,
+        positions,
+        cos_tab,
+        sin_tab,
+        t: int,
+        rows=None,
+        pool=None,
+        key_slots=None,
+        visible=None,
+        native: bool = False,
+    ):
         self.token_ids, self.positions = token_ids, positions
         self.native = native  # attention through the native kernel (`CPUAttention.beside_native`)
         self.rows, self.pool, self.key_slots, self.visible = rows, pool, key_slots, visible
@@ -306,8 +349,8 @@ class DecodeBatch:
         layer = attn.layer
         if self.native:  # (the native kernel reads the pool, or one sequence's run of it, in place)
             pool = self.pool[layer] if self.rows is None else self.rows[layer]
-            return attn.backend.beside_native(attn, q_nope, q_pe, pool, self.key_slots, rows, self.k_cos, self.k_sin,
-                                              self.q_cos_sin)
+            return attn.backend.beside_native(
+                attn, q_nope, q_pe, pool, self.key_slots, rows, self.k_cos, self.k_sin, self.q_cos_sin
+            )
         old = self.rows[layer][None] if self.key_slots is None else self.pool[layer][self.key_slots]  # [B, T, width]
-        return attn.backend.beside(attn, q_nope, q_pe, old, rows, self.k_cos, self.k_sin, self.q_cos_sin,
-                                   self.visible)
+        return attn.backend.beside(attn, q_nope, q_pe, old, rows, self.k_cos, self.k_sin, self.q_cos_sin, self.visible)

@@ -149,11 +149,7 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         if self.n_routed_experts and self.mlp_layer_types is not None:
             return self.mlp_layer_types[layer] == "sparse"
-        return (
-            self.n_routed_experts > 0
-            and layer >= self.first_k_dense_replace
-            and layer % self.moe_layer_freq == 0
-        )
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -236,8 +232,9 @@ def _mlp_layer_types(raw: dict, model_type: str) -> tuple[str, ...] | None:
     layers = _req(raw, "num_hidden_layers")
     kinds = raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
     if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):
-        raise ConfigError(f"config.json: mlp_layer_types must name 'dense' or 'sparse' for each of the "
-                          f"{layers} layers, got {kinds!r}")
+        raise ConfigError(
+            f"config.json: mlp_layer_types must name 'dense' or 'sparse' for each of the {layers} layers, got {kinds!r}"
+        )
     return tuple(kinds)
 
 
@@ -247,14 +244,24 @@ def _longcat(raw: dict) -> dict:
     if raw.get("q_lora_rank") is None:
         raise ConfigError("config.json: longcat_flash needs q_lora_rank (its queries always go through a LoRA)")
     if raw.get("head_dim", raw.get("qk_rope_head_dim")) != raw.get("qk_rope_head_dim"):
-        raise ConfigError(f"config.json: head_dim={raw.get('head_dim')} must equal qk_rope_head_dim="
-                          f"{raw.get('qk_rope_head_dim')} (transformers sizes LongCat's RoPE by head_dim)")
+        raise ConfigError(
+            f"config.json: head_dim={raw.get('head_dim')} must equal qk_rope_head_dim="
+            f"{raw.get('qk_rope_head_dim')} (transformers sizes LongCat's RoPE by head_dim)"
+        )
     if raw.get("router_bias"):
         raise ConfigError("config.json: router_bias=true is not supported for longcat_flash")
-    return {**raw, "num_hidden_layers": 2 * blocks, "intermediate_size": _req(raw, "ffn_hidden_size"),
-            "moe_intermediate_size": _req(raw, "expert_ffn_hidden_size"), "num_experts_per_tok": _req(raw, "moe_topk"),
-            "n_shared_experts": 0, "topk_method": "longcat", "scoring_func": "softmax", "norm_topk_prob": False,
-            "first_k_dense_replace": 0}
+    return {
+        **raw,
+        "num_hidden_layers": 2 * blocks,
+        "intermediate_size": _req(raw, "ffn_hidden_size"),
+        "moe_intermediate_size": _req(raw, "expert_ffn_hidden_size"),
+        "num_experts_per_tok": _req(raw, "moe_topk"),
+        "n_shared_experts": 0,
+        "topk_method": "longcat",
+        "scoring_func": "softmax",
+        "norm_topk_prob": False,
+        "first_k_dense_replace": 0,
+    }
 
 
 def _parse(raw: dict) -> ModelConfig:
@@ -312,13 +319,19 @@ def _parse(raw: dict) -> ModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     longcat = model_type == "longcat_flash"
-    extra = dict(attention_per_block=2, zero_expert_num=int(raw.get("zero_expert_num") or 0),
-                 mla_lora_scale=True) if longcat else {}
+    extra = (
+        dict(attention_per_block=2, zero_expert_num=int(raw.get("zero_expert_num") or 0), mla_lora_scale=True)
+        if longcat
+        else {}
+    )
     if model_type == "deepseek_v32":
         if q_lora is None:
             raise ConfigError("config.json: deepseek_v32 needs q_lora_rank (its indexer reads the query LoRA)")
-        extra = dict(index_n_heads=_req(raw, "index_n_heads"), index_head_dim=_req(raw, "index_head_dim"),
-                     index_topk=_req(raw, "index_topk"))
+        extra = dict(
+            index_n_heads=_req(raw, "index_n_heads"),
+            index_head_dim=_req(raw, "index_head_dim"),
+            index_topk=_req(raw, "index_topk"),
+        )
         if extra["index_head_dim"] < _req(raw, "qk_rope_head_dim"):
             raise ConfigError("config.json: index_head_dim must be at least qk_rope_head_dim")
     return ModelConfig(

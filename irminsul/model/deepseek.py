@@ -100,8 +100,9 @@ class DeepseekModel(nn.Module):
         self._embed_from: int | None = None  # the data pointer of the table it was copied from
 
     @classmethod
-    def load(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-             pack: bool = True) -> DeepseekModel:
+    def load(
+        cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu", pack: bool = True
+    ) -> DeepseekModel:
         """An MLA checkpoint (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash, LongCat-Flash) as a DeepseekModel
         (`loader.load_model` reaches it through the registry); `pack`: laid out for inference."""
         path = Path(path)
@@ -129,8 +130,14 @@ class DeepseekModel(nn.Module):
                 )
             # kept in float32 whatever the model dtype, as transformers keeps them: routers, the V3.2
             # indexer's head weights
-            keep_fp32 = key.endswith(("mlp.gate.weight", "e_score_correction_bias", "router.classifier.weight",
-                                      "indexer.weights_proj.weight"))
+            keep_fp32 = key.endswith(
+                (
+                    "mlp.gate.weight",
+                    "e_score_correction_bias",
+                    "router.classifier.weight",
+                    "indexer.weights_proj.weight",
+                )
+            )
             state[key] = owned(t, t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype))
         model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_word_embeddings:
@@ -143,7 +150,7 @@ class DeepseekModel(nn.Module):
         return Capabilities(backend=self.attention.name, fresh_rows=True, indexer=bool(self.config.index_n_heads))
 
     def set_attention_backend(self, name: str) -> None:
-        """"cpu" (the default: the reference with native kernels), "reference" (plain torch ops, any device)
+        """ "cpu" (the default: the reference with native kernels), "reference" (plain torch ops, any device)
         or "triton" (a GPU, or Triton's interpreter on CPU tensors): attention in model/attention/triton.py,
         and the MoE layers' routed experts in model/triton_moe.py (one grouped launch per product, no host
         sync)."""
@@ -188,8 +195,9 @@ class DeepseekModel(nn.Module):
             self.lm_head.pack_dnn(layout=None)
         self.kernel_choices = choices
         if choices.seconds > 0.05:
-            kernel_choice.log.info("linear kernels measured in %.1f s: %s", choices.seconds,
-                                   "; ".join(kernel_choice.describe(choices)))
+            kernel_choice.log.info(
+                "linear kernels measured in %.1f s: %s", choices.seconds, "; ".join(kernel_choice.describe(choices))
+            )
         return self
 
     def products(self) -> list:
@@ -212,14 +220,18 @@ class DeepseekModel(nn.Module):
                 found += module.products()
             elif isinstance(module, MLAttention):
                 q_in, kv_a = module._q_in(), module.kv_a_proj_with_mqa
-                found.append(Product(q_in.out_features + kv_a.out_features, kv_a.in_features, kv_a.weight.dtype, 1, 1.0))
+                found.append(
+                    Product(q_in.out_features + kv_a.out_features, kv_a.in_features, kv_a.weight.dtype, 1, 1.0)
+                )
                 for lin in (module.kv_b_proj, module.o_proj) + ((module.q_b_proj,) if module.cfg.q_lora_rank else ()):
                     found.append(Product(*lin.weight.shape, lin.weight.dtype, 1, 1.0, "out"))
                 cfg, dtype = module.cfg, module.kv_b_proj.weight.dtype
                 if dtype == torch.bfloat16:  # (each head's absorbed product: whether to widen it, `MLAttention.pack`)
                     heads = cfg.num_attention_heads
-                    found += [Product(cfg.kv_lora_rank, cfg.qk_nope_head_dim, dtype, heads, heads, "out"),
-                              Product(cfg.v_head_dim, cfg.kv_lora_rank, dtype, heads, heads, "out")]
+                    found += [
+                        Product(cfg.kv_lora_rank, cfg.qk_nope_head_dim, dtype, heads, heads, "out"),
+                        Product(cfg.v_head_dim, cfg.kv_lora_rank, dtype, heads, heads, "out"),
+                    ]
         w = self.lm_head.weight
         found.append(Product(*w.shape, w.dtype, 1, 1.0))
         return found
@@ -229,8 +241,13 @@ class DeepseekModel(nn.Module):
         to, nor the embedding table beyond its row)."""
         cfg = self.config
         total = decode = 0
-        routed = {id(p): len(m.experts) for m in self.modules() if isinstance(m, (MoE, LongcatMoE))
-                  for e in m.experts for p in e.parameters()}
+        routed = {
+            id(p): len(m.experts)
+            for m in self.modules()
+            if isinstance(m, (MoE, LongcatMoE))
+            for e in m.experts
+            for p in e.parameters()
+        }
         for name, p in self.named_parameters():
             size = p.numel() * p.element_size()
             total += size
@@ -277,8 +294,11 @@ class DeepseekModel(nn.Module):
         its row-major copy (`embed_rows`), kept while that copy is small: looking up rows of the
         transposed table reads one float per cache line, an order of magnitude slower than the copy."""
         rows = self.embed_rows
-        if rows is not None and not torch.compiler.is_compiling() and \
-                self.model.embed_tokens.weight.data_ptr() != self._embed_from:
+        if (
+            rows is not None
+            and not torch.compiler.is_compiling()
+            and self.model.embed_tokens.weight.data_ptr() != self._embed_from
+        ):
             rows = self.embed_rows = None  # (the table was replaced since `pack`)
         return self.model.embed_tokens(token_ids) if rows is None else F.embedding(token_ids, rows)
 

@@ -23,9 +23,15 @@ from irminsul.model.settings import settings
 
 def _runs(x: torch.Tensor, w: torch.Tensor | None = None, dtypes=(torch.float32,)) -> bool:
     # (is_compiling first: inside a graph being traced nothing after it may run, or the graph breaks)
-    return (not torch.compiler.is_compiling() and x.dtype in dtypes and (w is None or w.dtype is x.dtype)
-            and x.device.type == "cpu" and (w is None or w.device.type == "cpu")
-            and settings.native_elementwise and native.library() is not None)
+    return (
+        not torch.compiler.is_compiling()
+        and x.dtype in dtypes
+        and (w is None or w.dtype is x.dtype)
+        and x.device.type == "cpu"
+        and (w is None or w.device.type == "cpu")
+        and settings.native_elementwise
+        and native.library() is not None
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -40,16 +46,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """weight * x / sqrt(mean(x^2, -1) + eps), or None where the kernel does not run. bfloat16 x and
     weight (a bf16 model) are rounded as torch rounds them (`layers.RMSNorm`'s own ops): the
     normalised x to bf16, then its product with the weight."""
-    if (not _runs(x, weight, (torch.float32, torch.bfloat16)) or weight.dim() != 1 or weight.stride(0) != 1
-            or x.shape[-1] != weight.shape[0]):
+    if (
+        not _runs(x, weight, (torch.float32, torch.bfloat16))
+        or weight.dim() != 1
+        or weight.stride(0) != 1
+        or x.shape[-1] != weight.shape[0]
+    ):
         return None
     x2 = _rows(x)
     if x2 is None:
         return None
     out = torch.empty(x2.shape, dtype=x.dtype)
     kernel = native.library().irm_rms_norm if x.dtype is torch.float32 else native.library().irm_rms_norm_bf16
-    kernel(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), weight.data_ptr(), eps, out.data_ptr(), out.stride(0),
-           torch.get_num_threads())
+    kernel(
+        x2.data_ptr(),
+        x2.shape[0],
+        x2.shape[1],
+        x2.stride(0),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
     return out if x2 is x else out.view(x.shape)
 
 
@@ -62,6 +81,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     inner = gu.shape[1] // 2
     out = torch.empty(gu.shape[0], inner, dtype=torch.float32)
-    native.library().irm_silu_mul(gu.data_ptr(), gu.shape[0], inner, gu.stride(0), out.data_ptr(), inner,
-                                  torch.get_num_threads())
+    native.library().irm_silu_mul(
+        gu.data_ptr(), gu.shape[0], inner, gu.stride(0), out.data_ptr(), inner, torch.get_num_threads()
+    )
     return out if gu is gate_up else out.view(*gate_up.shape[:-1], inner)

@@ -50,8 +50,15 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
     -> [..., out] in x's dtype. Inside a graph being compiled, or for what the kernel does not read
     (another dtype, more rows, a strided row), it is F.linear."""
     n = rows(x)
-    if (torch.compiler.is_compiling() or not 1 <= n <= MAX_ROWS or w.stride(1) != 1 or x.device.type != "cpu"
-            or x.dtype not in DTYPES or w.dtype not in DTYPES or (bias is not None and bias.dtype not in DTYPES)):
+    if (
+        torch.compiler.is_compiling()
+        or not 1 <= n <= MAX_ROWS
+        or w.stride(1) != 1
+        or x.device.type != "cpu"
+        or x.dtype not in DTYPES
+        or w.dtype not in DTYPES
+        or (bias is not None and bias.dtype not in DTYPES)
+    ):
         return F.linear(x, w, bias)
     lib = native.library()
     if lib is None:
@@ -63,10 +70,23 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
         bias = bias.contiguous()
     out = w.shape[0]
     y = torch.empty(n, out, dtype=x.dtype)
-    rc = lib.irm_linear(x2.data_ptr(), DTYPES[x.dtype], n, x2.stride(0), w.data_ptr(), DTYPES[w.dtype], out,
-                        w.shape[1], w.stride(0), None if bias is None else bias.data_ptr(),
-                        0 if bias is None else DTYPES[bias.dtype], y.data_ptr(), DTYPES[y.dtype], out,
-                        torch.get_num_threads())
+    rc = lib.irm_linear(
+        x2.data_ptr(),
+        DTYPES[x.dtype],
+        n,
+        x2.stride(0),
+        w.data_ptr(),
+        DTYPES[w.dtype],
+        out,
+        w.shape[1],
+        w.stride(0),
+        None if bias is None else bias.data_ptr(),
+        0 if bias is None else DTYPES[bias.dtype],
+        y.data_ptr(),
+        DTYPES[y.dtype],
+        out,
+        torch.get_num_threads(),
+    )
     if rc != 0:  # (no memory for x's fp32 copy)
         return F.linear(x, w, bias)
     return y.view(*x.shape[:-1], out)
@@ -78,16 +98,41 @@ def heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     (`attention.base.absorb_query` / `absorb_output`). None where the kernel does not run (see
     `product`; then the caller's bmm)."""
     n, h, inner = x.shape
-    if (torch.compiler.is_compiling() or not 1 <= n <= MAX_ROWS or x.device.type != "cpu" or w.shape[0] != h
-            or w.shape[2] != inner or x.stride(2) != 1 or w.stride(2) != 1 or x.dtype not in DTYPES
-            or w.dtype not in DTYPES or not settings.gemv):
+    if (
+        torch.compiler.is_compiling()
+        or not 1 <= n <= MAX_ROWS
+        or x.device.type != "cpu"
+        or w.shape[0] != h
+        or w.shape[2] != inner
+        or x.stride(2) != 1
+        or w.stride(2) != 1
+        or x.dtype not in DTYPES
+        or w.dtype not in DTYPES
+        or not settings.gemv
+    ):
         return None
     lib = native.library()
     if lib is None:
         return None
     out = w.shape[1]
     y = torch.empty(n, h, out, dtype=x.dtype)
-    rc = lib.irm_heads_linear(x.data_ptr(), DTYPES[x.dtype], n, x.stride(0), x.stride(1), h, w.data_ptr(),
-                              DTYPES[w.dtype], w.stride(0), out, inner, w.stride(1), y.data_ptr(), DTYPES[y.dtype],
-                              y.stride(0), y.stride(1), torch.get_num_threads())
+    rc = lib.irm_heads_linear(
+        x.data_ptr(),
+        DTYPES[x.dtype],
+        n,
+        x.stride(0),
+        x.stride(1),
+        h,
+        w.data_ptr(),
+        DTYPES[w.dtype],
+        w.stride(0),
+        out,
+        inner,
+        w.stride(1),
+        y.data_ptr(),
+        DTYPES[y.dtype],
+        y.stride(0),
+        y.stride(1),
+        torch.get_num_threads(),
+    )
     return y if rc == 0 else None

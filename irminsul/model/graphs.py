@@ -64,13 +64,15 @@ def resolve(model, pool: torch.Tensor, compile_decode: bool | None) -> DecodeGra
         return None
     if compile_decode is None and pool.device.type != "cuda":
         return None  # the interpreter gains nothing from the static step
-    return built(compile_decode, lambda: DecodeGraphs(model, pool).captured(),
-                 "capturing the decode steps as CUDA graphs failed")
+    return built(
+        compile_decode, lambda: DecodeGraphs(model, pool).captured(), "capturing the decode steps as CUDA graphs failed"
+    )
 
 
 class DecodeGraphs:
-    def __init__(self, model, pool: torch.Tensor, max_batch: int = MAX_BATCH, max_len: int = MAX_LEN,
-                 capture: bool | None = None):
+    def __init__(
+        self, model, pool: torch.Tensor, max_batch: int = MAX_BATCH, max_len: int = MAX_LEN, capture: bool | None = None
+    ):
         """pool: the engine's rows [layers, slots, width] (its address is captured: one set of graphs
         per pool). capture: None = where CUDA is (else the static step runs as it is)."""
         why = supported(model)
@@ -118,8 +120,15 @@ class DecodeGraphs:
         (what a graph captures and replays)."""
         i = self.index[:size]
         tiles = Tiles(i, i, self.live[:size].int(), self.end[:size].int(), 1, self.max_len)
-        plan = TritonPlan(self.positions[:size].int(), i.long(), self.key_slots[:size], None, self.max_len - 1,
-                          [tiles], self.splits[size])
+        plan = TritonPlan(
+            self.positions[:size].int(),
+            i.long(),
+            self.key_slots[:size],
+            None,
+            self.max_len - 1,
+            [tiles],
+            self.splits[size],
+        )
         batch = ForwardBatch(self.tokens[:size], self.positions[:size], self.pool, self.write[:size], plan)
         return self.model.logits(self.model(batch))
 
@@ -137,8 +146,9 @@ class DecodeGraphs:
         with torch.cuda.device(dev):
             mempool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream(dev)
-            for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs", unit="graph",
-                             leave=False):
+            for size in tqdm(
+                sorted(self.sizes, reverse=True), desc="capturing decode graphs", unit="graph", leave=False
+            ):
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     self.step(size)  # warm-up: kernels compiled, allocator primed

@@ -97,6 +97,7 @@ class Choice:
     rule all three), and how many rows at most its products take `gemv.product` for (out-major
     only; 0: none, 1: one-row products, STREAM_ROWS: up to that many), and from how many rows on a
     bfloat16 weight's products are widened to float32 (0: never)."""
+
     layout: str
     blocks: tuple[int, ...] = ()
     gemv: int = 0
@@ -107,6 +108,7 @@ class Choice:
 class Product:
     """A distinct product shape of a model: `count` weights of it, `uses` calls per token of them all
     (a routed expert's share: experts_per_token / experts)."""
+
     out: int
     inp: int
     dtype: torch.dtype
@@ -127,7 +129,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def mode(kernels: str | None = None) -> str:
-    """"measured" or "fixed": the argument when given, else IRMINSUL_KERNEL_CHOICE (default measured)."""
+    """ "measured" or "fixed": the argument when given, else IRMINSUL_KERNEL_CHOICE (default measured)."""
     value = (kernels or settings.kernel_choice or "measured").strip().lower()
     if value in ("fixed", "0", "off", "false", "no"):
         return "fixed"
@@ -150,13 +152,18 @@ def fixed_choice(out: int, inp: int, dtype: torch.dtype, device: torch.device | 
     """The earlier fixed rule: input-major; oneDNN copies for each block whose rows x weight size reach
     DNN_MIN_MACS, float32 on a CPU only."""
     numel = out * inp
-    if (torch.device(device).type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available()
-            or BLOCKS[0] * numel < DNN_MIN_MACS):
+    if (
+        torch.device(device).type != "cpu"
+        or dtype != torch.float32
+        or not torch.backends.mkldnn.is_available()
+        or BLOCKS[0] * numel < DNN_MIN_MACS
+    ):
         return Choice("in")
     return Choice("in", tuple(b for b in BLOCKS if b * numel >= DNN_MIN_MACS))
 
 
 # --- the cache ------------------------------------------------------------------------------------
+
 
 def cpu_key() -> str:
     """What the cache is per: the CPU model and torch's version (its kernels change with it)."""
@@ -213,6 +220,7 @@ def _write_cache(path: Path, new: dict) -> bool:
 
 # --- measuring --------------------------------------------------------------------------------------
 
+
 def stream_bytes(model_bytes: int) -> int:
     """How many weight bytes lie between two uses of one weight when the model decodes: its own decode
     bytes, at most twice the last-level cache (or 64 MiB where unknown): beyond, a weight is cold."""
@@ -220,8 +228,9 @@ def stream_bytes(model_bytes: int) -> int:
     try:
         for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
             size = (index / "size").read_text().strip()
-            llc = max(llc, int(size[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[size[-1]] if size[-1] in "KMG"
-                      else int(size))
+            llc = max(
+                llc, int(size[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[size[-1]] if size[-1] in "KMG" else int(size)
+            )
     except (OSError, ValueError, KeyError):
         llc = 0
     cap = max(64 * 2**20, 2 * llc)
@@ -245,8 +254,10 @@ def measured_rows(out: int, inp: int, dtype: torch.dtype, limit: int = None) -> 
 
 
 def entry_key(out: int, inp: int, dtype: torch.dtype, streamed: int, with_gemv: bool = False) -> str:
-    return (f"{str(dtype).removeprefix('torch.')}|{out}x{inp}|threads{torch.get_num_threads()}|stream{_bucket(streamed)}"
-            + (f"|gemv{_gemv_fingerprint()}" if with_gemv else ""))
+    return (
+        f"{str(dtype).removeprefix('torch.')}|{out}x{inp}|threads{torch.get_num_threads()}|stream{_bucket(streamed)}"
+        + (f"|gemv{_gemv_fingerprint()}" if with_gemv else "")
+    )
 
 
 def _gemv_fingerprint() -> str:
@@ -255,8 +266,9 @@ def _gemv_fingerprint() -> str:
     return native.fingerprint("gemv.c")  # (another build of that kernel: its times are measured again)
 
 
-def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool,
-                with_gemv: bool = False) -> dict[str, Callable[[], object]]:
+def _candidates(
+    w: torch.Tensor, rows: int, copies: int, with_dnn: bool, with_gemv: bool = False
+) -> dict[str, Callable[[], object]]:
     """name -> one call of that candidate on `rows` rows, each call on the next of `copies` copies."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
@@ -285,6 +297,7 @@ def _candidates(w: torch.Tensor, rows: int, copies: int, with_dnn: bool,
             i = state["i"]
             state["i"] = (i + 1) % len(pool)
             return fn(pool[i])
+
         return call
 
     return {name: cycle(made[name], pools[name]) for name in made}
@@ -314,7 +327,7 @@ def _time(cands: dict[str, Callable[[], object]]) -> dict[str, float]:
     names = list(calls)
     samples = SAMPLES if longest < 0.002 else max(3, SAMPLES - 2)  # (long calls: less noise each)
     for s in range(samples):
-        for name in names[s % len(names):] + names[: s % len(names)]:
+        for name in names[s % len(names) :] + names[: s % len(names)]:
             fn, n = cands[name], calls[name]
             t = time.perf_counter()
             for _ in range(n):
@@ -330,8 +343,9 @@ def _typical(samples: list[float]) -> float:
     return statistics.median(fast)
 
 
-def measure(out: int, inp: int, dtype: torch.dtype, streamed: int, with_dnn: bool,
-            with_gemv: bool = False) -> dict[str, dict[str, float]]:
+def measure(
+    out: int, inp: int, dtype: torch.dtype, streamed: int, with_dnn: bool, with_gemv: bool = False
+) -> dict[str, dict[str, float]]:
     """{rows: {candidate: seconds per call}} for a product [out, in] of `dtype`, scaled to all of its
     output rows when timed on a slice: products that stream their weight (at most STREAM_ROWS rows) on
     up to SLICE_BYTES of it, over copies that add up to `streamed` bytes; the others, bound by
@@ -362,6 +376,7 @@ def estimate_seconds(products: list[Product]) -> float:
 
 # --- choosing ---------------------------------------------------------------------------------------
 
+
 def _dense_layout(times: dict[str, dict[str, float]]) -> str:
     """The dense layout with the least total time over the row counts, each relative to the better one
     (ties: out-major, nn.Linear's own); out-major's one- and eight-row times are the gemv kernel's
@@ -372,8 +387,9 @@ def _dense_layout(times: dict[str, dict[str, float]]) -> str:
         t = times[rows]
         return t["gemv"] if layout == "out" and 0 < int(rows) <= gemv_rows else t[layout]
 
-    score = {layout: sum(t_of(r, layout) / min(t_of(r, "out"), t_of(r, "in")) for r in times)
-             for layout in ("out", "in")}
+    score = {
+        layout: sum(t_of(r, layout) / min(t_of(r, "out"), t_of(r, "in")) for r in times) for layout in ("out", "in")
+    }
     return "in" if score["in"] < score["out"] * 0.98 else "out"
 
 
@@ -430,6 +446,7 @@ def _block_saving(times: dict[str, dict[str, float]], layout: str, block: int) -
 class KernelChoices:
     """The choice for each product shape of a model (`choice`); shapes it was not made for get the
     dense layout measured then and no copy (the copy budget was spent on the known ones)."""
+
     kernels: str
     choices: dict[tuple[int, int, torch.dtype, str | None], Choice]
     streamed: int = 64 * 2**20
@@ -442,8 +459,9 @@ class KernelChoices:
         rows (for the out-major ones) and widened rows."""
         return cls("forced", {}, forced=Choice(layout, blocks, gemv, widen))
 
-    def choice(self, out: int, inp: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-               layout: str | None = None) -> Choice:
+    def choice(
+        self, out: int, inp: int, dtype: torch.dtype, device: torch.device | str = "cpu", layout: str | None = None
+    ) -> Choice:
         """layout="out": a weight that keeps nn.Linear's layout (only its copies are chosen)."""
         key = (out, inp, dtype, layout)
         if key in self.choices:
@@ -512,9 +530,15 @@ def _merged(products: list[Product]) -> list[Product]:
     return list(merged.values())
 
 
-def choose(products: list[Product], model_bytes: int, decode_bytes: int | None = None,
-           device: torch.device | str = "cpu", kernels: str | KernelChoices | None = None,
-           budget: float | None = None, progress: bool = True) -> KernelChoices:
+def choose(
+    products: list[Product],
+    model_bytes: int,
+    decode_bytes: int | None = None,
+    device: torch.device | str = "cpu",
+    kernels: str | KernelChoices | None = None,
+    budget: float | None = None,
+    progress: bool = True,
+) -> KernelChoices:
     """The choice for each product (`Product`s: the model's distinct shapes with their counts and uses);
     kernels: "measured" / "fixed" (default IRMINSUL_KERNEL_CHOICE, else measured) or KernelChoices to use.
     model_bytes: all the model's weight bytes (the copy budget is a fraction of them); decode_bytes:
@@ -539,8 +563,13 @@ def choose(products: list[Product], model_bytes: int, decode_bytes: int | None =
         t = times[p.key]
         layout = p.layout or _dense_layout(t)
         choices[p.key] = Choice(layout, gemv=_gemv_rows(t) if layout == "out" else 0)
-        paying = [b for b in BLOCKS if t[str(b)].get("dnn") is not None and t[str(b)][layout] >= MIN_GAIN * t[str(b)]["dnn"]
-                  and _block_saving(t, layout, b) > 0]
+        paying = [
+            b
+            for b in BLOCKS
+            if t[str(b)].get("dnn") is not None
+            and t[str(b)][layout] >= MIN_GAIN * t[str(b)]["dnn"]
+            and _block_saving(t, layout, b) > 0
+        ]
         if paying:
             best = max(paying, key=lambda b: _block_saving(t, layout, b))
             offers.append((_block_saving(t, layout, best) * p.uses / (p.weight_bytes() * p.count), p, best))
@@ -587,9 +616,11 @@ def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -
     gate_up, down = moe.stacked()
     experts, hidden, inner2 = gate_up.shape
     k = moe.gate.cfg.num_experts_per_tok
-    key = (f"experts|{str(dtype).removeprefix('torch.')}|{experts}x{hidden}x{inner2 // 2}|k{k}"
-           f"|layout{gate_up.stride(2) == 1}{down.stride(2) == 1}|threads{torch.get_num_threads()}"
-           f"|moe{native.fingerprint('moe.c')}")
+    key = (
+        f"experts|{str(dtype).removeprefix('torch.')}|{experts}x{hidden}x{inner2 // 2}|k{k}"
+        f"|layout{gate_up.stride(2) == 1}{down.stride(2) == 1}|threads{torch.get_num_threads()}"
+        f"|moe{native.fingerprint('moe.c')}"
+    )
 
     def measure() -> dict:
         g = torch.Generator().manual_seed(experts * 131 + hidden)
@@ -599,8 +630,12 @@ def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -
                 x = torch.randn(n, hidden, generator=g).to(dtype)
                 ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
                 weights = torch.rand(n, k, generator=g).softmax(-1)
-                t = _time({"native": lambda x=x, w=weights, i=ids: kernel(x, w, i, gate_up, down),
-                           "torch": lambda x=x, w=weights, i=ids: moe.torch_experts(x, w, i)})
+                t = _time(
+                    {
+                        "native": lambda x=x, w=weights, i=ids: kernel(x, w, i, gate_up, down),
+                        "torch": lambda x=x, w=weights, i=ids: moe.torch_experts(x, w, i),
+                    }
+                )
                 times[str(n)] = t
                 if t["native"] <= t["torch"]:
                     wins.append(n)
@@ -619,8 +654,10 @@ def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:
     weights, cached per CPU as the other times are."""
     gate_up, down = moe.stacked()
     experts, hidden, inner2 = gate_up.shape
-    key = (f"expert-costs|{str(dtype).removeprefix('torch.')}|{experts}x{hidden}x{inner2 // 2}"
-           f"|layout{gate_up.stride(2) == 1}{down.stride(2) == 1}|threads{torch.get_num_threads()}")
+    key = (
+        f"expert-costs|{str(dtype).removeprefix('torch.')}|{experts}x{hidden}x{inner2 // 2}"
+        f"|layout{gate_up.stride(2) == 1}{down.stride(2) == 1}|threads{torch.get_num_threads()}"
+    )
 
     def measure() -> dict:
         g = torch.Generator().manual_seed(experts * 7 + hidden)
@@ -629,8 +666,12 @@ def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:
             one = torch.randn(1, hidden, generator=g).to(dtype)
             ids, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
             batch = torch.randn(experts, rows, hidden, generator=g).to(dtype)
-            t = _time({"loop": lambda: moe.loop_experts(one, weights, ids),
-                       "grouped": lambda: torch.bmm(torch.bmm(batch, gate_up)[..., : inner2 // 2], down)})
+            t = _time(
+                {
+                    "loop": lambda: moe.loop_experts(one, weights, ids),
+                    "grouped": lambda: torch.bmm(torch.bmm(batch, gate_up)[..., : inner2 // 2], down),
+                }
+            )
         return {"loop_call_s": t["loop"], "macs_per_s": experts * rows * 3 * hidden * (inner2 // 2) / t["grouped"]}
 
     entry = _measured(key, "loop_call_s", measure)
@@ -678,7 +719,9 @@ def describe(p: KernelChoices) -> list[str]:
     lines = []
     for (out, inp, dtype, _), c in sorted(p.choices.items(), key=lambda kv: (str(kv[0][2]), -kv[0][0] * kv[0][1])):
         blocks = ", ".join(f"oneDNN x{b}" for b in c.blocks) or "no copy"
-        lines.append(f"[{out}, {inp}] {str(dtype).removeprefix('torch.')}: {c.layout}-major, {blocks}"
-                     + ("" if not c.gemv else ", gemv for one row" if c.gemv == 1 else f", gemv for up to {c.gemv} rows")
-                     + (f", widened to float32 from {c.widen} rows" if c.widen else ""))
+        lines.append(
+            f"[{out}, {inp}] {str(dtype).removeprefix('torch.')}: {c.layout}-major, {blocks}"
+            + ("" if not c.gemv else ", gemv for one row" if c.gemv == 1 else f", gemv for up to {c.gemv} rows")
+            + (f", widened to float32 from {c.widen} rows" if c.widen else "")
+        )
     return lines

@@ -46,8 +46,9 @@ class RMSNorm(nn.Module):
 DNN_BLOCKS = (256, 32, 8)
 
 
-def dnn_weight(w: torch.Tensor, blocks: tuple[int, ...] | None = None,
-               layout: str | None = None) -> tuple[torch.Tensor | None, ...] | None:
+def dnn_weight(
+    w: torch.Tensor, blocks: tuple[int, ...] | None = None, layout: str | None = None
+) -> tuple[torch.Tensor | None, ...] | None:
     """oneDNN's blocked copies of a weight [out, in] for blocks of 256, 32 and 8 rows (None for a block
     not kept; `dnn_linear`), or None where none is kept or applies (not a CPU, no oneDNN in this
     torch, bfloat16 on a CPU without bf16 instructions).
@@ -65,19 +66,24 @@ def dnn_weight(w: torch.Tensor, blocks: tuple[int, ...] | None = None,
 
     if blocks is None:
         choices = kernel_choice.current()
-        choice = (choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout) if choices is not None
-                  else kernel_choice.fixed_choice(w.shape[0], w.shape[1], w.dtype, w.device))
+        choice = (
+            choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout)
+            if choices is not None
+            else kernel_choice.fixed_choice(w.shape[0], w.shape[1], w.dtype, w.device)
+        )
         blocks = choice.blocks
     if not blocks or not kernel_choice.dnn_applies(w.dtype, w.device):
         return None
     with torch.no_grad():
         w = w.detach().contiguous()
-        return tuple(torch.ops.mkldnn._reorder_linear_weight(w, rows) if rows in blocks else None
-                     for rows in DNN_BLOCKS)
+        return tuple(
+            torch.ops.mkldnn._reorder_linear_weight(w, rows) if rows in blocks else None for rows in DNN_BLOCKS
+        )
 
 
-def dnn_linear(x: torch.Tensor, dnn: tuple[torch.Tensor | None, ...], weight: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+def dnn_linear(
+    x: torch.Tensor, dnn: tuple[torch.Tensor | None, ...], weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x [..., in] times weight [out, in] (any strides) plus bias, through its `dnn_weight` copies."""
     out = weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
@@ -88,8 +94,14 @@ def dnn_linear(x: torch.Tensor, dnn: tuple[torch.Tensor | None, ...], weight: to
     return rows.view(*x.shape[:-1], out)
 
 
-def _dnn_rows(x: torch.Tensor, b256: torch.Tensor | None, b32: torch.Tensor | None, b8: torch.Tensor | None,
-              weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _dnn_rows(
+    x: torch.Tensor,
+    b256: torch.Tensor | None,
+    b32: torch.Tensor | None,
+    b8: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """A multiple of 256 rows in one call, then blocks of 32; a rest of 20 or more padded to 32 (16
     without 8-row blocks); else blocks of 8 (the last padded from 4 rows); each where the weight has
     them (a rest of 128 or more padded to 256 where it has only those); the rest through torch's own
@@ -106,7 +118,9 @@ def _dnn_rows(x: torch.Tensor, b256: torch.Tensor | None, b32: torch.Tensor | No
         y[at : at + take] = torch.ops.mkldnn._linear_pointwise(part.contiguous(), blocked, bias, "none", [], "")[:take]
         at += take
 
-    if b256 is not None and n >= 256:  # one call for the bulk: a multiple of 256 rows (at most a step's prefill / 256 kinds)
+    if (
+        b256 is not None and n >= 256
+    ):  # one call for the bulk: a multiple of 256 rows (at most a step's prefill / 256 kinds)
         run(b256, 256, n // 256 * 256)
     if b256 is not None and b32 is None and b8 is None and n - at >= 128:
         run(b256, 256, n - at)
@@ -225,8 +239,11 @@ def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.
         w = cat.t().contiguous() if layout == "in" else cat.contiguous().t()
         del cat
         biases = [lin.bias for lin in linears]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else w.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
+        bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat([b if b is not None else w.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
+        )
         at = 0
         for lin in linears:
             lin.weight = nn.Parameter(w[:, at : at + lin.out_features].t(), requires_grad=False)
@@ -236,8 +253,14 @@ def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.
     return w, bias
 
 
-def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-           dnn: tuple[torch.Tensor | None, ...] | None = None, gemv_rows: int = 0, widen_rows: int = 0) -> torch.Tensor:
+def packed(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    dnn: tuple[torch.Tensor | None, ...] | None = None,
+    gemv_rows: int = 0,
+    widen_rows: int = 0,
+) -> torch.Tensor:
     """x [..., in] times a weight [in, out] (`pack_linears`: either layout), plus bias; up to
     `gemv_rows` rows (`gemv_rows` for w.t()) through `gemv.product`, from `widen_rows` rows on
     (`widen_rows` for w.t()) through `widened`, more than one through `dnn`, the same weight's
@@ -249,8 +272,11 @@ def packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         return widened(x, w.t(), bias)
     if rows > 1 and dnn is not None:
         return dnn_linear(x, dnn, w.t(), bias)
-    return torch.matmul(x, w) if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(
-        *x.shape[:-1], w.shape[1])
+    return (
+        torch.matmul(x, w)
+        if bias is None
+        else torch.addmm(bias, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[1])
+    )
 
 
 class MLP(nn.Module):
@@ -280,8 +306,10 @@ class MLP(nn.Module):
 
         inner, hidden = self.gate_proj.weight.shape
         dtype = self.gate_proj.weight.dtype
-        return [kernel_choice.Product(2 * inner, hidden, dtype, 1, uses),
-                kernel_choice.Product(hidden, inner, dtype, 1, uses, None if stacked else "out")]
+        return [
+            kernel_choice.Product(2 * inner, hidden, dtype, 1, uses),
+            kernel_choice.Product(hidden, inner, dtype, 1, uses, None if stacked else "out"),
+        ]
 
     @property
     def packed(self) -> bool:
@@ -383,16 +411,21 @@ class MoE(nn.Module):
         w = self._stacked
         # (the triton kernel reads input-major stacks)
         gate_up_layout, down_layout = ("in", "in") if self.kernel is not None else self.layouts
-        if (w is None or w[0].data_ptr() != self.experts[0].gate_proj.weight.data_ptr()
-                or (w[0].stride(2) == 1) != (gate_up_layout == "in") or (w[1].stride(2) == 1) != (down_layout == "in")):
+        if (
+            w is None
+            or w[0].data_ptr() != self.experts[0].gate_proj.weight.data_ptr()
+            or (w[0].stride(2) == 1) != (gate_up_layout == "in")
+            or (w[1].stride(2) == 1) != (down_layout == "in")
+        ):
             inner = self.experts[0].gate_proj.weight.shape[0]
             with torch.no_grad():
                 # (one copy each: a stack of transposed views is already contiguous input-major)
                 if gate_up_layout == "in":
                     gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]).t() for e in self.experts])
                 else:
-                    gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
-                                           for e in self.experts]).transpose(1, 2)
+                    gate_up = torch.stack(
+                        [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
+                    ).transpose(1, 2)
                 if down_layout == "in":
                     down = torch.stack([e.down_proj.weight.t() for e in self.experts])
                 else:
@@ -482,8 +515,12 @@ class MoE(nn.Module):
         # the loop is faster: its products run at oneDNN's or float32's speed, the grouped batched
         # product at MKL's in the weights' dtype)
         first = self.experts[0]
-        if self.grouped and first.gate_up_dnn is None and not first.gate_up_widen_rows and (
-                x.is_cuda or self._padding_pays(n * k, int((counts > 0).sum()), cap)):
+        if (
+            self.grouped
+            and first.gate_up_dnn is None
+            and not first.gate_up_widen_rows
+            and (x.is_cuda or self._padding_pays(n * k, int((counts > 0).sum()), cap))
+        ):
             return self._grouped(x, weights, flat, counts, cap)
         return self.loop_experts(x, weights, ids)
 
@@ -511,8 +548,12 @@ class MoE(nn.Module):
         gate_up, down = self.stacked()
         if dtype == gate_up.dtype == down.dtype == torch.float32:
             return native_ops._moe_experts
-        if (dtype == gate_up.dtype == down.dtype == torch.bfloat16 and gate_up.stride(1) == 1
-                and down.stride(1) == 1 and native_ops.moe_bf16_available()):
+        if (
+            dtype == gate_up.dtype == down.dtype == torch.bfloat16
+            and gate_up.stride(1) == 1
+            and down.stride(1) == 1
+            and native_ops.moe_bf16_available()
+        ):
             return native_ops._moe_experts_bf16
         return None
 
@@ -609,8 +650,9 @@ class LongcatMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.router = LongcatRouter(cfg)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.n_routed_experts))
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)

@@ -13,8 +13,14 @@ from irminsul.errors import CheckpointError, RequestError
 from irminsul.model.config import read_json_config
 from irminsul.model.registry import model_class
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
@@ -112,9 +118,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     if not path.is_dir():
         text = str(path)
         if not path.is_absolute() and len(path.parts) == 2 and not text.startswith("."):  # "org/name": a Hub id
-            raise CheckpointError(f"checkpoint directory {text} does not exist; --model / LLM(model) reads a local "
-                                  f"checkpoint directory, not a model hub id: download it first (e.g. `huggingface-cli "
-                                  f"download {text} --local-dir DIR`) and give DIR")
+            raise CheckpointError(
+                f"checkpoint directory {text} does not exist; --model / LLM(model) reads a local "
+                f"checkpoint directory, not a model hub id: download it first (e.g. `huggingface-cli "
+                f"download {text} --local-dir DIR`) and give DIR"
+            )
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     check_device(device)
     return model_class(read_config(path).get("model_type")).load(path, dtype=dtype, device=device, pack=pack)

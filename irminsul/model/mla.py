@@ -107,8 +107,7 @@ class SequenceRows:
         t = int(positions.max()) + 1
         slots = np.where(self.filled[:t].cpu().numpy(), np.arange(1, t + 1), EMPTY_SLOT)
         seq = SeqAttention(positions.cpu().numpy(), slots)
-        return ForwardBatch(token_ids, positions, self.pool, positions + 1,
-                            backend.plan([seq], [0], positions.device))
+        return ForwardBatch(token_ids, positions, self.pool, positions + 1, backend.plan([seq], [0], positions.device))
 
 
 @dataclass
@@ -134,8 +133,9 @@ class ForwardBatch:
             self._memo[key] = compute()
         return self._memo[key]
 
-    def attend(self, attn: MLAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
-               index=None) -> torch.Tensor:
+    def attend(
+        self, attn: MLAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, index=None
+    ) -> torch.Tensor:
         """Store the layer's computed rows [N, row_width] at write_slots and attend over the pool
         (the backend's `forward` with this batch's plan) -> [N, H, v]."""
         pool = self.pool[attn.layer]  # [n_slots, width]
@@ -199,18 +199,23 @@ class MLAttention(nn.Module):
                 # products read them, attention.base._heads; bmm reads either)
                 self.absorbed = (w_uk.transpose(1, 2).contiguous().transpose(1, 2), w_uv.contiguous())
                 cfg = self.cfg  # (each head's product: [n, nope] x [nope, r], then [n, r] x [r, v])
-                self.absorbed_widen = (widen_rows_of(cfg.kv_lora_rank, cfg.qk_nope_head_dim, w.dtype, w.device),
-                                       widen_rows_of(cfg.v_head_dim, cfg.kv_lora_rank, w.dtype, w.device))
+                self.absorbed_widen = (
+                    widen_rows_of(cfg.kv_lora_rank, cfg.qk_nope_head_dim, w.dtype, w.device),
+                    widen_rows_of(cfg.v_head_dim, cfg.kv_lora_rank, w.dtype, w.device),
+                )
             self.absorbed_from = w.data_ptr()
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x))."""
         q_in = self._q_in()
         # (a compiled graph cannot compare data pointers: the compiled step takes packed models only)
-        if self.in_proj is None or (not torch.compiler.is_compiling()
-                                    and self.in_proj[0].data_ptr() != q_in.weight.data_ptr()):
+        if self.in_proj is None or (
+            not torch.compiler.is_compiling() and self.in_proj[0].data_ptr() != q_in.weight.data_ptr()
+        ):
             return q_in(x), self.kv_a_proj_with_mqa(x)
-        return packed(x, *self.in_proj, self.in_proj_dnn, self.in_proj_gemv_rows, self.in_proj_widen_rows).split([q_in.out_features, self.cfg.latent_width], dim=-1)
+        return packed(x, *self.in_proj, self.in_proj_dnn, self.in_proj_gemv_rows, self.in_proj_widen_rows).split(
+            [q_in.out_features, self.cfg.latent_width], dim=-1
+        )
 
     def _c_kv(self, c: torch.Tensor) -> torch.Tensor:
         c = self.kv_a_layernorm(c)

@@ -22,7 +22,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
 def model_class(model_type: str | None) -> type:
     """The class registered for `model_type`, else a ConfigError naming the ones that are."""
     if model_type not in FAMILIES:
-        raise ConfigError(f"config.json: model_type={model_type!r} is not supported; Irminsul serves "
-                          f"{', '.join(FAMILIES)}")
+        raise ConfigError(
+            f"config.json: model_type={model_type!r} is not supported; Irminsul serves {', '.join(FAMILIES)}"
+        )
     module, name = FAMILIES[model_type]
     return getattr(importlib.import_module(module), name)

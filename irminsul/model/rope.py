@@ -81,14 +81,18 @@ class Rotary:
         """cos/sin [n, dim/2] (float32, attention factor included) for encoding at positions [n]."""
         return _cos_sin(self.angles(positions), self.attention_factor)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor,
-              cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Encode x [n, ..., dim] (fresh projection, checkpoint layout) at positions [n]; pass
         `cos_sin(positions)` when encoding several tensors at the same positions."""
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         # (inductor generates no code for complex operators: a compiled graph takes the pairwise form)
-        if self.in_layout == self.out_layout == "interleaved" and not torch.compiler.is_compiling() \
-                and _complex_view_ok(x):
+        if (
+            self.in_layout == self.out_layout == "interleaved"
+            and not torch.compiler.is_compiling()
+            and _complex_view_ok(x)
+        ):
             shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
             return _complex_rotate(x, cos.reshape(shape), sin.reshape(shape))
         return self._rotate(x, cos, sin, self.in_layout)
@@ -140,8 +144,9 @@ class Rotary:
         return out.to(x.dtype)
 
 
-def encode_pairwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str,
-                    out_layout: str | None = None) -> torch.Tensor:
+def encode_pairwise(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, out_layout: str | None = None
+) -> torch.Tensor:
     """The reference encoding: pairs (a, b) of x in `layout` -> (a·cos − b·sin, b·cos + a·sin) in
     `out_layout` (default the same), in fp32, returned in x's dtype; cos/sin broadcast against
     the pairs. The fast paths are bit-identical to it (tests/model/test_rope.py)."""
@@ -152,8 +157,12 @@ def encode_pairwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layou
 def _complex_view_ok(x: torch.Tensor) -> bool:
     """Whether interleaved pairs of x can be read as complex numbers in place (float32, pairs
     adjacent, every other stride and the offset even)."""
-    return (x.dtype == torch.float32 and x.stride(-1) == 1 and x.storage_offset() % 2 == 0
-            and all(st % 2 == 0 for st in x.stride()[:-1]))
+    return (
+        x.dtype == torch.float32
+        and x.stride(-1) == 1
+        and x.storage_offset() % 2 == 0
+        and all(st % 2 == 0 for st in x.stride()[:-1])
+    )
 
 
 def _complex_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,38 +22,103 @@ from irminsul.model.deepseek import DeepseekModel
 SPECIALS = [BOS, EOS, *ROLE_TOKENS.values(), END]
 
 BASE = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=4096,
-    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-    rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
-    bos_token_id=256, eos_token_id=257, rope_theta=10000.0,
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=4096,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    attention_bias=False,
+    bos_token_id=256,
+    eos_token_id=257,
+    rope_theta=10000.0,
 )
 VARIANTS = {
-    "v2": dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], topk_method="greedy",
-               routed_scaling_factor=1.0, norm_topk_prob=False),
-    "v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc",
-               n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True),
+    "v2": dict(
+        model_type="deepseek_v2",
+        architectures=["DeepseekV2ForCausalLM"],
+        topk_method="greedy",
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+    ),
+    "v3": dict(
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        topk_method="noaux_tc",
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_interleave=True,
+    ),
     # LongCat-Flash: blocks of two MLA sublayers + two MLPs + a shortcut MoE with identity experts
-    "longcat": dict(model_type="longcat_flash", architectures=["LongcatFlashForCausalLM"], q_lora_rank=24,
-                    routed_scaling_factor=2.0, zero_expert_num=2),
+    "longcat": dict(
+        model_type="longcat_flash",
+        architectures=["LongcatFlashForCausalLM"],
+        q_lora_rank=24,
+        routed_scaling_factor=2.0,
+        zero_expert_num=2,
+    ),
     # DeepSeek-V3.2: V3 plus the DSA lightning indexer (its own cached key, top-k keys per query)
-    "v32": dict(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], topk_method="noaux_tc",
-                n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=24,
-                index_n_heads=2, index_head_dim=16, index_topk=16),
+    "v32": dict(
+        model_type="deepseek_v32",
+        architectures=["DeepseekV32ForCausalLM"],
+        topk_method="noaux_tc",
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        q_lora_rank=24,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=16,
+    ),
     # GLM-4.7-Flash (glm4_moe_lite): V3's MLA and routing, per-layer MLP kinds, query LoRA
-    "glm": dict(model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"], n_group=2, topk_group=1,
-                norm_topk_prob=True, routed_scaling_factor=1.8, rope_interleave=True, q_lora_rank=24),
+    "glm": dict(
+        model_type="glm4_moe_lite",
+        architectures=["Glm4MoeLiteForCausalLM"],
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.8,
+        rope_interleave=True,
+        q_lora_rank=24,
+    ),
 }
-YARN = {"type": "yarn", "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+YARN = {
+    "type": "yarn",
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 
 
 def tiny_config(variant: str = "v2", yarn: bool = False, **overrides) -> dict:
     raw = {**BASE, **VARIANTS[variant], **overrides}
     if raw["model_type"] == "longcat_flash":  # its own names; num_layers blocks of two MLA sublayers
-        for ours, theirs in (("intermediate_size", "ffn_hidden_size"), ("moe_intermediate_size", "expert_ffn_hidden_size"),
-                             ("num_experts_per_tok", "moe_topk")):
+        for ours, theirs in (
+            ("intermediate_size", "ffn_hidden_size"),
+            ("moe_intermediate_size", "expert_ffn_hidden_size"),
+            ("num_experts_per_tok", "moe_topk"),
+        ):
             raw[theirs] = raw.pop(ours)
         raw["num_layers"] = raw.pop("num_hidden_layers") if "num_layers" not in overrides else raw.pop("num_layers")
         for unused in ("first_k_dense_replace", "n_shared_experts"):
@@ -83,7 +148,9 @@ def byte_tokenizer(vocab_size: int) -> Tokenizer:
 def _byte_order(ch: str) -> int:
     # Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+i.
     code = ord(ch)
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     if code in printable:
         return code
     others = [b for b in range(256) if b not in printable]
@@ -94,13 +161,23 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     byte_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
     from irminsul.model.chat_format import IRMINSUL_CHAT_TEMPLATE
 
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True,
-         "chat_template": IRMINSUL_CHAT_TEMPLATE}, indent=1))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "chat_template": IRMINSUL_CHAT_TEMPLATE},
+            indent=1,
+        )
+    )
 
 
-def make_tiny_checkpoint(path: str | Path, variant: str = "v2", yarn: bool = False, seed: int = 0,
-                         std: float = 0.1, shards: int = 1, **overrides) -> Path:
+def make_tiny_checkpoint(
+    path: str | Path,
+    variant: str = "v2",
+    yarn: bool = False,
+    seed: int = 0,
+    std: float = 0.1,
+    shards: int = 1,
+    **overrides,
+) -> Path:
     """Write a random tiny checkpoint to `path` and return it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -153,12 +230,15 @@ def _fuse_experts(state: dict, cfg: ModelConfig) -> dict:
     zero_rows = _zero_expert_rows()
     for b in range(cfg.num_blocks):
         prefix = f"model.layers.{b}.mlp.experts"
-        gate_up = [torch.cat([state.pop(f"{prefix}.{e}.gate_proj.weight"), state.pop(f"{prefix}.{e}.up_proj.weight")])
-                   for e in range(cfg.n_routed_experts)]
+        gate_up = [
+            torch.cat([state.pop(f"{prefix}.{e}.gate_proj.weight"), state.pop(f"{prefix}.{e}.up_proj.weight")])
+            for e in range(cfg.n_routed_experts)
+        ]
         gate_up += [torch.zeros_like(gate_up[0])] * (cfg.zero_expert_num if zero_rows else 0)
         out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
-        out[f"{prefix}.down_proj"] = torch.stack([state.pop(f"{prefix}.{e}.down_proj.weight")
-                                                  for e in range(cfg.n_routed_experts)])
+        out[f"{prefix}.down_proj"] = torch.stack(
+            [state.pop(f"{prefix}.{e}.down_proj.weight") for e in range(cfg.n_routed_experts)]
+        )
     return {**state, **out}
 
 

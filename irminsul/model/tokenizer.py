@@ -16,8 +16,9 @@ from irminsul.errors import CheckpointError
 @functools.cache
 def _unicode_to_byte() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE token writes for each byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

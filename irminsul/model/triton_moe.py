@@ -32,6 +32,7 @@ try:
 except ImportError:  # the torch MoE needs none of this
     triton = None
 
+
 class MoeTiles(NamedTuple):
     """The kernels' tile sizes: assignment rows per block (one expert each; tl.dot needs 16), output
     columns and inner dimension per step, and Triton's warps and pipeline stages per program."""
@@ -70,8 +71,14 @@ def align(ids: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torc
     return rows, block_expert
 
 
-def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, tiles: MoeTiles = TILES) -> torch.Tensor:
+def fused_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    tiles: MoeTiles = TILES,
+) -> torch.Tensor:
     """sum_j weights[t, j] · expert_{ids[t, j]}(x[t]) for every token t: x [n, H], weights [n, k]
     (float32), ids [n, k]; gate_up [E, H, 2I] and down [E, I, H] (`MoE.stacked`) -> [n, H]."""
     why = available()
@@ -87,14 +94,48 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     y = torch.zeros(n * k, hidden, dtype=torch.float32, device=x.device)
     flat_w = weights.reshape(-1).float().contiguous()
     low = x.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
-    meta = dict(LOW=low, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    meta = dict(
+        LOW=low,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     _gate_up[(blocks, triton.cdiv(inner, tiles.block_n))](
-        x, gate_up, rows, block_expert, act, n * k, k, experts, hidden, inner,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), **meta)
+        x,
+        gate_up,
+        rows,
+        block_expert,
+        act,
+        n * k,
+        k,
+        experts,
+        hidden,
+        inner,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        act.stride(0),
+        **meta,
+    )
     _down[(blocks, triton.cdiv(hidden, tiles.block_n))](
-        act, down, rows, block_expert, flat_w, y, n * k, experts, inner, hidden,
-        act.stride(0), down.stride(0), down.stride(1), y.stride(0), **meta)
+        act,
+        down,
+        rows,
+        block_expert,
+        flat_w,
+        y,
+        n * k,
+        experts,
+        inner,
+        hidden,
+        act.stride(0),
+        down.stride(0),
+        down.stride(1),
+        y.stride(0),
+        **meta,
+    )
     return y.view(n, k, hidden).sum(1).to(x.dtype)
 
 
@@ -108,9 +149,26 @@ if triton is not None:
         return offs_m, a, a < n_assign
 
     @triton.jit
-    def _gate_up(x, w, rows, block_expert, act, n_assign, top_k, n_experts, H, I,
-                 s_x, s_we, s_wh, s_act,
-                 LOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up(
+        x,
+        w,
+        rows,
+        block_expert,
+        act,
+        n_assign,
+        top_k,
+        n_experts,
+        H,
+        I,
+        s_x,
+        s_we,
+        s_wh,
+        s_act,
+        LOW: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """One block of rows (one expert) x one tile of I columns: silu(x·W_gate) * (x·W_up)."""
         blk = tl.program_id(0)
         e = tl.load(block_expert + blk)
@@ -138,9 +196,26 @@ if triton is not None:
             tl.store(act + offs_m[:, None] * s_act + offs_n[None, :], out, mask=live[:, None] & nm[None, :])
 
     @triton.jit
-    def _down(act, w, rows, block_expert, route_w, y, n_assign, n_experts, I, H,
-              s_act, s_we, s_wi, s_y,
-              LOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down(
+        act,
+        w,
+        rows,
+        block_expert,
+        route_w,
+        y,
+        n_assign,
+        n_experts,
+        I,
+        H,
+        s_act,
+        s_we,
+        s_wi,
+        s_y,
+        LOW: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """One block of rows (one expert) x one tile of H columns: act·W_down, times each row's
         routing weight, into the row's assignment."""
         blk = tl.program_id(0)
@@ -153,10 +228,12 @@ if triton is not None:
             for k0 in range(0, I, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 km = offs_k < I
-                h = tl.load(act + offs_m[:, None] * s_act + offs_k[None, :], mask=live[:, None] & km[None, :],
-                            other=0.0)
-                wd = tl.load(w + e * s_we + offs_k[:, None] * s_wi + offs_n[None, :], mask=km[:, None] & nm[None, :],
-                             other=0.0)
+                h = tl.load(
+                    act + offs_m[:, None] * s_act + offs_k[None, :], mask=live[:, None] & km[None, :], other=0.0
+                )
+                wd = tl.load(
+                    w + e * s_we + offs_k[:, None] * s_wi + offs_n[None, :], mask=km[:, None] & nm[None, :], other=0.0
+                )
                 if LOW:
                     acc += tl.dot(h.to(wd.dtype), wd)
                 else:

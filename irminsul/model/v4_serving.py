@@ -76,9 +76,14 @@ class V4Backend:
             if missing.any():  # (the engine fills every earlier position before computing a later one)
                 raise RuntimeError(f"DeepSeek-V4: positions {np.flatnonzero(missing)[:8].tolist()} have no row")
             rope = None if seq.key_rope is None else torch.as_tensor(np.asarray(seq.key_rope), device=device)
-            out.append(V4Sequence(slice(offsets[i], offsets[i + 1]),
-                                  torch.as_tensor(np.asarray(seq.q_positions), device=device),
-                                  torch.as_tensor(slots, device=device), rope))
+            out.append(
+                V4Sequence(
+                    slice(offsets[i], offsets[i + 1]),
+                    torch.as_tensor(np.asarray(seq.q_positions), device=device),
+                    torch.as_tensor(slots, device=device),
+                    rope,
+                )
+            )
         return V4Plan(tuple(out))
 
 
@@ -88,8 +93,9 @@ class V4Model(nn.Module):
         self.v4 = model
         cfg = model.config
         self.widths = [layer.self_attn.row_width for layer in model.model.layers]
-        self.config = V4EngineConfig(cfg.num_hidden_layers, max(self.widths), cfg.max_position_embeddings,
-                                     cfg.vocab_size, tuple(eos_token_ids))
+        self.config = V4EngineConfig(
+            cfg.num_hidden_layers, max(self.widths), cfg.max_position_embeddings, cfg.vocab_size, tuple(eos_token_ids)
+        )
         self.attention = V4Backend()
 
     @classmethod

@@ -75,8 +75,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _body(request, model: str, max_tokens: int) -> tuple[str, dict]:
-    common = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-              "stream_options": {"include_usage": True}}
+    common = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if request.pretokenized:  # segments are lost on /v1/completions: prefer chat traces
         return "/v1/completions", {**common, "prompt": list(request.token_ids)}
     body = {**common, "messages": list(request.messages)}
@@ -104,12 +110,19 @@ async def _one(client, url: str, request, model: str, max_tokens: int) -> Sample
                     ttft = time.perf_counter() - t0
             usage = chunk.get("usage") or usage
     latency = time.perf_counter() - t0
-    return Sample(request.session, ttft if ttft is not None else latency, latency, usage["prompt_tokens"],
-                  usage["completion_tokens"], usage.get("irminsul", {}))
+    return Sample(
+        request.session,
+        ttft if ttft is not None else latency,
+        latency,
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        usage.get("irminsul", {}),
+    )
 
 
-async def replay(url: str, requests, concurrency: int, max_tokens: int, api_key: str | None = None,
-                 progress: bool = True) -> tuple[list[Sample], float, dict, list[str]]:
+async def replay(
+    url: str, requests, concurrency: int, max_tokens: int, api_key: str | None = None, progress: bool = True
+) -> tuple[list[Sample], float, dict, list[str]]:
     """-> (samples, seconds, the model card, why each failed request failed). A request the server
     refuses (a prompt longer than its context, say) is counted and the replay goes on."""
     import httpx
@@ -145,30 +158,46 @@ async def replay(url: str, requests, concurrency: int, max_tokens: int, api_key:
     return samples, duration, card, failures
 
 
-def summarise(url: str, samples: list[Sample], duration: float, card: dict, concurrency: int,
-              failed: int = 0) -> BenchResult:
+def summarise(
+    url: str, samples: list[Sample], duration: float, card: dict, concurrency: int, failed: int = 0
+) -> BenchResult:
     ttft = [s.ttft_s for s in samples]
     prompt = sum(s.prompt_tokens for s in samples)
     fraction = {k.removesuffix("_tokens"): sum(s.split.get(k, 0) for s in samples) / max(1, prompt) for k in KINDS}
     return BenchResult(
-        url=url, model=card["id"], reuse=card.get("irminsul", {}).get("reuse", "?"), machine=describe(),
-        requests=len(samples), sessions=len({s.session for s in samples}), concurrency=concurrency,
-        duration_s=duration, ttft_p50_s=percentile(ttft, 0.5), ttft_p95_s=percentile(ttft, 0.95),
-        ttft_mean_s=sum(ttft) / max(1, len(ttft)), requests_per_s=len(samples) / duration,
+        url=url,
+        model=card["id"],
+        reuse=card.get("irminsul", {}).get("reuse", "?"),
+        machine=describe(),
+        requests=len(samples),
+        sessions=len({s.session for s in samples}),
+        concurrency=concurrency,
+        duration_s=duration,
+        ttft_p50_s=percentile(ttft, 0.5),
+        ttft_p95_s=percentile(ttft, 0.95),
+        ttft_mean_s=sum(ttft) / max(1, len(ttft)),
+        requests_per_s=len(samples) / duration,
         prompt_tokens_per_s=prompt / duration,
-        output_tokens_per_s=sum(s.completion_tokens for s in samples) / duration, prompt_tokens=prompt,
-        fraction=fraction, failed=failed)
+        output_tokens_per_s=sum(s.completion_tokens for s in samples) / duration,
+        prompt_tokens=prompt,
+        fraction=fraction,
+        failed=failed,
+    )
 
 
 def run_bench(args) -> int:
     from irminsul.research.workloads.trace import read_trace
 
     requests = read_trace(args.trace)[: args.limit]
-    samples, duration, card, failures = asyncio.run(replay(args.url, requests, args.concurrency, args.max_tokens,
-                                                           args.api_key, progress=not args.json))
+    samples, duration, card, failures = asyncio.run(
+        replay(args.url, requests, args.concurrency, args.max_tokens, args.api_key, progress=not args.json)
+    )
     if not samples:
-        raise UserFacingError(f"all {len(failures)} requests failed; the first: {failures[0]}" if failures
-                              else "the trace has no requests")
+        raise UserFacingError(
+            f"all {len(failures)} requests failed; the first: {failures[0]}"
+            if failures
+            else "the trace has no requests"
+        )
     result = summarise(args.url, samples, duration, card, args.concurrency, len(failures))
     if args.json:
         print(json.dumps({"trace": str(args.trace), **asdict(result)}))
@@ -176,14 +205,22 @@ def run_bench(args) -> int:
     f = result.fraction
     print(f"server   {result.url}  model {result.model}  reuse {result.reuse}")
     print(f"machine  {result.machine} (client side)")
-    print(f"trace    {args.trace}: {result.requests} requests, {result.sessions} sessions, "
-          f"concurrency {result.concurrency}, max_tokens {args.max_tokens}")
-    print(f"TTFT     p50 {result.ttft_p50_s * 1e3:.0f} ms   p95 {result.ttft_p95_s * 1e3:.0f} ms   "
-          f"mean {result.ttft_mean_s * 1e3:.0f} ms")
-    print(f"through  {result.requests_per_s:.2f} req/s   {result.prompt_tokens_per_s:.0f} prompt tok/s   "
-          f"{result.output_tokens_per_s:.1f} output tok/s   ({result.duration_s:.1f} s)")
-    print(f"prompt   {result.prompt_tokens} tokens: prefix {f['prefix']:.1%}  reused {f['reused']:.1%}  "
-          f"computed {f['computed']:.1%} (of which carve-out {f['carve_out']:.1%})")
+    print(
+        f"trace    {args.trace}: {result.requests} requests, {result.sessions} sessions, "
+        f"concurrency {result.concurrency}, max_tokens {args.max_tokens}"
+    )
+    print(
+        f"TTFT     p50 {result.ttft_p50_s * 1e3:.0f} ms   p95 {result.ttft_p95_s * 1e3:.0f} ms   "
+        f"mean {result.ttft_mean_s * 1e3:.0f} ms"
+    )
+    print(
+        f"through  {result.requests_per_s:.2f} req/s   {result.prompt_tokens_per_s:.0f} prompt tok/s   "
+        f"{result.output_tokens_per_s:.1f} output tok/s   ({result.duration_s:.1f} s)"
+    )
+    print(
+        f"prompt   {result.prompt_tokens} tokens: prefix {f['prefix']:.1%}  reused {f['reused']:.1%}  "
+        f"computed {f['computed']:.1%} (of which carve-out {f['carve_out']:.1%})"
+    )
     if failures:
         print(f"failed   {len(failures)} requests, not counted above; the first: {failures[0]}")
     return 0

@@ -89,8 +89,14 @@ async def _value_error(request: Request, e: Exception) -> JSONResponse:  # (a Va
     # Python refuses to read an integer literal of more digits than sys.get_int_max_str_digits()
     # (a guard against quadratic conversion): in a body, or in JSON sent inside one (guided_json)
     if "integer string conversion" in str(e):
-        return _error(request, APIError(400, f"the request holds an integer of more than "
-                                             f"{sys.get_int_max_str_digits()} digits; no field takes one that long"))
+        return _error(
+            request,
+            APIError(
+                400,
+                f"the request holds an integer of more than "
+                f"{sys.get_int_max_str_digits()} digits; no field takes one that long",
+            ),
+        )
     return await _internal_error(request, e)
 
 
@@ -100,8 +106,11 @@ async def _not_found(request: Request, e):
 
 async def _bad_method(request: Request, e):
     allow = (getattr(e, "headers", None) or {}).get("Allow")
-    return _error(request, APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                                    type="invalid_request_error"), headers={"Allow": allow} if allow else None)
+    return _error(
+        request,
+        APIError(405, f"{request.method} is not allowed on {request.url.path}", type="invalid_request_error"),
+        headers={"Allow": allow} if allow else None,
+    )
 
 
 class _OneFraming:
@@ -124,4 +133,3 @@ class _OneFraming:
                 await JSONResponse(e.body(), status_code=400, headers={"Connection": "close"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-

@@ -23,8 +23,9 @@ async def read_body(request, limit: int) -> bytes:
     Content-Length before anything is read, else as it streams in."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body is {int(declared)} bytes; this server takes at most {limit} "
-                            f"(--max-request-bytes)")
+        raise APIError(
+            413, f"the request body is {int(declared)} bytes; this server takes at most {limit} (--max-request-bytes)"
+        )
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
@@ -46,8 +47,9 @@ def check_values(value, path: str = "", depth: int = 0) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise APIError(400, f"{path or 'a string'} holds an unpaired UTF-16 surrogate; send valid Unicode",
-                           param=path or None) from None
+            raise APIError(
+                400, f"{path or 'a string'} holds an unpaired UTF-16 surrogate; send valid Unicode", param=path or None
+            ) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             check_values(k, path, depth + 1)
@@ -113,19 +115,27 @@ def check_sizes(data: dict, context: int | None) -> None:
     prompt = data.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch of prompts
         if len(prompt) > MAX_CHOICES:
-            raise APIError(400, f"prompt holds {len(prompt):,} prompts; at most {MAX_CHOICES} per request",
-                           param="prompt")
+            raise APIError(
+                400, f"prompt holds {len(prompt):,} prompts; at most {MAX_CHOICES} per request", param="prompt"
+            )
         prompt = max((p for p in prompt if isinstance(p, list)), key=len, default=None)
     if context is None:
         return
     for field in ID_FIELDS:
         value = data.get(field)
         if isinstance(value, list) and len(value) > context:
-            raise APIError(400, f"{field} holds {len(value):,} ids; at most {context} (the model's context) per "
-                                f"request", param=field)
+            raise APIError(
+                400,
+                f"{field} holds {len(value):,} ids; at most {context} (the model's context) per request",
+                param=field,
+            )
     if isinstance(prompt, list) and len(prompt) >= context:  # (token ids: one position is left to answer)
-        raise context_exceeded(context, f"your prompt has {len(prompt):,} tokens (at most {context - 1} leave "
-                                        f"room for an answer)", "prompt", "prompt")
+        raise context_exceeded(
+            context,
+            f"your prompt has {len(prompt):,} tokens (at most {context - 1} leave room for an answer)",
+            "prompt",
+            "prompt",
+        )
 
 
 def validated(model: type[BaseModel], data: dict):

@@ -63,8 +63,9 @@ class ChatRenderer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.template, self.tool_format = template_for(tokenizer)
-        self.jinja = JinjaTemplate(tokenizer.chat_template, tokenizer.special_tokens_map) \
-            if tokenizer.chat_template else None
+        self.jinja = (
+            JinjaTemplate(tokenizer.chat_template, tokenizer.special_tokens_map) if tokenizer.chat_template else None
+        )
         if self.jinja is not None and self.template is None:  # its tool syntax, from its tokens or its text
             if tokenizer.added_token_id("<｜tool▁calls▁begin｜>") is not None:
                 self.tool_format = tools.DEEPSEEK
@@ -111,23 +112,32 @@ class ChatRenderer:
             ids += self.tokenizer.encode(text[at:], add_bos=False)
         return ids
 
-    def render(self, messages: list, tools: list | None = None, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, template_kwargs: dict | None = None) -> RenderedChat:
+    def render(
+        self,
+        messages: list,
+        tools: list | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> RenderedChat:
         """Raises ValueError with a message for people when the request cannot be rendered."""
         # OpenAI's newer "developer" role is a system message to every template here.
-        messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
-                    for m in messages]
+        messages = [
+            {**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages
+        ]
         parse_chat(messages, tools or [])  # validates, says what is wrong
         if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message=true needs add_generation_prompt=false: the final message "
-                             "is continued, not answered")
+            raise ValueError(
+                "continue_final_message=true needs add_generation_prompt=false: the final message "
+                "is continued, not answered"
+            )
         if continue_final_message and messages[-1].get("role") != "assistant":
             raise ValueError("continue_final_message=true needs an assistant message last")
         if self.jinja is None:
-            return self._render_builtin(messages, tools, add_generation_prompt, continue_final_message,
-                                        template_kwargs)
-        return self._render_jinja(self.jinja, messages, tools, add_generation_prompt, continue_final_message,
-                                  template_kwargs or {})
+            return self._render_builtin(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+        return self._render_jinja(
+            self.jinja, messages, tools, add_generation_prompt, continue_final_message, template_kwargs or {}
+        )
 
     # -- the checkpoint's Jinja template ---------------------------------------------------
 
@@ -158,15 +168,17 @@ class ChatRenderer:
             rest = wrap({k: v for k, v in m.items() if k != "content"}, ("message", i))
             if isinstance(content, list):
                 parts = [wrap(p["text"], ("part", i, j)) for j, p in enumerate(content)]
-                content = [{**p, "text": t} for p, t in zip(content, parts)] if jinja.parts_as_list \
-                    else "\n".join(parts)
+                content = (
+                    [{**p, "text": t} for p, t in zip(content, parts)] if jinja.parts_as_list else "\n".join(parts)
+                )
             elif isinstance(content, str):
                 content = wrap(content, ("message", i))
             out.append({**rest, "content": content} if "content" in m else rest)
         return out
 
-    def _render_jinja(self, jinja: JinjaTemplate, messages, tools, add_generation_prompt, continue_final_message,
-                      kwargs) -> RenderedChat:
+    def _render_jinja(
+        self, jinja: JinjaTemplate, messages, tools, add_generation_prompt, continue_final_message, kwargs
+    ) -> RenderedChat:
         if bad := sorted(set(kwargs) & RESERVED):
             raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}")
         if self._has_special(json.dumps(kwargs, ensure_ascii=False)):
@@ -174,9 +186,12 @@ class ChatRenderer:
         hidden = SpecialText(self._specials, self._special_re)
         prepared, tools = hidden.hide(self._prepare(jinja, messages)), hidden.hide(tools)
         marks = Marks()
-        marked = jinja.render(self._with_parts(jinja, prepared, marks.wrap),
-                                   [marks.wrap(t, ("tool", k)) for k, t in enumerate(tools or [])],
-                                   add_generation_prompt, kwargs)
+        marked = jinja.render(
+            self._with_parts(jinja, prepared, marks.wrap),
+            [marks.wrap(t, ("tool", k)) for k, t in enumerate(tools or [])],
+            add_generation_prompt,
+            kwargs,
+        )
         plain = jinja.render(self._with_parts(jinja, prepared, lambda v, unit: v), tools, add_generation_prompt, kwargs)
         split = marks.split(marked)
         if split is not None and split[0] == plain:
@@ -232,14 +247,19 @@ class ChatRenderer:
 
     # -- the hand-written templates (checkpoints without a chat_template) -------------------
 
-    def _render_builtin(self, messages, tools, add_generation_prompt, continue_final_message,
-                        template_kwargs) -> RenderedChat:
+    def _render_builtin(
+        self, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+    ) -> RenderedChat:
         if self.template is None:
-            raise ValueError("this model has no chat_template and its tokenizer matches no chat template Irminsul "
-                             f"knows ({', '.join(TEMPLATES)}); use /v1/completions with a rendered prompt")
+            raise ValueError(
+                "this model has no chat_template and its tokenizer matches no chat template Irminsul "
+                f"knows ({', '.join(TEMPLATES)}); use /v1/completions with a rendered prompt"
+            )
         if not add_generation_prompt or continue_final_message or template_kwargs:
-            raise ValueError("add_generation_prompt=false, continue_final_message and chat_template_kwargs need "
-                             "the checkpoint's own chat_template, which this model's tokenizer_config.json lacks")
+            raise ValueError(
+                "add_generation_prompt=false, continue_final_message and chat_template_kwargs need "
+                "the checkpoint's own chat_template, which this model's tokenizer_config.json lacks"
+            )
         # Every string the client sent is wrapped in a mark no client can guess, so the template's
         # text and the client's can be told apart after rendering (control tokens: see _encode);
         # special tokens' text is hidden everywhere, keys and `type` values included.
@@ -262,8 +282,10 @@ class ChatRenderer:
         return RenderedChat(tokens, starts)
 
 
-_INSPECTED = re.compile(r"""(['"])((?:(?!\1).)+)\1\s+(?:not\s+)?in\b"""
-                        r"""|\.(?:r?split|r?partition|startswith|endswith|replace|find|index|count)\(\s*(['"])((?:(?!\3).)+)\3""")
+_INSPECTED = re.compile(
+    r"""(['"])((?:(?!\1).)+)\1\s+(?:not\s+)?in\b"""
+    r"""|\.(?:r?split|r?partition|startswith|endswith|replace|find|index|count)\(\s*(['"])((?:(?!\3).)+)\3"""
+)
 
 
 def _inspected(source: str) -> set[str]:

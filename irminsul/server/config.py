@@ -10,8 +10,22 @@ from irminsul.errors import UserFacingError
 from irminsul.kvcache.modes import MODES
 from irminsul.kvcache.store import StoreConfig
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 class ServerConfigError(UserFacingError, ValueError):
@@ -62,10 +76,14 @@ class ServerConfig:
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "cpu"  # cpu | reference | triton (a GPU, or TRITON_INTERPRET=1); torch: cpu's older name
-    compile_decode: bool | None = None  # compiled decode steps (model/compiled.py, model/graphs.py); None: where available
+    compile_decode: bool | None = (
+        None  # compiled decode steps (model/compiled.py, model/graphs.py); None: where available
+    )
     store: StoreConfig = field(default_factory=StoreConfig)
     kv_cache_gib: float | None = None  # the latent pool, one budget; None: the device's default (engine.py)
-    tenant_cache_share: float | None = None  # each API key's cached rows kept from other keys' admissions, up to this share
+    tenant_cache_share: float | None = (
+        None  # each API key's cached rows kept from other keys' admissions, up to this share
+    )
     threads: int | None = None  # torch's intra-op threads; None: torch's default or 1, measured (model/threads.py)
     max_running_requests: int = 64
     max_queued_requests: int = 1024
@@ -91,8 +109,16 @@ class ServerConfig:
             raise ServerConfigError(f"--reuse {self.reuse!r}: choose one of {', '.join(MODES)}")
         if not 0 <= self.port < 65536:
             raise ServerConfigError(f"--port {self.port} is not a TCP port")
-        for name in ("max_running_requests", "max_queued_requests", "max_prefill_tokens", "default_max_tokens",
-                     "max_request_bytes", "prep_threads", "prep_threads_per_tenant", "log_repeats"):
+        for name in (
+            "max_running_requests",
+            "max_queued_requests",
+            "max_prefill_tokens",
+            "default_max_tokens",
+            "max_request_bytes",
+            "prep_threads",
+            "prep_threads_per_tenant",
+            "log_repeats",
+        ):
             if getattr(self, name) < 1:
                 raise ServerConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
@@ -107,8 +133,10 @@ class ServerConfig:
         if self.max_connections is not None and self.max_connections < 1:
             raise ServerConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
         if self.prep_threads_per_tenant > self.prep_threads:
-            raise ServerConfigError(f"--prep-threads-per-tenant {self.prep_threads_per_tenant} is more than "
-                                    f"--prep-threads {self.prep_threads}")
+            raise ServerConfigError(
+                f"--prep-threads-per-tenant {self.prep_threads_per_tenant} is more than "
+                f"--prep-threads {self.prep_threads}"
+            )
         if len({k for k, _ in self.api_keys}) != len(self.api_keys):
             raise ServerConfigError("--api-key lists the same key twice")
 

@@ -156,12 +156,16 @@ class EngineClient:
 
         layout = RowLayout.of(model, model_id, secret=(config.store_secret or "").encode())
         pool_gib = config.kv_cache_gib if config.kv_cache_gib is not None else default_kv_cache_gib(model.device)
-        registry = (open_registry(config.store, layout, memory_bytes=int(pool_gib * 2**30))
-                    if config.reuse != "off" else None)
+        registry = (
+            open_registry(config.store, layout, memory_bytes=int(pool_gib * 2**30)) if config.reuse != "off" else None
+        )
         for tier in registry.lower if registry is not None else ():
             if not tier.available:  # (it reconnects by itself; say so once)
-                log.warning("the store tier %s does not answer; serving without it until it does "
-                            "(/metrics: irminsul_store_available)", tier.location)
+                log.warning(
+                    "the store tier %s does not answer; serving without it until it does "
+                    "(/metrics: irminsul_store_available)",
+                    tier.location,
+                )
         try:
             engine = build_engine(cls.engine_config(config, model_id, pool_gib), model, tokenizer, registry=registry)
         except BaseException:
@@ -175,9 +179,13 @@ class EngineClient:
         """The engine's options from the server's `config` (a ServerConfig); `kv_cache_gib`: the pool
         size decided (the config's, or the device's default)."""
         cache = KVCacheConfig(config.reuse, model_id=model_id, tenant_share=config.tenant_cache_share or None)
-        return EngineConfig(cache, max_prefill_tokens=config.max_prefill_tokens,
-                            kv_cache_gib=config.kv_cache_gib if kv_cache_gib is None else kv_cache_gib,
-                            compile_decode=config.compile_decode, max_running_requests=config.max_running_requests)
+        return EngineConfig(
+            cache,
+            max_prefill_tokens=config.max_prefill_tokens,
+            kv_cache_gib=config.kv_cache_gib if kv_cache_gib is None else kv_cache_gib,
+            compile_decode=config.compile_decode,
+            max_running_requests=config.max_running_requests,
+        )
 
     # -- any thread ----------------------------------------------------------------------
 
@@ -291,9 +299,15 @@ class EngineClient:
         s = self.engine.stats()
         radix = self.engine.prefix_cache_stats  # (None when nothing is cached)
         prefix = None if radix is None else PrefixCacheStats(radix.bytes, radix.budget_bytes, radix.nodes)
-        return EngineStats(s["kv_pool_bytes_used"], s["kv_pool_bytes_capacity"], s["cached_bytes"],
-                           s["running_sequences"], s["waiting_sequences"],
-                           tuple(tier_stats(self.registry)) if self.registry is not None else (), prefix)
+        return EngineStats(
+            s["kv_pool_bytes_used"],
+            s["kv_pool_bytes_capacity"],
+            s["cached_bytes"],
+            s["running_sequences"],
+            s["waiting_sequences"],
+            tuple(tier_stats(self.registry)) if self.registry is not None else (),
+            prefix,
+        )
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -334,8 +348,9 @@ class EngineClient:
     def _accept(self, job: Job) -> None:
         try:
             lead = job.leader.seq if job.leader is not None else None  # None if the leader was refused
-            job.seq = self.engine.new_sequence(job.tokens, job.params, job.segment_starts, tenant=job.tenant,
-                                               matcher=job.matcher, leader=lead)
+            job.seq = self.engine.new_sequence(
+                job.tokens, job.params, job.segment_starts, tenant=job.tenant, matcher=job.matcher, leader=lead
+            )
         except Exception as e:  # NOTE: nothing a request sends may stop this thread
             self._dequeued()
             if isinstance(e, RequestError):
@@ -384,7 +399,7 @@ class EngineClient:
                     self._end(self._jobs.pop(out.seq.id), Failed(400, out.seq.error))
                 self._admitted_ids.discard(out.seq.id)
                 continue
-            fresh = tuple(out.seq.logprobs[job.logprobs_sent:])
+            fresh = tuple(out.seq.logprobs[job.logprobs_sent :])
             job.logprobs_sent += len(fresh)
             if out.text or fresh:
                 job.emit(Delta(out.text, fresh))
@@ -393,12 +408,18 @@ class EngineClient:
                 done = self._jobs.pop(out.seq.id).seq
                 # (a job in _jobs was accepted: it has its sequence; a finished sequence has its reason)
                 assert done is not None and done.finish_reason is not None
-                finished = Finished(done.text, done.finish_reason, done.stats, len(done.output_ids),
-                                    tuple(done.logprobs) if done.params.logprobs is not None else None)
+                finished = Finished(
+                    done.text,
+                    done.finish_reason,
+                    done.stats,
+                    len(done.output_ids),
+                    tuple(done.logprobs) if done.params.logprobs is not None else None,
+                )
                 job.emit(finished)
                 if self.metrics:
-                    self.metrics.finished(self._shown_reason(job, finished), len(done.output_ids), now=now,
-                                          arrival=job.arrival)
+                    self.metrics.finished(
+                        self._shown_reason(job, finished), len(done.output_ids), now=now, arrival=job.arrival
+                    )
 
     @staticmethod
     def _shown_reason(job: Job, finished: Finished) -> str:

@@ -63,8 +63,10 @@ class _CountedConnection(h11.Connection):
 def _raw_response(status: int, reason: str, message: str) -> bytes:
     """A whole response outside h11's state machine (the connection is closed right after it)."""
     body = message.encode()
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-            f"content-length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -75,8 +77,9 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, limits: ConnectionLimits, **kwargs):
         super().__init__(*args, **kwargs)
         self.limits = limits
-        self.conn = _CountedConnection(h11.SERVER, self.conn._max_incomplete_event_size,
-                                       max_body_events=limits.max_body_events)
+        self.conn = _CountedConnection(
+            h11.SERVER, self.conn._max_incomplete_event_size, max_body_events=limits.max_body_events
+        )
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "headers" or "body" while a deadline runs
         self._write_deadline: asyncio.TimerHandle | None = None
@@ -86,8 +89,9 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             log.warning("refused a connection: %d are open (--max-connections)", self.limits.max_connections)
-            self.transport.write(_raw_response(503, "Service Unavailable",
-                                               "too many open connections (--max-connections); retry later"))
+            self.transport.write(
+                _raw_response(503, "Service Unavailable", "too many open connections (--max-connections); retry later")
+            )
             self.transport.close()
             return
         # NOTE: paused whenever a byte waits to be written (not only past 64 KiB), so the write
@@ -99,9 +103,11 @@ class GuardedH11Protocol(H11Protocol):
         try:
             super().handle_events()
         except _TooManyPieces:
-            self._refuse_body(413, "Content Too Large",
-                              f"the request body came in more than {self.limits.max_body_events} pieces; send it "
-                              f"in larger chunks")
+            self._refuse_body(
+                413,
+                "Content Too Large",
+                f"the request body came in more than {self.limits.max_body_events} pieces; send it in larger chunks",
+            )
 
     # -- writing: paused while bytes wait, aborted when none drain for write_timeout -----------------
 
@@ -128,8 +134,12 @@ class GuardedH11Protocol(H11Protocol):
         if 0 < left < self._unwritten:  # slow, but reading: another period
             self._arm_write()
             return
-        log.debug("aborted a connection from %s: %d bytes of its answer were not read in %.0f s (--timeout-write)",
-                  self.client, left, self.limits.write_timeout)
+        log.debug(
+            "aborted a connection from %s: %d bytes of its answer were not read in %.0f s (--timeout-write)",
+            self.client,
+            left,
+            self.limits.write_timeout,
+        )
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
@@ -163,14 +173,19 @@ class GuardedH11Protocol(H11Protocol):
         phase, self._phase, self._deadline = self._phase, None, None
         if self.transport.is_closing():
             return
-        log.debug("closed a connection from %s: its request %s took longer than %.0f s", self.client, phase,
-                  self.limits.header_timeout if phase == "headers" else self.limits.body_timeout)
+        log.debug(
+            "closed a connection from %s: its request %s took longer than %.0f s",
+            self.client,
+            phase,
+            self.limits.header_timeout if phase == "headers" else self.limits.body_timeout,
+        )
         flag = "--timeout-header" if phase == "headers" else "--timeout-body"
         if phase == "body":
             self._refuse_body(408, "Request Timeout", f"the request's body did not arrive in time ({flag})")
         else:
-            self.transport.write(_raw_response(408, "Request Timeout",
-                                               f"the request's headers did not arrive in time ({flag})"))
+            self.transport.write(
+                _raw_response(408, "Request Timeout", f"the request's headers did not arrive in time ({flag})")
+            )
             self.transport.close()
 
     def _refuse_body(self, status: int, reason: str, message: str) -> None:

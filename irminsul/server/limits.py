@@ -15,7 +15,16 @@ MAX_TEMPLATE_KWARGS = 64  # entries of chat_template_kwargs
 # How many items each list- or map-valued field may hold, checked on the decoded JSON before
 # anything walks it (validation holds Python's lock: a million items of an 8 MiB body are seconds
 # in which no other thread runs). Fields of token ids are bounded by the context (`check_sizes`).
-SIZE_BOUNDS = {"messages": MAX_MESSAGES, "input": MAX_MESSAGES, "tools": MAX_TOOLS, "stop": MAX_STOP,
-               "stop_token_ids": MAX_STOP, "logit_bias": MAX_LOGIT_BIAS, "metadata": MAX_METADATA,
-               "guided_choice": MAX_OPTIONS, "include": 16, "chat_template_kwargs": MAX_TEMPLATE_KWARGS}
+SIZE_BOUNDS = {
+    "messages": MAX_MESSAGES,
+    "input": MAX_MESSAGES,
+    "tools": MAX_TOOLS,
+    "stop": MAX_STOP,
+    "stop_token_ids": MAX_STOP,
+    "logit_bias": MAX_LOGIT_BIAS,
+    "metadata": MAX_METADATA,
+    "guided_choice": MAX_OPTIONS,
+    "include": 16,
+    "chat_template_kwargs": MAX_TEMPLATE_KWARGS,
+}
 ID_FIELDS = ("tokens", "token_ids")  # /detokenize's and publishing's

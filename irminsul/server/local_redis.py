@@ -29,30 +29,55 @@ class LocalRedis:
             raise UserFacingError(f"--start-redis needs a redis:// --store address, not {url!r}")
         host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
         if host not in LOOPBACK:
-            raise UserFacingError(f"--start-redis starts a Redis on this host only: {host} is not a loopback "
-                                  "address (run Redis there yourself, and drop --start-redis)")
+            raise UserFacingError(
+                f"--start-redis starts a Redis on this host only: {host} is not a loopback "
+                "address (run Redis there yourself, and drop --start-redis)"
+            )
         binary = shutil.which("redis-server")
         if binary is None:
-            raise UserFacingError("--start-redis: redis-server is not installed (apt-get install redis-server, "
-                                  "or run Redis yourself and drop --start-redis)")
+            raise UserFacingError(
+                "--start-redis: redis-server is not installed (apt-get install redis-server, "
+                "or run Redis yourself and drop --start-redis)"
+            )
         if _answers(host, port):
-            raise UserFacingError(f"--start-redis: something already listens on {host}:{port}; use that Redis "
-                                  "(drop --start-redis) or pick another port in --store")
+            raise UserFacingError(
+                f"--start-redis: something already listens on {host}:{port}; use that Redis "
+                "(drop --start-redis) or pick another port in --store"
+            )
         self.host, self.port = host, port
         self.dir = tempfile.mkdtemp(prefix="irminsul-fleet-redis-")
         self.proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no", "--dir", self.dir,
-             "--maxmemory", max_memory, "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                host,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                "--maxmemory",
+                max_memory,
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         end = time.monotonic() + timeout_s
         while not _answers(host, port, ping=True):
             if self.proc.poll() is not None:
-                raise UserFacingError(f"--start-redis: redis-server exited with {self.proc.returncode} "
-                                      f"(is {host}:{port} usable?)")
+                raise UserFacingError(
+                    f"--start-redis: redis-server exited with {self.proc.returncode} (is {host}:{port} usable?)"
+                )
             if time.monotonic() > end:
                 self.stop()
-                raise UserFacingError(f"--start-redis: redis-server did not answer on {host}:{port} "
-                                      f"within {timeout_s:.0f} s")
+                raise UserFacingError(
+                    f"--start-redis: redis-server did not answer on {host}:{port} within {timeout_s:.0f} s"
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:

@@ -46,8 +46,7 @@ class RepeatFilter(logging.Filter):
                 left_out = group[2] if group is not None else 0
                 self._groups[key] = [now, 1, 0]
                 if left_out:
-                    record.msg = f"{record.getMessage()} [{left_out} more like this were not logged since the " \
-                                 f"last one]"
+                    record.msg = f"{record.getMessage()} [{left_out} more like this were not logged since the last one]"
                     record.args = None
                 verdict = True
             elif group[1] < self.limit:
@@ -55,8 +54,10 @@ class RepeatFilter(logging.Filter):
                 verdict = True
             elif group[1] == self.limit:  # the last one this interval says that the rest is left out
                 group[1] += 1
-                record.msg = f"{record.getMessage()} [logged {self.limit + 1} times in {self.interval:.0f} s; " \
-                             f"more like it are left out until that time has passed]"
+                record.msg = (
+                    f"{record.getMessage()} [logged {self.limit + 1} times in {self.interval:.0f} s; "
+                    f"more like it are left out until that time has passed]"
+                )
                 record.args = None
                 verdict = True
             else:

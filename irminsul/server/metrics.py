@@ -18,8 +18,27 @@ from irminsul.engine.sequence import RequestStats
 disable_created_metrics()  # no *_created series: they double the scrape for no use here
 
 # Buckets as in vLLM's TTFT / inter-token histograms (seconds).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TOKEN_KINDS = ("prompt", "prefix", "reused", "carve_out", "computed", "s1")
 
@@ -29,22 +48,41 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = {"model": model_name}
         self.tokens = {
-            kind: Counter(f"irminsul_{kind}_tokens", f"{kind} tokens of admitted prompts", ["model"],
-                          registry=self.registry).labels(**labels)
+            kind: Counter(
+                f"irminsul_{kind}_tokens", f"{kind} tokens of admitted prompts", ["model"], registry=self.registry
+            ).labels(**labels)
             for kind in TOKEN_KINDS
         }
-        self.generation = Counter("irminsul_generation_tokens", "generated tokens", ["model"],
-                                  registry=self.registry).labels(**labels)
-        self.requests = Counter("irminsul_requests", "finished requests", ["model", "finish_reason"],
-                                registry=self.registry)
-        self.errors = Counter("irminsul_request_errors", "requests refused or failed", ["model", "status"],
-                              registry=self.registry)
-        self._ttft = Histogram("irminsul_time_to_first_token_seconds", "time to first token", ["model"],
-                               buckets=TTFT_BUCKETS, registry=self.registry).labels(**labels)
-        self._itl = Histogram("irminsul_inter_token_latency_seconds", "time between output tokens", ["model"],
-                              buckets=ITL_BUCKETS, registry=self.registry).labels(**labels)
-        self._e2e = Histogram("irminsul_e2e_request_latency_seconds", "arrival to finish", ["model"],
-                              buckets=TTFT_BUCKETS, registry=self.registry).labels(**labels)
+        self.generation = Counter(
+            "irminsul_generation_tokens", "generated tokens", ["model"], registry=self.registry
+        ).labels(**labels)
+        self.requests = Counter(
+            "irminsul_requests", "finished requests", ["model", "finish_reason"], registry=self.registry
+        )
+        self.errors = Counter(
+            "irminsul_request_errors", "requests refused or failed", ["model", "status"], registry=self.registry
+        )
+        self._ttft = Histogram(
+            "irminsul_time_to_first_token_seconds",
+            "time to first token",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self._itl = Histogram(
+            "irminsul_inter_token_latency_seconds",
+            "time between output tokens",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self._e2e = Histogram(
+            "irminsul_e2e_request_latency_seconds",
+            "arrival to finish",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
         self.model_name = model_name
 
     # -- updates (scheduler thread) ------------------------------------------------------
@@ -110,9 +148,11 @@ class _LoopCollector:
         self.stalls, self.model = stalls, model_name
 
     def collect(self):
-        g = GaugeMetricFamily("irminsul_event_loop_stall_seconds_max",
-                              "the longest the event loop was kept from running its ticker since the start",
-                              labels=["model"])
+        g = GaugeMetricFamily(
+            "irminsul_event_loop_stall_seconds_max",
+            "the longest the event loop was kept from running its ticker since the start",
+            labels=["model"],
+        )
         g.add_metric([self.model], self.stalls.longest)
         yield g
 
@@ -128,8 +168,11 @@ class _StateCollector:
             ("irminsul_running_requests", "requests being prefilled or decoded", st.running_sequences),
             ("irminsul_running_sequences", "sequences holding rows in the pool", st.running_sequences),
             ("irminsul_queued_requests", "requests waiting for admission", self.client.queued),
-            ("irminsul_kv_pool_bytes_used", "pool bytes held by running requests or cached content",
-             st.kv_pool_bytes_used),
+            (
+                "irminsul_kv_pool_bytes_used",
+                "pool bytes held by running requests or cached content",
+                st.kv_pool_bytes_used,
+            ),
             ("irminsul_kv_pool_bytes_capacity", "pool size (--kv-cache-gib)", st.kv_pool_bytes_capacity),
             ("irminsul_cached_bytes", "pool bytes the prefix tree and the chunk registry hold", st.cached_bytes),
         ):
@@ -138,14 +181,23 @@ class _StateCollector:
             yield g
         if not st.tiers:  # reuse=off: no store
             return
-        gauges = {f: GaugeMetricFamily(f"irminsul_store_{f}", f"store {f} per tier", labels=["model", "tier"])
-                  for f in ("bytes", "entries", "budget_bytes", "pending_writes", "available")}
-        counters = {f: CounterMetricFamily(f"irminsul_store_{f}", f"store {f} per tier", labels=["model", "tier"])
-                    for f in ("hits", "misses", "evictions", "insertions", "corrupt", "failures", "dropped")}
+        gauges = {
+            f: GaugeMetricFamily(f"irminsul_store_{f}", f"store {f} per tier", labels=["model", "tier"])
+            for f in ("bytes", "entries", "budget_bytes", "pending_writes", "available")
+        }
+        counters = {
+            f: CounterMetricFamily(f"irminsul_store_{f}", f"store {f} per tier", labels=["model", "tier"])
+            for f in ("hits", "misses", "evictions", "insertions", "corrupt", "failures", "dropped")
+        }
         for t in st.tiers:
             labels = [self.model, t.tier]
-            values = {"bytes": t.bytes, "entries": t.entries, "budget_bytes": t.budget_bytes,
-                      "pending_writes": t.pending, "available": int(t.available)}
+            values = {
+                "bytes": t.bytes,
+                "entries": t.entries,
+                "budget_bytes": t.budget_bytes,
+                "pending_writes": t.pending,
+                "available": int(t.available),
+            }
             for f, g in gauges.items():
                 g.add_metric(labels, values[f])
             for f, c in counters.items():
@@ -153,8 +205,9 @@ class _StateCollector:
         yield from gauges.values()
         yield from counters.values()
         r = st.prefix_cache
-        for name, value in (() if r is None else (("bytes", r.bytes), ("budget_bytes", r.budget_bytes),
-                                                   ("nodes", r.nodes))):
+        for name, value in (
+            () if r is None else (("bytes", r.bytes), ("budget_bytes", r.budget_bytes), ("nodes", r.nodes))
+        ):
             g = GaugeMetricFamily(f"irminsul_prefix_cache_{name}", f"radix tree {name}", labels=["model"])
             g.add_metric(m, value)
             yield g

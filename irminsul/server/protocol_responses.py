@@ -84,8 +84,13 @@ class ResponseUsage(WireModel):
 
     @classmethod
     def of(cls, u: UsageInfo) -> ResponseUsage:
-        return cls(input_tokens=u.prompt_tokens, input_tokens_details=u.prompt_tokens_details,
-                   output_tokens=u.completion_tokens, total_tokens=u.total_tokens, irminsul=u.irminsul)
+        return cls(
+            input_tokens=u.prompt_tokens,
+            input_tokens_details=u.prompt_tokens_details,
+            output_tokens=u.completion_tokens,
+            total_tokens=u.total_tokens,
+            irminsul=u.irminsul,
+        )
 
 
 class IncompleteDetails(WireModel):

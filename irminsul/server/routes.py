@@ -63,8 +63,12 @@ async def publish(request: Request):
 
 
 def model_card(state) -> ModelCard:
-    return ModelCard(id=state.model_name, created=int(state.started), max_model_len=state.context,
-                     irminsul={"reuse": state.client.reuse, "store": list(state.config.store.specs)})
+    return ModelCard(
+        id=state.model_name,
+        created=int(state.started),
+        max_model_len=state.context,
+        irminsul={"reuse": state.client.reuse, "store": list(state.config.store.specs)},
+    )
 
 
 @router.get("/v1/models")

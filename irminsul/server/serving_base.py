@@ -170,8 +170,9 @@ class OpenAIServing:
 
     # -- request -> jobs (on a worker thread) -----------------------------------------------
 
-    def jobs(self, request: Request, req, prompts: Prompts, shown_reason=None,
-             names: FieldNames | None = None) -> list[Job]:
+    def jobs(
+        self, request: Request, req, prompts: Prompts, shown_reason=None, names: FieldNames | None = None
+    ) -> list[Job]:
         """Everything that can be refused before the jobs are queued: one job per prompt and choice
         (`n` choices of one prompt differ by seed when sampling: seed, seed + 1, ... modulo 2^63).
         `shown_reason`: the finish reason the client is sent, for /metrics."""
@@ -180,34 +181,63 @@ class OpenAIServing:
         if count * n > MAX_CHOICES:
             raise APIError(400, f"{count} prompts x n={n} is more than {MAX_CHOICES} choices", param="n")
         if count * n > client.max_queued_requests:  # (a 503 would never turn into a 200)
-            raise APIError(400, f"{count} prompts x n={n} choices are more than this server queues at once "
-                                f"(--max-queued-requests {client.max_queued_requests})", param="n")
+            raise APIError(
+                400,
+                f"{count} prompts x n={n} choices are more than this server queues at once "
+                f"(--max-queued-requests {client.max_queued_requests})",
+                param="n",
+            )
         tenant = state.tenancy.tenant_of(request, req.cache_salt)
         jobs = []
         for tokens in prompts.token_ids:
             if len(tokens) >= state.context:  # (one position must be left for the first output token)
-                raise context_exceeded(state.context, f"your {names.prompt} resulted in {len(tokens)} tokens "
-                                                      f"(at most {state.context - 1} leave room for an answer)",
-                                       names.prompt, names.prompt)
+                raise context_exceeded(
+                    state.context,
+                    f"your {names.prompt} resulted in {len(tokens)} tokens "
+                    f"(at most {state.context - 1} leave room for an answer)",
+                    names.prompt,
+                    names.prompt,
+                )
             try:
                 client.validate(tokens)
             except ValueError as e:
                 raise APIError(400, str(e), param=names.prompt) from None
-            max_tokens = resolve_max_tokens(prompts.requested_max_tokens, len(tokens), state.context,
-                                            state.config.default_max_tokens, names.max_tokens)
+            max_tokens = resolve_max_tokens(
+                prompts.requested_max_tokens,
+                len(tokens),
+                state.context,
+                state.config.default_max_tokens,
+                names.max_tokens,
+            )
             params = sampling_params(req, max_tokens, prompts.constraint)
             if not client.fits(len(tokens) + max_tokens):  # (the pool is this server's context)
-                raise context_exceeded(client.kv_rows, f"this server's KV pool (--kv-cache-gib) holds "
-                                                       f"{client.kv_rows} rows and the request needs {len(tokens)} "
-                                                       f"prompt + {max_tokens} output rows", names.prompt,
-                                       f"{names.prompt} or {names.max_tokens}")
+                raise context_exceeded(
+                    client.kv_rows,
+                    f"this server's KV pool (--kv-cache-gib) holds "
+                    f"{client.kv_rows} rows and the request needs {len(tokens)} "
+                    f"prompt + {max_tokens} output rows",
+                    names.prompt,
+                    f"{names.prompt} or {names.max_tokens}",
+                )
             leader = None
             for i in range(n):
-                seeded = params if params.seed is None or i == 0 else \
-                    dataclasses.replace(params, seed=(params.seed + i) % SEED_RANGE)
-                jobs.append(Job(tokens=tokens, params=seeded, emit=unsubmitted, segment_starts=prompts.segment_starts,
-                                tenant=tenant, matcher=self._matcher(prompts, tenant), leader=leader,
-                                shown_reason=shown_reason))
+                seeded = (
+                    params
+                    if params.seed is None or i == 0
+                    else dataclasses.replace(params, seed=(params.seed + i) % SEED_RANGE)
+                )
+                jobs.append(
+                    Job(
+                        tokens=tokens,
+                        params=seeded,
+                        emit=unsubmitted,
+                        segment_starts=prompts.segment_starts,
+                        tenant=tenant,
+                        matcher=self._matcher(prompts, tenant),
+                        leader=leader,
+                        shown_reason=shown_reason,
+                    )
+                )
                 leader = leader or jobs[-1]  # the other choices share the first one's prompt rows
         return jobs
 
@@ -231,8 +261,9 @@ class OpenAIServing:
         try:
             self.client.submit(job)
         except QueueFull as e:  # (OpenAI's answer to "too many requests": clients back off and retry)
-            raise APIError(429, f"the server is overloaded: {e}; retry later", code="rate_limit_exceeded",
-                           retry_after=1) from None
+            raise APIError(
+                429, f"the server is overloaded: {e}; retry later", code="rate_limit_exceeded", retry_after=1
+            ) from None
         return channel
 
     async def submit_all(self, jobs: list[Job], merged: Merged | None) -> list[Channel]:

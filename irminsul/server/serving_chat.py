@@ -55,8 +55,9 @@ def render_prompt(renderer, req, param: str = "messages"):
     a chat the template refuses is a 400 naming `param`. (A chat completion's, a /tokenize body's,
     and the fleet's reading of either for its router.)"""
     try:
-        return renderer.render(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template_kwargs)
+        return renderer.render(
+            req.messages, req.tools, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        )
     except ValueError as e:
         raise APIError(400, str(e), param=param) from None
 
@@ -92,12 +93,21 @@ class ChatFormat:
         tok, skip = self.tokenizer, self.skip_special
 
         def one(t, skip_special) -> dict:
-            return {"token": tok.decode([t], skip_special_tokens=skip_special),
-                    "bytes": list(tok.token_bytes(t, skip_special))}
+            return {
+                "token": tok.decode([t], skip_special_tokens=skip_special),
+                "bytes": list(tok.token_bytes(t, skip_special)),
+            }
 
-        return ChatLogprobs(content=[ChatTokenLogprob(**one(e.token, skip), logprob=e.logprob,
-                                                      top_logprobs=[TopLogprob(**one(t, False), logprob=v)
-                                                                    for t, v in e.top]) for e in entries])
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    **one(e.token, skip),
+                    logprob=e.logprob,
+                    top_logprobs=[TopLogprob(**one(t, False), logprob=v) for t, v in e.top],
+                )
+                for e in entries
+            ]
+        )
 
     def message(self, event: Finished) -> tuple[ChatMessage, str]:
         """The assistant message of a finished choice, and its finish reason."""
@@ -106,8 +116,7 @@ class ChatFormat:
         content, calls = parse_all(self.tool_format, event.text, self.tool_names, self.max_calls)
         if not calls:
             return ChatMessage(content=content), event.finish_reason
-        tool_calls = [ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-                      for c in calls]
+        tool_calls = [ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         return ChatMessage(content=content, tool_calls=tool_calls), with_calls(event.finish_reason, calls)
 
     def finish_reason(self, event: Finished) -> str:
@@ -115,15 +124,17 @@ class ChatFormat:
         the engine thread: a chat answer's tool calls are parsed there once more)."""
         if self.tool_format is None or event.finish_reason != "stop":
             return event.finish_reason
-        return with_calls(event.finish_reason, parse_all(self.tool_format, event.text, self.tool_names,
-                                                         self.max_calls)[1])
+        return with_calls(
+            event.finish_reason, parse_all(self.tool_format, event.text, self.tool_names, self.max_calls)[1]
+        )
 
     def response(self, events: list[Finished], prompts: int = 1) -> ChatCompletionResponse:
         choices = []
         for i, e in enumerate(events):
             message, reason = self.message(e)
-            choices.append(ChatCompletionChoice(index=i, message=message, logprobs=self.logprobs(e.logprobs),
-                                                finish_reason=reason))
+            choices.append(
+                ChatCompletionChoice(index=i, message=message, logprobs=self.logprobs(e.logprobs), finish_reason=reason)
+            )
         return ChatCompletionResponse(**self.head.fields(), choices=choices, usage=usage_of(events, prompts))
 
     # -- streamed (serving_base.OpenAIServing.stream's ChunkWriter) -------------------------
@@ -134,16 +145,28 @@ class ChatFormat:
         if isinstance(event, Content):
             return DeltaMessage(content=event.text)
         if isinstance(event, CallStart):
-            return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, id=call_id(), type="function",
-                                                          function=DeltaFunctionCall(name=event.name, arguments=""))])
-        return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index,
-                                                      function=DeltaFunctionCall(arguments=event.text))])
+            return DeltaMessage(
+                tool_calls=[
+                    DeltaToolCall(
+                        index=event.index,
+                        id=call_id(),
+                        type="function",
+                        function=DeltaFunctionCall(name=event.name, arguments=""),
+                    )
+                ]
+            )
+        return DeltaMessage(
+            tool_calls=[DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text))]
+        )
 
     def _chunk(self, delta: DeltaMessage, index: int, finish_reason: str | None = None, logprobs=()) -> str:
-        choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=self.logprobs(logprobs),
-                                            finish_reason=finish_reason)
-        return sse(ChatCompletionChunk(**self.head.fields(), choices=[choice]),
-                   exclude=None if self.include_usage else {"usage"})
+        choice = ChatCompletionStreamChoice(
+            index=index, delta=delta, logprobs=self.logprobs(logprobs), finish_reason=finish_reason
+        )
+        return sse(
+            ChatCompletionChunk(**self.head.fields(), choices=[choice]),
+            exclude=None if self.include_usage else {"usage"},
+        )
 
     def opening(self, choices: int) -> list[str]:
         self._parsers = {i: self.parser() for i in range(choices)}
@@ -155,8 +178,9 @@ class ChatFormat:
             if parser is None:
                 return [self._chunk(DeltaMessage(content=event.text), index, logprobs=event.logprobs)]
             # tool calls: the parser decides what the text is
-            deltas = [self.tool_delta(e) for e in parser.feed(event.text)] or ([DeltaMessage()] if event.logprobs
-                                                                               else [])
+            deltas = [self.tool_delta(e) for e in parser.feed(event.text)] or (
+                [DeltaMessage()] if event.logprobs else []
+            )
             return [self._chunk(d, index, logprobs=event.logprobs if k == 0 else ()) for k, d in enumerate(deltas)]
         reason, out = event.finish_reason, []
         if parser is not None:
@@ -180,8 +204,9 @@ class OpenAIServingChat(OpenAIServing):
         if len(jobs) == 1:
             channel = await self.submit(jobs[0])
             stream = (lambda first: self.stream(jobs, channel, fmt, (0, first))) if req.stream else None
-            return await self.answer_one(request, jobs[0], channel, stream,
-                                         lambda event: self.json_response(request, fmt.response, [event]))
+            return await self.answer_one(
+                request, jobs[0], channel, stream, lambda event: self.json_response(request, fmt.response, [event])
+            )
         merged = Merged() if req.stream else None
         channels = await self.submit_all(jobs, merged)
         if merged is not None:  # (streamed)
@@ -206,14 +231,19 @@ class OpenAIServingChat(OpenAIServing):
         if tool_format and functions and req.tool_choice != "none":
             parallel = req.parallel_tool_calls is not False
             if asked_by == names.response_format:  # a format for text turns: calls stay possible
-                constraint = tool_constraint(tool_format, functions, req.tool_choice, state.tokenizer.added_token_id,
-                                             parallel, text=constraint)
+                constraint = tool_constraint(
+                    tool_format, functions, req.tool_choice, state.tokenizer.added_token_id, parallel, text=constraint
+                )
             elif forced:  # (vLLM's guided_* fields constrain the whole output, as a forced call does)
                 if constraint is not None:
-                    raise APIError(400, f"tool_choice={req.tool_choice!r} and {asked_by} both constrain the output; "
-                                        f"set only one", param=asked_by)
-                constraint = tool_constraint(tool_format, functions, req.tool_choice, state.tokenizer.added_token_id,
-                                             parallel)
+                    raise APIError(
+                        400,
+                        f"tool_choice={req.tool_choice!r} and {asked_by} both constrain the output; set only one",
+                        param=asked_by,
+                    )
+                constraint = tool_constraint(
+                    tool_format, functions, req.tool_choice, state.tokenizer.added_token_id, parallel
+                )
             if forced:
                 asked_by = "tool_choice"
         rendered = render_prompt(state.renderer, req, names.prompt)

@@ -82,9 +82,12 @@ class CompletionFormat:
             piece = "" if e.stop else completes(e.token)  # the text holds no stop token
             tokens.append(piece)
             chars += len(piece)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries],
-                                  top_logprobs=[{shown(t): v for t, v in e.top} for e in entries],
-                                  text_offset=offsets)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{shown(t): v for t, v in e.top} for e in entries],
+            text_offset=offsets,
+        )
 
     def finish_reason(self, event: Finished) -> str:
         """The finish reason a finished job's client is sent (for /metrics to count the same)."""
@@ -93,15 +96,17 @@ class CompletionFormat:
     @staticmethod
     def prompt_only(event: Finished) -> Finished:
         """echo with max_tokens=0: the token generated to run the prompt is dropped, as vLLM drops it."""
-        return dataclasses.replace(event, text="", finish_reason="length", completion_tokens=0,
-                                   logprobs=None if event.logprobs is None else ())
+        return dataclasses.replace(
+            event, text="", finish_reason="length", completion_tokens=0, logprobs=None if event.logprobs is None else ()
+        )
 
     def choice(self, event: Finished, index: int = 0, echo: Echo | None = None) -> CompletionChoice:
         text, logprobs = event.text, self.logprobs(event.logprobs)
         if echo is not None:  # the prompt first: its text, and its tokens' log-probs (the first has none)
             sent = self.prompt_strings[index // self.n] if self.prompt_strings else None
-            prompt = sent if sent is not None else self.tokenizer.decode(echo.tokens,
-                                                                         skip_special_tokens=self.skip_special)
+            prompt = (
+                sent if sent is not None else self.tokenizer.decode(echo.tokens, skip_special_tokens=self.skip_special)
+            )
             text = prompt + text
             if event.logprobs is not None or echo.logprobs:
                 # (the first token has no log-prob: a placeholder's, then None in the lists)
@@ -109,13 +114,15 @@ class CompletionFormat:
                 before.token_logprobs[0] = before.top_logprobs[0] = None
                 after = self.logprobs(event.logprobs, text_start=len(prompt))
                 if after is not None:
-                    before = CompletionLogprobs(**{k: getattr(before, k) + getattr(after, k)
-                                                   for k in CompletionLogprobs.model_fields})
+                    before = CompletionLogprobs(
+                        **{k: getattr(before, k) + getattr(after, k) for k in CompletionLogprobs.model_fields}
+                    )
                 logprobs = before
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=event.finish_reason)
 
-    def response(self, events: list[Finished], echoes: list[Echo] | None = None,
-                 prompts: int = 1) -> CompletionResponse:
+    def response(
+        self, events: list[Finished], echoes: list[Echo] | None = None, prompts: int = 1
+    ) -> CompletionResponse:
         """One choice per event, in order; usage counts each distinct prompt once (n choices share it)."""
         if self.echo_only:
             events = [self.prompt_only(e) for e in events]
@@ -125,10 +132,10 @@ class CompletionFormat:
     # -- streamed (serving_base.OpenAIServing.stream's ChunkWriter) -------------------------
 
     def _chunk(self, text: str, index: int, finish_reason: str | None = None, logprobs=()) -> str:
-        choice = CompletionChoice(index=index, text=text, logprobs=self.logprobs(logprobs),
-                                  finish_reason=finish_reason)
-        return sse(CompletionChunk(**self.head.fields(), choices=[choice]),
-                   exclude=None if self.include_usage else {"usage"})
+        choice = CompletionChoice(index=index, text=text, logprobs=self.logprobs(logprobs), finish_reason=finish_reason)
+        return sse(
+            CompletionChunk(**self.head.fields(), choices=[choice]), exclude=None if self.include_usage else {"usage"}
+        )
 
     def opening(self, choices: int) -> list[str]:
         return []
@@ -188,13 +195,18 @@ class OpenAIServingCompletion(OpenAIServing):
         constraint, asked_by = constraint_of(req)
         requested = req.max_tokens
         if requested == 0 and not req.echo:
-            raise APIError(400, "max_tokens=0 must be at least 1 (0 is taken only with echo=true: the prompt comes "
-                                "back, scored with logprobs=N, and nothing is generated)", param="max_tokens")
+            raise APIError(
+                400,
+                "max_tokens=0 must be at least 1 (0 is taken only with echo=true: the prompt comes "
+                "back, scored with logprobs=N, and nothing is generated)",
+                param="max_tokens",
+            )
         if requested == 0:  # as vLLM does it: one token is generated and not shown, so the prompt runs as any
             requested = 1  # request's does (admitted, cached, counted) and then is scored by the echo
         fmt = CompletionFormat(state.model_name, req, state.tokenizer)
-        return self.jobs(request, req, Prompts(self._token_ids(req), requested, constraint, asked_by),
-                         fmt.finish_reason)
+        return self.jobs(
+            request, req, Prompts(self._token_ids(req), requested, constraint, asked_by), fmt.finish_reason
+        )
 
     def _token_ids(self, req: CompletionRequest) -> list[list[int]]:
         """A completion request's prompts: a string, token ids, or a list of either (a batch)."""
@@ -228,4 +240,3 @@ def _echo(job: Job, lp) -> Echo:
     if lp is None or n is None:  # (a job without logprobs is not scored: lp is None)
         return Echo(job.tokens, [])
     return Echo(job.tokens, [TokenLogprob.of(row, token, n) for row, token in zip(lp, job.tokens[1:])])
-

@@ -20,8 +20,9 @@ def parse_publish(raw: bytes, context: int | None = None) -> PublishRequest:
     if "text" in data and (not isinstance(data["text"], str) or not data["text"]):
         raise APIError(400, "'text' must be a non-empty string", param="text")
     ids = data.get("token_ids")
-    if "token_ids" in data and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                                  for t in ids)):
+    if "token_ids" in data and not (
+        isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
         raise APIError(400, "'token_ids' must be a list of integers", param="token_ids")
     return validated(PublishRequest, data)
 
@@ -42,8 +43,13 @@ class ServingPublish:
             raise APIError(503, str(e), retry_after=1) from None
         except RequestError as e:
             raise APIError(400, str(e), param=param) from None
-        return PublishResponse(tokens=len(tokens), entries=done.entries, stored_tokens=done.tokens,
-                               skipped=done.skipped, rejected=done.rejected).model_dump()
+        return PublishResponse(
+            tokens=len(tokens),
+            entries=done.entries,
+            stored_tokens=done.tokens,
+            skipped=done.skipped,
+            rejected=done.rejected,
+        ).model_dump()
 
     def _tokens(self, raw: bytes) -> tuple[list[int], str]:
         """A publish body's document as token ids, and the field it came in (on a worker thread)."""
@@ -51,8 +57,10 @@ class ServingPublish:
         req = parse_publish(raw, state.context)
         state.check_model(req.model)
         if state.client.reuse not in ("pic", "naive"):
-            raise APIError(400, f"publishing needs content reuse (--reuse pic or naive); this server runs "
-                                f"--reuse {state.client.reuse}")
+            raise APIError(
+                400,
+                f"publishing needs content reuse (--reuse pic or naive); this server runs --reuse {state.client.reuse}",
+            )
         if req.text is not None:
             param = "text"
             state.check_text(len(req.text), "text", "text")

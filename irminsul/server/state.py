@@ -76,11 +76,14 @@ class ServerState:
         self.renderer = ChatRenderer(self.tokenizer)
         # no token stands for more bytes than this, so a text of more than context x this many
         # characters cannot fit, and is refused before anyone tokenizes it
-        self.max_token_bytes = max(1, max(len(self.tokenizer.token_bytes(t, False))
-                                          for t in range(self.tokenizer.vocab_size)))
+        self.max_token_bytes = max(
+            1, max(len(self.tokenizer.token_bytes(t, False)) for t in range(self.tokenizer.vocab_size))
+        )
         if config.store.specs != ("memory",) and not config.store_secret:
-            log.warning("the disk / Redis tiers have no --store-secret: whoever can write to them can "
-                        "substitute cached rows undetected (see docs/serving.md, Security model)")
+            log.warning(
+                "the disk / Redis tiers have no --store-secret: whoever can write to them can "
+                "substitute cached rows undetected (see docs/serving.md, Security model)"
+            )
         self.metrics = ServerMetrics(self.model_name)
         self.client = EngineClient.create(loaded.model, self.tokenizer, loaded.checkpoint_id, config, self.metrics)
         self.context = self.client.context
@@ -93,8 +96,12 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def prepare(self, request, fn, *args):
         """``fn(*args)`` on a worker thread, within the request's share of them (an awaitable)."""
@@ -105,9 +112,14 @@ class ServerState:
         tokenizes for seconds into millions of ids): no token is longer than max_token_bytes."""
         most = self.context * self.max_token_bytes
         if chars > most:
-            raise context_exceeded(self.context, f"the {what} has {chars:,} characters, more than {self.context} "
-                                                 f"tokens hold (no token is longer than {self.max_token_bytes} "
-                                                 f"bytes)", param, what)
+            raise context_exceeded(
+                self.context,
+                f"the {what} has {chars:,} characters, more than {self.context} "
+                f"tokens hold (no token is longer than {self.max_token_bytes} "
+                f"bytes)",
+                param,
+                what,
+            )
 
     def close(self) -> None:
         """Stop the engine thread, the store's threads and the worker threads (idempotent: the app's

@@ -87,11 +87,16 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt), dict=_Dict(),
-                       namespace=_Namespace)
+    env.globals.update(
+        raise_exception=_raise,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=_Dict(),
+        namespace=_Namespace,
+    )
     return env
 
 
@@ -104,7 +109,11 @@ def _iterates_content(env, source: str) -> bool:
             it = it.node
         if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
             return True
-        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) and it.arg.value == "content":
+        if (
+            isinstance(it, jinja2.nodes.Getitem)
+            and isinstance(it.arg, jinja2.nodes.Const)
+            and it.arg.value == "content"
+        ):
             return True
         if isinstance(it, jinja2.nodes.Name) and it.name == "content":
             return True
@@ -132,9 +141,13 @@ class JinjaTemplate:
 
     def render(self, messages: list, tools: list | None, add_generation_prompt: bool, extra: dict) -> str:
         try:
-            return self._template.render(messages=messages, tools=tools or None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **{**self.special_tokens, **extra})
+            return self._template.render(
+                messages=messages,
+                tools=tools or None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **extra},
+            )
         except jinja2.TemplateError as e:  # raise_exception(...) in the template, or a sandbox refusal
             raise ValueError(f"the chat template refused the request: {e}") from None
         except (TypeError, AttributeError, KeyError, IndexError) as e:

@@ -35,8 +35,9 @@ class Tenancy:
         key = bearer(request)
         match = next((t for k, t in self.tenants.items() if hmac.compare_digest(k, key)), None)
         if match is None:
-            raise APIError(401, "missing or unknown API key; send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing or unknown API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
         return f"key:{match}"
 
     def tenant_of(self, request, cache_salt: str | None) -> str | None:

@@ -43,8 +43,14 @@ class ToolFormat:
     sep: str = "\n"  # between two calls, when generating
     raw_json: bool = False  # a call whose header does not match may still be one JSON object (keys in any order)
 
-    def grammar(self, tools: list[dict], named: str | None, added_token_id=lambda text: None,
-                single: bool = False, text: str | None = None) -> str:
+    def grammar(
+        self,
+        tools: list[dict],
+        named: str | None,
+        added_token_id=lambda text: None,
+        single: bool = False,
+        text: str | None = None,
+    ) -> str:
         """Lark for one call (to `named`, or to any of `tools` if `single`) or one or more (to any
         of `tools`); `text`, a Lark expression: or else output that matches it. `added_token_id`: a
         marker that is one added token is written as that token (llguidance does not match added
@@ -53,8 +59,9 @@ class ToolFormat:
 
         def lit(text: str) -> str:
             parts = regex.split("(" + "|".join(map(regex.escape, markers)) + ")", text) if markers else [text]
-            return " ".join(f"<[{added_token_id(p)}]>" if p in markers else json.dumps(p, ensure_ascii=False)
-                            for p in parts if p)
+            return " ".join(
+                f"<[{added_token_id(p)}]>" if p in markers else json.dumps(p, ensure_ascii=False) for p in parts if p
+            )
 
         rules, names = [], []
         for i, fn in enumerate(tools):
@@ -62,14 +69,20 @@ class ToolFormat:
                 continue
             params = closed(fn.get("parameters") or {"type": "object"})
             if self.json_call:
-                schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                          "required": ["name", "arguments"], "additionalProperties": False,
-                          "x-guidance": JSON_LAYOUT}
+                schema = {
+                    "type": "object",
+                    "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                    "x-guidance": JSON_LAYOUT,
+                }
                 body = f"{lit(self.wrap[0])} %json {json.dumps(schema)} {lit(self.wrap[1])}"
             else:  # deepseek: the name in the header, the arguments in a code block
                 schema = {**params, "x-guidance": JSON_LAYOUT} if isinstance(params, dict) else params
-                body = (f"{lit(self.opener + 'function<｜tool▁sep｜>' + fn['name'] + chr(10) + '```json' + chr(10))}"
-                        f" %json {json.dumps(schema)} {lit(chr(10) + '```' + self.closer)}")
+                body = (
+                    f"{lit(self.opener + 'function<｜tool▁sep｜>' + fn['name'] + chr(10) + '```json' + chr(10))}"
+                    f" %json {json.dumps(schema)} {lit(chr(10) + '```' + self.closer)}"
+                )
             rules.append(f"call_{i}: {body.strip()}")
             names.append(f"call_{i}")
         calls = "call" if named is not None or single else f"call ({lit(self.sep)} call)*" if self.sep else "call+"
@@ -82,10 +95,19 @@ class ToolFormat:
 _NAME_THEN_ARGUMENTS = r'\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[{\["])'
 # The bundled model writes a call as the JSON object itself (its training data's form)
 IRMINSUL = ToolFormat("irminsul", '{"name"', "}", _NAME_THEN_ARGUMENTS, json_call=True, sep="")
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", r'\s*\{\s*"name"' + _NAME_THEN_ARGUMENTS,
-                    json_call=True, wrap=("<tool_call>\n", "\n</tool_call>"), raw_json=True)
+HERMES = ToolFormat(
+    "hermes",
+    "<tool_call>",
+    "</tool_call>",
+    r'\s*\{\s*"name"' + _NAME_THEN_ARGUMENTS,
+    json_call=True,
+    wrap=("<tool_call>\n", "\n</tool_call>"),
+    raw_json=True,
+)
 DEEPSEEK = ToolFormat(
-    "deepseek", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+    "deepseek",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
     r"(?:function<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\s*(?=[{\[])"
     r"|(?!function<)(?P<name2>[^<\n]+?)<｜tool▁sep｜>\s*(?=[{\[]))",
     drop=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
@@ -93,8 +115,14 @@ DEEPSEEK = ToolFormat(
 FORMATS = {f.name: f for f in (IRMINSUL, HERMES, DEEPSEEK)}
 
 
-def tool_constraint(fmt: ToolFormat, tools: list[dict], tool_choice, added_token_id=lambda text: None,
-                    parallel: bool = True, text: Constraint | None = None) -> Constraint | None:
+def tool_constraint(
+    fmt: ToolFormat,
+    tools: list[dict],
+    tool_choice,
+    added_token_id=lambda text: None,
+    parallel: bool = True,
+    text: Constraint | None = None,
+) -> Constraint | None:
     """The output constraint of a turn with tools. `tools` are the functions ({"name",
     "parameters", ...}); `parallel` False: at most one call; `text`: the JSON schema constraint of
     the request's response format, which applies to text turns.
@@ -219,7 +247,7 @@ class ToolCallParser:
         if self._after_call:
             text = text.lstrip()
         stripped = text.rstrip()
-        self._ws = text[len(stripped):]
+        self._ws = text[len(stripped) :]
         if stripped:
             out.append(Content(stripped))
             self._after_call = False
@@ -232,13 +260,13 @@ class ToolCallParser:
             if hits:
                 at, marker = min(hits)
                 self._content(out, buf[:at])
-                self._buf = buf[at + len(marker):]
+                self._buf = buf[at + len(marker) :]
                 if marker == fmt.opener:
                     self._mode = "header"
                 return True
             keep = 0 if final else _partial_suffix(buf, markers)
             self._content(out, buf[: len(buf) - keep])
-            self._buf = buf[len(buf) - keep:]
+            self._buf = buf[len(buf) - keep :]
             return False
         if self._mode == "header":
             m = regex.match(fmt.header, buf, partial=True)
@@ -256,11 +284,11 @@ class ToolCallParser:
             name = name.strip()
             if self.names is not None and name not in self.names:  # not a function it may call: text
                 self._content(out, fmt.opener + buf[: m.end()])
-                self._buf, self._mode = buf[m.end():], "text"
+                self._buf, self._mode = buf[m.end() :], "text"
                 return True
             self.calls.append(Call(name))
             out.append(CallStart(len(self.calls) - 1, self.calls[-1].name))
-            self._buf = buf[m.end():]
+            self._buf = buf[m.end() :]
             self._mode, self._depth, self._in_string, self._escape, self._value = "arguments", 0, False, False, ""
             self._string_value = False
             return True
@@ -270,7 +298,7 @@ class ToolCallParser:
             at = buf.find(fmt.closer)
             if at < 0:
                 return False
-            body, self._buf, self._mode = buf[:at], buf[at + len(fmt.closer):], "text"
+            body, self._buf, self._mode = buf[:at], buf[at + len(fmt.closer) :], "text"
             call = _whole_call(body) if fmt.raw_json else None
             if call is not None and self.names is not None and call[0] not in self.names:
                 call = None
@@ -288,7 +316,7 @@ class ToolCallParser:
             keep = len(fmt.closer) - 1
             self._buf = buf[-keep:] if len(buf) > keep else buf
             return False
-        self._buf, self._mode, self._after_call, self._ws = buf[at + len(fmt.closer):], "text", True, ""
+        self._buf, self._mode, self._after_call, self._ws = buf[at + len(fmt.closer) :], "text", True, ""
         return True
 
     def _scan_arguments(self, out: list) -> bool:
@@ -323,7 +351,7 @@ class ToolCallParser:
                 if self._depth == 0:
                     break
         piece = buf[start:i]
-        done = (self._depth == 0 and not self._in_string and piece.strip() != "")
+        done = self._depth == 0 and not self._in_string and piece.strip() != ""
         if self._string_value:
             self._value += piece
             if done:

@@ -45,8 +45,10 @@ def holders(llm) -> np.ndarray:
 @pytest.fixture(scope="module")
 def machine_llms(tiny_dir):
     per_row = LLM(tiny_dir, reuse="off").engine.pool.bytes_per_slot
-    return {mode: LLM(tiny_dir, reuse=mode, kv_cache_gib=POOL_ROWS * per_row / 2**30, compile_decode=False)
-            for mode in ("prefix", "pic")}
+    return {
+        mode: LLM(tiny_dir, reuse=mode, kv_cache_gib=POOL_ROWS * per_row / 2**30, compile_decode=False)
+        for mode in ("prefix", "pic")
+    }
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -58,8 +60,13 @@ class CacheMachine(RuleBasedStateMachine):
         self.llm.engine.kv.clear()
         self.seqs = []
 
-    @rule(header=st.sampled_from([0, 0, 0, 3, 40]), picks=st.lists(st.integers(0, len(CHUNKS) - 1), min_size=1, max_size=3),
-          new=st.integers(1, 60), tenant=st.sampled_from([None, "a", "b"]), sampled=st.booleans())
+    @rule(
+        header=st.sampled_from([0, 0, 0, 3, 40]),
+        picks=st.lists(st.integers(0, len(CHUNKS) - 1), min_size=1, max_size=3),
+        new=st.integers(1, 60),
+        tenant=st.sampled_from([None, "a", "b"]),
+        sampled=st.booleans(),
+    )
     def admit(self, header, picks, new, tenant, sampled):
         prompt = [3 + (header + i) % 200 for i in range(header)] + sum((CHUNKS[p] for p in picks), [])
         params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=1.0 if sampled else 0.0, seed=header)
@@ -107,7 +114,9 @@ class CacheMachine(RuleBasedStateMachine):
         pool = self.llm.engine.pool
         want = holders(self.llm)
         bad = np.nonzero(pool.refs != want)[0]
-        assert not len(bad), f"slots {bad[:8].tolist()}: refs {pool.refs[bad[:8]].tolist()}, holders {want[bad[:8]].tolist()}"
+        assert not len(bad), (
+            f"slots {bad[:8].tolist()}: refs {pool.refs[bad[:8]].tolist()}, holders {want[bad[:8]].tolist()}"
+        )
         free = pool._free[: pool.free]
         assert not (pool.refs[free] != 0).any(), "a referenced slot is on the free list"
         assert len(np.unique(free)) == len(free) and EMPTY_SLOT not in free
@@ -132,7 +141,15 @@ class CacheMachine(RuleBasedStateMachine):
 def test_pool_tree_and_registry_keep_their_references_balanced(machine_llms, mode):
     CacheMachine.llm = machine_llms[mode]
     CacheMachine.seen = dict(hits=0, preempted=0, aborted=0)
-    run_state_machine_as_test(CacheMachine, settings=settings(
-        max_examples=25, stateful_step_count=30, deadline=None, database=None, derandomize=True,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        CacheMachine,
+        settings=settings(
+            max_examples=25,
+            stateful_step_count=30,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     assert all(CacheMachine.seen.values()), CacheMachine.seen  # hits, preemptions and aborts all happened

@@ -29,6 +29,7 @@ def test_compiled_decode_gives_the_engines_tokens_and_logprobs(tmp_path, variant
         def call(*a):
             calls[name] += 1
             return fn(*a)
+
         return call
 
     step._fn, step._batch_fn = counted("one", step._fn), counted("batch", step._batch_fn)
@@ -79,7 +80,9 @@ def test_a_content_hit_decodes_through_the_gathered_step(tiny_dir):
         llm.generate(first + body, max_tokens=1)
         if compile_decode:
             seq = llm.engine.new_sequence(second + body, SamplingParams())
-            assert llm.engine.scheduler.admit(seq) and not consecutive(seq.slots)  # the hit's rows: another run of slots
+            assert llm.engine.scheduler.admit(seq) and not consecutive(
+                seq.slots
+            )  # the hit's rows: another run of slots
             llm.engine.finish(seq)
             step, calls = llm.engine.runner.compiled, []
             real = step._batch_fn

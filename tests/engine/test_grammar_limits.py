@@ -97,10 +97,19 @@ def test_deep_inline_nesting_is_refused_without_python_recursion():
 
 
 def test_schemas_within_the_bounds_compile(grammars):
-    tree = {"$defs": {"node": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["name"]}},
-        "$ref": "#/$defs/node"}  # recursive: a cycle, not a chain
+    tree = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 8},
+                    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                },
+                "required": ["name"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    }  # recursive: a cycle, not a chain
     anchored = {"$ref": "#leaf", "$defs": {"x": {"$anchor": "leaf", "type": "integer"}}}
     for schema in (ref_chain(40), property_chain(20), tree, anchored):
         grammars.matcher(Constraint.json_schema(schema))
@@ -126,7 +135,9 @@ def test_choices_are_bounded_in_number_and_bytes():
         Constraint.choice(["x" * 40_000, "y" * 40_000])
 
 
-@pytest.mark.parametrize("pattern", ["a{1000000}", "((a{1000}){1000}){1000}", "(ab|c){99999}", "x{9" + "9" * 5000 + "}"])
+@pytest.mark.parametrize(
+    "pattern", ["a{1000000}", "((a{1000}){1000}){1000}", "(ab|c){99999}", "x{9" + "9" * 5000 + "}"]
+)
 def test_regexes_that_spell_out_too_much_text_are_refused(pattern):
     with pytest.raises(RequestError, match="spells out"):
         Constraint.regex(pattern)
@@ -170,14 +181,19 @@ def alternatives_one_per_line(n: int) -> str:
     return 'start: "opt0"\n' + "".join(f'    | "opt{i}"\n' for i in range(1, n))
 
 
-@pytest.mark.parametrize("grammar", [
-    alternatives_one_per_line(100_000),
-    # across rules, each within MAX_RULES and each line short
-    "start: " + " | ".join(f"r{i}" for i in range(100)) + "\n"
-    + "".join(f"r{i}: " + "".join(f'\n  | "w{i}_{j}"' for j in range(400)) + "\n" for i in range(100)),
-    # GBNF, with a quote in a class that would hide what follows from a parser of literals
-    "root ::= a\n" + '  | [^"] a a a a a a a a a\n' * 5000 + 'a ::= "x"\n',
-])
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        alternatives_one_per_line(100_000),
+        # across rules, each within MAX_RULES and each line short
+        "start: "
+        + " | ".join(f"r{i}" for i in range(100))
+        + "\n"
+        + "".join(f"r{i}: " + "".join(f'\n  | "w{i}_{j}"' for j in range(400)) + "\n" for i in range(100)),
+        # GBNF, with a quote in a class that would hide what follows from a parser of literals
+        "root ::= a\n" + '  | [^"] a a a a a a a a a\n' * 5000 + 'a ::= "x"\n',
+    ],
+)
 def test_alternatives_count_toward_the_grammar_size_however_they_are_laid_out(grammar):
     """A grammar's symbols and alternatives are bounded in all, not per line or per rule: refused
     when the Constraint is built, before llguidance compiles anything."""

@@ -81,32 +81,38 @@ def test_stats_report_the_pool(llm):
     assert s["running_sequences"] == 0 and s["cached_bytes"] == 0  # reuse off: nothing is kept
 
 
-@pytest.mark.parametrize("prompt,match", [
-    ([], "empty"),
-    ("", "empty"),
-    ([1, 2, 100000], "outside the vocabulary"),
-    ([1, -3], "outside the vocabulary"),
-    ([5] * 4200, "context"),
-    ([1.5, 2], "prompt must be"),
-])
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        ([], "empty"),
+        ("", "empty"),
+        ([1, 2, 100000], "outside the vocabulary"),
+        ([1, -3], "outside the vocabulary"),
+        ([5] * 4200, "context"),
+        ([1.5, 2], "prompt must be"),
+    ],
+)
 def test_bad_prompts_raise_clear_errors(llm, prompt, match):
     with pytest.raises(RequestError, match=match):
         llm.generate(prompt, max_tokens=2)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(temperature=-1), "temperature"),
-    (dict(top_p=0), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    # refused when the request is made, by name, not deep inside a step or with a TypeError
-    (dict(logit_bias=((5.5, 1.0),)), "logit_bias token ids"),
-    (dict(logit_bias=5), "logit_bias must be"),
-    (dict(stop=5), "stop must be"),
-    (dict(stop_token_ids=[1.5]), "stop_token_ids must be"),
-    (dict(stop_token_ids=[10**9]), "outside the vocabulary"),
-    (dict(n=2), "no option n"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        # refused when the request is made, by name, not deep inside a step or with a TypeError
+        (dict(logit_bias=((5.5, 1.0),)), "logit_bias token ids"),
+        (dict(logit_bias=5), "logit_bias must be"),
+        (dict(stop=5), "stop must be"),
+        (dict(stop_token_ids=[1.5]), "stop_token_ids must be"),
+        (dict(stop_token_ids=[10**9]), "outside the vocabulary"),
+        (dict(n=2), "no option n"),
+    ],
+)
 def test_bad_sampling_params(llm, kw, match):
     with pytest.raises(RequestError, match=match):
         llm.generate("hi", **kw)
@@ -117,15 +123,18 @@ def test_unknown_reuse_mode(tiny_dir):
         LLM(tiny_dir, reuse="bogus")
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(max_running_requests=0), "max_running_requests"),  # once: generate() waited forever
-    (dict(device="tpu"), "not a device"),
-    (dict(kv_cache_gib=float("inf")), "kv_cache_gib"),
-    (dict(kv_cache_gib=1e7), "more than the"),  # once: torch tried to allocate 10 PB
-    (dict(kv_cache_gib="1"), "kv_cache_gib"),
-    (dict(attention_backend="foo"), "attention_backend"),
-    (dict(bogus_option=3), "unknown cache option bogus_option"),  # once: silently ignored
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(max_running_requests=0), "max_running_requests"),  # once: generate() waited forever
+        (dict(device="tpu"), "not a device"),
+        (dict(kv_cache_gib=float("inf")), "kv_cache_gib"),
+        (dict(kv_cache_gib=1e7), "more than the"),  # once: torch tried to allocate 10 PB
+        (dict(kv_cache_gib="1"), "kv_cache_gib"),
+        (dict(attention_backend="foo"), "attention_backend"),
+        (dict(bogus_option=3), "unknown cache option bogus_option"),  # once: silently ignored
+    ],
+)
 def test_bad_constructor_arguments_are_clear_errors(tiny_dir, kw, match):
     with pytest.raises(RequestError, match=match):
         LLM(tiny_dir, **kw)
@@ -163,9 +172,11 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         LLM(ckpt2)
     # a malformed config file is a CheckpointError that names it, not a JSONDecodeError / AttributeError
-    for name, text, match in (("tokenizer_config.json", "{not json", "not valid JSON"),
-                              ("tokenizer_config.json", "[1]", "must hold a JSON object"),
-                              ("config.json", "[1, 2]", "must hold a JSON object")):
+    for name, text, match in (
+        ("tokenizer_config.json", "{not json", "not valid JSON"),
+        ("tokenizer_config.json", "[1]", "must hold a JSON object"),
+        ("config.json", "[1, 2]", "must hold a JSON object"),
+    ):
         ckpt3 = make_tiny_checkpoint(tmp_path / f"e{len(text)}{name[0]}")
         (ckpt3 / name).write_text(text)
         with pytest.raises(CheckpointError, match=match):
@@ -186,14 +197,17 @@ def test_sharded_checkpoint_loads_identically(tmp_path, tiny_dir):
         LLM(sharded)
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("model_type", "llama", "model_type"),
-    ("num_key_value_heads", 2, "num_key_value_heads"),
-    ("num_experts_per_tok", 9, "num_experts_per_tok"),
-    ("kv_lora_rank", None, "kv_lora_rank"),
-    ("qk_rope_head_dim", 7, "qk_rope_head_dim"),
-    ("hidden_act", "gelu", "hidden_act"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("model_type", "llama", "model_type"),
+        ("num_key_value_heads", 2, "num_key_value_heads"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok"),
+        ("kv_lora_rank", None, "kv_lora_rank"),
+        ("qk_rope_head_dim", 7, "qk_rope_head_dim"),
+        ("hidden_act", "gelu", "hidden_act"),
+    ],
+)
 def test_inconsistent_config_names_the_field(tmp_path, field, value, match):
     ckpt = make_tiny_checkpoint(tmp_path / "c")
     raw = json.loads((ckpt / "config.json").read_text())
@@ -203,13 +217,16 @@ def test_inconsistent_config_names_the_field(tmp_path, field, value, match):
         LLM(ckpt)
 
 
-@pytest.mark.parametrize("variant,field,value,match", [
-    ("v32", "q_lora_rank", None, "q_lora_rank"),  # its indexer reads the query LoRA
-    ("v32", "index_head_dim", 4, "index_head_dim"),  # narrower than the rotary part
-    ("glm", "mlp_layer_types", ["dense", "moe", "sparse"], "mlp_layer_types"),
-    ("longcat", "head_dim", 4, "head_dim"),  # transformers sizes its RoPE by head_dim
-    ("longcat", "router_bias", True, "router_bias"),
-])
+@pytest.mark.parametrize(
+    "variant,field,value,match",
+    [
+        ("v32", "q_lora_rank", None, "q_lora_rank"),  # its indexer reads the query LoRA
+        ("v32", "index_head_dim", 4, "index_head_dim"),  # narrower than the rotary part
+        ("glm", "mlp_layer_types", ["dense", "moe", "sparse"], "mlp_layer_types"),
+        ("longcat", "head_dim", 4, "head_dim"),  # transformers sizes its RoPE by head_dim
+        ("longcat", "router_bias", True, "router_bias"),
+    ],
+)
 def test_the_other_families_refuse_what_they_cannot_serve(tmp_path, variant, field, value, match):
     ckpt = make_tiny_checkpoint(tmp_path / "c", variant)
     raw = json.loads((ckpt / "config.json").read_text())
@@ -265,8 +282,10 @@ def test_logit_controls_change_the_output_as_defined(llm):
     assert stopped.token_ids == [] and stopped.finish_reason == "stop"
     held = llm.generate(prompt, max_tokens=8, ignore_eos=True, stop_token_ids=[first], min_tokens=3)
     assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
-    assert llm.generate(prompt, max_tokens=8, temperature=1.0, seed=3, min_p=1.0, ignore_eos=True).token_ids == \
-        base.token_ids  # min_p = 1 keeps only the most likely token: greedy
+    assert (
+        llm.generate(prompt, max_tokens=8, temperature=1.0, seed=3, min_p=1.0, ignore_eos=True).token_ids
+        == base.token_ids
+    )  # min_p = 1 keeps only the most likely token: greedy
     text = base.text
     if len(text) >= 3:
         stop = text[1:3]

@@ -29,8 +29,10 @@ def test_the_bias_tensors_give_the_per_entry_loops_result_exactly():
         logits = torch.randn(vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
         logits *= rng.choice([1.0, 30.0, 1e4])
         ids = range(min(vocab, rng.choice([3, 40, vocab])))  # few ids: many repeats
-        bias = [(rng.randrange(-3, vocab + 3) if rng.random() < 0.1 else rng.choice(ids), rng.uniform(-100, 100))
-                for _ in range(rng.randint(1, MAX_LOGIT_BIAS))]
+        bias = [
+            (rng.randrange(-3, vocab + 3) if rng.random() < 0.1 else rng.choice(ids), rng.uniform(-100, 100))
+            for _ in range(rng.randint(1, MAX_LOGIT_BIAS))
+        ]
         params = SamplingParams(logit_bias=tuple(bias))
         assert torch.equal(adjust_logits(logits, params, [], [], []), slow_bias(logits, params.logit_bias))
 

@@ -83,15 +83,18 @@ def test_batched_forward_equals_separate(tiny_dir):
             pool[:, table[:start]] = sr.raw[:, :start]
     qs = [np.arange(n) if s is None else np.array([s]) for n, s in zip(lengths, decode_from)]
     offsets = np.concatenate([[0], np.cumsum([len(q) for q in qs])]).tolist()
-    batch = ForwardBatch(torch.cat([x[q] for x, q in zip(ids, qs)]), torch.as_tensor(np.concatenate(qs)), pool,
-                         torch.as_tensor(np.concatenate([t[q] for t, q in zip(tables, qs)])),
-                         model.attention.plan([SeqAttention(q, t[: q[-1] + 1]) for q, t in zip(qs, tables)],
-                                              offsets, "cpu"))
+    batch = ForwardBatch(
+        torch.cat([x[q] for x, q in zip(ids, qs)]),
+        torch.as_tensor(np.concatenate(qs)),
+        pool,
+        torch.as_tensor(np.concatenate([t[q] for t, q in zip(tables, qs)])),
+        model.attention.plan([SeqAttention(q, t[: q[-1] + 1]) for q, t in zip(qs, tables)], offsets, "cpu"),
+    )
     decode = [g for g in batch.groups if g.shape[1] == 1]
     assert sum(len(g.token_index) for g in decode) == 3 and sum(len(g.token_index) for g in batch.groups) == 78
     logits = model.logits(model(batch))
     for i, (ref, q) in enumerate(zip(refs, qs)):
-        assert (logits[offsets[i]:offsets[i + 1]] - ref[q]).abs().max().item() < 1e-4, i
+        assert (logits[offsets[i] : offsets[i + 1]] - ref[q]).abs().max().item() < 1e-4, i
 
 
 def test_bf16_runs_and_stays_close(tiny_dir):

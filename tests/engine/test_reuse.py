@@ -12,8 +12,9 @@ from irminsul.model.tiny import make_tiny_checkpoint
 @pytest.fixture(scope="module")
 def one_layer(tmp_path_factory):
     # With one layer, a token's c_KV depends only on the token: pic must be exact.
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("l1") / "c", num_hidden_layers=1,
-                                first_k_dense_replace=1, yarn=True, std=0.3)
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("l1") / "c", num_hidden_layers=1, first_k_dense_replace=1, yarn=True, std=0.3
+    )
 
 
 def _rand(n, seed, lo=0, hi=250):
@@ -85,9 +86,9 @@ def test_reused_rows_are_shared_and_equal_rows_computed_in_place(one_layer):
     reused = [s for s in seq.reuse_plan.spans if s.kind == "reuse"]
     assert reused and all(s.delta == 117 for s in reused)
     for s in reused:
-        assert np.isin(seq.slots[s.start:s.end], cached).all()  # the registry's own slots
-        got = pic.engine.pool.read(seq.slots[s.start:s.end])
-        assert torch.allclose(got, ref_rows[:, s.start:s.end], atol=1e-5)
+        assert np.isin(seq.slots[s.start : s.end], cached).all()  # the registry's own slots
+        got = pic.engine.pool.read(seq.slots[s.start : s.end])
+        assert torch.allclose(got, ref_rows[:, s.start : s.end], atol=1e-5)
     pic.engine.run(seq)
 
 
@@ -120,7 +121,9 @@ def test_stats_add_up_and_generated_output_is_registered(tiny_dir):
     assert s.prompt_tokens == s.prefix_tokens + s.reused_tokens + s.computed_tokens
     assert s.reused_tokens >= 400 and s.carve_out_tokens <= s.computed_tokens
     generated = range(77 + 400, 77 + 700)
-    in_output = sum(len(set(range(sp.start, sp.end)) & set(generated)) for sp in seq.reuse_plan.spans if sp.kind == "reuse")
+    in_output = sum(
+        len(set(range(sp.start, sp.end)) & set(generated)) for sp in seq.reuse_plan.spans if sp.kind == "reuse"
+    )
     assert in_output >= 150, seq.reuse_plan.spans
     llm.engine.run(seq)
 

@@ -37,8 +37,9 @@ def test_randomness_is_a_function_of_seed_and_step_only():
     params = [SamplingParams(temperature=1.0)] * 5
     seeds, steps = [11, 12, 13, 14, 15], [0, 4, 4, 9, 1]
     together = sample_batch(logits, params, seeds, steps)
-    alone = [int(sample_batch(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1], steps[i : i + 1])[0])
-             for i in range(5)]
+    alone = [
+        int(sample_batch(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1], steps[i : i + 1])[0]) for i in range(5)
+    ]
     assert together.tolist() == alone
     greedy = SamplingParams(temperature=0.0)
     mixed = sample_batch(logits, [greedy, *params[1:]], seeds, steps)  # a greedy neighbour changes nothing

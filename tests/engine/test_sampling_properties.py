@@ -42,8 +42,9 @@ def test_every_hash_value_maps_inside_the_open_unit_interval():
     assert torch.unique(u).numel() == 1 << 23  # no two patterns collapse onto one float
 
 
-@pytest.mark.parametrize("rows, vocab", [(1, DEEPSEEK_VOCAB), (3, 70_000), (5, 1), (1000, 100), (20_000, 12),
-                                         (2, (1 << 16) + 1)])
+@pytest.mark.parametrize(
+    "rows, vocab", [(1, DEEPSEEK_VOCAB), (3, 70_000), (5, 1), (1000, 100), (20_000, 12), (2, (1 << 16) + 1)]
+)
 def test_the_cpu_hash_in_blocks_gives_the_same_numbers_as_the_whole_at_once(rows, vocab):
     seeds = torch.arange(rows) * 7919 - 2**61  # negative seeds and wrapping products too
     steps = torch.arange(rows) * 3 + 2**40
@@ -85,16 +86,19 @@ def test_a_grammar_mask_is_never_crossed_at_a_deepseek_vocabulary():
     allowed[torch.randint(0, DEEPSEEK_VOCAB, (5,), generator=g)] = True
     masked = logits.masked_fill(~allowed, float("-inf"))
     for start in range(0, 384, 64):
-        tokens = sample_batch(masked, [SamplingParams(temperature=1.0)] * 64, list(range(start, start + 64)),
-                              [0] * 64)
+        tokens = sample_batch(masked, [SamplingParams(temperature=1.0)] * 64, list(range(start, start + 64)), [0] * 64)
         assert bool(allowed[tokens].all())
 
 
 def test_frequencies_match_the_distribution_over_a_million_draws():
     logits = torch.tensor([[1.5, 1.0, 0.2, -0.3, -1.0, 0.7, float("-inf"), -2.0, 0.0, 2.2, float("-inf"), -0.5]])
     n = 1_000_000
-    for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=5),
-                   SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=1.0, min_p=0.2)):
+    for params in (
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.7),
+        SamplingParams(temperature=1.0, min_p=0.2),
+    ):
         want = torch.from_numpy(reference_probs(logits[0].numpy(), params))
         tokens = sample_batch(logits.expand(n, -1), [params] * n, list(range(n)), [3] * n)
         counts = torch.bincount(tokens, minlength=logits.shape[-1]).double()
@@ -110,7 +114,7 @@ def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     order = np.argsort(-x, kind="stable")
     srt = x[order]
     if params.top_k:
-        srt[params.top_k:] = -np.inf
+        srt[params.top_k :] = -np.inf
     p = np.exp(srt - srt.max())
     p /= p.sum()
     drop = (p < params.min_p * p[0]) | (np.cumsum(p) - p >= params.top_p)
@@ -126,13 +130,16 @@ def sampling_cases(draw):
     vocab = draw(st.sampled_from([2, 3, 17, 1000, 32_000, DEEPSEEK_VOCAB, 160_000]))
     batch = draw(st.integers(1, 3))
     seed = draw(st.integers(0, 2**32))
-    params = [SamplingParams(
-        temperature=draw(st.floats(1e-5, 100.0)),
-        top_k=draw(st.one_of(st.just(0), st.integers(1, vocab + 5), st.just(2**63), st.just(10**30))),
-        top_p=draw(st.floats(1e-6, 1.0, exclude_min=False)),
-        min_p=draw(st.floats(0.0, 1.0)),
-        seed=draw(st.integers(0, 2**63 - 1)),
-    ) for _ in range(batch)]
+    params = [
+        SamplingParams(
+            temperature=draw(st.floats(1e-5, 100.0)),
+            top_k=draw(st.one_of(st.just(0), st.integers(1, vocab + 5), st.just(2**63), st.just(10**30))),
+            top_p=draw(st.floats(1e-6, 1.0, exclude_min=False)),
+            min_p=draw(st.floats(0.0, 1.0)),
+            seed=draw(st.integers(0, 2**63 - 1)),
+        )
+        for _ in range(batch)
+    ]
     masked_share = draw(st.sampled_from([0.0, 0.5, 0.999]))
     return vocab, seed, params, masked_share, draw(st.integers(0, 10_000))
 

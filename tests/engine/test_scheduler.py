@@ -27,8 +27,9 @@ def test_streamed_text_is_the_output_and_never_shows_a_stop_string(tiny_dir):
     base = llm.generate("stop test", max_tokens=24, ignore_eos=True)
     stop = base.text[5:8]
     assert len(stop) == 3 and stop in base.text
-    seq = llm.engine.new_sequence(llm.tokenizer.encode("stop test"), SamplingParams(max_tokens=24, stop=(stop,),
-                                                                                    ignore_eos=True))
+    seq = llm.engine.new_sequence(
+        llm.tokenizer.encode("stop test"), SamplingParams(max_tokens=24, stop=(stop,), ignore_eos=True)
+    )
     streamed = _run(llm.engine, [seq])[seq.id]
     assert seq.finish_reason == "stop" and streamed == seq.text == base.text[: base.text.index(stop)]
 
@@ -53,8 +54,10 @@ def _burst(tiny_dir, segmented: bool):
     doc, tail = _rand(1500, 300), [1, 2, 3]
     headers = [_rand(10 + 7 * i, 400 + i) for i in range(16)]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    seqs = [llm.engine.new_sequence(h + doc + tail, params, [0, len(h), len(h) + len(doc)] if segmented else None)
-            for h in headers]
+    seqs = [
+        llm.engine.new_sequence(h + doc + tail, params, [0, len(h), len(h) + len(doc)] if segmented else None)
+        for h in headers
+    ]
     for seq in seqs:
         llm.engine.add_request(seq)
     peak = 0
@@ -97,15 +100,21 @@ def test_degenerate_sampling_values_sample_and_never_fail_the_step(tiny_dir):
     from irminsul.engine.sampling import sample
 
     logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
-    for p in (SamplingParams(temperature=1.0, top_p=1e-50), SamplingParams(temperature=1e-40),
-              SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=100.0, top_k=3)):
+    for p in (
+        SamplingParams(temperature=1.0, top_p=1e-50),
+        SamplingParams(temperature=1e-40),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=100.0, top_k=3),
+    ):
         token = sample(logits, p, None)
         assert 0 <= token < 300 and (not p.greedy or token == int(logits.argmax()))
     llm = LLM(tiny_dir)
     prompt = llm.tokenizer.encode("degenerate sampling")
     greedy = llm.generate(prompt, max_tokens=8, ignore_eos=True).token_ids
-    odd = [SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-50, ignore_eos=True),
-           SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True)]
+    odd = [
+        SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-50, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True),
+    ]
     seqs = [llm.engine.new_sequence(prompt, p) for p in [SamplingParams(max_tokens=8, ignore_eos=True), *odd]]
     _run(llm.engine, seqs)
     assert all(s.finish_reason == "length" and s.error is None for s in seqs)
@@ -122,11 +131,13 @@ def test_an_error_in_one_sequence_ends_that_sequence_alone(tiny_dir, monkeypatch
 
     llm = LLM(tiny_dir, compile_decode=False)
     prompt = _rand(40, 7)
-    cases = {"sampled": SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
-             "top_k": SamplingParams(max_tokens=12, temperature=1.0, top_k=2**63, seed=4, ignore_eos=True),
-             "greedy": SamplingParams(max_tokens=12, ignore_eos=True),
-             "biased": SamplingParams(max_tokens=12, temperature=0.7, seed=5, logit_bias=((3, 2.0),), ignore_eos=True),
-             "regex": SamplingParams(max_tokens=12, temperature=1.0, seed=6, constraint=Constraint.regex("[a-z ]{1,40}"))}
+    cases = {
+        "sampled": SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
+        "top_k": SamplingParams(max_tokens=12, temperature=1.0, top_k=2**63, seed=4, ignore_eos=True),
+        "greedy": SamplingParams(max_tokens=12, ignore_eos=True),
+        "biased": SamplingParams(max_tokens=12, temperature=0.7, seed=5, logit_bias=((3, 2.0),), ignore_eos=True),
+        "regex": SamplingParams(max_tokens=12, temperature=1.0, seed=6, constraint=Constraint.regex("[a-z ]{1,40}")),
+    }
     alone = {}
     for name, params in cases.items():
         seq = llm.engine.new_sequence(prompt, params)
@@ -142,10 +153,13 @@ def test_an_error_in_one_sequence_ends_that_sequence_alone(tiny_dir, monkeypatch
             if isinstance(params, SamplingParams) and params.seed == seq_params_marker:
                 raise OverflowError("injected")
             return original(*args, **kwargs)
+
         return wrapped
 
-    bad = {"sample": SamplingParams(max_tokens=12, temperature=1.0, seed=666, ignore_eos=True),
-           "adjust": SamplingParams(max_tokens=12, temperature=1.0, seed=666, presence_penalty=0.5, ignore_eos=True)}
+    bad = {
+        "sample": SamplingParams(max_tokens=12, temperature=1.0, seed=666, ignore_eos=True),
+        "adjust": SamplingParams(max_tokens=12, temperature=1.0, seed=666, presence_penalty=0.5, ignore_eos=True),
+    }
     for where, target in (("sample", "sample_batch"), ("adjust", "adjust_logits")):
         monkeypatch.setattr(engine_module, target, faulty(666, getattr(engine_module, target)))
         seqs = {name: llm.engine.new_sequence(prompt, params) for name, params in cases.items()}
@@ -158,8 +172,9 @@ def test_an_error_in_one_sequence_ends_that_sequence_alone(tiny_dir, monkeypatch
 
     # a grammar whose mask computation fails takes down its own sequence only
     original_allowed = llm.engine.grammars.allowed
-    victim = llm.engine.new_sequence(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=9,
-                                                            constraint=Constraint.regex("[0-9]{1,40}")))
+    victim = llm.engine.new_sequence(
+        prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=9, constraint=Constraint.regex("[0-9]{1,40}"))
+    )
 
     def allowed(matchers):
         if any(m is victim.matcher for m in matchers):

@@ -41,8 +41,9 @@ def test_pic_reuses_shifted_content_exactly_on_one_layer(tmp_path, kind):
     not a multiple of either rate): pic shares the cached rows and scores exactly as full prefill;
     naive (stale keys) does not."""
     # a 64-token window: the scored queries read reused keys through it, not only computed ones
-    path = make_tiny_v4_checkpoint(tmp_path / "one", seed=2, num_hidden_layers=1, layer_types=[kind],
-                                   mlp_layer_types=[TOPK_MOE], sliding_window=64)
+    path = make_tiny_v4_checkpoint(
+        tmp_path / "one", seed=2, num_hidden_layers=1, layer_types=[kind], mlp_layer_types=[TOPK_MOE], sliding_window=64
+    )
     body = _rand(300, 3)
     first, second = _rand(40, 4) + body, _rand(157, 5) + body + _rand(5, 6)
     ref = LLM(path).score(second[:-3], second[-3:])
@@ -74,11 +75,13 @@ def test_the_server_serves_v4_with_reuse(v4_dir):
         body = text(80, 7)
         first = client.completions.create(model="tiny", prompt="header one. " + body, max_tokens=4, temperature=0)
         assert first.usage.completion_tokens >= 1
-        client.completions.create(model="tiny", prompt="a longer, different header. " + body, max_tokens=4,
-                                  temperature=0)
+        client.completions.create(
+            model="tiny", prompt="a longer, different header. " + body, max_tokens=4, temperature=0
+        )
         assert metric(server.url, "irminsul_reused_tokens_total") > 100
-        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": body}],
-                                              max_tokens=3, temperature=0)
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": body}], max_tokens=3, temperature=0
+        )
         assert chat.choices[0].finish_reason in ("stop", "length")
     finally:
         server.stop()

@@ -58,10 +58,31 @@ def test_health_says_starting_then_degraded_and_sigterm_stops_the_whole_fleet(tm
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "irminsul", "serve", "--replicas", "2", "--start-redis", "--store",
-             f"redis://127.0.0.1:{redis_port}/0", "--host", "127.0.0.1", "--port", str(port),
-             "--no-compile-decode", "--kv-cache-gib", "0.25", "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "irminsul",
+                "serve",
+                "--replicas",
+                "2",
+                "--start-redis",
+                "--store",
+                f"redis://127.0.0.1:{redis_port}/0",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--no-compile-decode",
+                "--kv-cache-gib",
+                "0.25",
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         # -- start-up: a 503 that says "starting" (never a 500, never a traceback) until both serve
@@ -93,8 +114,12 @@ def test_health_says_starting_then_degraded_and_sigterm_stops_the_whole_fleet(tm
         replicas = [pid for pid, cmd in session_processes(proc.pid).items() if "IrminsulReplica" in cmd]
         assert len(replicas) == 2, session_processes(proc.pid)
         os.kill(replicas[0], signal.SIGKILL)
-        degraded = wait_for(lambda: (a := probe(url)) and a[1].get("status") == "degraded" and a, 30,
-                            "/health to say degraded", interval=0.3)
+        degraded = wait_for(
+            lambda: (a := probe(url)) and a[1].get("status") == "degraded" and a,
+            30,
+            "/health to say degraded",
+            interval=0.3,
+        )
         assert degraded[0] == 200 and degraded[1]["replicas_ready"] == 1, degraded
         # once Serve dropped it (a health call to it must not wedge the router): the fleet still answers
         time.sleep(3)
@@ -107,8 +132,11 @@ def test_health_says_starting_then_degraded_and_sigterm_stops_the_whole_fleet(tm
         stopping = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-        wait_for(lambda: not session_processes(proc.pid), max(0.5, 30 - (time.monotonic() - stopping)),
-                 "every process of the fleet to exit")
+        wait_for(
+            lambda: not session_processes(proc.pid),
+            max(0.5, 30 - (time.monotonic() - stopping)),
+            "every process of the fleet to exit",
+        )
         took = time.monotonic() - stopping
         with pytest.raises(ProcessLookupError):
             os.killpg(proc.pid, 0)

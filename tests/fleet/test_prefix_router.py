@@ -18,10 +18,14 @@ def pending(body: bytes, **kwargs) -> SimpleNamespace:
 
 def test_the_text_is_rays_normalisation_of_the_bodys_messages_or_prompt():
     router = object.__new__(PrefixAffinityRequestRouter)  # (only the text extraction, no Serve)
-    messages = [{"role": "system", "content": "Header. "},
-                {"role": "user", "content": [{"type": "text", "text": "Doc one. "}, {"type": "text", "text": "Two."}]}]
-    assert router._extract_text_from_request(pending(json.dumps({"messages": messages}).encode())) == \
-        "Header. Doc one. Two."
+    messages = [
+        {"role": "system", "content": "Header. "},
+        {"role": "user", "content": [{"type": "text", "text": "Doc one. "}, {"type": "text", "text": "Two."}]},
+    ]
+    assert (
+        router._extract_text_from_request(pending(json.dumps({"messages": messages}).encode()))
+        == "Header. Doc one. Two."
+    )
     assert router._extract_text_from_request(pending(json.dumps({"prompt": "Once upon"}).encode())) == "Once upon"
     for body in (b"", b"not json", json.dumps({"messages": []}).encode(), b"[1, 2]"):
         assert router._extract_text_from_request(pending(body)) is None  # (Ray divides by its length)

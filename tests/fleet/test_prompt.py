@@ -58,13 +58,16 @@ def test_a_published_document_routes_in_the_shared_namespace(reader):
     assert key.tenant == SHARED and key.token_ids.tolist() == reader.tokenizer.encode("a document", add_bos=False)
 
 
-@pytest.mark.parametrize("path, sent", [
-    ("/v1/chat/completions", b"{not json"),
-    ("/v1/chat/completions", body({"messages": "not a list"})),
-    ("/v1/cache/chunks", body({"text": "x", "token_ids": [1]})),  # (exactly one document)
-    ("/v1/completions", body({"prompt": "x" * 10, "n": 1}).replace(b"x" * 10, b"x" * (8 * 2**20 + 1))),
-    ("/tokenize", body({"prompt": "hi"})),  # (not routed by content)
-])
+@pytest.mark.parametrize(
+    "path, sent",
+    [
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/chat/completions", body({"messages": "not a list"})),
+        ("/v1/cache/chunks", body({"text": "x", "token_ids": [1]})),  # (exactly one document)
+        ("/v1/completions", body({"prompt": "x" * 10, "n": 1}).replace(b"x" * 10, b"x" * (8 * 2**20 + 1))),
+        ("/tokenize", body({"prompt": "hi"})),  # (not routed by content)
+    ],
+)
 def test_what_the_replica_will_refuse_routes_without_a_key(reader, path, sent):
     assert reader.route_key(path, request(), sent) is None
 

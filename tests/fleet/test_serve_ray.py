@@ -36,7 +36,7 @@ def test_a_poll_ships_the_churn_not_the_million_chunks_a_replica_holds():
     assert len(view) == 1 << 20
     sizes = []
     for period in range(6):  # 300 evictions and 300 new chunks per period
-        for f in held[period * 300:(period + 1) * 300].tolist():
+        for f in held[period * 300 : (period + 1) * 300].tolist():
             journal.removed(f)
         for f in rng.integers(1, 2**63, 300, dtype=np.uint64).tolist():
             journal.added(f)
@@ -82,8 +82,13 @@ def fleet():
     ray.init(num_cpus=3, include_dashboard=False, logging_level="warning", runtime_env={"env_vars": env})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = ServerConfig(served_model_name=MODEL, kv_cache_gib=0.25, compile_decode=False,
-                          store=StoreConfig((redis.url,)), store_secret="fleet-test")
+    config = ServerConfig(
+        served_model_name=MODEL,
+        kv_cache_gib=0.25,
+        compile_decode=False,
+        store=StoreConfig((redis.url,)),
+        store_secret="fleet-test",
+    )
     serve.run(build(config, FleetConfig(replicas=2, stats_period_s=0.5)), name="irminsul", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: httpx.get(url + "/health", timeout=30).json()["status"] == "ok", 60, "two replicas")
@@ -94,9 +99,11 @@ def fleet():
 
 
 def turn(header: str, doc: str, question: str) -> list:
-    return [{"role": "system", "content": header},
-            {"role": "user", "content": [{"type": "text", "text": doc}]},
-            {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": header},
+        {"role": "user", "content": [{"type": "text", "text": doc}]},
+        {"role": "user", "content": question},
+    ]
 
 
 def post(url: str, messages, max_tokens: int = 4, **extra) -> httpx.Response:
@@ -117,8 +124,11 @@ def computed(url: str) -> float:
 
 def replica_gauge(url: str, name: str, replica: str) -> float:
     lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
-    return sum(float(line.split()[-1]) for line in lines
-               if line.startswith(name + "{") and f'replica="{replica}"' in line.split("}")[0])
+    return sum(
+        float(line.split()[-1])
+        for line in lines
+        if line.startswith(name + "{") and f'replica="{replica}"' in line.split("}")[0]
+    )
 
 
 def ingress_counter(url: str, name: str) -> float:
@@ -132,16 +142,29 @@ def test_the_openai_client_drives_chat_streams_and_completions(fleet):
     url, _ = fleet
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120)
     assert [m.id for m in client.models.list().data] == [MODEL]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
-                                          max_tokens=5, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5, temperature=0
+    )
     assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens >= 1
-    pieces = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=5, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    pieces = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens >= 1
-    assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == \
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                       temperature=0).choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+        == client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
     done = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
     assert done.choices[0].text and done.usage.prompt_tokens > 0
     tokens = httpx.post(url + "/tokenize", json={"prompt": "Once upon a time"}, timeout=30).json()
@@ -179,16 +202,19 @@ def test_a_burst_for_a_new_document_computes_it_about_once_fleet_wide(fleet):
     tokens = n_tokens(url, doc)
     before = computed(url)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda i: post(url, turn(f"request {i} of the burst", doc, f"Question {i}?")),
-                                range(8)))
+        answers = list(
+            pool.map(lambda i: post(url, turn(f"request {i} of the burst", doc, f"Question {i}?")), range(8))
+        )
     usages = [a.json()["usage"] for a in answers]
     prompt_tokens = max(u["prompt_tokens"] for u in usages)
     headers = prompt_tokens - tokens  # the template, the header and the question: computed each time
     wait_for(lambda: computed(url) > before, 10, "the replicas' counters")
     fleet_computed = computed(url) - before
     assert fleet_computed <= tokens * 1.5 + 8 * headers, (fleet_computed, tokens, headers)
-    print(f"\nburst of 8: {fleet_computed:.0f} prompt tokens computed fleet-wide for a {tokens}-token document "
-          f"(+ {headers} header tokens each); replicas {sorted(a.headers['x-irminsul-replica'] for a in answers)}")
+    print(
+        f"\nburst of 8: {fleet_computed:.0f} prompt tokens computed fleet-wide for a {tokens}-token document "
+        f"(+ {headers} header tokens each); replicas {sorted(a.headers['x-irminsul-replica'] for a in answers)}"
+    )
 
 
 def test_killing_a_replica_fails_no_request_that_had_not_started_streaming_on_it(fleet):
@@ -198,24 +224,37 @@ def test_killing_a_replica_fails_no_request_that_had_not_started_streaming_on_it
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "IrminsulReplica" in a["name"]]
     assert len(names) == 2, names
     doc = text(400, 93)  # the stream's document: the router sends the requests sharing it to the victim
-    body = {"model": MODEL, "messages": turn("a story", doc, "Tell me a long story."), "max_tokens": 1500,
-            "ignore_eos": True, "temperature": 1.0, "seed": 3, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": turn("a story", doc, "Tell me a long story."),
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 3,
+        "stream": True,
+    }
     retries_before = ingress_counter(url, "irminsul_fleet_retries_total")
     started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(6) as pool, \
-            httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as streamed:
+    with (
+        concurrent.futures.ThreadPoolExecutor(6) as pool,
+        httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as streamed,
+    ):
         assert streamed.status_code == 200
         victim = streamed.headers["x-irminsul-replica"]
         lines = streamed.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         # requests the victim holds and has not answered (long, so still running when it dies): each
         # must still get its answer, from the other replica
-        whole = [pool.submit(post, url, turn(f"question {i}", doc, f"Question {i}?"), 300, ignore_eos=True)
-                 for i in range(6)]
+        whole = [
+            pool.submit(post, url, turn(f"question {i}", doc, f"Question {i}?"), 300, ignore_eos=True) for i in range(6)
+        ]
         # (routed and running there before it dies: on a slow machine the ingress may take longer than
         # the stream's next tokens to route them)
-        wait_for(lambda: replica_gauge(url, "irminsul_running_requests", victim) >= 2, 60,
-                 "the requests running on the victim")
+        wait_for(
+            lambda: replica_gauge(url, "irminsul_running_requests", victim) >= 2,
+            60,
+            "the requests running on the victim",
+        )
         ray.kill(ray.get_actor(next(n for n in names if n.endswith(victim)), namespace="serve"))
         rest = [first, *(line for line in lines if line)]
         answered = [f.result(timeout=150) for f in whole]  # (post asserts each is a 200)
@@ -230,6 +269,8 @@ def test_killing_a_replica_fails_no_request_that_had_not_started_streaming_on_it
     assert all(a.json()["choices"][0]["message"]["content"] is not None for a in answered)
     after = post(url, [{"role": "user", "content": "Still there?"}])
     assert after.headers["x-irminsul-replica"] != victim
-    print(f"\nkilled replica {victim} mid-stream: {len(answered)} answers ({len(retried)} retried on the other "
-          f"replica), the stream cut with an error event, "
-          f"in {time.monotonic() - started:.1f} s; answered by {sorted(a.headers['x-irminsul-replica'] for a in answered)}")
+    print(
+        f"\nkilled replica {victim} mid-stream: {len(answered)} answers ({len(retried)} retried on the other "
+        f"replica), the stream cut with an error event, "
+        f"in {time.monotonic() - started:.1f} s; answered by {sorted(a.headers['x-irminsul-replica'] for a in answered)}"
+    )

@@ -10,8 +10,9 @@ from irminsul.kvcache.chunker import ChunkerConfig, TokenArray, as_tokens, gear,
 _MASK64 = (1 << 64) - 1
 
 
-def reference_candidates(tokens: TokenArray, cfg: ChunkerConfig,
-                         segment_starts: TokenArray | None = None) -> np.ndarray:
+def reference_candidates(
+    tokens: TokenArray, cfg: ChunkerConfig, segment_starts: TokenArray | None = None
+) -> np.ndarray:
     """Slow reference: the literal 64-bit recurrence, one Python step per token."""
     ids = as_tokens(tokens)
     g = gear(ids)

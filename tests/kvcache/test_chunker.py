@@ -59,15 +59,15 @@ def test_candidates_with_segments_reset_the_state():
     assert np.array_equal(seg[seg > 700], alone[alone > 700])
 
 
-@pytest.mark.parametrize("cfg", [CFG, ChunkerConfig(min_len=1, max_len=3, mask_bits=2),
-                                 ChunkerConfig(min_len=50, max_len=60, mask_bits=5)])
+@pytest.mark.parametrize(
+    "cfg", [CFG, ChunkerConfig(min_len=1, max_len=3, mask_bits=2), ChunkerConfig(min_len=50, max_len=60, mask_bits=5)]
+)
 def test_clamp_equals_token_walk(cfg):
     tokens = _tokens(4000, 4)
     for seg in (None, [5, 6, 300, 1000, 3990]):
         starts = segment_starts_of(tokens, cfg, seg)
         cands = candidates(tokens, cfg, starts)
-        assert np.array_equal(clamp(cands, len(tokens), starts, cfg),
-                              reference_clamp(cands, len(tokens), starts, cfg))
+        assert np.array_equal(clamp(cands, len(tokens), starts, cfg), reference_clamp(cands, len(tokens), starts, cfg))
 
 
 def test_chunk_lengths_and_coverage():
@@ -77,8 +77,7 @@ def test_chunk_lengths_and_coverage():
     assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))
     assert all(32 <= len(c) <= 512 for c in chunks[:-1])
     assert 100 < np.mean([len(c) for c in chunks]) < 220  # min_len + ~2^mask_bits
-    assert chunks[3] == Chunk(chunks[3].start, chunks[3].end,
-                              fingerprint(tokens[chunks[3].start:chunks[3].end], 1))
+    assert chunks[3] == Chunk(chunks[3].start, chunks[3].end, fingerprint(tokens[chunks[3].start : chunks[3].end], 1))
 
 
 def test_segments_force_cuts_and_are_never_crossed():
@@ -95,7 +94,7 @@ def test_marker_starts_a_segment_after_every_occurrence():
     marker = (7, 8, 9)
     tokens = _tokens(2000, 7, high=1000) + 10  # no marker token occurs by chance
     for pos in (100, 500, 503, 1997):  # 503 overlaps-adjacent, 1997 ends at the last token
-        tokens[pos:pos + 3] = marker
+        tokens[pos : pos + 3] = marker
     cfg = ChunkerConfig(marker=marker)
     assert marker_ends(tokens, marker).tolist() == [103, 503, 506, 2000]
     assert np.array_equal(boundaries(tokens, cfg), boundaries(tokens, CFG, [103, 503, 506]))
@@ -121,7 +120,7 @@ def test_fingerprint_encoding_seed_and_injection():
     assert fingerprint([1, 2], 5) != fingerprint([1, 2], 6)
     tokens = _tokens(1000, 9)
     fake = chunk(tokens, CFG, 3, fingerprint_fn=lambda ids, seed: int(ids.sum()) % 2)
-    assert [c.fingerprint for c in fake] == [int(tokens[c.start:c.end].sum()) % 2 for c in fake]
+    assert [c.fingerprint for c in fake] == [int(tokens[c.start : c.end].sum()) % 2 for c in fake]
 
 
 def test_namespace_seed_is_deterministic_and_unambiguous():

@@ -23,9 +23,10 @@ class Follower:
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "remove", "poll0", "poll1"]), st.integers(0, 12)),
-                    max_size=120),
-       keep=st.sampled_from([4, 16, 1 << 20]))
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["add", "remove", "poll0", "poll1"]), st.integers(0, 12)), max_size=120),
+    keep=st.sampled_from([4, 16, 1 << 20]),
+)
 def test_followers_see_exactly_what_is_resident(ops, keep):
     journal, truth, followers = ChunkJournal(keep=keep), {}, [Follower(), Follower()]
     for op, fp in ops:

@@ -74,10 +74,20 @@ def test_making_room_refuses_without_evicting_when_even_everything_is_not_enough
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(ops=st.lists(st.tuples(st.sampled_from(["serve", "room"]), st.lists(st.integers(0, 3), min_size=1, max_size=3),
-                              st.integers(0, 30), st.sampled_from([None, "t1", "t2"]), st.integers(1, 200)),
-                    min_size=1, max_size=25),
-       mode=st.sampled_from(["prefix", "pic"]))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["serve", "room"]),
+            st.lists(st.integers(0, 3), min_size=1, max_size=3),
+            st.integers(0, 30),
+            st.sampled_from([None, "t1", "t2"]),
+            st.integers(1, 200),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    mode=st.sampled_from(["prefix", "pic"]),
+)
 def test_the_oldest_cache_only_rows_go_first_and_the_books_balance(ops, mode):
     """Any mix of finished prompts (shared chunks behind varying headers, several tenants) and
     requests for room: making room for n frees at least n when it says so, the oldest rows only
@@ -107,8 +117,10 @@ def test_the_oldest_cache_only_rows_go_first_and_the_books_balance(ops, mode):
 def test_a_queue_of_requests_for_one_document_counts_the_document_once():
     kv = manager("pic", 3000)
     doc = np.random.default_rng(7).integers(5, 250, 1440).tolist()  # no one has computed it yet
-    queue = [Sequence(tokens=[9, 8, 7 + i] * 10 + doc, prompt_len=30 + len(doc), params=SamplingParams(max_tokens=1))
-             for i in range(5)]
+    queue = [
+        Sequence(tokens=[9, 8, 7 + i] * 10 + doc, prompt_len=30 + len(doc), params=SamplingParams(max_tokens=1))
+        for i in range(5)
+    ]
     alone = kv.queued_tokens(queue[:1])
     assert alone == 30 + len(doc)
     # each later request adds its header and the chunk its header runs into (at most max_len), not

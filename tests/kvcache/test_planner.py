@@ -16,8 +16,14 @@ def _rand(n, seed):
 
 
 def _planner(config=DEFAULTS, budget=10**9, radix=True, windows=True, **kw):
-    return Planner(config, MemoryRegistry(budget), RadixCache(10**9, 1) if radix else None,
-                   WindowIndex(config.window) if windows else None, seed=7, **kw)
+    return Planner(
+        config,
+        MemoryRegistry(budget),
+        RadixCache(10**9, 1) if radix else None,
+        WindowIndex(config.window) if windows else None,
+        seed=7,
+        **kw,
+    )
 
 
 def _register(planner, tokens, segment_starts=None):
@@ -35,7 +41,7 @@ def _check(plan: Plan, config=DEFAULTS):
         assert not (a.kind == b.kind == "compute" and a.carve_out == b.carve_out)  # merged
     for s in spans:
         if s.kind == "reuse":  # never serve rows of other tokens
-            assert np.array_equal(s.entry.token_ids[s.src_offset:s.src_offset + len(s)], plan.tokens[s.start:s.end])
+            assert np.array_equal(s.entry.token_ids[s.src_offset : s.src_offset + len(s)], plan.tokens[s.start : s.end])
             assert s.delta == s.start - s.entry.base_pos - s.src_offset
             if config.carve_out:
                 assert s.start >= config.sink and s.entry.base_pos + s.src_offset >= config.sink
@@ -74,7 +80,9 @@ def test_prefix_then_straddling_chunk_contributes_its_tail():
     _check(plan)
     assert plan.stats.prefix_tokens == 500 and plan.stats.reused_tokens == 999
     straddle = plan.spans[1]
-    assert straddle.kind == "reuse" and straddle.start == 500 and straddle.src_offset == 500 - straddle.entry.base_pos > 0
+    assert (
+        straddle.kind == "reuse" and straddle.start == 500 and straddle.src_offset == 500 - straddle.entry.base_pos > 0
+    )
     assert all(s.delta == 0 for s in plan.spans)
 
 
@@ -171,8 +179,9 @@ def test_s1_recovers_windows_inside_a_missed_chunk():
         assert plan.stats.chunk_hits == 0
         assert plan.stats.s1_tokens == plan.stats.reused_tokens == expect
         if s1:  # one run, extended past the window grid to the exact edges of the shared content
-            assert [(s.start, s.end, s.src_offset, s.delta) for s in plan.spans if s.kind == "reuse"] \
-                == [(90, 790, 200, -110)]
+            assert [(s.start, s.end, s.src_offset, s.delta) for s in plan.spans if s.kind == "reuse"] == [
+                (90, 790, 200, -110)
+            ]
 
 
 def test_collisions_never_serve_wrong_rows():

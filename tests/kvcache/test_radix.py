@@ -119,8 +119,7 @@ def test_cut_forgets_a_named_row_its_tail_and_everything_below():
     rng = np.random.default_rng(3)
     for trial in range(20):
         held = []
-        tree = RadixCache(10**9, 1, on_store=lambda v: held.append(len(v)),
-                          on_evict=lambda v: held.append(-len(v)))
+        tree = RadixCache(10**9, 1, on_store=lambda v: held.append(len(v)), on_evict=lambda v: held.append(-len(v)))
         stored, next_row = [], 1
         for _ in range(40):
             if stored and rng.random() < 0.6:

@@ -117,8 +117,11 @@ class ShareMachine(RuleBasedStateMachine):
         self.kv = manager(self.mode, 700, tenant_share=0.3, max_namespaces=3)
         self.used: set[str] = set()
 
-    @rule(tenant=st.sampled_from(TENANTS), header=st.integers(0, 30),
-          picks=st.lists(st.integers(0, len(CHUNKS) - 1), min_size=1, max_size=3))
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        header=st.integers(0, 30),
+        picks=st.lists(st.integers(0, len(CHUNKS) - 1), min_size=1, max_size=3),
+    )
     def send(self, tenant, header, picks):
         prompt = [5 + (header * 7 + i) % 240 for i in range(header)] + sum((CHUNKS[p] for p in picks), [])
         kv = self.kv
@@ -159,8 +162,15 @@ class ShareMachine(RuleBasedStateMachine):
 @pytest.mark.parametrize("mode", ["prefix", "pic"])
 def test_held_rows_are_the_rows_each_owner_names(mode):
     ShareMachine.mode, ShareMachine.seen = mode, {"spared": 0, "unplanned": 0}
-    run_state_machine_as_test(ShareMachine, settings=settings(
-        max_examples=40, stateful_step_count=30, deadline=None, derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow]))
+    run_state_machine_as_test(
+        ShareMachine,
+        settings=settings(
+            max_examples=40,
+            stateful_step_count=30,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
     # rows were spared while room was made, and owners held rows under salts whose planners were forgotten
     assert ShareMachine.seen["spared"] > 0 and ShareMachine.seen["unplanned"] > 0, ShareMachine.seen

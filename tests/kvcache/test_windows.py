@@ -27,8 +27,10 @@ def test_windows_are_found_at_any_offset_and_removed():
     query = np.concatenate([rng.integers(0, 50_000, 77), entry[100:290], rng.integers(0, 50_000, 50)])
     hits = idx.candidates(query, 0, len(query))
     assert WindowHit(77 + 28, 42, 128) in hits  # entry offset 128 sits at query 77 + (128 - 100)
-    assert all(np.array_equal(query[h.query_pos:h.query_pos + 128],
-                              entry[h.entry_offset:h.entry_offset + 128]) for h in hits)
+    assert all(
+        np.array_equal(query[h.query_pos : h.query_pos + 128], entry[h.entry_offset : h.entry_offset + 128])
+        for h in hits
+    )
     assert idx.candidates(query, 110, len(query)) == []  # span excludes the window start
     assert idx.candidates(query, 0, 77 + 28 + 127) == []  # span cuts the window's end
     idx.add(43, entry[:128])

@@ -22,7 +22,14 @@ from irminsul.model.rope import Rotary
 from irminsul.model.tiny import make_tiny_checkpoint, tiny_config
 
 # q·k 24 wide, v 16: unequal, as in every MLA checkpoint (192 / 128 at full size)
-DIMS = dict(num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+DIMS = dict(
+    num_attention_heads=3,
+    num_key_value_heads=3,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+)
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH = "aten::_scaled_dot_product_attention_math"
 
@@ -37,8 +44,9 @@ def _sdpa(monkeypatch):
 def _setup(seed=0, **dims):
     cfg = ModelConfig.from_dict(tiny_config("v3", **{**DIMS, **dims}))
     g = torch.Generator().manual_seed(seed)
-    kv_b = torch.nn.Linear(cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                           bias=False)
+    kv_b = torch.nn.Linear(
+        cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
+    )
     with torch.no_grad():
         kv_b.weight.copy_(torch.randn(kv_b.weight.shape, generator=g) * 0.2)
     return cfg, CPUAttention(cfg, Rotary(cfg.rope)), SimpleNamespace(kv_b_proj=kv_b), g
@@ -60,8 +68,9 @@ def _reference(cfg, backend, attn, q_nope, q_pe, pool, seqs):
         k_nope, v = torch.einsum("tr,hdr->htd", c, w[:, :nope]), torch.einsum("tr,hdr->htd", c, w[:, nope:])
         q = torch.cat([q_nope[at : at + n], q_pe[at : at + n]], -1).double().transpose(0, 1)  # [H, n, qk]
         k = torch.cat([k_nope, k_r[None].expand(h, t, -1)], -1)
-        ok = (torch.arange(t)[None] <= torch.from_numpy(s.q_positions)[:, None]) & \
-             torch.from_numpy(s.key_slots != EMPTY_SLOT)[None]
+        ok = (torch.arange(t)[None] <= torch.from_numpy(s.q_positions)[:, None]) & torch.from_numpy(
+            s.key_slots != EMPTY_SLOT
+        )[None]
         p = (q @ k.transpose(1, 2) * cfg.softmax_scale).masked_fill(~ok, float("-inf")).softmax(-1)
         out.append((p @ v).transpose(0, 1))
         at += n
@@ -90,7 +99,7 @@ def _case(cfg, g, spans, holes=False, moved=False, dtype=torch.float32):
         slots = free[at : at + start + n].copy()
         at += start + n
         if holes and start > 2:
-            slots[1 : start : 3] = EMPTY_SLOT
+            slots[1:start:3] = EMPTY_SLOT
         rope = np.arange(start + n) + (7 if moved else 0)
         seqs.append(SeqAttention(np.arange(start, start + n), slots, rope if moved else None))
     m = sum(n for _, n in spans)
@@ -156,8 +165,11 @@ def test_a_v_wider_than_qk_pads_q_and_k_instead():
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 70), st.integers(2, 40)), min_size=1, max_size=3), st.booleans(),
-       st.integers(0, 2**16))
+@given(
+    st.lists(st.tuples(st.integers(0, 70), st.integers(2, 40)), min_size=1, max_size=3),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
 def test_any_spans_equal_the_reference(spans, holes, seed):
     cfg, backend, attn, g = _setup(seed=seed)
     q_nope, q_pe, pool, seqs = _case(cfg, g, spans, holes=holes)
@@ -195,8 +207,17 @@ def test_the_absorbed_or_expanded_rule_counts_the_padded_width(monkeypatch):
     4k keys expand unpadded (from m = 171) and stay absorbed padded (from m = 187)."""
     from irminsul.model.attention.reference import expand_is_cheaper
 
-    cfg = ModelConfig.from_dict(tiny_config("v3", num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
-                                            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+    cfg = ModelConfig.from_dict(
+        tiny_config(
+            "v3",
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        )
+    )
     first = [next(m for m in range(2, 1000) if expand_is_cheaper(cfg, m, 4096, padded)) for padded in (False, True)]
     assert first == [171, 187]
     backend = CPUAttention(cfg, Rotary(cfg.rope))

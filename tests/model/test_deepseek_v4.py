@@ -31,11 +31,25 @@ transformers = pytest.importorskip("transformers", minversion="5.24")
 SEQ = 70
 CASES = {
     "hc2-sqrtsoftplus": {},  # TINY_V4: sliding, CSA, HCA, CSA; hash, hash, moe, moe
-    "hc4-yarn-sigmoid": dict(rope_parameters=TINY_V4_YARN, hc_mult=4, num_hidden_layers=3, scoring_func="sigmoid",
-                             layer_types=[HCA, CSA, SLIDING], mlp_layer_types=[TOPK_MOE, HASH_MOE, TOPK_MOE]),
-    "hc3-yarn-top2": dict(rope_parameters=TINY_V4_YARN, hc_mult=3, index_topk=2, index_n_heads=4, o_groups=4,
-                          n_routed_experts=6, num_experts_per_tok=3, layer_types=[CSA, HCA, SLIDING, HCA],
-                          mlp_layer_types=[TOPK_MOE, HASH_MOE, TOPK_MOE, HASH_MOE]),
+    "hc4-yarn-sigmoid": dict(
+        rope_parameters=TINY_V4_YARN,
+        hc_mult=4,
+        num_hidden_layers=3,
+        scoring_func="sigmoid",
+        layer_types=[HCA, CSA, SLIDING],
+        mlp_layer_types=[TOPK_MOE, HASH_MOE, TOPK_MOE],
+    ),
+    "hc3-yarn-top2": dict(
+        rope_parameters=TINY_V4_YARN,
+        hc_mult=3,
+        index_topk=2,
+        index_n_heads=4,
+        o_groups=4,
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        layer_types=[CSA, HCA, SLIDING, HCA],
+        mlp_layer_types=[TOPK_MOE, HASH_MOE, TOPK_MOE, HASH_MOE],
+    ),
 }
 
 
@@ -75,15 +89,19 @@ def test_logprobs_match_transformers(tmp_path, overrides):
 
 PERTURBATIONS = {
     "sinks": lambda m: [layer.self_attn.sinks.zero_() for layer in m.model.layers],
-    "compressor position bias": lambda m: [p.zero_() for n, p in m.named_parameters()
-                                           if n.endswith("compressor.position_bias")],
-    "indexer position bias": lambda m: [p.zero_() for n, p in m.named_parameters()
-                                        if n.endswith("indexer.position_bias")],
-    "indexer keeps every window": lambda m: [setattr(mod, "topk", 10**6) for n, mod in m.named_modules()
-                                             if n.endswith("indexer")],
+    "compressor position bias": lambda m: [
+        p.zero_() for n, p in m.named_parameters() if n.endswith("compressor.position_bias")
+    ],
+    "indexer position bias": lambda m: [
+        p.zero_() for n, p in m.named_parameters() if n.endswith("indexer.position_bias")
+    ],
+    "indexer keeps every window": lambda m: [
+        setattr(mod, "topk", 10**6) for n, mod in m.named_modules() if n.endswith("indexer")
+    ],
     "hyper-connection biases": lambda m: [p.zero_() for n, p in m.named_parameters() if n.endswith("hc.base")],
-    "hash table": lambda m: [b.copy_((b + 1) % m.config.n_routed_experts) for n, b in m.named_buffers()
-                             if n.endswith("tid2eid")],
+    "hash table": lambda m: [
+        b.copy_((b + 1) % m.config.n_routed_experts) for n, b in m.named_buffers() if n.endswith("tid2eid")
+    ],
     "swiglu clipping": lambda m: [setattr(mod, "limit", 1e9) for mod in m.modules() if hasattr(mod, "limit")],
 }
 
@@ -127,9 +145,12 @@ def _rewrite(src, dst, edit_tensors=None, edit_config=None):
 
 def test_reads_deepseek_release_names(tiny_v4, tmp_path):
     """DeepSeek's release names (no `model.` prefix, `embed`, `head`, `hc_head_fn`, MTP layers) load too."""
+
     def release_names(tensors):
-        out = {k.removeprefix("model.").replace("embed_tokens.", "embed.").replace("hc_head.hc_", "hc_head_"): v
-               for k, v in tensors.items()}
+        out = {
+            k.removeprefix("model.").replace("embed_tokens.", "embed.").replace("hc_head.hc_", "hc_head_"): v
+            for k, v in tensors.items()
+        }
         out["mtp.0.attn.wq_a.weight"] = torch.zeros(3, 3)
         return out
 
@@ -144,10 +165,17 @@ def test_legacy_config_keys_read_as_transformers_reads_them():
     qk_rope_head_dim) gives the same model as transformers' normalised, saved config."""
     from transformers import DeepseekV4Config
 
-    legacy = {k: v for k, v in TINY_V4.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates",
-                                                              "partial_rotary_factor")}
-    legacy.update(compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=2, qk_rope_head_dim=8,
-                  rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256})
+    legacy = {
+        k: v
+        for k, v in TINY_V4.items()
+        if k not in ("layer_types", "mlp_layer_types", "compress_rates", "partial_rotary_factor")
+    }
+    legacy.update(
+        compress_ratios=[0, 4, 128, 4, 0],
+        num_hash_layers=2,
+        qk_rope_head_dim=8,
+        rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256},
+    )
     ours = V4Config.from_dict({"model_type": "deepseek_v4", **legacy})
     theirs = V4Config.from_dict(DeepseekV4Config(**legacy).to_dict())
     assert ours == theirs
@@ -174,9 +202,11 @@ def _quantization_config(raw):
     raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
 
 
-@pytest.mark.parametrize("edit_tensors,edit_config", [(_fp8_weight, None), (_block_scale, None), (_scale_inv, None),
-                                                      (None, _quantization_config)],
-                         ids=["float8 weight", "block scale", "scale_inv", "quantization_config"])
+@pytest.mark.parametrize(
+    "edit_tensors,edit_config",
+    [(_fp8_weight, None), (_block_scale, None), (_scale_inv, None), (None, _quantization_config)],
+    ids=["float8 weight", "block scale", "scale_inv", "quantization_config"],
+)
 def test_quantized_checkpoints_are_refused(tiny_v4, tmp_path, edit_tensors, edit_config):
     path = _rewrite(tiny_v4, tmp_path / "fp8", edit_tensors, edit_config)
     with pytest.raises(CheckpointError, match="dequantize the checkpoint to bf16 first"):
@@ -193,9 +223,14 @@ def _wrong_shape(tensors):
     return tensors
 
 
-@pytest.mark.parametrize("edit,named", [(_drop_position_bias, "model.layers.1.self_attn.compressor.position_bias"),
-                                        (_wrong_shape, "model.layers.0.self_attn.q_a_proj.weight")],
-                         ids=["missing", "wrong shape"])
+@pytest.mark.parametrize(
+    "edit,named",
+    [
+        (_drop_position_bias, "model.layers.1.self_attn.compressor.position_bias"),
+        (_wrong_shape, "model.layers.0.self_attn.q_a_proj.weight"),
+    ],
+    ids=["missing", "wrong shape"],
+)
 def test_incomplete_checkpoints_name_the_weight(tiny_v4, tmp_path, edit, named):
     path = _rewrite(tiny_v4, tmp_path / "broken", edit)
     with pytest.raises(CheckpointError, match=named):
@@ -209,9 +244,15 @@ def test_bfloat16_keeps_the_float32_parts(tiny_v4):
     dtypes = {name: t.dtype for name, t in model.state_dict().items()}
     assert dtypes["model.layers.1.self_attn.q_b_proj.weight"] == torch.bfloat16
     assert dtypes["model.layers.2.mlp.experts.gate_up_proj"] == torch.bfloat16
-    for name in ("model.layers.1.self_attn.sinks", "model.layers.1.self_attn.compressor.position_bias",
-                 "model.layers.1.attn_hc.fn", "model.hc_head.hc_fn", "model.layers.1.self_attn.q_a_norm.weight",
-                 "model.layers.2.mlp.gate.e_score_correction_bias", "model.norm.weight"):
+    for name in (
+        "model.layers.1.self_attn.sinks",
+        "model.layers.1.self_attn.compressor.position_bias",
+        "model.layers.1.attn_hc.fn",
+        "model.hc_head.hc_fn",
+        "model.layers.1.self_attn.q_a_norm.weight",
+        "model.layers.2.mlp.gate.e_score_correction_bias",
+        "model.norm.weight",
+    ):
         assert dtypes[name] == torch.float32, name
     ids = _tokens(batch=1)
     drift = (model(ids).log_softmax(-1) - load_deepseek_v4(tiny_v4)(ids).log_softmax(-1)).abs()
@@ -237,8 +278,9 @@ def test_reuse_at_another_position_is_exact_on_one_layer(tmp_path, kind):
     """On one layer a token's rows depend on the token alone, so reusing them at another position, with the
     compressed entries pooled at the new alignment, equals full prefill: for a shift that is a multiple of
     both rates (16) and for one that is not (5). Keys rotated at their stale positions (naive) do not."""
-    path = make_tiny_v4_checkpoint(tmp_path / kind, seed=2, num_hidden_layers=1, layer_types=[kind],
-                                   mlp_layer_types=[TOPK_MOE])
+    path = make_tiny_v4_checkpoint(
+        tmp_path / kind, seed=2, num_hidden_layers=1, layer_types=[kind], mlp_layer_types=[TOPK_MOE]
+    )
     model = load_deepseek_v4(path)
     for a, b in ((3, 19), (3, 8), (20, 4)):
         assert shifted_reuse_error(model, a, b, seed=a * 100 + b) < 1e-4, (kind, a, b)

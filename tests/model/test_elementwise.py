@@ -29,8 +29,13 @@ def _silu_mul_reference(gu):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(0, 40), d=st.integers(1, 300), pad=st.integers(0, 20), scale=st.sampled_from([1e-3, 1.0, 1e3]),
-       seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(0, 40),
+    d=st.integers(1, 300),
+    pad=st.integers(0, 20),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
 def test_rms_norm_equals_the_reference(variant, rows, d, pad, scale, seed):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(rows, d + pad, generator=g) * scale
@@ -43,8 +48,13 @@ def test_rms_norm_equals_the_reference(variant, rows, d, pad, scale, seed):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(0, 30), inner=st.integers(1, 130), pad=st.integers(0, 9), scale=st.sampled_from([0.1, 3.0, 40.0]),
-       seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(0, 30),
+    inner=st.integers(1, 130),
+    pad=st.integers(0, 9),
+    scale=st.sampled_from([0.1, 3.0, 40.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_silu_mul_equals_the_reference(variant, rows, inner, pad, scale, seed):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(rows, 2 * inner + pad, generator=g) * scale
@@ -60,8 +70,26 @@ def test_special_values_behave_as_torch(variant):
     """NaN stays NaN, +inf gives inf, -inf gives NaN (torch's x / (1 + e^-x) is -inf / inf), large
     negatives give ~0; a NaN in a row makes that row of RMSNorm NaN and no other. In the vector body
     (8 or 16 at a time) and in the tail."""
-    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), -200.0, -88.0, -87.0, -86.0, 0.0, -0.0,
-                             1e-30, 20.0, -20.0, 88.0, 100.0, 3.0, -3.0])
+    specials = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            float("-inf"),
+            -200.0,
+            -88.0,
+            -87.0,
+            -86.0,
+            0.0,
+            -0.0,
+            1e-30,
+            20.0,
+            -20.0,
+            88.0,
+            100.0,
+            3.0,
+            -3.0,
+        ]
+    )
     for g in (specials.repeat(2), specials[:7]):  # (32: two vectors; 7: the tail only)
         gu = torch.cat([g, torch.full_like(g, 2.0)])[None]
         got, want = elementwise.silu_mul(gu)[0], 2.0 * F.silu(g)
@@ -75,8 +103,12 @@ def test_special_values_behave_as_torch(variant):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(1, 12), d=st.sampled_from([1, 7, 64, 300, 2048]), scale=st.sampled_from([1e-3, 1.0, 40.0]),
-       seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(1, 12),
+    d=st.sampled_from([1, 7, 64, 300, 2048]),
+    scale=st.sampled_from([1e-3, 1.0, 40.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_bf16_rms_norm_rounds_as_torchs_ops(variant, monkeypatch, rows, d, scale, seed):
     """A bf16 model's RMSNorm: what layers.RMSNorm's torch ops give in bf16 (the normalised x rounded,
     then its product with the weight), but for the float32 sum's order: all but a few elements equal,

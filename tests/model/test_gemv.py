@@ -37,12 +37,19 @@ def test_one_row_computes_f_linear(variant, dtype, out_f, in_f):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(1, gemv.MAX_ROWS + 1), out_f=st.integers(1, 70), in_f=st.integers(1, 300),
-       dtypes=st.tuples(*[st.sampled_from([torch.float32, torch.bfloat16])] * 3), with_bias=st.booleans(),
-       x_pad=st.integers(0, 20), seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(1, gemv.MAX_ROWS + 1),
+    out_f=st.integers(1, 70),
+    in_f=st.integers(1, 300),
+    dtypes=st.tuples(*[st.sampled_from([torch.float32, torch.bfloat16])] * 3),
+    with_bias=st.booleans(),
+    x_pad=st.integers(0, 20),
+    seed=st.integers(0, 2**16),
+)
 @example(rows=1, out_f=1, in_f=268, dtypes=(torch.float32,) * 3, with_bias=True, x_pad=1, seed=5702)  # (cancels)
-def test_rows_of_any_shape_stride_and_dtype_compute_f_linear(variant, rows, out_f, in_f, dtypes, with_bias, x_pad,
-                                                             seed):
+def test_rows_of_any_shape_stride_and_dtype_compute_f_linear(
+    variant, rows, out_f, in_f, dtypes, with_bias, x_pad, seed
+):
     """1 to MAX_ROWS rows in one call (each weight row read once for all), x's rows a slice of a wider
     tensor, x, w and bias each float32 or bfloat16: the result is F.linear's in x's dtype (a row count
     the kernel does not take is F.linear itself, which takes one dtype)."""
@@ -114,8 +121,11 @@ def test_the_choice_takes_gemv_only_where_it_pays_on_an_out_major_weight(tmp_pat
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     monkeypatch.setenv("IRMINSUL_GEMV", "1")
     monkeypatch.setattr(kernel_choice, "_memory", {})
-    faster, tie, beaten = Product(300, 200, torch.float32, 1, 1.0), Product(301, 200, torch.float32, 1, 1.0), \
-        Product(302, 200, torch.float32, 1, 1.0)
+    faster, tie, beaten = (
+        Product(300, 200, torch.float32, 1, 1.0),
+        Product(301, 200, torch.float32, 1, 1.0),
+        Product(302, 200, torch.float32, 1, 1.0),
+    )
     # input-major wins elsewhere by far; gemv makes out-major's one row the best: out-major wins overall
     flips = Product(303, 200, torch.float32, 1, 1.0)
     forced = Product(304, 200, torch.float32, 1, 1.0, "out")
@@ -129,8 +139,9 @@ def test_the_choice_takes_gemv_only_where_it_pays_on_an_out_major_weight(tmp_pat
         return fake[out]
 
     monkeypatch.setattr(kernel_choice, "measure", measure)
-    got = kernel_choice.choose([faster, tie, beaten, flips, forced], model_bytes=10**9, kernels="measured",
-                               progress=False).choices
+    got = kernel_choice.choose(
+        [faster, tie, beaten, flips, forced], model_bytes=10**9, kernels="measured", progress=False
+    ).choices
     assert all(seen)  # (the candidate is timed where it is available)
     assert got[faster.key] == Choice("out", (), 1)
     assert got[tie.key] == Choice("out") and got[beaten.key] == Choice("out")  # within GEMV_GAIN, or slower
@@ -157,8 +168,9 @@ def test_the_choice_takes_gemv_for_eight_rows_only_where_it_beats_dense_and_oned
     fake[313]["1"]["gemv"] = 2.0  # slower for one row: not taken for eight either
     fake[313]["8"] = {"out": 8.0, "in": 8.4, "gemv": 3.0}
     monkeypatch.setattr(kernel_choice, "measure", lambda out, *a, **k: fake[out])
-    got = kernel_choice.choose([both, no_dnn, dnn_wins, not_one], model_bytes=10**9, kernels="measured",
-                               progress=False).choices
+    got = kernel_choice.choose(
+        [both, no_dnn, dnn_wins, not_one], model_bytes=10**9, kernels="measured", progress=False
+    ).choices
     assert got[both.key].gemv == 8 and got[no_dnn.key].gemv == 8
     assert got[dnn_wins.key].gemv == 1 and got[not_one.key].gemv == 0
 
@@ -222,8 +234,14 @@ def test_a_model_packed_with_gemv_computes_the_same_logits(tiny_dir, monkeypatch
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.integers(1, 9), heads=st.integers(1, 5), out_f=st.integers(1, 70), in_f=st.integers(1, 140),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 9),
+    heads=st.integers(1, 5),
+    out_f=st.integers(1, 70),
+    in_f=st.integers(1, 140),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
 def test_per_head_products_compute_bmm(monkeypatch, n, heads, out_f, in_f, dtype, seed):
     """`gemv.heads` (attention's absorbed W_UK / W_UV products): each head's rows times its own weight,
     against float64; x a strided view of a wider tensor, as the attention hands it; None past MAX_ROWS."""
@@ -247,7 +265,9 @@ def test_absorbed_products_of_a_bf16_decode_take_the_per_head_kernel(monkeypatch
     calls = []
     real = gemv.heads
     monkeypatch.setattr(gemv, "heads", lambda x, w: calls.append(x.shape[0]) or real(x, w))
-    w_uk = torch.randn(4, 32, 64).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)  # [H, nope, r], stored [H, r, nope]
+    w_uk = (
+        torch.randn(4, 32, 64).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)
+    )  # [H, nope, r], stored [H, r, nope]
     w_uv = torch.randn(4, 16, 64).bfloat16()
     q = torch.randn(3, 4, 32).bfloat16()
     o = torch.randn(3, 4, 64).bfloat16()

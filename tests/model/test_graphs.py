@@ -60,8 +60,9 @@ def test_capture_sizes():
 def test_a_padded_batch_decodes_as_the_eager_step(tmp_path, variant):
     """Three prompts of different lengths (a batch of 3 pads to 4), then one alone (size 1); V3:
     YaRN, the halves layout and query LoRA. Tokens equal, log-probs within 1e-4."""
-    path = make_tiny_checkpoint(tmp_path / variant, variant, yarn=variant == "v3",
-                                **({"q_lora_rank": 24} if variant == "v3" else {}))
+    path = make_tiny_checkpoint(
+        tmp_path / variant, variant, yarn=variant == "v3", **({"q_lora_rank": 24} if variant == "v3" else {})
+    )
     eager, graph = _llm(path, False), _llm(path, True)
     assert eager.engine.runner.graphs is None and graph.engine.runner.graphs.capture == (DEVICE == "cuda")
     calls = _counted(graph)
@@ -118,10 +119,12 @@ def test_the_static_step_reads_nothing_back_on_the_host(tiny_dir, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(graphs(np.array([7, 8]), lengths, [np.arange(1, 6), np.arange(6, 9)]), want[:2])
-    for read, name in ((lambda: torch.bincount(torch.tensor([1, 2])), "aten::bincount"),
-                       (lambda: torch.ones(2)[torch.tensor([True, False])], "aten::index.Tensor (boolean mask)"),
-                       (lambda: int(torch.ones(1)), "aten::_local_scalar_dense"),
-                       (lambda: torch.ones(2).tolist(), "Tensor.tolist")):
+    for read, name in (
+        (lambda: torch.bincount(torch.tensor([1, 2])), "aten::bincount"),
+        (lambda: torch.ones(2)[torch.tensor([True, False])], "aten::index.Tensor (boolean mask)"),
+        (lambda: int(torch.ones(1)), "aten::_local_scalar_dense"),
+        (lambda: torch.ones(2).tolist(), "Tensor.tolist"),
+    ):
         with HostReads() as reads:
             read()
         assert reads.found == [name]

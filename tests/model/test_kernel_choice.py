@@ -57,7 +57,9 @@ def test_pack_linears_in_either_layout_is_one_storage_of_views(layout):
     assert bias is None and w.shape == (64, 64)
     assert w.is_contiguous() == (layout == "in") and w.t().is_contiguous() == (layout == "out")
     assert torch.equal(a.weight, want_a) and torch.equal(b.weight, want_b)
-    assert a.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() == b.weight.untyped_storage().data_ptr()
+    assert (
+        a.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() == b.weight.untyped_storage().data_ptr()
+    )
     x = torch.randn(5, 64, generator=g)
     assert torch.allclose(packed(x, w, None), torch.cat([x @ want_a.t(), x @ want_b.t()], -1), atol=1e-5)
 
@@ -87,12 +89,20 @@ def test_moe_stacked_in_either_layout_gives_the_same_experts(layouts):
             assert (dense - want[:n]).abs().max().item() < 1e-5, n
 
 
-@pytest.mark.parametrize("choices", [KernelChoices.every("out", (32,)), KernelChoices.every("in", (8,)),
-                                     KernelChoices.every("out"), KernelChoices.every("in", (256,)),
-                                     KernelChoices.every("in", widen=32), KernelChoices.every("out", widen=32),
-                                     "fixed", "measured"],
-                         ids=["out+dnn32", "in+dnn8", "out", "in+dnn256", "in+widen32", "out+widen32", "fixed",
-                              "measured"])
+@pytest.mark.parametrize(
+    "choices",
+    [
+        KernelChoices.every("out", (32,)),
+        KernelChoices.every("in", (8,)),
+        KernelChoices.every("out"),
+        KernelChoices.every("in", (256,)),
+        KernelChoices.every("in", widen=32),
+        KernelChoices.every("out", widen=32),
+        "fixed",
+        "measured",
+    ],
+    ids=["out+dnn32", "in+dnn8", "out", "in+dnn256", "in+widen32", "out+widen32", "fixed", "measured"],
+)
 def test_a_model_packed_by_any_choices_computes_the_unpacked_models_logits(tiny_dir, choices, tmp_path, monkeypatch):
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     plain = load_model(tiny_dir, pack=False)
@@ -112,7 +122,6 @@ def test_a_model_packed_by_any_choices_computes_the_unpacked_models_logits(tiny_
         got.append((many, m.logits(m.prefill(seq, [5], [70]))))  # and one row, a decode step
     assert (got[0][0] - got[1][0]).abs().max().item() < 1e-4
     assert (got[0][1] - got[1][1]).abs().max().item() < 1e-4
-
 
 
 @pytest.mark.parametrize("layout", ["in", "out"])
@@ -141,6 +150,7 @@ def test_a_tied_table_is_looked_up_in_rows_whatever_the_heads_layout(tmp_path, m
     with torch.no_grad():
         model.model.embed_tokens.weight = torch.nn.Parameter(2 * table.detach().clone(), requires_grad=False)
     assert torch.equal(model.embed(ids), 2 * plain.model.embed_tokens(ids)) and model.embed_rows is None
+
 
 def _fake_times(out, inp, dtype, streamed, with_dnn, with_gemv=False):
     """Times where input-major wins everywhere and oneDNN wins at 32 rows by 2x (so the choices are
@@ -267,7 +277,9 @@ def test_a_hopeless_candidate_is_called_once_and_never_chosen():
     assert calls["slow"] > 2
 
 
-def test_bf16_packing_keeps_w_uk_and_w_uv_in_their_own_memory_and_equal_to_kv_bs_halves(tiny_dir, tmp_path, monkeypatch):
+def test_bf16_packing_keeps_w_uk_and_w_uv_in_their_own_memory_and_equal_to_kv_bs_halves(
+    tiny_dir, tmp_path, monkeypatch
+):
     """A bf16 packed model holds W_UK and W_UV as copies of kv_b_proj's two halves (a bf16 bmm would
     copy the strided slices on every call), W_UV contiguous and W_UK stored [H, r, nope] (each output's
     weights contiguous, as the native per-head products read them); its logits are the unpacked
@@ -304,8 +316,11 @@ def test_the_native_experts_run_at_the_token_counts_where_they_won(tmp_path, mon
 
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     monkeypatch.setattr(kernel_choice, "_memory", {})
-    moe = MoE(ModelConfig.from_dict(tiny_config("v2", hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
-                                                num_experts_per_tok=2)))
+    moe = MoE(
+        ModelConfig.from_dict(
+            tiny_config("v2", hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2)
+        )
+    )
     seen = []
     monkeypatch.setattr(moe, "native_kernel", lambda dtype: lambda x, *rest: seen.append(x.shape[0]))
     native = {1: 2.0, 2: 1.5, 4: 0.5, 8: 0.6, 16: 0.9, 32: 1.9, 64: 5.0, 128: 400.0}  # ms; torch: 1 + n / 32 ms
@@ -351,8 +366,11 @@ def test_the_expert_loops_costs_are_measured_once_per_cpu(tmp_path, monkeypatch)
 
     monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     monkeypatch.setattr(kernel_choice, "_memory", {})
-    moe = MoE(ModelConfig.from_dict(tiny_config("v2", hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
-                                                num_experts_per_tok=2)))
+    moe = MoE(
+        ModelConfig.from_dict(
+            tiny_config("v2", hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2)
+        )
+    )
     call_s, macs = kernel_choice.expert_costs(moe, torch.float32)
     assert 0 < call_s < 1 and macs > 1e6
     monkeypatch.setattr(kernel_choice, "_memory", {})

@@ -50,7 +50,9 @@ def test_a_kernels_times_are_keyed_by_its_own_source(fresh, monkeypatch):
     real = Path.read_text
     for edited, moves in (("moe.c", False), ("gemv.c", True)):
         with monkeypatch.context() as m:
-            m.setattr(Path, "read_text", lambda self, *a, **k: real(self, *a, **k) + ("//" if self.name == edited else ""))
+            m.setattr(
+                Path, "read_text", lambda self, *a, **k: real(self, *a, **k) + ("//" if self.name == edited else "")
+            )
             assert native._key(cc) != whole  # (the library is built again)
             assert (native.fingerprint("gemv.c") != gemv_fp) == moves, edited
 
@@ -72,8 +74,9 @@ def test_no_library_means_torch_kernels(fresh, monkeypatch, tmp_path, how):
     assert torch.equal(gemv.product(x, w), F.linear(x, w))
 
 
-@pytest.mark.skipif(native._compiler() is None or platform.machine() != "x86_64",
-                    reason="needs a C compiler for x86-64")
+@pytest.mark.skipif(
+    native._compiler() is None or platform.machine() != "x86_64", reason="needs a C compiler for x86-64"
+)
 def test_the_plain_loops_compute_the_same(fresh, monkeypatch):
     """Built for a CPU without AVX-512 (x86-64-v2: the loops the compiler vectorises, as on AVX2 or ARM
     machines): the products and the decode attention still compute F.linear's and the reference's."""
@@ -89,7 +92,9 @@ def test_the_plain_loops_compute_the_same(fresh, monkeypatch):
             x = torch.randn(rows, in_f, generator=g).to(dtype)
             ref = F.linear(x.double(), w.double())
             got = gemv.product(x, w)
-            assert (got.double() - ref).abs().max().item() <= (1e-2 if dtype == torch.bfloat16 else 2e-5) * ref.abs().max()
+            assert (got.double() - ref).abs().max().item() <= (
+                1e-2 if dtype == torch.bfloat16 else 2e-5
+            ) * ref.abs().max()
     monkeypatch.setattr(CPUAttention, "NATIVE_DECODE", True)
     cfg, backend, attn, g = _setup(1)
     q_nope, q_pe, pool, seqs = _case(cfg, g, [(n - 1, 1) for n in (30, 7, 19)], holes=True, moved=True)

@@ -30,16 +30,23 @@ def _decode_case(cfg, g, lengths, dtype=torch.float32, **kw):
 # rope 16, 8 heads: the register tiles, 4 heads x 4 keys and 4 heads x 64 outputs), a realistic rope
 # (64) and widths that leave each tile a remainder (6 heads: 4 in tiles, 2 in plain loops; r 80: a
 # 64-wide tile and a 16-wide one)
-WIDTHS = {"tiny": {}, "bundled": dict(kv_lora_rank=128, qk_rope_head_dim=16, num_attention_heads=8, num_key_value_heads=8),
-          "rope64": dict(kv_lora_rank=64, qk_rope_head_dim=64),
-          "tails": dict(kv_lora_rank=80, qk_rope_head_dim=32, num_attention_heads=6, num_key_value_heads=6)}
+WIDTHS = {
+    "tiny": {},
+    "bundled": dict(kv_lora_rank=128, qk_rope_head_dim=16, num_attention_heads=8, num_key_value_heads=8),
+    "rope64": dict(kv_lora_rank=64, qk_rope_head_dim=64),
+    "tails": dict(kv_lora_rank=80, qk_rope_head_dim=32, num_attention_heads=6, num_key_value_heads=6),
+}
 
 
 @pytest.mark.parametrize("widths", list(WIDTHS))
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=6), holes=st.booleans(), moved=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(
+    lengths=st.lists(st.integers(1, 60), min_size=1, max_size=6),
+    holes=st.booleans(),
+    moved=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_decode_groups_equal_the_dense_reference(variant, widths, layout, lengths, holes, moved, seed):
     cfg, backend, attn, g = _setup(seed, **WIDTHS[widths])
     backend.rotary.out_layout = layout

@@ -21,8 +21,11 @@ pytestmark = pytest.mark.skipif(native._compiler() is None, reason="the native k
 
 
 def _moe(hidden, inner, experts, k, layouts, seed) -> MoE:
-    cfg = ModelConfig.from_dict(tiny_config("v2", hidden_size=hidden, moe_intermediate_size=inner,
-                                            n_routed_experts=experts, num_experts_per_tok=k))
+    cfg = ModelConfig.from_dict(
+        tiny_config(
+            "v2", hidden_size=hidden, moe_intermediate_size=inner, n_routed_experts=experts, num_experts_per_tok=k
+        )
+    )
     torch.manual_seed(seed)
     moe = MoE(cfg)
     with torch.no_grad():
@@ -34,8 +37,14 @@ def _moe(hidden, inner, experts, k, layouts, seed) -> MoE:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.integers(1, 64), experts=st.integers(2, 9), k=st.integers(1, 3), size=st.sampled_from([(64, 32), (48, 40), (37, 13)]),
-       layouts=st.sampled_from([("in", "in"), ("out", "in"), ("in", "out"), ("out", "out")]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 64),
+    experts=st.integers(2, 9),
+    k=st.integers(1, 3),
+    size=st.sampled_from([(64, 32), (48, 40), (37, 13)]),
+    layouts=st.sampled_from([("in", "in"), ("out", "in"), ("in", "out"), ("out", "out")]),
+    seed=st.integers(0, 2**16),
+)
 def test_the_kernel_equals_the_expert_loop(variant, n, experts, k, size, layouts, seed):
     k = min(k, experts)
     moe = _moe(*size, experts, k, layouts, seed)
@@ -51,7 +60,9 @@ def test_where_it_does_not_run_and_a_bad_expert_id(monkeypatch):
     moe = _moe(64, 32, 4, 2, ("in", "in"), 0)
     x = torch.randn(5, 64)
     weights, ids = moe.gate(x)
-    assert moe._native(torch.randn(MoE.NATIVE_TOKENS + 1, 64), *moe.gate(torch.randn(MoE.NATIVE_TOKENS + 1, 64))) is None
+    assert (
+        moe._native(torch.randn(MoE.NATIVE_TOKENS + 1, 64), *moe.gate(torch.randn(MoE.NATIVE_TOKENS + 1, 64))) is None
+    )
     assert moe._native(x.bfloat16(), weights, ids) is None
     monkeypatch.setenv("IRMINSUL_NATIVE_MOE", "0")
     assert moe._native(x, weights, ids) is None
@@ -81,8 +92,13 @@ def test_the_engine_decodes_the_same_tokens(tmp_path, monkeypatch):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.integers(1, 64), experts=st.integers(2, 9), k=st.integers(1, 3),
-       size=st.sampled_from([(64, 32), (96, 80), (37, 13)]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 64),
+    experts=st.integers(2, 9),
+    k=st.integers(1, 3),
+    size=st.sampled_from([(64, 32), (96, 80), (37, 13)]),
+    seed=st.integers(0, 2**16),
+)
 def test_the_bf16_kernel_equals_the_expert_loop_in_float64(variant, n, experts, k, size, seed):
     """A bfloat16 model's experts (out-major stacks, sizes with and without 32-element tails) against
     the same bf16 weights and tokens in float64: within what bf16's rounding of the result and of

@@ -30,12 +30,22 @@ def any_build(variant, monkeypatch):
         monkeypatch.setattr(CPUAttention, "native_prefill", lambda self, kv, keys: True)
     return variant
 
+
 # the test models' widths (q·k 24, v 16: one masked value vector), the bundled model's (48 / 48: three
 # vectors), V2-Lite's (192 / 128, 16 heads: two 64-wide value tiles) and a v wider than q·k (24 / 40)
-WIDTHS = {"tiny": {}, "bundled": dict(qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=48),
-          "v2lite": dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=64, qk_nope_head_dim=128,
-                         qk_rope_head_dim=64, v_head_dim=128),
-          "wide_v": dict(v_head_dim=40)}
+WIDTHS = {
+    "tiny": {},
+    "bundled": dict(qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=48),
+    "v2lite": dict(
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        kv_lora_rank=64,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
+    "wide_v": dict(v_head_dim=40),
+}
 
 
 def _spy(monkeypatch) -> list:
@@ -49,8 +59,12 @@ def _spy(monkeypatch) -> list:
 # queries (two superblocks of 48), the diagonal anywhere in a block
 @pytest.mark.parametrize("widths", list(WIDTHS))
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spans=st.lists(st.tuples(st.integers(0, 70), st.integers(2, 60)), min_size=1, max_size=3),
-       holes=st.booleans(), moved=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    spans=st.lists(st.tuples(st.integers(0, 70), st.integers(2, 60)), min_size=1, max_size=3),
+    holes=st.booleans(),
+    moved=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_the_kernel_equals_the_dense_reference(any_build, widths, spans, holes, moved, seed):
     cfg, backend, attn, g = _setup(seed, **WIDTHS[widths])
     q_nope, q_pe, pool, seqs = _case(cfg, g, spans, holes=holes, moved=moved)
@@ -143,16 +157,34 @@ def test_a_build_without_vector_tiles_keeps_sdpa(monkeypatch):
 def test_bad_views_are_refused():
     x = torch.zeros(1, 4, 2, 8)
     with pytest.raises(ValueError, match="float32"):
-        native_ops.call_prefill_attention(x.double(), x, x, x[:, :, 0], x, torch.ones(1, 4, dtype=torch.int64),
-                                          torch.arange(4)[None], torch.tensor([4]), 1.0)
+        native_ops.call_prefill_attention(
+            x.double(),
+            x,
+            x,
+            x[:, :, 0],
+            x,
+            torch.ones(1, 4, dtype=torch.int64),
+            torch.arange(4)[None],
+            torch.tensor([4]),
+            1.0,
+        )
     with pytest.raises(ValueError, match="sizes"):  # (a k_r of other length: never a read past its end)
-        native_ops.call_prefill_attention(x, x, x, x[:, :3, 0], x, torch.ones(1, 4, dtype=torch.int64),
-                                          torch.arange(4)[None], torch.tensor([4]), 1.0)
+        native_ops.call_prefill_attention(
+            x, x, x, x[:, :3, 0], x, torch.ones(1, 4, dtype=torch.int64), torch.arange(4)[None], torch.tensor([4]), 1.0
+        )
     strided = torch.zeros(1, 4, 8, 2).transpose(2, 3)  # [1, 4, 2, 8], its last dimension 2 apart
     with pytest.raises(ValueError, match="contiguous"):
-        native_ops.call_prefill_attention(strided, x, x, x[:, :, 0], x, torch.ones(1, 4, dtype=torch.int64),
-                                          torch.arange(4)[None], torch.tensor([4]), 1.0)
-
+        native_ops.call_prefill_attention(
+            strided,
+            x,
+            x,
+            x[:, :, 0],
+            x,
+            torch.ones(1, 4, dtype=torch.int64),
+            torch.arange(4)[None],
+            torch.tensor([4]),
+            1.0,
+        )
 
 
 def test_bf16_groups_widened_for_the_kernel_equal_the_reference(any_build, monkeypatch):

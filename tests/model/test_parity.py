@@ -108,7 +108,9 @@ def test_bundled_gqa_twin_loads_in_llama():
 
     twin = LlamaForCausalLM.from_pretrained(bundled_model("gqa"), dtype=torch.float32).eval()
     assert twin.config.num_key_value_heads < twin.config.num_attention_heads
-    assert (bundled_model("gqa") / "tokenizer.json").read_bytes() == (bundled_model("mla") / "tokenizer.json").read_bytes()
+    assert (bundled_model("gqa") / "tokenizer.json").read_bytes() == (
+        bundled_model("mla") / "tokenizer.json"
+    ).read_bytes()
     with torch.no_grad():
         logits = twin(torch.arange(1, 65)[None]).logits
     assert torch.isfinite(logits).all() and logits.shape[-1] == twin.config.vocab_size

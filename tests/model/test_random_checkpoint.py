@@ -28,8 +28,31 @@ def _generates(path: Path) -> None:
 def test_every_family_at_its_own_size_loads_and_generates(tmp_path, capsys, family):
     mla = [] if family == "deepseek_v4" else ["--kv-lora-rank", "48"]
     out = tmp_path / family
-    assert main(["checkpoint", "random", str(out), "--family", family, "--layers", "5", "--hidden", "96",
-                 "--heads", "6", "--experts", "8", "--vocab", "400", "--context", "8192", *mla]) == 0
+    assert (
+        main(
+            [
+                "checkpoint",
+                "random",
+                str(out),
+                "--family",
+                family,
+                "--layers",
+                "5",
+                "--hidden",
+                "96",
+                "--heads",
+                "6",
+                "--experts",
+                "8",
+                "--vocab",
+                "400",
+                "--context",
+                "8192",
+                *mla,
+            ]
+        )
+        == 0
+    )
     assert f"wrote {out}: {family}" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == family and config["hidden_size"] == 96 and config["vocab_size"] == 400
@@ -54,19 +77,26 @@ def test_bfloat16_shards(tmp_path, family):
     _generates(out)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--family", "deepseek_v3", "--experts", "3"], "deepseek_v3 cannot have these sizes: n_routed_experts=3 is not "
-                                                    "divisible by n_group=2"),
-    (["--family", "deepseek_v3", "--experts", "2"], "leaves fewer than the 2 experts each token is routed to"),
-    (["--family", "deepseek_v2", "--experts", "1"], "num_experts_per_tok=2 exceeds n_routed_experts=1"),
-    (["--family", "deepseek_v4", "--experts", "1"], "fewer than the 2 experts each token is routed to"),
-    (["--family", "deepseek_v2", "--vocab", "100"], "--vocab 100: the byte-level tokenizer needs at least"),
-    (["--family", "deepseek_v4", "--kv-lora-rank", "8"], "--kv-lora-rank does not apply to deepseek_v4"),
-    (["--family", "deepseek_v3", "--experts", "8", "--experts-per-token", "5"],
-     "leaves fewer than the 5 experts each token is routed to"),
-    (["--family", "deepseek_v2", "--experts-per-token", "5"], "num_experts_per_tok=5 exceeds n_routed_experts=4"),
-    (["--family", "longcat_flash", "--shared-experts", "2"], "--shared-experts does not apply to longcat_flash"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--family", "deepseek_v3", "--experts", "3"],
+            "deepseek_v3 cannot have these sizes: n_routed_experts=3 is not divisible by n_group=2",
+        ),
+        (["--family", "deepseek_v3", "--experts", "2"], "leaves fewer than the 2 experts each token is routed to"),
+        (["--family", "deepseek_v2", "--experts", "1"], "num_experts_per_tok=2 exceeds n_routed_experts=1"),
+        (["--family", "deepseek_v4", "--experts", "1"], "fewer than the 2 experts each token is routed to"),
+        (["--family", "deepseek_v2", "--vocab", "100"], "--vocab 100: the byte-level tokenizer needs at least"),
+        (["--family", "deepseek_v4", "--kv-lora-rank", "8"], "--kv-lora-rank does not apply to deepseek_v4"),
+        (
+            ["--family", "deepseek_v3", "--experts", "8", "--experts-per-token", "5"],
+            "leaves fewer than the 5 experts each token is routed to",
+        ),
+        (["--family", "deepseek_v2", "--experts-per-token", "5"], "num_experts_per_tok=5 exceeds n_routed_experts=4"),
+        (["--family", "longcat_flash", "--shared-experts", "2"], "--shared-experts does not apply to longcat_flash"),
+    ],
+)
 def test_impossible_sizes_are_one_line(tmp_path, capsys, args, message):
     assert main(["checkpoint", "random", str(tmp_path / "x"), *args]) == 2
     err = capsys.readouterr().err
@@ -77,18 +107,26 @@ def test_impossible_sizes_are_one_line(tmp_path, capsys, args, message):
 def test_bad_options_and_an_occupied_directory_exit_2_without_a_traceback(tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "config.json").write_text("{}")
-    for args, message in ((["x", "--family", "llama"], "invalid choice: 'llama'"),
-                          (["x", "--family", "deepseek_v2", "--layers", "0"], "--layers: 0 must be >= 1"),
-                          (["full", "--family", "deepseek_v2"], "is not an empty directory")):
-        run = subprocess.run([sys.executable, "-m", "irminsul", "checkpoint", "random", *args], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for args, message in (
+        (["x", "--family", "llama"], "invalid choice: 'llama'"),
+        (["x", "--family", "deepseek_v2", "--layers", "0"], "--layers: 0 must be >= 1"),
+        (["full", "--family", "deepseek_v2"], "is not an empty directory"),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-m", "irminsul", "checkpoint", "random", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 def _page_commands() -> list[str]:
     """The `irminsul` lines of docs/models.md's checkpoint section's fenced blocks."""
     text = (ROOT / "docs" / "models.md").read_text()
-    section = text[text.index("## A checkpoint of your own"):text.index("## Refused, with a message")]
+    section = text[text.index("## A checkpoint of your own") : text.index("## Refused, with a message")]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     return [line.split("#")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
 
@@ -124,11 +162,37 @@ def test_the_checkpoint_pages_commands_run(tmp_path, monkeypatch, capsys):
 def test_mla_head_sizes_and_v3_scoring(tmp_path):
     """vLLM-loadable MLA widths (kv_lora 512 + rope 64, docs/vllm.md); V3 writes its routing's scoring."""
     out = tmp_path / "v3"
-    assert main(["checkpoint", "random", str(out), "--family", "deepseek_v3", "--layers", "2", "--hidden", "64",
-                 "--kv-lora-rank", "512", "--rope-head-dim", "64", "--nope-head-dim", "32", "--v-head-dim", "32"]) == 0
+    assert (
+        main(
+            [
+                "checkpoint",
+                "random",
+                str(out),
+                "--family",
+                "deepseek_v3",
+                "--layers",
+                "2",
+                "--hidden",
+                "64",
+                "--kv-lora-rank",
+                "512",
+                "--rope-head-dim",
+                "64",
+                "--nope-head-dim",
+                "32",
+                "--v-head-dim",
+                "32",
+            ]
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
-    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["v_head_dim"]) == \
-        (512, 64, 32, 32)
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["v_head_dim"]) == (
+        512,
+        64,
+        32,
+        32,
+    )
     assert config["scoring_func"] == "sigmoid"
     _generates(out)
 
@@ -139,8 +203,28 @@ def test_experts_per_token_and_shared_experts(tmp_path):
     from safetensors import safe_open
 
     out = tmp_path / "v3"
-    assert main(["checkpoint", "random", str(out), "--family", "deepseek_v3", "--layers", "2", "--hidden", "64",
-                 "--experts", "8", "--experts-per-token", "3", "--shared-experts", "2"]) == 0
+    assert (
+        main(
+            [
+                "checkpoint",
+                "random",
+                str(out),
+                "--family",
+                "deepseek_v3",
+                "--layers",
+                "2",
+                "--hidden",
+                "64",
+                "--experts",
+                "8",
+                "--experts-per-token",
+                "3",
+                "--shared-experts",
+                "2",
+            ]
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
     assert (config["n_routed_experts"], config["num_experts_per_tok"], config["n_shared_experts"]) == (8, 3, 2)
     with safe_open(str(out / "model.safetensors"), "pt") as f:

@@ -27,8 +27,9 @@ def rotate_reference(k_r: np.ndarray, delta: int, rope: RopeConfig) -> np.ndarra
 
 
 STYLES = ["v2", "v3_interleave", "v3_half"]
-V2_LITE_YARN = dict(kind="yarn", factor=40.0, original_max_position=4096, beta_fast=32, beta_slow=1,
-                    mscale=0.707, mscale_all_dim=0.707)
+V2_LITE_YARN = dict(
+    kind="yarn", factor=40.0, original_max_position=4096, beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707
+)
 DELTAS = [1, -1, 7, -31, 100, -1000, 4096, -12345, 65536, 100_000, -100_000]
 
 
@@ -78,8 +79,9 @@ def test_fast_rotation_matches_slow_reference(style):
 
 
 def test_unit_rotation_never_applies_the_attention_factor_twice():
-    cfg = RopeConfig(dim=8, theta=10000.0, kind="yarn", factor=40.0, original_max_position=64, mscale=1.0,
-                     mscale_all_dim=0.5)
+    cfg = RopeConfig(
+        dim=8, theta=10000.0, kind="yarn", factor=40.0, original_max_position=64, mscale=1.0, mscale_all_dim=0.5
+    )
     rot = Rotary(cfg)
     assert rot.attention_factor != 1.0
     k = torch.randn(4, 8)
@@ -90,11 +92,29 @@ def test_unit_rotation_never_applies_the_attention_factor_twice():
 def test_v2_lite_softmax_scale():
     from irminsul.model.config import ModelConfig
 
-    raw = dict(model_type="deepseek_v2", vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-               num_attention_heads=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-               qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
-               rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                             "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})
+    raw = dict(
+        model_type="deepseek_v2",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=163840,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    )
     cfg = ModelConfig.from_dict(raw)
     assert abs(cfg.softmax_scale - 0.114721) < 1e-6  # docs/design.md: V2-Lite, not 192^-0.5 = 0.0722
     assert cfg.row_width == 576
@@ -109,8 +129,12 @@ def test_fast_encodings_equal_the_pairwise_formula_for_both_layouts():
     from irminsul.model.rope import encode_pairwise as pairwise
 
     g = torch.Generator().manual_seed(0)
-    for style, dtype in (("v2", torch.float32), ("v3_interleave", torch.float32), ("v3_half", torch.float32),
-                         ("v2", torch.bfloat16)):
+    for style, dtype in (
+        ("v2", torch.float32),
+        ("v3_interleave", torch.float32),
+        ("v3_half", torch.float32),
+        ("v2", torch.bfloat16),
+    ):
         rot = Rotary(RopeConfig(dim=16, theta=10000.0, style=style))
         rows = torch.randn(3, 40, 48 + 16, generator=g).to(dtype)  # [B, T, r + rope], r = 48
         cos, sin = rot.table(40)

@@ -19,7 +19,9 @@ def test_the_faster_count_is_measured_once_and_kept(tiny_dir, tmp_path, monkeypa
         first = threads.fastest_threads(model, "tiny|float32")
         assert first in (1, 2) and probes == [2] and torch.get_num_threads() == 2  # (left as it was)
         assert threads.fastest_threads(model, "tiny|float32") == first and probes == [2]
-        entry = next(v for k, v in kernel_choice._read_cache(tmp_path / "kernels.json").items() if k.startswith("threads|"))
+        entry = next(
+            v for k, v in kernel_choice._read_cache(tmp_path / "kernels.json").items() if k.startswith("threads|")
+        )
         assert entry["threads"] == (1 if entry["one_s"] < entry["all_s"] else 2)
         torch.set_num_threads(1)  # (one thread to start with: nothing to choose)
         assert threads.fastest_threads(model, "tiny|float32") == 1 and probes == [2]
@@ -35,8 +37,9 @@ def test_the_probe_picks_the_faster(tiny_dir, monkeypatch):
     try:
         for one, two, want in ((1.0, 3.0, 1), (3.0, 1.0, 2)):
             torch.set_num_threads(2)
-            monkeypatch.setattr(threads, "_request",
-                                lambda m, ids, one=one, two=two: one if torch.get_num_threads() == 1 else two)
+            monkeypatch.setattr(
+                threads, "_request", lambda m, ids, one=one, two=two: one if torch.get_num_threads() == 1 else two
+            )
             out = threads._probe(model, 2)
             assert out["threads"] == want and (out["one_s"], out["all_s"]) == (one, two)
             assert torch.get_num_threads() == 2

@@ -23,10 +23,18 @@ def _pair(path, dtype="float32"):
     return LLM(path, dtype=dtype, device=DEVICE), LLM(path, dtype=dtype, device=DEVICE, attention_backend="triton")
 
 
-@pytest.mark.parametrize("variant, yarn, dtype", [("v2", False, "float32"), ("v2", True, "float32"),
-                                                  ("v3", True, "float32"), ("v3", False, "bfloat16"),
-                                                  ("glm", True, "float32"), ("longcat", True, "float32"),
-                                                  ("v32", True, "float32")])
+@pytest.mark.parametrize(
+    "variant, yarn, dtype",
+    [
+        ("v2", False, "float32"),
+        ("v2", True, "float32"),
+        ("v3", True, "float32"),
+        ("v3", False, "bfloat16"),
+        ("glm", True, "float32"),
+        ("longcat", True, "float32"),
+        ("v32", True, "float32"),
+    ],
+)
 def test_prefill_scores_equal_the_torch_backend(tmp_path, variant, yarn, dtype):
     path = make_tiny_checkpoint(tmp_path / "c", variant=variant, yarn=yarn)
     ref, tri = _pair(path, dtype)
@@ -56,8 +64,9 @@ def test_pic_on_one_layer_equals_full_prefill_and_naive_does_not(tmp_path, varia
     the reading positions, so pic equals full prefill; naive encodes them where they were computed.
     V3.2: the indexer scores the shared rows at their new positions too, and its top-16 selection
     (of about 210 keys) is the same as full prefill's."""
-    path = make_tiny_checkpoint(tmp_path / "l1", variant, num_hidden_layers=1, first_k_dense_replace=1, yarn=True,
-                                std=0.3)
+    path = make_tiny_checkpoint(
+        tmp_path / "l1", variant, num_hidden_layers=1, first_k_dense_replace=1, yarn=True, std=0.3
+    )
     body = _rand(160, 5)
     first = Segments([_rand(20, 6), body])  # segments: the body is chunked from its own start
     second, tail = Segments([_rand(47, 7), body, _rand(1, 8)]), _rand(3, 9)
@@ -89,15 +98,28 @@ def test_the_kernel_alone_against_a_dense_reference():
     last = torch.tensor([44, 20])
     cos, sin = rotary.table(91)
     one = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    tiles = [Tiles(one(0, 0), one(0, 1), one(1, 1), one(45, 21), 1, 45),  # as two decode rows ...
-             Tiles(one(0), one(0), one(2), one(45), 4, 45)]  # ... and as one prefill tile of both
+    tiles = [
+        Tiles(one(0, 0), one(0, 1), one(1, 1), one(45, 21), 1, 45),  # as two decode rows ...
+        Tiles(one(0), one(0), one(2), one(45), 4, 45),
+    ]  # ... and as one prefill tile of both
     on = lambda *xs: [x.to(DEVICE) for x in xs]  # noqa: E731
     for tile, (block_t, warps) in ((t, c) for t in tiles for c in ((16, None), (64, 8))):  # (other tile sizes
         # alike: benchmarks/gpu_tiles.py picks among such on a GPU)
-        plan = TritonPlan(*on(last.int(), torch.zeros(2, dtype=torch.long), slots[None], pos[None].int()), 90,
-                          [Tiles(*on(tile.seq, tile.row0, tile.rows, tile.end), tile.block_m, tile.max_end)])
-        got = mla_attention(*on(q_lat, q_pe, pool), plan, *on(cos, sin), 0.3, interleaved=False, block_t=block_t,
-                            split=16, num_warps=warps)
+        plan = TritonPlan(
+            *on(last.int(), torch.zeros(2, dtype=torch.long), slots[None], pos[None].int()),
+            90,
+            [Tiles(*on(tile.seq, tile.row0, tile.rows, tile.end), tile.block_m, tile.max_end)],
+        )
+        got = mla_attention(
+            *on(q_lat, q_pe, pool),
+            plan,
+            *on(cos, sin),
+            0.3,
+            interleaved=False,
+            block_t=block_t,
+            split=16,
+            num_warps=warps,
+        )
         _check(got.cpu(), q_lat, q_pe, pool, slots, pos, last, cos, sin, rotary, r, t)
 
 

@@ -23,7 +23,9 @@ def _moe(seed: int, **overrides) -> MoE:
     return moe.eval().to(DEVICE)
 
 
-@pytest.mark.parametrize("n, tiles", [(1, None), (5, None), (37, None), (37, (32, 64, 16, 4, 3)), (5, (64, 16, 64, 8, 2))])
+@pytest.mark.parametrize(
+    "n, tiles", [(1, None), (5, None), (37, None), (37, (32, 64, 16, 4, 3)), (5, (64, 16, 64, 8, 2))]
+)
 def test_fused_experts_equal_the_torch_experts(n, tiles):
     """Every token's k experts, weighted, for batches where experts get 0, 1 or many rows (padding
     inside a block, blocks past the last used): equal to the loop over experts within 1e-5; with the

@@ -40,14 +40,20 @@ def test_a_broken_widening_is_caught():
     g = torch.Generator().manual_seed(5)
     w = torch.randn(40, 512, generator=g).bfloat16()
     x = torch.randn(30, 512, generator=g).bfloat16()
-    twice = sum(F.linear(x[:, i : i + 64].float(), w[:, i : i + 64].float()).bfloat16().float() for i in range(0, 512, 64))
+    twice = sum(
+        F.linear(x[:, i : i + 64].float(), w[:, i : i + 64].float()).bfloat16().float() for i in range(0, 512, 64)
+    )
     want = F.linear(x.double(), w.double())
     assert not ((twice.double() - want).abs() <= _bf16_step(want)).all()
 
 
 def _times(widen_32: float, widen_256: float, dense: float = 1.0) -> dict:
-    return {"1": {"out": dense, "in": dense}, "8": {"out": dense, "in": dense},
-            "32": {"out": dense, "in": dense, "widen": widen_32}, "256": {"out": dense, "in": dense, "widen": widen_256}}
+    return {
+        "1": {"out": dense, "in": dense},
+        "8": {"out": dense, "in": dense},
+        "32": {"out": dense, "in": dense, "widen": widen_32},
+        "256": {"out": dense, "in": dense, "widen": widen_256},
+    }
 
 
 def test_the_widened_rows_are_where_it_won_at_every_larger_count():

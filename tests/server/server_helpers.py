@@ -11,8 +11,10 @@ from irminsul.server.app import create_app
 from irminsul.server.config import ServerConfig
 from tests.support.services import ThreadServer
 
-WORDS = ("policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "
-         "reservation economy business gold silver airport delay voucher").split()
+WORDS = (
+    "policy baggage flight refund cabin upgrade member seat change cancel passenger insurance "
+    "reservation economy business gold silver airport delay voucher"
+).split()
 
 
 def text(n_words: int, seed: int) -> str:
@@ -53,8 +55,11 @@ def chat(url: str, messages, max_tokens: int = 4, headers=None, **extra) -> dict
 def loop_stall(url: str) -> float | None:
     """The server's longest event-loop stall so far (irminsul_event_loop_stall_seconds_max), None
     where its /metrics has no such gauge."""
-    found = re.findall(r"^irminsul_event_loop_stall_seconds_max(?:\{[^}]*\})?\s+(\S+)$",
-                       httpx.get(url + "/metrics", timeout=30).text, re.M)
+    found = re.findall(
+        r"^irminsul_event_loop_stall_seconds_max(?:\{[^}]*\})?\s+(\S+)$",
+        httpx.get(url + "/metrics", timeout=30).text,
+        re.M,
+    )
     return max(map(float, found)) if found else None
 
 

@@ -50,9 +50,14 @@ def _run(url, api: str, choice: str, settings: dict, max_turns: int):
 
     async def go():
         client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        agent = Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], output_type=Answer,
-                      model=MODELS[api](model="tiny", openai_client=client),
-                      model_settings=ModelSettings(tool_choice=choice, temperature=0, max_tokens=80, **settings))
+        agent = Agent(
+            name="weather",
+            instructions="Answer briefly.",
+            tools=[get_weather],
+            output_type=Answer,
+            model=MODELS[api](model="tiny", openai_client=client),
+            model_settings=ModelSettings(tool_choice=choice, temperature=0, max_tokens=80, **settings),
+        )
         try:
             return (await Runner.run(agent, "What is the weather in Paris?", max_turns=max_turns)).final_output
         except MaxTurnsExceeded as e:

@@ -10,9 +10,11 @@ def test_a_refused_request_is_counted_and_the_replay_goes_on(server, tmp_path, c
     counted as failed and the replay goes on to its report, instead of ending in a traceback that
     throws away every measurement made so far."""
     trace = tmp_path / "t.jsonl"
-    rows = [{"session": "a", "messages": [{"role": "user", "content": "hello there"}]},
-            {"session": "b", "messages": [{"role": "user", "content": "word " * 5000}]},  # past the context
-            {"session": "a", "messages": [{"role": "user", "content": "hello there, again"}]}]
+    rows = [
+        {"session": "a", "messages": [{"role": "user", "content": "hello there"}]},
+        {"session": "b", "messages": [{"role": "user", "content": "word " * 5000}]},  # past the context
+        {"session": "a", "messages": [{"role": "user", "content": "hello there, again"}]},
+    ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["bench", "serve", str(trace), "--url", server.url, "--max-tokens", "2"]) == 0
     out = capsys.readouterr().out

@@ -54,8 +54,11 @@ def test_max_tokens_0_without_echo_is_a_400_that_says_why(url):
     r = _complete(url, prompt="hi", max_tokens=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "echo" in r.json()["error"]["message"]
-    r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+    )
     assert r.status_code == 400 and "at least 1" in r.json()["error"]["message"]
 
 
@@ -63,9 +66,17 @@ def test_special_tokens_among_the_alternatives_name_themselves(url):
     """An alternative's text is its own even when skip_special_tokens hides special tokens in the
     output (as vLLM gives it). On this model the first steps after "hi" rank special tokens among
     the top 20."""
-    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20,
-        "max_tokens": 3, "temperature": 0}).json()
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 20,
+            "max_tokens": 3,
+            "temperature": 0,
+        },
+    ).json()
     tops = [t for entry in r["choices"][0]["logprobs"]["content"] for t in entry["top_logprobs"]]
     assert all(t["token"] for t in tops)
     assert all(t["bytes"] == list(t["token"].encode()) for t in tops if t["token"] in SPECIAL_NAMES)
@@ -84,8 +95,13 @@ def test_metrics_count_the_tool_calls_finish_reason(url):
             return 0.0
 
     start_count = before()
-    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS,
-            "tool_choice": "required", "max_tokens": 60, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 60,
+        "temperature": 0,
+    }
     r = httpx.post(url + "/v1/chat/completions", timeout=60, json=body).json()
     assert r["choices"][0]["finish_reason"] == "tool_calls"
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={**body, "stream": True}) as s:

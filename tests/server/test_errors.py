@@ -22,15 +22,27 @@ CASES = [
     ("completions", {"prompt": "hi", "stop_token_ids": [10**12]}, 400, "stop_token_ids: token id"),
     ("completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
     ("chat", {"messages": HI, "tool_choice": "required"}, 400, "needs tools"),
-    ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
-     "not among the tools"),
+    (
+        "chat",
+        {"messages": HI, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        400,
+        "not among the tools",
+    ),
     ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": "always"}, 400, "tool_choice must be"),
-    ("chat", {"messages": HI, "tools": TOOLS, "tool_choice": "required", "guided_json": {"type": "object"}},
-     400, "set only one"),
+    (
+        "chat",
+        {"messages": HI, "tools": TOOLS, "tool_choice": "required", "guided_json": {"type": "object"}},
+        400,
+        "set only one",
+    ),
     ("chat", {"messages": HI, "response_format": {"type": "xml"}}, 400, "response_format type 'xml'"),
     ("chat", {"messages": HI, "response_format": {"type": "json_schema"}}, 400, "json_schema.schema"),
-    ("chat", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
-     400, "could not be compiled"),
+    (
+        "chat",
+        {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+        400,
+        "could not be compiled",
+    ),
     ("completions", {"prompt": "hi", "guided_regex": "(("}, 400, "guided_regex: the regex could not be compiled"),
     ("completions", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
     ("completions", {"prompt": "hi", "guided_json": "{not json"}, 400, "not valid JSON"),
@@ -53,10 +65,18 @@ CASES = [
     ("completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "outside the vocabulary"),
     ("completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
     ("chat", {"messages": HI, "chat_template_kwargs": {"messages": []}}, 400, "may not set messages"),
-    ("chat", {"messages": [*HI, {"role": "assistant", "content": "The"}], "continue_final_message": True}, 400,
-     "needs add_generation_prompt=false"),
-    ("chat", {"messages": HI, "continue_final_message": True, "add_generation_prompt": False}, 400,
-     "needs an assistant message last"),
+    (
+        "chat",
+        {"messages": [*HI, {"role": "assistant", "content": "The"}], "continue_final_message": True},
+        400,
+        "needs add_generation_prompt=false",
+    ),
+    (
+        "chat",
+        {"messages": HI, "continue_final_message": True, "add_generation_prompt": False},
+        400,
+        "needs an assistant message last",
+    ),
     ("chunks", {"text": ""}, 403, "--admin-key"),  # publishing is the operator's: no admin key, no publishing
     # once 500s (and the first stopped the engine thread for everyone)
     ("completions", {"prompt": "hi", "seed": 2**70, "max_tokens": 2}, 400, "seed"),
@@ -71,18 +91,43 @@ CASES = [
     ("chat", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate"),
     ("completions", ('{"prompt": "hi", "x": ' + "[" * 5000 + "]" * 5000 + "}").encode(), 400, "nests deeper"),
     # refused up front: rendering is quadratic in the parts, so this would take ~100 s and stall everyone
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 16385}]}, 400,
-     "content parts"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 16385}]},
+        400,
+        "content parts",
+    ),
     # constraints that nothing can satisfy: a 400 that says so, not a 500 carrying llguidance's parser state
-    ("chat", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "a",
-                                                                                       "schema": {"$ref": "#"}}}},
-     400, "matches no output"),
+    (
+        "chat",
+        {
+            "messages": HI,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"$ref": "#"}}},
+        },
+        400,
+        "matches no output",
+    ),
     ("completions", {"prompt": "hi", "guided_regex": "[^\\x00-\\x{10FFFF}]"}, 400, "matches no output"),
     # a forced call whose arguments must nest themselves forever: a 400, not a 200 that is no tool call
-    ("chat", {"messages": HI, "max_tokens": 16, "tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}]}, 400,
-     "the output constraint failed"),
+    (
+        "chat",
+        {
+            "messages": HI,
+            "max_tokens": 16,
+            "tool_choice": "required",
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+                    },
+                }
+            ],
+        },
+        400,
+        "the output constraint failed",
+    ),
 ]
 ADMIN_CASES = [
     ({"text": ""}, 400, "non-empty"),
@@ -114,8 +159,12 @@ def admin_server(tiny_dir):
 @pytest.mark.parametrize("body, status, message", ADMIN_CASES, ids=[c[2] for c in ADMIN_CASES])
 def test_bad_publish_gets_a_clear_4xx(admin_server, body, status, message):
     data = body if isinstance(body, bytes) else None
-    r = httpx.post(admin_server.url + PATHS["chunks"], content=data, json=None if data else body,
-                   headers={"Authorization": "Bearer root", "Content-Type": "application/json"})
+    r = httpx.post(
+        admin_server.url + PATHS["chunks"],
+        content=data,
+        json=None if data else body,
+        headers={"Authorization": "Bearer root", "Content-Type": "application/json"},
+    )
     assert r.status_code == status and message in r.json()["error"]["message"], r.text
 
 
@@ -132,9 +181,11 @@ def test_degenerate_sampling_fails_nobody(server):
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
-            bodies = [{"prompt": "hello there", "max_tokens": 8, "temperature": 1, "top_p": 1e-50},
-                      {"prompt": "hello there", "max_tokens": 8, "temperature": 1e-40},
-                      {"prompt": "hello there", "max_tokens": 8, "temperature": 0.8, "seed": 1}]
+            bodies = [
+                {"prompt": "hello there", "max_tokens": 8, "temperature": 1, "top_p": 1e-50},
+                {"prompt": "hello there", "max_tokens": 8, "temperature": 1e-40},
+                {"prompt": "hello there", "max_tokens": 8, "temperature": 0.8, "seed": 1},
+            ]
             return await asyncio.gather(*(client.post(server.url + "/v1/completions", json=b) for b in bodies))
 
     for r in asyncio.run(run()):
@@ -150,6 +201,7 @@ def test_a_large_body_is_refused_before_it_is_parsed_and_nobody_waits(server):
     from tests.server.server_helpers import metric
 
     big = b'{"prompt": "' + b"word " * (2 * 2**20) + b'", "max_tokens": 2}'  # 10 MiB > the 8 MiB default
+
     def errors_413():
         text = httpx.get(server.url + "/metrics").text
         return metric(server.url, "irminsul_request_errors_total", status="413") if 'status="413"' in text else 0
@@ -159,8 +211,9 @@ def test_a_large_body_is_refused_before_it_is_parsed_and_nobody_waits(server):
     poller = threading.Thread(target=lambda: health.append(httpx.get(server.url + "/health", timeout=5).status_code))
     t = time.perf_counter()
     poller.start()
-    r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"},
-                   timeout=30)
+    r = httpx.post(
+        server.url + "/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=30
+    )
     poller.join()
     assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
     assert time.perf_counter() - t < 5 and health == [200]
@@ -198,6 +251,7 @@ def test_tokenize_detokenize_and_the_model_card(server):
 def test_chat_template_controls_change_the_prompt(server):
     """add_generation_prompt=false drops the assistant opener; continue_final_message ends the
     prompt inside the final assistant message, so the reply continues it."""
+
     def tokens(**body):
         return httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
 
@@ -237,11 +291,16 @@ def test_a_client_that_goes_away_mid_body_is_no_server_error(server, caplog):
 
     url = urlparse(server.url)
     with socket.create_connection((url.hostname, url.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": '
+        )
     time.sleep(1.0)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
-    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
+    assert (
+        httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code
+        == 200
+    )
 
 
 LONG = [{"role": "user", "content": "x" * 5000}]
@@ -278,20 +337,57 @@ def test_the_openai_client_sees_context_overflow_by_its_code(server):
 
 
 TEXT_ONLY_CASES = [  # what a text-only model cannot take: refused, the field named, never ignored
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages[0].content[1].type"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "messages[0].content[0].type"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "file", "file": {"file_id": "f"}}]}]}, "messages[0].content[0].type"),
-    ("/v1/chat/completions", {"messages": [*HI, {"role": "assistant", "audio": {"id": "a"}}, *HI]},
-     "messages[1].audio"),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    ],
+                }
+            ]
+        },
+        "messages[0].content[1].type",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}
+            ]
+        },
+        "messages[0].content[0].type",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}]},
+        "messages[0].content[0].type",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [*HI, {"role": "assistant", "audio": {"id": "a"}}, *HI]},
+        "messages[1].audio",
+    ),
     ("/v1/chat/completions", {"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ("/v1/responses", {"input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": "data:,"}]}]},
-     "input[0].content[1].type"),
+    (
+        "/v1/responses",
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "what is this?"},
+                        {"type": "input_image", "image_url": "data:,"},
+                    ],
+                }
+            ]
+        },
+        "input[0].content[1].type",
+    ),
 ]
 
 
@@ -314,8 +410,7 @@ def test_a_full_queue_is_a_429_with_retry_after(tiny_dir):
     try:
         body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=120),
-                                    range(8)))
+            answers = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=120), range(8)))
         refused = [r for r in answers if r.status_code != 200]
         assert refused and len(refused) <= 6, [r.status_code for r in answers]
         for r in refused:

@@ -27,8 +27,9 @@ def test_no_request_the_schema_allows_or_mangles_gets_a_5xx(tiny_dir):
         operations = [result.ok() for result in schema.get_all_operations()]
         assert len(operations) == 10
         for op in operations:
-            run = settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                           suppress_health_check=list(HealthCheck))(given(case=op.as_strategy())(lambda case: check(case)))
+            run = settings(
+                max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+            )(given(case=op.as_strategy())(lambda case: check(case)))
             run()
         assert not failures, "\n".join(failures[:10])
         assert len(statuses) >= 60 and {200, 400} <= set(statuses), sorted(set(statuses))

@@ -129,33 +129,80 @@ def sized(tokenizer: Tokenizer) -> list[tuple[str, str, dict, object, str]]:
         ("responses metadata, streamed", RESPONSES, responses(stream=True, metadata=HOLE), names('"v"'), "{}"),
         ("completions prompts", COMPLETIONS, completion(prompt=HOLE), text("a"), "[]"),
         ("completions token-id prompts", COMPLETIONS, completion(prompt=HOLE), "[5]", "[]"),
-        ("tokenize messages", "/tokenize", {"model": "tiny", "messages": HOLE},
-         text({"role": "user", "content": ""}), "[]"),
+        (
+            "tokenize messages",
+            "/tokenize",
+            {"model": "tiny", "messages": HOLE},
+            text({"role": "user", "content": ""}),
+            "[]",
+        ),
         ("detokenize tokens", "/detokenize", {"model": "tiny", "tokens": HOLE}, str(word), "[]"),
         ("chat messages", CHAT, chat(messages=HOLE), user, "[]"),
         ("chat stop", CHAT, chat(stop=HOLE), text("ab"), "[]"),
         ("completions stop_token_ids", COMPLETIONS, completion(stop_token_ids=HOLE), "5", "[]"),
-        ("chat logit_bias spellings of real ids", CHAT, chat(logit_bias=HOLE),
-         (f"{text(k)}: 1" for k in spellings(vocab)), "{}"),
+        (
+            "chat logit_bias spellings of real ids",
+            CHAT,
+            chat(logit_bias=HOLE),
+            (f"{text(k)}: 1" for k in spellings(vocab)),
+            "{}",
+        ),
         ("chat tools", CHAT, chat(tools=HOLE), text(tool), "[]"),
         ("responses tools", RESPONSES, responses(tools=HOLE), text({"type": "function", "name": "f"}), "[]"),
-        ("tokenize tools", "/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "a"}],
-                                         "tools": HOLE}, text(tool), "[]"),
-        ("chat tool parameters' properties", CHAT, chat(tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "properties": HOLE}}}]), names('{"type": "string"}'), "{}"),
+        (
+            "tokenize tools",
+            "/tokenize",
+            {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "tools": HOLE},
+            text(tool),
+            "[]",
+        ),
+        (
+            "chat tool parameters' properties",
+            CHAT,
+            chat(
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "properties": HOLE}},
+                    }
+                ]
+            ),
+            names('{"type": "string"}'),
+            "{}",
+        ),
         ("chat chat_template_kwargs", CHAT, chat(chat_template_kwargs=HOLE), names("1"), "{}"),
-        ("chat content parts", CHAT, chat(messages=[{"role": "user", "content": HOLE}]),
-         text({"type": "text", "text": "a"}), "[]"),
-        ("chat tool_calls of one message", CHAT, chat(messages=[
-            {"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": HOLE}]),
-         text({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}), "[]"),
+        (
+            "chat content parts",
+            CHAT,
+            chat(messages=[{"role": "user", "content": HOLE}]),
+            text({"type": "text", "text": "a"}),
+            "[]",
+        ),
+        (
+            "chat tool_calls of one message",
+            CHAT,
+            chat(
+                messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": HOLE}]
+            ),
+            text({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}),
+            "[]",
+        ),
         ("chat guided_choice", CHAT, chat(guided_choice=HOLE), (f'"c{i}"' for i in itertools.count()), "[]"),
         ("completions one token-id prompt", COMPLETIONS, completion(prompt=HOLE), "5", "[]"),
-        ("responses input messages", RESPONSES, responses(input=HOLE),
-         text({"type": "message", "role": "user", "content": "a"}), "[]"),
-        ("responses input content parts", RESPONSES, responses(input=[{"type": "message", "role": "user",
-                                                                       "content": HOLE}]),
-         text({"type": "input_text", "text": "a"}), "[]"),
+        (
+            "responses input messages",
+            RESPONSES,
+            responses(input=HOLE),
+            text({"type": "message", "role": "user", "content": "a"}),
+            "[]",
+        ),
+        (
+            "responses input content parts",
+            RESPONSES,
+            responses(input=[{"type": "message", "role": "user", "content": HOLE}]),
+            text({"type": "input_text", "text": "a"}),
+            "[]",
+        ),
         ("responses include", RESPONSES, responses(include=HOLE), text("message.output_text.logprobs"), "[]"),
         ("publish token_ids", "/v1/cache/chunks", {"model": "tiny", "token_ids": HOLE}, "5", "[]"),
     ]
@@ -168,19 +215,29 @@ def corpus(tokenizer: Tokenizer):
     return [
         # outputs that all name the first of thousands of calls: quadratic where each output looks its call up
         # among all the calls before it
-        ("responses input: 8,000 calls, 8,000 outputs for the first", RESPONSES,
-         lambda: whole(8000, responses(input=call_outputs_of_the_first_call(8000)))),
+        (
+            "responses input: 8,000 calls, 8,000 outputs for the first",
+            RESPONSES,
+            lambda: whole(8000, responses(input=call_outputs_of_the_first_call(8000))),
+        ),
         # schemas a template renders into millions of prompt tokens: counted before they are tokenized?
         ("chat tools: 20 x 400 properties x 50-value enums", CHAT, lambda: whole(20, chat(tools=enum_tools()))),
-        ("responses tools: 20 x 400 properties x 50-value enums", RESPONSES,
-         lambda: whole(20, responses(tools=enum_tools(responses_api=True)))),
+        (
+            "responses tools: 20 x 400 properties x 50-value enums",
+            RESPONSES,
+            lambda: whole(20, responses(tools=enum_tools(responses_api=True))),
+        ),
         # a bias on every token of every choice: work at every engine step, the other tenant's steps too
-        ("chat logit_bias on every token, n=8", CHAT,
-         lambda: whole(len(every), chat(logit_bias=every, n=8, max_tokens=128, ignore_eos=True, temperature=1))),
+        (
+            "chat logit_bias on every token, n=8",
+            CHAT,
+            lambda: whole(len(every), chat(logit_bias=every, n=8, max_tokens=128, ignore_eos=True, temperature=1)),
+        ),
     ] + [(what, path, lambda args=args: at_limit(*args)) for what, path, *args in sized(tokenizer)]
 
 
 # -- the run ---------------------------------------------------------------------------------------
+
 
 @dataclass
 class Stream:
@@ -197,8 +254,14 @@ class Streamer(threading.Thread):
         self.url, self.done, self.streams = url, threading.Event(), []
 
     def run(self):
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about baggage."}],
-                "max_tokens": B_TOKENS, "temperature": 1, "ignore_eos": True, "stream": True}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Tell me about baggage."}],
+            "max_tokens": B_TOKENS,
+            "temperature": 1,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT * 3, connect=5)) as client:
             while not self.done.is_set():
                 start = time.monotonic()
@@ -256,17 +319,23 @@ class Measured:
 
     def row(self) -> str:
         stall = "-" if self.stall is None else f"{self.stall:.2f}"
-        return (f"{self.what[:58]:58} n={self.n:<8} {self.mib:5.2f} MiB  {self.status or 'none'}  "
-                f"{self.seconds:5.1f} s  /health {self.health:5.2f} s  bob x{self.stream_ratio:4.1f} of "
-                f"{self.alone:.2f} s  stall {stall}  rss {self.rss} MiB  {self.answer[:90]!r}")
+        return (
+            f"{self.what[:58]:58} n={self.n:<8} {self.mib:5.2f} MiB  {self.status or 'none'}  "
+            f"{self.seconds:5.1f} s  /health {self.health:5.2f} s  bob x{self.stream_ratio:4.1f} of "
+            f"{self.alone:.2f} s  stall {stall}  rss {self.rss} MiB  {self.answer[:90]!r}"
+        )
 
 
 def send(client: httpx.Client, url: str, path: str, content: bytes, timeout: float) -> tuple[int | None, int, str]:
     """(status, the answer's size, what it says), or (None, 0, what went wrong)."""
     key = ADMIN if path == "/v1/cache/chunks" else ALICE
     try:
-        r = client.post(url + path, content=content, timeout=httpx.Timeout(timeout, connect=5),
-                        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        r = client.post(
+            url + path,
+            content=content,
+            timeout=httpx.Timeout(timeout, connect=5),
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
         return r.status_code, len(r.content), f"{len(r.content):,} bytes: {r.text[:160]}"
     except httpx.TimeoutException as e:
         return None, 0, f"no answer in {timeout:.0f} s ({type(e).__name__})"
@@ -320,8 +389,10 @@ class Run:
         if m.health > self.bound:
             m.problems.append(f"/health took {m.health:.2f} s (bound {self.bound:.2f} s)")
         if m.stream_ratio > STREAM_TIMES_ALONE:
-            m.problems.append(f"bob's stream took {m.stream_ratio:.1f}x as long as alone ({m.alone:.2f} s alone; "
-                              f"bound {STREAM_TIMES_ALONE:.0f}x)")
+            m.problems.append(
+                f"bob's stream took {m.stream_ratio:.1f}x as long as alone ({m.alone:.2f} s alone; "
+                f"bound {STREAM_TIMES_ALONE:.0f}x)"
+            )
         if bad := [s.outcome for s in during if s.outcome != "length"]:
             m.problems.append(f"bob's streams ended with {bad[:3]}")
         previous = max([self.stall_before or 0.0] + [r.stall or 0.0 for r in earlier])
@@ -337,20 +408,37 @@ def test_requests_as_large_as_the_body_limit_stall_nothing(tiny_dir, monkeypatch
     # descheduled sibling make a stream's time vary 20x, which would drown the slowdowns measured here
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cases = corpus(Tokenizer(tiny_dir))
-    server = ServerProcess("--model", str(tiny_dir), "--served-model-name", "tiny", "--api-key", f"{ALICE}=alice",
-                           "--api-key", f"{BOB}=bob", "--admin-key", ADMIN, "--default-max-tokens", "4",
-                           "--no-compile-decode", "--log-level", "warning")
+    server = ServerProcess(
+        "--model",
+        str(tiny_dir),
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        f"{ALICE}=alice",
+        "--api-key",
+        f"{BOB}=bob",
+        "--admin-key",
+        ADMIN,
+        "--default-max-tokens",
+        "4",
+        "--no-compile-decode",
+        "--log-level",
+        "warning",
+    )
     failures, results, run = [], [], None
     try:
         run = Run(server)
         if run.stall_before is not None and run.stall_before > run.bound:
-            failures.append(f"the event loop stalled {run.stall_before:.2f} s before any large request "
-                            f"(bound {run.bound:.2f} s)")
+            failures.append(
+                f"the event loop stalled {run.stall_before:.2f} s before any large request (bound {run.bound:.2f} s)"
+            )
         end = time.monotonic() + CORPUS_BUDGET
         for what, path, build in cases:
             if time.monotonic() > end:
-                failures.append(f"the sizes took over {CORPUS_BUDGET:.0f} s: {len(results)} of {len(cases)} sent; "
-                                f"not sent: {', '.join(what for what, _, _ in cases[len(results):])}")
+                failures.append(
+                    f"the sizes took over {CORPUS_BUDGET:.0f} s: {len(results)} of {len(cases)} sent; "
+                    f"not sent: {', '.join(what for what, _, _ in cases[len(results) :])}"
+                )
                 break
             n, content = build()
             assert len(content) <= BODY_LIMIT, (what, len(content))
@@ -371,12 +459,16 @@ def test_requests_as_large_as_the_body_limit_stall_nothing(tiny_dir, monkeypatch
         server.stop()
     stalls = [r.stall for r in results if r.stall is not None]
     table = "\n".join(m.row() for m in results)
-    summary = (f"idle /health {run.idle:.3f} s (bound {run.bound:.2f} s), bob alone {run.alone:.2f} s for "
-               f"{B_TOKENS} tokens, longest event-loop stall "
-               f"{f'{max(stalls):.2f} s' if stalls else 'not exposed by this server'}")
+    summary = (
+        f"idle /health {run.idle:.3f} s (bound {run.bound:.2f} s), bob alone {run.alone:.2f} s for "
+        f"{B_TOKENS} tokens, longest event-loop stall "
+        f"{f'{max(stalls):.2f} s' if stalls else 'not exposed by this server'}"
+    )
     log = server.log.read_text(errors="replace")
     died = f"\nthe end of its log:\n{log[-2000:]}" if not alive else ""
     print(f"\n{summary}\n{table}")
-    assert not failures, (f"{len(failures)} failures in {len(results)} large requests; {summary}; "
-                          f"{log.count('Traceback (most recent call last)')} tracebacks in the server log "
-                          f"{server.log}:\n" + "\n".join(failures) + f"\n\nevery request:\n{table}{died}")
+    assert not failures, (
+        f"{len(failures)} failures in {len(results)} large requests; {summary}; "
+        f"{log.count('Traceback (most recent call last)')} tracebacks in the server log "
+        f"{server.log}:\n" + "\n".join(failures) + f"\n\nevery request:\n{table}{died}"
+    )

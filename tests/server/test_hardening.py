@@ -20,8 +20,9 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def keyed(tiny_dir):
-    s = start(tiny_dir, api_keys=(("ka", "a"), ("kb", "b")), admin_key="root", prep_threads=4,
-              prep_threads_per_tenant=2)
+    s = start(
+        tiny_dir, api_keys=(("ka", "a"), ("kb", "b")), admin_key="root", prep_threads=4, prep_threads_per_tenant=2
+    )
     yield s
     s.stop()
 
@@ -44,12 +45,14 @@ def _exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
         return out
 
 
-@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions",
-                                  "/v1/responses"])
+@pytest.mark.parametrize(
+    "path", ["/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions", "/v1/responses"]
+)
 def test_every_endpoint_with_a_body_checks_the_key_before_reading_it(keyed, path):
     # headers announce a body that never comes: only an answer before reading it can arrive
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n"
-            f"\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", _port(keyed.url))) as s:
         s.settimeout(10)
         s.sendall(head)
@@ -83,20 +86,30 @@ def test_an_integer_of_thousands_of_digits_is_a_400(keyed, path, body, headers):
     assert r.status_code == 400 and "more than 4300 digits" in r.json()["error"]["message"], r.text
 
 
-@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}),
-                                        ("/v1/chat/completions", {"messages": HI})])
+@pytest.mark.parametrize(
+    "path, body", [("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": HI})]
+)
 def test_n_choices_from_the_largest_seed_stay_in_range(keyed, path, body):
-    r = httpx.post(keyed.url + path, headers=KEY_A, timeout=60,
-                   json={**body, "n": 3, "seed": 2**63 - 1, "max_tokens": 2, "temperature": 1})
+    r = httpx.post(
+        keyed.url + path,
+        headers=KEY_A,
+        timeout=60,
+        json={**body, "n": 3, "seed": 2**63 - 1, "max_tokens": 2, "temperature": 1},
+    )
     assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
 
 
 def test_a_request_with_two_framings_is_refused_and_its_connection_closed(keyed):
     body = b'{"prompt": "hi", "max_tokens": 1}'
     smuggled = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ka\r\nContent-Type: application/json\r\n"
-           b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
-           + smuggled)
+    raw = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ka\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n" % len(body)
+        + body
+        + b"\r\n0\r\n\r\n"
+        + smuggled
+    )
     out = _exchange(_port(keyed.url), raw)
     assert out.startswith(b"HTTP/1.1 400") and b"Content-Length and Transfer-Encoding" in out, out[:300]
     assert out.count(b"HTTP/1.1") == 1  # the connection closed: nothing after it was read as a request
@@ -109,14 +122,30 @@ def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(ke
         real = getattr(state.tokenizer, name)
         monkeypatch.setattr(state.tokenizer, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     big = "word " * 200_000  # 1 MB: far more than 4,096 tokens can hold
-    for path, body in [("/v1/completions", {"prompt": big}), ("/v1/completions", {"prompt": ["hi", big]}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-                           {"type": "text", "text": big[:600_000]}, {"type": "text", "text": big[:600_000]}]}]}),
-                       ("/v1/responses", {"input": big}),
-                       ("/tokenize", {"prompt": big}), ("/tokenize", {"messages": [{"role": "user", "content": big}]})]:
+    for path, body in [
+        ("/v1/completions", {"prompt": big}),
+        ("/v1/completions", {"prompt": ["hi", big]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": big[:600_000]}, {"type": "text", "text": big[:600_000]}],
+                    }
+                ]
+            },
+        ),
+        ("/v1/responses", {"input": big}),
+        ("/tokenize", {"prompt": big}),
+        ("/tokenize", {"messages": [{"role": "user", "content": big}]}),
+    ]:
         r = httpx.post(keyed.url + path, json=body, headers=KEY_A, timeout=30)
-        assert r.status_code == 400 and "maximum context length is 4096 tokens" in r.json()["error"]["message"], (path, r.text)
+        assert r.status_code == 400 and "maximum context length is 4096 tokens" in r.json()["error"]["message"], (
+            path,
+            r.text,
+        )
     assert calls == []
     r = httpx.post(keyed.url + "/v1/completions", json={"prompt": "x" * 5000}, headers=KEY_A)  # fits the bound:
     assert r.status_code == 400 and "resulted in 5001 tokens" in r.json()["error"]["message"]  # tokenized (BOS + 5000)
@@ -147,8 +176,10 @@ def test_one_tenant_holds_at_most_its_share_of_the_preparation_threads(keyed, mo
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
-            flood = [asyncio.create_task(client.post(keyed.url + "/v1/completions", json=body, headers=KEY_A))
-                     for _ in range(8)]
+            flood = [
+                asyncio.create_task(client.post(keyed.url + "/v1/completions", json=body, headers=KEY_A))
+                for _ in range(8)
+            ]
             await asyncio.sleep(0.5)
             try:
                 b = await client.post(keyed.url + "/v1/completions", json=body, headers=KEY_B, timeout=20)
@@ -177,8 +208,13 @@ def test_calls_on_the_engine_thread_take_turns_with_steps(keyed):
 
     client._step = counted
     try:
-        with httpx.stream("POST", keyed.url + "/v1/completions", headers=KEY_A, timeout=60,
-                          json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            keyed.url + "/v1/completions",
+            headers=KEY_A,
+            timeout=60,
+            json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             next(lines)  # the stream is running
             seen = [client.call(lambda: steps[0]) for _ in range(5)]
@@ -216,10 +252,14 @@ def test_an_echo_whose_client_left_stops_scoring(tiny_dir, monkeypatch):
 
         monkeypatch.setattr(engine.runner, "logits", slow_logits)
         monkeypatch.setattr(engine, "score", score)
-        body = json.dumps({"prompt": [3 + i % 250 for i in range(1920)], "echo": True, "logprobs": 2, "max_tokens": 1}).encode()
+        body = json.dumps(
+            {"prompt": [3 + i % 250 for i in range(1920)], "echo": True, "logprobs": 2, "max_tokens": 1}
+        ).encode()
         with socket.create_connection(("127.0.0.1", _port(s.url))) as c:
-            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            c.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             wait_for(lambda: len(passes) >= 5, 30, "the scoring to start")
         wait_for(lambda: ended, 30, "the scoring to end")
         assert ended == ["cancelled"] and len(passes) < 30, (ended, len(passes))  # 30 passes score it all
@@ -233,8 +273,12 @@ def test_n_choices_of_an_echoed_prompt_score_it_once(keyed, monkeypatch):
     engine = keyed.app.state.irminsul.client.engine
     calls, real = [], engine.score
     monkeypatch.setattr(engine, "score", lambda *a, **k: calls.append(1) or real(*a, **k))
-    r = httpx.post(keyed.url + "/v1/completions", headers=KEY_A, timeout=60, json={
-        "prompt": ["hello there", "and here"], "n": 3, "echo": True, "logprobs": 1, "max_tokens": 1})
+    r = httpx.post(
+        keyed.url + "/v1/completions",
+        headers=KEY_A,
+        timeout=60,
+        json={"prompt": ["hello there", "and here"], "n": 3, "echo": True, "logprobs": 1, "max_tokens": 1},
+    )
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert len(choices) == 6 and len(calls) == 2, (len(choices), len(calls))  # one scoring per prompt
@@ -247,10 +291,15 @@ def test_a_large_response_is_built_off_the_event_loop(keyed, monkeypatch):
 
     where = []
     real = CompletionFormat.response
-    monkeypatch.setattr(CompletionFormat, "response",
-                        lambda self, *a: where.append(threading.current_thread().name) or real(self, *a))
-    r = httpx.post(keyed.url + "/v1/completions", headers=KEY_A, timeout=60,
-                   json={"prompt": ["hello there", "and here"], "echo": True, "logprobs": 5, "max_tokens": 2})
+    monkeypatch.setattr(
+        CompletionFormat, "response", lambda self, *a: where.append(threading.current_thread().name) or real(self, *a)
+    )
+    r = httpx.post(
+        keyed.url + "/v1/completions",
+        headers=KEY_A,
+        timeout=60,
+        json={"prompt": ["hello there", "and here"], "echo": True, "logprobs": 5, "max_tokens": 2},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["top_logprobs"][0] is None, r.text
     assert where and all(name.startswith("irminsul-prep") for name in where), where
 
@@ -264,8 +313,12 @@ def test_a_long_responses_input_is_converted_off_the_loop_in_linear_time(guarded
     items = [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"} for i in range(calls)]
     items += [{"type": "function_call_output", "call_id": "c0", "output": "ok"}] * calls
     answer = []
-    worst = _health_while(guarded.url, lambda: answer.append(
-        httpx.post(guarded.url + "/v1/responses", json={"input": items, "max_output_tokens": 2}, timeout=120)))
+    worst = _health_while(
+        guarded.url,
+        lambda: answer.append(
+            httpx.post(guarded.url + "/v1/responses", json={"input": items, "max_output_tokens": 2}, timeout=120)
+        ),
+    )
     r = answer[0]
     assert r.status_code == 400, r.text
     expected = "at most 4096 per request" if 2 * calls > 4096 else "maximum context length"
@@ -278,8 +331,12 @@ def test_responses_metadata_is_bounded_as_openai_bounds_it(keyed):
     r = httpx.post(keyed.url + "/v1/responses", json={"input": "hi", "metadata": big}, headers=KEY_A, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
     ok = {f"k{i}": "v" * 512 for i in range(16)}
-    r = httpx.post(keyed.url + "/v1/responses", json={"input": "hi", "metadata": ok, "max_output_tokens": 2},
-                   headers=KEY_A, timeout=30)
+    r = httpx.post(
+        keyed.url + "/v1/responses",
+        json={"input": "hi", "metadata": ok, "max_output_tokens": 2},
+        headers=KEY_A,
+        timeout=30,
+    )
     assert r.status_code == 200 and r.json()["metadata"] == ok, r.text
 
 
@@ -323,14 +380,19 @@ def test_slow_headers_and_slow_bodies_are_closed_while_others_are_served(guarded
         for s in slow_headers:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         for s in slow_body:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt": '
+            )
         r = httpx.post(guarded.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200, r.text
         for s in slow_headers:
             s.sendall(b"X-Slow: 1\r\n")  # still sending, but not fast enough
-        for s, phase in [*((s, b"headers") for s in slow_headers), *((s, b"body") for s in slow_body),
-                         (silent, b"headers")]:
+        for s, phase in [
+            *((s, b"headers") for s in slow_headers),
+            *((s, b"body") for s in slow_body),
+            (silent, b"headers"),
+        ]:
             out = closed_within(s, 10)
             assert out is not None and out.startswith(b"HTTP/1.1 408") and phase in out, out
         assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
@@ -372,8 +434,9 @@ def test_answers_nobody_reads_are_dropped_after_the_write_deadline(guarded):
     state = guarded.server.config.app.state.irminsul
     prompt = "x" * (state.context * state.max_token_bytes)  # the longest text /tokenize takes
     body = json.dumps({"prompt": prompt}).encode()
-    request = (f"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     readers = []
     try:
         for _ in range(3):
@@ -384,8 +447,7 @@ def test_answers_nobody_reads_are_dropped_after_the_write_deadline(guarded):
             s.sendall(request * 24)
             readers.append(s)
         wait_for(lambda: len(guarded.server.server_state.connections) >= 3, 10, "the readers' connections")
-        wait_for(lambda: len(guarded.server.server_state.connections) == 0, 20,
-                 "the unread connections to be dropped")
+        wait_for(lambda: len(guarded.server.server_state.connections) == 0, 20, "the unread connections to be dropped")
         assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
     finally:
         for s in readers:
@@ -396,8 +458,10 @@ def test_a_body_of_tiny_chunks_is_refused_without_stalling_the_loop(guarded):
     """A chunked body is one event per chunk on the event loop: 100,000 one-byte chunks are refused
     with a 413 once the body has come in more pieces than any honest client sends, and /health
     stays answered meanwhile."""
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
     chunks = b"".join(b"1\r\n" + bytes([c]) + b"\r\n" for c in b'{"prompt": "' + b"a" * 100_000)
     out = []
 
@@ -428,9 +492,31 @@ def test_serve_options_reach_the_config():
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--timeout-header", "3", "--timeout-body", "7", "--timeout-keep-alive", "2",
-                              "--max-connections", "99", "--prep-threads", "6", "--prep-threads-per-tenant", "3",
-                              "--log-repeats", "4", "--timeout-write", "9", "--redis-timeout", "0.5", "--threads", "1"])
+    args = parser.parse_args(
+        [
+            "serve",
+            "--timeout-header",
+            "3",
+            "--timeout-body",
+            "7",
+            "--timeout-keep-alive",
+            "2",
+            "--max-connections",
+            "99",
+            "--prep-threads",
+            "6",
+            "--prep-threads-per-tenant",
+            "3",
+            "--log-repeats",
+            "4",
+            "--timeout-write",
+            "9",
+            "--redis-timeout",
+            "0.5",
+            "--threads",
+            "1",
+        ]
+    )
     c = config_from_args(args)
     assert (c.timeout_header, c.timeout_body, c.timeout_keep_alive, c.connection_limit) == (3, 7, 2, 99)
     assert (c.timeout_write, c.store.redis_timeout_s, c.threads) == (9, 0.5, 1)

@@ -30,6 +30,7 @@ def book_flight(origin: str = Field(pattern="^[A-Z]{3}$"), passengers: int = Fie
 
 class Flight(BaseModel):
     """A flight booking."""
+
     origin: str = Field(description="IATA airport code", pattern="^[A-Z]{3}$")
     passengers: int = Field(ge=1, le=9)
 
@@ -37,8 +38,9 @@ class Flight(BaseModel):
 @pytest.fixture(scope="module")
 def llm():
     s = start(bundled_model("mla"))
-    yield ChatOpenAI(base_url=s.url + "/v1", api_key="unused", model="tiny", temperature=0, max_tokens=120,
-                     max_retries=0)
+    yield ChatOpenAI(
+        base_url=s.url + "/v1", api_key="unused", model="tiny", temperature=0, max_tokens=120, max_retries=0
+    )
     s.stop()
 
 
@@ -70,8 +72,11 @@ def test_a_tool_result_goes_back_into_the_conversation(llm):
     bound = llm.bind_tools([get_weather], tool_choice="get_weather")
     first = bound.invoke("Weather in Paris?")
     call = first.tool_calls[0]
-    history = [HumanMessage("Weather in Paris?"), first,
-               ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    history = [
+        HumanMessage("Weather in Paris?"),
+        first,
+        ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]),
+    ]
     reply = llm.bind_tools([get_weather]).invoke(history)
     assert isinstance(reply, AIMessage) and reply.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
     assert reply.usage_metadata["input_tokens"] > first.usage_metadata["input_tokens"]
@@ -89,7 +94,8 @@ def test_with_structured_output_json_mode(llm):
     JSON object, parsed by LangChain. Whether its keys fit the schema is up to the model."""
     schema = {"title": "Answer", "type": "object", "properties": {"name": {"type": "string"}}}
     out = llm.with_structured_output(schema, method="json_mode", include_raw=True).invoke(
-        "Book a flight from JFK for 2 people.")
+        "Book a flight from JFK for 2 people."
+    )
     assert out["parsing_error"] is None and isinstance(out["parsed"], dict)
     assert out["parsed"] == json.loads(out["raw"].content)
 

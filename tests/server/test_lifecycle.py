@@ -17,11 +17,15 @@ def test_a_forced_exit_with_streams_open_does_not_abort_the_process():
     # the bundled model and long prompts: the engine thread is inside a torch call most of the time
     server = ServerProcess()  # (eager decoding: tests/conftest.py's environment)
     try:
+
         def stream(i):
             try:
-                with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
-                                  json={"prompt": [5 + i] * 1500, "max_tokens": 64, "stream": True,
-                                        "ignore_eos": True}) as r:
+                with httpx.stream(
+                    "POST",
+                    server.url + "/v1/completions",
+                    timeout=30,
+                    json={"prompt": [5 + i] * 1500, "max_tokens": 64, "stream": True, "ignore_eos": True},
+                ) as r:
                     for _ in r.iter_lines():
                         pass
             except httpx.HTTPError:

@@ -11,8 +11,15 @@ BUDGETS = dict(max_prefill_tokens=256, kv_cache_gib=0.004)  # a pool of about 1,
 
 
 async def stream(client, url, prompt, max_tokens=8):
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     pieces, usage, reason = [], None, None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
@@ -32,9 +39,13 @@ def test_64_concurrent_streams_complete_within_budgets(tiny_dir):
     try:
         prompts = [f"{i}: " + text(12 + i % 5, 100 + i) for i in range(64)]
         # references, one at a time (greedy decoding is batch-invariant here)
-        refs = [httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 8,
-                                                           "temperature": 0, "ignore_eos": True}).json()
-                for p in prompts]
+        refs = [
+            httpx.post(
+                s.url + "/v1/completions",
+                json={"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            ).json()
+            for p in prompts
+        ]
 
         async def run_all():
             async with httpx.AsyncClient(timeout=120) as client:

@@ -25,8 +25,9 @@ def test_it_starts_on_the_store_address_evicts_instead_of_refusing_and_stops():
         redis.Redis(port=port, socket_connect_timeout=0.5).ping()
 
 
-@pytest.mark.parametrize("url, message", [("redis://10.1.2.3:6379/0", "not a loopback"),
-                                          ("rediss://127.0.0.1:6379/0", "redis://")])
+@pytest.mark.parametrize(
+    "url, message", [("redis://10.1.2.3:6379/0", "not a loopback"), ("rediss://127.0.0.1:6379/0", "redis://")]
+)
 def test_only_a_plain_redis_on_this_host(url, message):
     with pytest.raises(UserFacingError, match=message):
         LocalRedis(url)
@@ -36,5 +37,6 @@ def test_the_cli_says_what_it_needs_in_one_line(capsys):
     from irminsul.cli import main
 
     assert main(["serve", "--start-redis"]) == 2
-    assert capsys.readouterr().err.strip() == ("irminsul: error: --start-redis needs the address to start it at: "
-                                               "--store redis://127.0.0.1:PORT/0")
+    assert capsys.readouterr().err.strip() == (
+        "irminsul: error: --start-redis needs the address to start it at: --store redis://127.0.0.1:PORT/0"
+    )

@@ -13,8 +13,10 @@ def _post(server, logit_bias: dict) -> httpx.Response:
 
 def test_more_logit_bias_entries_than_the_bound_is_a_400_naming_the_field(server):
     assert _post(server, {str(i): 1 for i in range(MAX_LOGIT_BIAS)}).status_code == 200
-    for bias in ({str(i): -100 for i in range(MAX_LOGIT_BIAS + 1)},
-                 {"x": 1, **{str(i): 1 for i in range(MAX_LOGIT_BIAS)}}):  # (the count, not the bad key)
+    for bias in (
+        {str(i): -100 for i in range(MAX_LOGIT_BIAS + 1)},
+        {"x": 1, **{str(i): 1 for i in range(MAX_LOGIT_BIAS)}},
+    ):  # (the count, not the bad key)
         r = _post(server, bias)
         assert r.status_code == 400, r.text
         error = r.json()["error"]

@@ -6,10 +6,12 @@ from tests.server.server_helpers import chat, metric, start, text
 
 
 def agent_turn(header: str, tool_output: str, question: str) -> list:
-    return [{"role": "system", "content": header},
-            {"role": "system", "content": "You are an airline agent. Follow the policy."},
-            {"role": "user", "content": question},
-            {"role": "tool", "content": tool_output}]
+    return [
+        {"role": "system", "content": header},
+        {"role": "system", "content": "You are an airline agent. Follow the policy."},
+        {"role": "user", "content": question},
+        {"role": "tool", "content": tool_output},
+    ]
 
 
 def test_agent_session_reuses_moved_content(server):
@@ -36,8 +38,10 @@ def test_tenants_are_isolated_and_nobody_publishes_without_the_admin_key(server)
     assert again["usage"]["irminsul"]["reused_tokens"] > 0.7 * len(private)
     # A salt cannot name the operator's shared namespace: what it computes stays private to it.
     chat(server.url, agent_turn("h", private, "q"), cache_salt="\x00shared")
-    assert chat(server.url, agent_turn("hdr z", private, "q"), cache_salt="tenant-z")["usage"]["irminsul"][
-        "reused_tokens"] == 0
+    assert (
+        chat(server.url, agent_turn("hdr z", private, "q"), cache_salt="tenant-z")["usage"]["irminsul"]["reused_tokens"]
+        == 0
+    )
 
     # Without an admin key nobody may publish: the shared namespace is every tenant's to read.
     r = httpx.post(server.url + "/v1/cache/chunks", json={"text": text(120, 21)})
@@ -51,8 +55,10 @@ def test_published_chunks_are_shared_by_every_tenant(tiny_dir):
         r = httpx.post(s.url + "/v1/cache/chunks", json={"text": shared}, headers={"Authorization": "Bearer root"})
         assert r.status_code == 200 and r.json()["entries"] >= 2, r.text
         for salt, header in (("tenant-x", "h1"), ("tenant-y", "header 2 is longer")):
-            msgs = [{"role": "system", "content": header},
-                    {"role": "user", "content": [{"type": "text", "text": shared}]}]  # the document as its own part
+            msgs = [
+                {"role": "system", "content": header},
+                {"role": "user", "content": [{"type": "text", "text": shared}]},
+            ]  # the document as its own part
             got = chat(s.url, msgs, cache_salt=salt)["usage"]["irminsul"]
             assert got["reused_tokens"] > 0.6 * len(shared), (salt, got)
     finally:

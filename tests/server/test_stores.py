@@ -21,8 +21,14 @@ def test_two_replicas_share_one_redis(tiny_dir, redis_proc):
     try:
         doc = text(150, 40)
         chat(a.url, turn("replica a, request 1", doc))
-        wait_for(lambda: metric(a.url, "irminsul_store_pending_writes", tier="redis") == 0
-                 and metric(a.url, "irminsul_store_insertions_total", tier="redis") > 0, 10, "A's writes to Redis")
+        wait_for(
+            lambda: (
+                metric(a.url, "irminsul_store_pending_writes", tier="redis") == 0
+                and metric(a.url, "irminsul_store_insertions_total", tier="redis") > 0
+            ),
+            10,
+            "A's writes to Redis",
+        )
         got = chat(b.url, turn("replica b sees the document at another position", doc))["usage"]["irminsul"]
         assert got["reused_tokens"] > 0.7 * len(doc), got
         assert metric(b.url, "irminsul_store_hits_total", tier="redis") > 0
@@ -139,8 +145,14 @@ def test_a_store_shared_under_another_secret_is_neither_served_nor_deleted(tiny_
 
 
 def stream_chat(url: str, messages) -> tuple[str, str, dict]:
-    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     pieces, reason, usage = [], None, {}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()
@@ -168,8 +180,9 @@ def test_a_disk_that_turns_read_only_mid_run_costs_no_request(tiny_dir, tmp_path
         assert state.client.registry.flush()
         state.client.call(state.client.engine.kv.clear).result(10)  # memory forgets: the disk must answer
         DiskFaults(monkeypatch, tmp_path).mode = "read-only"
-        prompts = [turn(f"before {i}", doc) for i, doc in enumerate(docs)] + \
-                  [turn(f"new {i}", text(100, 400 + i)) for i in range(3)]
+        prompts = [turn(f"before {i}", doc) for i, doc in enumerate(docs)] + [
+            turn(f"new {i}", text(100, 400 + i)) for i in range(3)
+        ]
         with ThreadPoolExecutor(4) as pool:
             after = list(pool.map(lambda m: stream_chat(s.url, m), prompts * 2))
         assert all(reason in ("stop", "length") for _, reason, _ in after)

@@ -14,16 +14,26 @@ import pytest
 from irminsul.bundled import bundled_model
 from tests.server.server_helpers import start
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"]}
-FLIGHT = {"type": "object", "properties": {"origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
-                                           "passengers": {"type": "integer", "minimum": 1, "maximum": 9}},
-          "required": ["origin", "passengers"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "book_flight", "description": "Book a flight",
-                                           "parameters": FLIGHT}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
+FLIGHT = {
+    "type": "object",
+    "properties": {
+        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["origin", "passengers"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "book_flight", "description": "Book a flight", "parameters": FLIGHT}},
+]
 SCHEMAS = {"get_weather": WEATHER, "book_flight": FLIGHT}
 ASK = [{"role": "user", "content": "Book a flight from JFK for two people, then tell me the weather in Paris."}]
 
@@ -71,8 +81,9 @@ def test_forced_tool_calls_are_parsed_and_valid_streamed_or_not(client, choice):
                 call["name"] = d.function.name
             call["arguments"] += d.function.arguments or ""
             pieces += 1
-    assert [(v["name"], v["arguments"]) for _, v in sorted(calls.items())] == \
-        [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    assert [(v["name"], v["arguments"]) for _, v in sorted(calls.items())] == [
+        (t.function.name, t.function.arguments) for t in c.message.tool_calls
+    ]
     assert pieces > 2 * len(calls)  # incremental, not one delta per call
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
 
@@ -81,20 +92,35 @@ def test_a_tool_schema_is_reused_at_another_position(client):
     """The tool schemas are their own segments: behind a different system prompt they are reused."""
     model = _model(client)
     for system in ("You are a travel agent for a small airline.", "Answer briefly. " * 30):
-        out = client.chat.completions.create(model=model, messages=[{"role": "system", "content": system}, *ASK],
-                                             tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0)
+        out = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "system", "content": system}, *ASK],
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=80,
+            temperature=0,
+        )
     split = out.usage.model_extra["irminsul"]
     assert split["reused_tokens"] > 60, split  # the two tool schemas, found at a shifted position
 
 
 def test_json_schema_response_format_validates(client):
-    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
-                                               "confidence": {"type": "number", "minimum": 0, "maximum": 1},
-                                               "bags": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
-              "required": ["answer", "confidence", "bags"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no"]},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            "bags": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+        },
+        "required": ["answer", "confidence", "bags"],
+    }
     out = client.chat.completions.create(
-        model=_model(client), messages=[{"role": "user", "content": "Are two checked bags free?"}], max_tokens=80,
-        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        model=_model(client),
+        messages=[{"role": "user", "content": "Are two checked bags free?"}],
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
     c = out.choices[0]
     assert c.finish_reason == "stop"
     value = json.loads(c.message.content)
@@ -104,14 +130,27 @@ def test_json_schema_response_format_validates(client):
 
 def test_guided_choice_regex_and_json_object_on_completions(client):
     model = _model(client)
-    out = client.completions.create(model=model, prompt="The sky is", max_tokens=10, n=4, temperature=1.0, seed=3,
-                                    extra_body={"guided_choice": ["blue", "green", "grey"]})
+    out = client.completions.create(
+        model=model,
+        prompt="The sky is",
+        max_tokens=10,
+        n=4,
+        temperature=1.0,
+        seed=3,
+        extra_body={"guided_choice": ["blue", "green", "grey"]},
+    )
     assert all(c.text in ("blue", "green", "grey") and c.finish_reason == "stop" for c in out.choices)
-    out = client.completions.create(model=model, prompt="Flight number:", max_tokens=10, temperature=0,
-                                    extra_body={"guided_regex": "[A-Z]{2}[0-9]{3,4}"})
+    out = client.completions.create(
+        model=model,
+        prompt="Flight number:",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"guided_regex": "[A-Z]{2}[0-9]{3,4}"},
+    )
     assert re.fullmatch("[A-Z]{2}[0-9]{3,4}", out.choices[0].text)
-    out = client.chat.completions.create(model=model, messages=ASK, max_tokens=60, temperature=0,
-                                         response_format={"type": "json_object"})
+    out = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=60, temperature=0, response_format={"type": "json_object"}
+    )
     c = out.choices[0]
     if c.finish_reason == "stop":  # (a free-form object may run to max_tokens; when it ends, it parses)
         assert isinstance(json.loads(c.message.content), dict)
@@ -124,15 +163,29 @@ def test_auto_tool_choice_parses_what_the_model_writes(client):
     here by a regex constraint) becomes tool_calls; a call to an undeclared function stays text."""
     model = _model(client)
     call = '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": \\"celsius\\"}"}'
-    out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
-                                         extra_body={"guided_regex": "Sure\\. " + re.escape(call)})
+    out = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"guided_regex": "Sure\\. " + re.escape(call)},
+    )
     c = out.choices[0]
     assert c.message.content == "Sure." and c.finish_reason == "tool_calls"
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
-        [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})
+    ]
     for choice, text in (("none", call), ("auto", call.replace("get_weather", "get_time"))):
-        out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
-                                             max_tokens=60, temperature=0, extra_body={"guided_regex": re.escape(text)})
+        out = client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=60,
+            temperature=0,
+            extra_body={"guided_regex": re.escape(text)},
+        )
         assert out.choices[0].message.content == text and not out.choices[0].message.tool_calls
         assert out.choices[0].finish_reason == "stop"
 
@@ -142,19 +195,31 @@ def _ref_chain(n: int) -> dict:
     return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{n}": {"type": "string"}}}
 
 
-@pytest.mark.parametrize("field, value, says", [
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": _ref_chain(3000)}}, "$refs"),
-    ("guided_grammar", "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(3000)) + '\nr3000: "b"',
-     "rules"),
-    ("guided_json", '{"items": ' * 1000 + "{}" + "}" * 1000, "levels"),
-    ("guided_json", "[" * 100_000 + "]" * 100_000, "levels"),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": {
-        "type": "string", "pattern": "((a{1000}){1000}){1000}"}}}, "spells out"),
-    ("guided_choice", [f"option {i}" for i in range(100_000)], "at most 1024"),
-    ("guided_regex", "((a{1000}){1000}){1000}", "spells out"),
-    # (a chain short enough to fit the context as text: a longer one is refused as too long first)
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": _ref_chain(300)}}], "$ref"),
-])
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": _ref_chain(3000)}}, "$refs"),
+        (
+            "guided_grammar",
+            "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(3000)) + '\nr3000: "b"',
+            "rules",
+        ),
+        ("guided_json", '{"items": ' * 1000 + "{}" + "}" * 1000, "levels"),
+        ("guided_json", "[" * 100_000 + "]" * 100_000, "levels"),
+        (
+            "response_format",
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "string", "pattern": "((a{1000}){1000}){1000}"}},
+            },
+            "spells out",
+        ),
+        ("guided_choice", [f"option {i}" for i in range(100_000)], "at most 1024"),
+        ("guided_regex", "((a{1000}){1000}){1000}", "spells out"),
+        # (a chain short enough to fit the context as text: a longer one is refused as too long first)
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": _ref_chain(300)}}], "$ref"),
+    ],
+)
 def test_grammars_too_big_to_compile_safely_are_a_400_and_the_server_lives_on(bundled, field, value, says):
     import httpx
 
@@ -194,8 +259,15 @@ def _call_or_answer(choice) -> str:
 def test_a_forced_call_with_a_response_format_is_the_call(client, choice):
     """A forced call is the output; the response format applies to text turns (OpenAI accepts the
     pair, as the Agents SDK sends it for an agent with an output type)."""
-    out = client.chat.completions.create(model=_model(client), messages=ASK, tools=TOOLS, tool_choice=choice,
-                                         response_format=ANSWER_FORMAT, max_tokens=120, temperature=0)
+    out = client.chat.completions.create(
+        model=_model(client),
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=choice,
+        response_format=ANSWER_FORMAT,
+        max_tokens=120,
+        temperature=0,
+    )
     c = out.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
     _check_calls(c.message.tool_calls, None if choice == "required" else {"book_flight"})
@@ -218,5 +290,11 @@ def test_auto_with_a_response_format_is_a_call_or_text_in_the_format(client, bun
 def test_a_forced_call_with_a_guided_field_is_still_refused(client):
     """vLLM's guided_* fields constrain the whole output, as a forced call does: the pair is a 400."""
     with pytest.raises(openai.BadRequestError, match="set only one"):
-        client.chat.completions.create(model=_model(client), messages=ASK, tools=TOOLS, tool_choice="required",
-                                       max_tokens=8, extra_body={"guided_regex": "a+"})
+        client.chat.completions.create(
+            model=_model(client),
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=8,
+            extra_body={"guided_regex": "a+"},
+        )

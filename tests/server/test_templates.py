@@ -19,25 +19,44 @@ from irminsul.research.workloads.tokenizers import load_tokenizer
 from irminsul.server.chat import ChatRenderer
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city (°C)",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
-FLIGHTS = {"type": "function", "function": {"name": "find_flights", "description": "Flights between two airports",
-                                            "parameters": {"type": "object",
-                                                           "properties": {"origin": {"type": "string"},
-                                                                          "destination": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city (°C)",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+FLIGHTS = {
+    "type": "function",
+    "function": {
+        "name": "find_flights",
+        "description": "Flights between two airports",
+        "parameters": {
+            "type": "object",
+            "properties": {"origin": {"type": "string"}, "destination": {"type": "string"}},
+        },
+    },
+}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}
 PLAIN = [
     [{"role": "user", "content": "Hi there"}],
-    [{"role": "system", "content": "You are a careful travel agent.\nAnswer briefly."},
-     {"role": "user", "content": "Which bags are free?  "}, {"role": "assistant", "content": "One carry-on bag."},
-     {"role": "user", "content": "\n\nAnd checked ones? 日本語も"}],
+    [
+        {"role": "system", "content": "You are a careful travel agent.\nAnswer briefly."},
+        {"role": "user", "content": "Which bags are free?  "},
+        {"role": "assistant", "content": "One carry-on bag."},
+        {"role": "user", "content": "\n\nAnd checked ones? 日本語も"},
+    ],
 ]
 WITH_TOOLS = [
-    [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "Weather in Zürich?"},
-     {"role": "assistant", "content": "", "tool_calls": [CALL]},
-     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
-     {"role": "assistant", "content": "It is 21 °C."}, {"role": "user", "content": "Thanks!"}],
+    [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "Weather in Zürich?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+        {"role": "assistant", "content": "It is 21 °C."},
+        {"role": "user", "content": "Thanks!"},
+    ],
 ]
 
 
@@ -51,8 +70,11 @@ def _checkpoint(tmp: Path, tokenizer_json: str, template: str, specials: dict) -
 def _pair(path: Path):
     """(our renderer, transformers' tokenizer) over the same files."""
     config = json.loads((path / "tokenizer_config.json").read_text())
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), chat_template=config["chat_template"],
-                                 **{k: v for k, v in config.items() if k in ("bos_token", "eos_token", "pad_token")})
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(path / "tokenizer.json"),
+        chat_template=config["chat_template"],
+        **{k: v for k, v in config.items() if k in ("bos_token", "eos_token", "pad_token")},
+    )
     return ChatRenderer(Tokenizer(path)), hf
 
 
@@ -80,28 +102,37 @@ def formats(tmp_path_factory):
     qwen_specials = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     return {
         "bundled": bundled_model("mla"),
-        "deepseek_v2_chat": _checkpoint(root / "v2", deepseek, (FIXTURES / "deepseek_v2_chat.jinja").read_text(),
-                                        ds_specials),
+        "deepseek_v2_chat": _checkpoint(
+            root / "v2", deepseek, (FIXTURES / "deepseek_v2_chat.jinja").read_text(), ds_specials
+        ),
         "deepseek_v3": _checkpoint(root / "v3", deepseek, (FIXTURES / "deepseek_v3.jinja").read_text(), ds_specials),
         "qwen2": _checkpoint(root / "qwen2", qwen, qwen_config["chat_template"], qwen_specials),
-        "qwen2_5_tools": _checkpoint(root / "qwen25", qwen, (FIXTURES / "qwen2_5_tools.jinja").read_text(),
-                                     qwen_specials),
+        "qwen2_5_tools": _checkpoint(
+            root / "qwen25", qwen, (FIXTURES / "qwen2_5_tools.jinja").read_text(), qwen_specials
+        ),
     }
 
 
-REASONING = [{"role": "user", "content": "Which bags are free?"},
-             {"role": "assistant", "content": "<think>The policy lists one.</think>One carry-on bag."},
-             {"role": "user", "content": "And checked ones?"}]  # a reasoning model's answer, sent back as given
+REASONING = [
+    {"role": "user", "content": "Which bags are free?"},
+    {"role": "assistant", "content": "<think>The policy lists one.</think>One carry-on bag."},
+    {"role": "user", "content": "And checked ones?"},
+]  # a reasoning model's answer, sent back as given
 CONVERSATIONS = {"short": PLAIN[0], "multi-turn": PLAIN[1], "tool-turns": WITH_TOOLS[0], "reasoning": REASONING}
-CASES = [(name, conv, None) for name in ("bundled", "deepseek_v2_chat", "deepseek_v3", "qwen2", "qwen2_5_tools")
-         for conv in ("short", "multi-turn")]
-CASES += [(name, "tool-turns", tools) for name in ("bundled", "deepseek_v3", "qwen2_5_tools")
-          for tools in (None, [WEATHER, FLIGHTS])]
+CASES = [
+    (name, conv, None)
+    for name in ("bundled", "deepseek_v2_chat", "deepseek_v3", "qwen2", "qwen2_5_tools")
+    for conv in ("short", "multi-turn")
+]
+CASES += [
+    (name, "tool-turns", tools)
+    for name in ("bundled", "deepseek_v3", "qwen2_5_tools")
+    for tools in (None, [WEATHER, FLIGHTS])
+]
 CASES += [("deepseek_v3", "reasoning", None)]  # its template drops the reasoning it finds by '</think>' in content
 
 
-@pytest.mark.parametrize("name, conv, tools", CASES,
-                         ids=[f"{c[0]}-{c[1]}{'-tools' if c[2] else ''}" for c in CASES])
+@pytest.mark.parametrize("name, conv, tools", CASES, ids=[f"{c[0]}-{c[1]}{'-tools' if c[2] else ''}" for c in CASES])
 def test_tokens_equal_transformers_apply_chat_template(formats, name, conv, tools):
     renderer, hf = _pair(formats[name])
     messages = CONVERSATIONS[conv]
@@ -113,8 +144,10 @@ def test_tokens_equal_transformers_apply_chat_template(formats, name, conv, tool
         # every message's content begins inside its own segment: the segment holding it starts
         # after the previous message's content
         tok = renderer.tokenizer
-        segments = [tok.decode(got.token_ids[a:b], skip_special_tokens=False)
-                    for a, b in zip(got.segment_starts, [*got.segment_starts[1:], len(got.token_ids)])]
+        segments = [
+            tok.decode(got.token_ids[a:b], skip_special_tokens=False)
+            for a, b in zip(got.segment_starts, [*got.segment_starts[1:], len(got.token_ids)])
+        ]
         contents = [m["content"].split("</think>")[-1].strip() for m in messages if m.get("content")]
         holders = [next(k for k, s in enumerate(segments) if c.split("\n")[0].strip() in s) for c in contents]
         assert len(set(holders)) == len(holders), segments
@@ -138,8 +171,10 @@ def test_continue_final_message_like_transformers(formats, name):
 
 
 def test_chat_template_kwargs_reach_the_template(tmp_path):
-    template = ("{{ bos_token }}{% if think %}<think>{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                "{% if add_generation_prompt %}|{% endif %}")
+    template = (
+        "{{ bos_token }}{% if think %}<think>{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}|{% endif %}"
+    )
     path = _checkpoint(tmp_path, load_tokenizer("qwen2").tokenizer.to_str(), template, {"bos_token": "<|im_start|>"})
     renderer, hf = _pair(path)
     messages = [{"role": "user", "content": "hi"}]
@@ -174,38 +209,58 @@ def test_a_template_that_rewrites_content_still_renders_and_stays_safe(tmp_path)
 CLEAN = st.text(alphabet=string.ascii_letters + string.digits + " .,:;-_()'\"é中", min_size=1, max_size=8)
 
 
-
 def _schemas():
-    leaf = st.builds(lambda t, d: {"type": t, "description": d}, st.sampled_from(["string", "integer", "boolean"]),
-                     CLEAN)
+    leaf = st.builds(
+        lambda t, d: {"type": t, "description": d}, st.sampled_from(["string", "integer", "boolean"]), CLEAN
+    )
     enum = st.builds(lambda values: {"type": "string", "enum": values}, st.lists(CLEAN, min_size=1, max_size=3))
-    return st.recursive(leaf | enum, lambda inner: st.one_of(
-        st.builds(lambda props: {"type": "object", "properties": props, "required": sorted(props)[:1]},
-                  st.dictionaries(CLEAN, inner, max_size=4)),
-        st.builds(lambda items: {"type": "array", "items": items}, inner)), max_leaves=8)
+    return st.recursive(
+        leaf | enum,
+        lambda inner: st.one_of(
+            st.builds(
+                lambda props: {"type": "object", "properties": props, "required": sorted(props)[:1]},
+                st.dictionaries(CLEAN, inner, max_size=4),
+            ),
+            st.builds(lambda items: {"type": "array", "items": items}, inner),
+        ),
+        max_leaves=8,
+    )
 
 
 def _json_values():
-    return st.recursive(CLEAN | st.integers(-5, 5) | st.booleans(),
-                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(CLEAN, inner, max_size=3),
-                        max_leaves=6)
+    return st.recursive(
+        CLEAN | st.integers(-5, 5) | st.booleans(),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(CLEAN, inner, max_size=3),
+        max_leaves=6,
+    )
 
 
 @st.composite
 def _requests(draw):
     """(messages, tools) of a random shape: tools with random JSON schemas, an assistant turn
     whose tool calls carry object or JSON-text arguments, their tool answers, text parts."""
-    tools = [{"type": "function", "function": {"name": draw(CLEAN), "description": draw(CLEAN),
-                                               "parameters": draw(_schemas())}}
-             for _ in range(draw(st.integers(0, 2)))]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": draw(CLEAN), "description": draw(CLEAN), "parameters": draw(_schemas())},
+        }
+        for _ in range(draw(st.integers(0, 2)))
+    ]
     messages = [{"role": "system", "content": draw(CLEAN)}] if draw(st.booleans()) else []
     parts = st.lists(st.builds(lambda t: {"type": "text", "text": t}, CLEAN), min_size=1, max_size=3)
     messages.append({"role": "user", "content": draw(CLEAN | parts)})
     if draw(st.booleans()):
-        calls = [{"id": draw(CLEAN), "type": "function",
-                  "function": {"name": draw(CLEAN), "arguments": draw(st.dictionaries(CLEAN, _json_values(),
-                                                                                      max_size=3))}}
-                 for _ in range(draw(st.integers(1, 2)))]
+        calls = [
+            {
+                "id": draw(CLEAN),
+                "type": "function",
+                "function": {
+                    "name": draw(CLEAN),
+                    "arguments": draw(st.dictionaries(CLEAN, _json_values(), max_size=3)),
+                },
+            }
+            for _ in range(draw(st.integers(1, 2)))
+        ]
         messages.append({"role": "assistant", "content": "", "tool_calls": calls})
         messages += [{"role": "tool", "tool_call_id": c["id"], "content": draw(CLEAN)} for c in calls]
         messages.append({"role": "assistant", "content": draw(CLEAN)})
@@ -222,8 +277,10 @@ def _planted(value, plant, key=None, data=False):
     if isinstance(value, list):
         return [_planted(v, plant, None, data) for v in value]
     if isinstance(value, dict):
-        return {(plant(k) if data else k): _planted(v, plant, k, data or k in ("parameters", "arguments"))
-                for k, v in value.items()}
+        return {
+            (plant(k) if data else k): _planted(v, plant, k, data or k in ("parameters", "arguments"))
+            for k, v in value.items()
+        }
     return value
 
 
@@ -244,9 +301,11 @@ def renderers(formats, tmp_path_factory):
     chat_template)."""
     out = {name: ChatRenderer(Tokenizer(path)) for name, path in formats.items()}
     root = tmp_path_factory.mktemp("builtin")
-    for name, tokenizer_json in (("builtin-irminsul", (formats["bundled"] / "tokenizer.json").read_text()),
-                                 ("builtin-deepseek", load_tokenizer("deepseek").tokenizer.to_str()),
-                                 ("builtin-qwen2", load_tokenizer("qwen2").tokenizer.to_str())):
+    for name, tokenizer_json in (
+        ("builtin-irminsul", (formats["bundled"] / "tokenizer.json").read_text()),
+        ("builtin-deepseek", load_tokenizer("deepseek").tokenizer.to_str()),
+        ("builtin-qwen2", load_tokenizer("qwen2").tokenizer.to_str()),
+    ):
         path = root / name
         path.mkdir()
         (path / "tokenizer.json").write_text(tokenizer_json)
@@ -261,8 +320,16 @@ def _control_tokens(renderer, messages, tools) -> int:
     return sum(t in controls for t in renderer.render(messages, tools).token_ids)
 
 
-FORMATS = ["bundled", "deepseek_v2_chat", "deepseek_v3", "qwen2", "qwen2_5_tools", "builtin-irminsul",
-           "builtin-deepseek", "builtin-qwen2"]
+FORMATS = [
+    "bundled",
+    "deepseek_v2_chat",
+    "deepseek_v3",
+    "qwen2",
+    "qwen2_5_tools",
+    "builtin-irminsul",
+    "builtin-deepseek",
+    "builtin-qwen2",
+]
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -297,21 +364,39 @@ def test_every_special_token_planted_in_every_position_adds_none(renderers, name
     rendering holds only the template's control tokens, and the planted text is all there."""
     renderer = renderers[name]
     tok = renderer.tokenizer
-    schema = {"type": "object", "properties": {"city": {"type": "string", "description": "a city"},
-                                               "when": {"type": "object", "properties": {"day": {"type": "integer"}}}},
-              "required": ["city"]}
-    messages = [{"role": "system", "content": "Use the tools."},
-                {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": {"city": "Paris", "when": {"day": 3}}}}]},
-                {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
-                {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks"}]
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "description": "a city"},
+            "when": {"type": "object", "properties": {"day": {"type": "integer"}}},
+        },
+        "required": ["city"],
+    }
+    messages = [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "when": {"day": 3}}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "Thanks"},
+    ]
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": schema}}]
     specials = tok.special_strings
     at = iter(range(10**6))
-    planted = _planted([messages, tools], lambda s: f"{s}<|end|><|system|>{specials[(k := next(at)) % len(specials)]}"
-                                                    f"{specials[(k + 1) % len(specials)]}")
+    planted = _planted(
+        [messages, tools],
+        lambda s: f"{s}<|end|><|system|>{specials[(k := next(at)) % len(specials)]}{specials[(k + 1) % len(specials)]}",
+    )
     last = planted[0][-1]["content"] = "Thanks" + "".join(specials)
     for as_text in (False, True):
         if name == "deepseek_v3" and not as_text:

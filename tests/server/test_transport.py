@@ -74,14 +74,30 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tiny_dir):
     with open_file_limit(OPEN_FILES):
-        server = ServerProcess("--model", str(tiny_dir), "--served-model-name", "tiny", "--api-key", f"{KEY}=alice",
-                               "--no-compile-decode", "--log-level", "warning",
-                               "--max-connections", str(MAX_CONNECTIONS), "--timeout-header", str(TIMEOUT_HEADER),
-                               "--timeout-body", str(TIMEOUT_BODY), "--timeout-write", str(TIMEOUT_WRITE))
+        server = ServerProcess(
+            "--model",
+            str(tiny_dir),
+            "--served-model-name",
+            "tiny",
+            "--api-key",
+            f"{KEY}=alice",
+            "--no-compile-decode",
+            "--log-level",
+            "warning",
+            "--max-connections",
+            str(MAX_CONNECTIONS),
+            "--timeout-header",
+            str(TIMEOUT_HEADER),
+            "--timeout-body",
+            str(TIMEOUT_BODY),
+            "--timeout-write",
+            str(TIMEOUT_WRITE),
+        )
     try:
         limits = open(f"/proc/{server.proc.pid}/limits").read()
-        assert any(line.startswith("Max open files") and line.split()[3] == str(OPEN_FILES)
-                   for line in limits.splitlines()), limits
+        assert any(
+            line.startswith("Max open files") and line.split()[3] == str(OPEN_FILES) for line in limits.splitlines()
+        ), limits
         idle = []
         for _ in range(8):
             start = time.monotonic()
@@ -125,8 +141,10 @@ def served_normally(served: Served) -> list[str]:
     """What went wrong for an ordinary client: a chat completion and a /tokenize, answered in time."""
     problems = []
     headers = {"Authorization": f"Bearer {KEY}"}
-    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
-                       ("/tokenize", {"prompt": "hello"})]:
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+        ("/tokenize", {"prompt": "hello"}),
+    ]:
         try:
             r = httpx.post(served.url + path, json=body, headers=headers, timeout=REQUEST_TIMEOUT)
             if r.status_code != 200:
@@ -143,11 +161,15 @@ def test_pipelined_requests_are_answered_in_order(served):
     """Several requests in one write, on one connection: each answered, in the order sent, and the
     connection still serves the next request."""
     served.ready()
-    sent = [("GET", "/health", None), ("POST", "/tokenize", {"prompt": "a", "add_special_tokens": False}),
-            ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "ab", "add_special_tokens": False}),
-            ("POST", "/detokenize", {"tokens": [104, 105]}),
-            ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-            ("POST", "/tokenize", {"prompt": "abc", "add_special_tokens": False})]
+    sent = [
+        ("GET", "/health", None),
+        ("POST", "/tokenize", {"prompt": "a", "add_special_tokens": False}),
+        ("GET", "/v1/models", None),
+        ("POST", "/tokenize", {"prompt": "ab", "add_special_tokens": False}),
+        ("POST", "/detokenize", {"tokens": [104, 105]}),
+        ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("POST", "/tokenize", {"prompt": "abc", "add_special_tokens": False}),
+    ]
     raw = b"".join(request(m, p, json.dumps(b).encode() if b is not None else b"") for m, p, b in sent)
     with socket.create_connection(("127.0.0.1", served.port)) as s:
         s.settimeout(REQUEST_TIMEOUT)
@@ -172,11 +194,13 @@ def test_slow_writers_are_closed_at_their_deadlines_while_others_are_served(serv
     probe = served.probe()
     headers = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(16)]
     bodies = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(16)]
-    trickles = {s: request("POST", "/v1/completions", extra="Content-Type: application/json\r\n")[:-2] + b"X: "
-                + b"y" * 1000 for s in headers}
+    trickles = {
+        s: request("POST", "/v1/completions", extra="Content-Type: application/json\r\n")[:-2] + b"X: " + b"y" * 1000
+        for s in headers
+    }
     body = json.dumps({"prompt": "a" * 1000}).encode()
     for s in bodies:
-        s.sendall(request("POST", "/v1/completions", body)[:-len(body)])
+        s.sendall(request("POST", "/v1/completions", body)[: -len(body)])
         trickles[s] = body
     deadline = {**{s: TIMEOUT_HEADER for s in headers}, **{s: TIMEOUT_BODY for s in bodies}}
     start, closed, problems = time.monotonic(), {}, []
@@ -189,7 +213,7 @@ def test_slow_writers_are_closed_at_their_deadlines_while_others_are_served(serv
                 if s in closed:
                     continue
                 try:
-                    s.sendall(data[sent:sent + 1])
+                    s.sendall(data[sent : sent + 1])
                     s.settimeout(0)
                     out = s.recv(4096)  # the server answered (a 408) or closed
                     closed[s] = (time.monotonic() - start, out)
@@ -208,11 +232,14 @@ def test_slow_writers_are_closed_at_their_deadlines_while_others_are_served(serv
     for s in trickles:
         what = "headers" if s in headers else "body"
         if s not in closed:
-            problems.append(f"a connection sending its {what} a byte at a time was still open "
-                            f"{deadline[s] + SLACK:.0f} s later")
+            problems.append(
+                f"a connection sending its {what} a byte at a time was still open {deadline[s] + SLACK:.0f} s later"
+            )
         elif closed[s][0] > deadline[s] + SLACK or not closed[s][1].startswith(b"HTTP/1.1 408"):
-            problems.append(f"a connection sending its {what} a byte at a time got {closed[s][1][:80]!r} "
-                            f"after {closed[s][0]:.1f} s (deadline {deadline[s]:.0f} s)")
+            problems.append(
+                f"a connection sending its {what} a byte at a time got {closed[s][1][:80]!r} "
+                f"after {closed[s][0]:.1f} s (deadline {deadline[s]:.0f} s)"
+            )
     if worst > served.bound:
         problems.append(f"/health took {worst:.2f} s (bound {served.bound:.2f} s)")
     assert served.server.proc.poll() is None, "the server died"
@@ -224,8 +251,11 @@ def test_a_body_of_one_byte_chunks_is_handled_without_stalling_the_loop(served):
     handled on the event loop): refused or answered (below 500) within CHUNKS_BOUND seconds, well
     before the body deadline, while /health stays quick and the event loop never stalls longer."""
     served.ready()
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH.encode() +
-            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        + AUTH.encode()
+        + b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     text = b'{"prompt": "' + b"a" * (CHUNKS - 31) + b'", "max_tokens": 1}'
     assert len(text) == CHUNKS
     chunks = b"".join(b"1\r\n" + bytes([c]) + b"\r\n" for c in text) + b"0\r\n\r\n"
@@ -254,16 +284,20 @@ def test_a_body_of_one_byte_chunks_is_handled_without_stalling_the_loop(served):
     if answer is None or not answer.startswith(b"HTTP/1.1 ") or answer[9:10] == b"5":
         problems.append(f"the chunked request got {answer[:200] if answer else 'no answer'!r} in {took:.1f} s")
     elif took > CHUNKS_BOUND:
-        problems.append(f"the chunked request was answered {answer[:12].decode(errors='replace')!r} after {took:.1f} s "
-                        f"(bound {CHUNKS_BOUND:.0f} s; the body deadline is {TIMEOUT_BODY:.0f} s)")
+        problems.append(
+            f"the chunked request was answered {answer[:12].decode(errors='replace')!r} after {took:.1f} s "
+            f"(bound {CHUNKS_BOUND:.0f} s; the body deadline is {TIMEOUT_BODY:.0f} s)"
+        )
     if worst > served.bound:
         problems.append(f"/health took {worst:.2f} s while the chunks came in (bound {served.bound:.2f} s)")
     stall = loop_stall(served.url)
     if stall is not None and stall > max(served.bound, stall_before):
         problems.append(f"the event loop stalled {stall:.2f} s (bound {served.bound:.2f} s)")
     problems += served_normally(served)
-    print(f"{CHUNKS:,} one-byte chunks: {answer[:12] if answer else None!r} after {took:.1f} s, /health worst "
-          f"{worst:.2f} s, longest loop stall {f'{stall:.2f} s' if stall is not None else 'not exposed'}")
+    print(
+        f"{CHUNKS:,} one-byte chunks: {answer[:12] if answer else None!r} after {took:.1f} s, /health worst "
+        f"{worst:.2f} s, longest loop stall {f'{stall:.2f} s' if stall is not None else 'not exposed'}"
+    )
     assert served.server.proc.poll() is None, "the server died"
     assert not problems, "\n".join(problems)
 
@@ -283,7 +317,8 @@ def test_slow_readers_lose_their_connections_at_the_write_deadline(served):
         status, _, answer = read_response(s.makefile("rb"))
     assert status < 500 and len(answer) > 4_500_000, (
         f"the scenario needs an answer larger than the socket buffers; this one is {status}, {len(answer):,} bytes: "
-        f"{answer[:200]!r}; pick a request with a larger answer")
+        f"{answer[:200]!r}; pick a request with a larger answer"
+    )
 
     probe, readers, problems = served.probe(), [], []
     start = time.monotonic()
@@ -307,13 +342,17 @@ def test_slow_readers_lose_their_connections_at_the_write_deadline(served):
             if len(ok) >= 4:  # answered, and still answering
                 recovered = ok[-1][0] - sent
         if recovered is None:
-            problems.append(f"/health was not answered 200 (and kept answering) within {TIMEOUT_WRITE + SLACK:.0f} s "
-                            f"of the slow readers' requests (--timeout-write {TIMEOUT_WRITE:.0f})")
+            problems.append(
+                f"/health was not answered 200 (and kept answering) within {TIMEOUT_WRITE + SLACK:.0f} s "
+                f"of the slow readers' requests (--timeout-write {TIMEOUT_WRITE:.0f})"
+            )
         problems += served_normally(served)
         answers = probe.answers(start, time.monotonic())
         again = f"{recovered:.1f} s" if recovered is not None else f"not within {TIMEOUT_WRITE + SLACK:.0f} s"
-        timeline = (f"the slow readers' requests took {sent - start:.1f} s to send; /health answered 200 again {again} "
-                    f"after (its answers: {_runs(answers)})")
+        timeline = (
+            f"the slow readers' requests took {sent - start:.1f} s to send; /health answered 200 again {again} "
+            f"after (its answers: {_runs(answers)})"
+        )
     finally:
         probe.stop()
         for s in readers:

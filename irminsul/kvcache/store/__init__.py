@@ -67,8 +67,9 @@ def open_registry(config: StoreConfig, layout: RowLayout, memory_bytes: int | No
     if config.redis_url:
         from irminsul.kvcache.store.redis import RedisRegistry
 
-        lower.append(RedisRegistry(config.redis_url, layout, timeout_s=config.redis_timeout_s,
-                                   ttl_s=config.redis_ttl_s))
+        lower.append(
+            RedisRegistry(config.redis_url, layout, timeout_s=config.redis_timeout_s, ttl_s=config.redis_ttl_s)
+        )
     if not lower:
         return memory
     from irminsul.kvcache.store.tiered import TieredRegistry
@@ -87,5 +88,14 @@ def tier_stats(registry: Registry) -> list[TierStats]:
     return [memory_tier_stats(registry)]
 
 
-__all__ = ["CorruptEntry", "ForeignEntry", "RowLayout", "StoreConfig", "TierStats", "decode", "encode", "open_registry",
-           "tier_stats"]
+__all__ = [
+    "CorruptEntry",
+    "ForeignEntry",
+    "RowLayout",
+    "StoreConfig",
+    "TierStats",
+    "decode",
+    "encode",
+    "open_registry",
+    "tier_stats",
+]

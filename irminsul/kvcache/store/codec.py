@@ -82,15 +82,19 @@ class RowLayout:
         meta["mac"] = "0" * 2 * MAC_BYTES
         # NOTE: an upper bound on safetensors' header: json.dumps adds spaces and escapes non-ASCII, and
         # torch's dtype names are longer than safetensors' dtype codes
-        header = {"__metadata__": meta,
-                  "rows": {"dtype": str(self.dtype), "shape": list(shape), "data_offsets": [data, data]},
-                  "token_ids": {"dtype": str(torch.int64), "shape": [n], "data_offsets": [data, data]}}
+        header = {
+            "__metadata__": meta,
+            "rows": {"dtype": str(self.dtype), "shape": list(shape), "data_offsets": [data, data]},
+            "token_ids": {"dtype": str(torch.int64), "shape": [n], "data_offsets": [data, data]},
+        }
         return 8 + len(json.dumps(header)) + 7 + data  # length prefix, header padded to 8 bytes, tensors
 
     @property
     def key_id(self) -> str:
         """Names the secret without revealing it (entries under another secret are foreign)."""
-        return hashlib.blake2b(self.secret, digest_size=8, person=b"irminsul-keyid").hexdigest() if self.secret else "none"
+        return (
+            hashlib.blake2b(self.secret, digest_size=8, person=b"irminsul-keyid").hexdigest() if self.secret else "none"
+        )
 
     @classmethod
     def of(cls, model, model_id: str, secret: bytes = b"") -> RowLayout:
@@ -110,17 +114,27 @@ def _mac(secret: bytes, meta: dict, tokens: torch.Tensor, rows: torch.Tensor) ->
     return h.hexdigest()
 
 
-def _metadata(layout: RowLayout, fingerprint: int, namespace: str, base_pos: int, dtype: torch.dtype,
-              shape: tuple[int, ...]) -> dict:
-    return {"format": FORMAT, "model_id": layout.model_id, "namespace": namespace, "fingerprint": f"{fingerprint:016x}",
-            "base_pos": str(base_pos), "dtype": str(dtype).removeprefix("torch."), "shape": ",".join(map(str, shape)),
-            "key_id": layout.key_id}
+def _metadata(
+    layout: RowLayout, fingerprint: int, namespace: str, base_pos: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> dict:
+    return {
+        "format": FORMAT,
+        "model_id": layout.model_id,
+        "namespace": namespace,
+        "fingerprint": f"{fingerprint:016x}",
+        "base_pos": str(base_pos),
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": ",".join(map(str, shape)),
+        "key_id": layout.key_id,
+    }
 
 
 def encode(entry: Entry, layout: RowLayout) -> bytes:
     if not isinstance(entry.payload, torch.Tensor):
-        raise TypeError(f"entry {entry.fingerprint:016x}: a stored entry holds its rows as a tensor, "
-                        f"not {type(entry.payload).__name__}")
+        raise TypeError(
+            f"entry {entry.fingerprint:016x}: a stored entry holds its rows as a tensor, "
+            f"not {type(entry.payload).__name__}"
+        )
     rows = entry.payload.detach().contiguous().cpu()
     tokens = torch.as_tensor(np.asarray(entry.token_ids, dtype=np.int64))
     meta = _metadata(layout, entry.fingerprint, entry.namespace, entry.base_pos, rows.dtype, tuple(rows.shape))
@@ -167,7 +181,9 @@ def decode(blob: bytes, layout: RowLayout, fingerprint: int | None = None) -> En
         raise CorruptEntry(f"stored under {fingerprint:016x} but holds {fp:016x}")
     want = (layout.n_layers, len(tokens), layout.row_width)
     if tokens.dim() != 1 or tokens.dtype != torch.int64 or tuple(rows.shape) != want or rows.dtype != layout.dtype:
-        raise CorruptEntry(f"rows {tuple(rows.shape)} {rows.dtype}, token ids {tuple(tokens.shape)} {tokens.dtype}; "
-                           f"expected {want} {layout.dtype}")
+        raise CorruptEntry(
+            f"rows {tuple(rows.shape)} {rows.dtype}, token ids {tuple(tokens.shape)} {tokens.dtype}; "
+            f"expected {want} {layout.dtype}"
+        )
     rows = rows.to(layout.device)
     return Entry(fp, tokens.numpy(), base_pos, rows, rows.numel() * rows.element_size(), namespace)

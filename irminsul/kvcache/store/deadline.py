@@ -81,5 +81,6 @@ def on_connect(connection) -> None:
     except (redis.RedisError, OSError):
         raise
     except Exception as e:
-        raise redis.ConnectionError(f"the handshake got a reply no Redis sends ({type(e).__name__}: {e}); "
-                                    "is a Redis server at this address?") from None
+        raise redis.ConnectionError(
+            f"the handshake got a reply no Redis sends ({type(e).__name__}: {e}); is a Redis server at this address?"
+        ) from None

@@ -292,11 +292,32 @@ class DiskRegistry(Registry):
 
     @property
     def stats(self) -> RegistryStats:
-        return RegistryStats(self._hits, self._misses, self._collisions, self._evictions, self._insertions,
-                             self._rejected, len(self._index), len(self._pins), self._bytes, self.budget_bytes)
+        return RegistryStats(
+            self._hits,
+            self._misses,
+            self._collisions,
+            self._evictions,
+            self._insertions,
+            self._rejected,
+            len(self._index),
+            len(self._pins),
+            self._bytes,
+            self.budget_bytes,
+        )
 
     @property
     def tier_stats(self) -> TierStats:
         s = self.stats
-        return TierStats("disk", s.hits, s.misses, s.evictions, s.insertions, s.entries, s.bytes,
-                         s.budget_bytes, corrupt=self._corrupt, failures=self._failures, dropped=self._dropped)
+        return TierStats(
+            "disk",
+            s.hits,
+            s.misses,
+            s.evictions,
+            s.insertions,
+            s.entries,
+            s.bytes,
+            s.budget_bytes,
+            corrupt=self._corrupt,
+            failures=self._failures,
+            dropped=self._dropped,
+        )

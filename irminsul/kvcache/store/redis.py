@@ -54,8 +54,15 @@ return 0
 class RedisRegistry(Registry):
     log: TierLog  # (set in __init__: this tier's own, which the tiered registry shares)
 
-    def __init__(self, url: str, layout: RowLayout, timeout_s: float = 0.25, backoff: tuple = (0.2, 5.0),
-                 max_pending: int = 1024, ttl_s: int | None = None):
+    def __init__(
+        self,
+        url: str,
+        layout: RowLayout,
+        timeout_s: float = 0.25,
+        backoff: tuple = (0.2, 5.0),
+        max_pending: int = 1024,
+        ttl_s: int | None = None,
+    ):
         """`timeout_s`: the deadline of one command, its connection and its whole reply included."""
         import redis
         from redis.backoff import NoBackoff
@@ -64,8 +71,13 @@ class RedisRegistry(Registry):
         super().__init__()
         self.url, self.layout, self.ttl_s, self.timeout_s = url, layout, ttl_s, timeout_s
         try:
-            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                               retry=Retry(NoBackoff(), 0), redis_connect_func=deadline.on_connect)
+            self.client = redis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                redis_connect_func=deadline.on_connect,
+            )
         except ValueError as e:
             raise ValueError(f"--store {url!r} is not a Redis URL ({e}); use redis://host:port/db") from None
         # NOTE: keyed by the store secret's id too: an entry under another secret is never at our key,
@@ -311,14 +323,36 @@ class RedisRegistry(Registry):
 
     @property
     def stats(self) -> RegistryStats:
-        return RegistryStats(self._hits, self._misses, self._collisions, 0, self._insertions, self._dropped,
-                             self._entries, 0, self._bytes, 0)
+        return RegistryStats(
+            self._hits,
+            self._misses,
+            self._collisions,
+            0,
+            self._insertions,
+            self._dropped,
+            self._entries,
+            0,
+            self._bytes,
+            0,
+        )
 
     @property
     def tier_stats(self) -> TierStats:
-        return TierStats("redis", self._hits, self._misses, 0, self._insertions, self._entries, self._bytes, 0,
-                         corrupt=self._corrupt, failures=self._failures, dropped=self._dropped,
-                         pending=self._queue.qsize(), available=self._up)
+        return TierStats(
+            "redis",
+            self._hits,
+            self._misses,
+            0,
+            self._insertions,
+            self._entries,
+            self._bytes,
+            0,
+            corrupt=self._corrupt,
+            failures=self._failures,
+            dropped=self._dropped,
+            pending=self._queue.qsize(),
+            available=self._up,
+        )
 
 
 def _sha1(blob: bytes | None) -> str:

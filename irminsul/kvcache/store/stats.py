@@ -21,7 +21,9 @@ class TierStats:
     bytes: int
     budget_bytes: int  # 0 when the tier has no budget of its own (Redis: its maxmemory policy)
     corrupt: int = 0  # entries that failed verification and were dropped
-    failures: int = 0  # operations that failed (I/O error, backend unreachable, write refused): each a miss or a skipped write
+    failures: int = (
+        0  # operations that failed (I/O error, backend unreachable, write refused): each a miss or a skipped write
+    )
     dropped: int = 0  # writes skipped (a failure, backend down or write queue full)
     pending: int = 0  # writes queued but not yet done
     available: bool = True  # False while a remote backend is down

@@ -115,8 +115,9 @@ class TieredRegistry(Registry):
     def get(self, fingerprint: int, token_ids: np.ndarray, namespace: str = "") -> Entry | None:
         entry = self.memory.get(fingerprint, token_ids, namespace)
         if entry is None:
-            hit = self._staged_entry(fingerprint, token_ids, namespace) or self._lower_get(fingerprint, token_ids,
-                                                                                          namespace)
+            hit = self._staged_entry(fingerprint, token_ids, namespace) or self._lower_get(
+                fingerprint, token_ids, namespace
+            )
             if hit is not None:
                 i, found = hit
                 if i:
@@ -190,10 +191,21 @@ class TieredRegistry(Registry):
     @property
     def stats(self) -> RegistryStats:
         m = self.memory.stats
-        collisions = m.collisions + sum(self._call(i, "its stats", lambda t=t: t.stats.collisions) or 0
-                                        for i, t in enumerate(self.lower))
-        return RegistryStats(self._hits, self._misses, collisions, m.evictions, m.insertions, m.rejected,
-                             m.entries, m.pinned, m.bytes, m.budget_bytes)
+        collisions = m.collisions + sum(
+            self._call(i, "its stats", lambda t=t: t.stats.collisions) or 0 for i, t in enumerate(self.lower)
+        )
+        return RegistryStats(
+            self._hits,
+            self._misses,
+            collisions,
+            m.evictions,
+            m.insertions,
+            m.rejected,
+            m.entries,
+            m.pinned,
+            m.bytes,
+            m.budget_bytes,
+        )
 
     @property
     def all_tier_stats(self) -> list[TierStats]:

@@ -14,8 +14,20 @@ from irminsul.model.attention.base import (
 from irminsul.model.attention.cpu import CPUAttention
 from irminsul.model.attention.reference import AttentionGroup, ReferenceAttention, expand_is_cheaper
 
-__all__ = ["BACKENDS", "EMPTY_SLOT", "PADDING_SLACK", "AttentionBackend", "AttentionGroup", "CPUAttention",
-           "ReferenceAttention", "SeqAttention", "backend", "consecutive", "dsa_selection", "expand_is_cheaper"]
+__all__ = [
+    "BACKENDS",
+    "EMPTY_SLOT",
+    "PADDING_SLACK",
+    "AttentionBackend",
+    "AttentionGroup",
+    "CPUAttention",
+    "ReferenceAttention",
+    "SeqAttention",
+    "backend",
+    "consecutive",
+    "dsa_selection",
+    "expand_is_cheaper",
+]
 
 # the names `backend` takes; "torch" is the default's older name, kept for configurations that use it
 BACKENDS = ("cpu", "reference", "triton")

@@ -52,8 +52,9 @@ class AttentionBackend(ABC):
         offsets[i]:offsets[i+1] of the flat batch."""
 
     @abstractmethod
-    def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan,
-                index=None) -> torch.Tensor:
+    def forward(
+        self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan, index=None
+    ) -> torch.Tensor:
         """q_nope [n, H, nope], q_pe [n, H, rope] (rotated) of the step's queries, pool [S, W] of this
         layer, `plan` from `plan` -> attention output [n, H, v_head_dim] (before o_proj). `index`:
         V3.2's indexer queries and head weights ([n, heads, d], [n, heads]), else None."""
@@ -62,11 +63,12 @@ class AttentionBackend(ABC):
         """(W_UK [H, nope, r], W_UV [H, v, r]): the two halves of the layer's kv_b_proj (views of it, or
         the contiguous copies `MLAttention.pack` keeps of them for bf16)."""
         kept = getattr(attn, "absorbed", None)
-        if kept is not None and (torch.compiler.is_compiling() or attn.absorbed_from == attn.kv_b_proj.weight.data_ptr()):
+        if kept is not None and (
+            torch.compiler.is_compiling() or attn.absorbed_from == attn.kv_b_proj.weight.data_ptr()
+        ):
             return kept
         cfg = self.cfg
-        w = attn.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
-                                       cfg.kv_lora_rank)
+        w = attn.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
     def absorbed_widen(self, attn) -> tuple[int, int]:

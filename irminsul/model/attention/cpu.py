@@ -41,14 +41,26 @@ class CPUAttention(ReferenceAttention):
     def native_decode(self, pool: torch.Tensor) -> bool:
         """Whether decode groups take the native kernel: a CPU pool of float32 or bfloat16 rows with
         unit stride, the kernel built, not switched off."""
-        return (self.NATIVE_DECODE and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
-                and pool.stride(1) == 1 and settings.native_decode and native_ops.available())
+        return (
+            self.NATIVE_DECODE
+            and pool.device.type == "cpu"
+            and pool.dtype in (torch.float32, torch.bfloat16)
+            and pool.stride(1) == 1
+            and settings.native_decode
+            and native_ops.available()
+        )
 
     def native_prefill(self, kv: torch.Tensor, keys: torch.Tensor) -> bool:
         """Whether an expanded group takes the native flash kernel: float32 on a CPU (bfloat16 where
         `widen_prefill`), the library built with its vector tiles, not switched off."""
-        if not (self.NATIVE_PREFILL and kv.device.type == "cpu" and kv.dtype == keys.dtype
-                and settings.native_prefill and native_ops.available() and bool(native.library().irm_vectorised())):
+        if not (
+            self.NATIVE_PREFILL
+            and kv.device.type == "cpu"
+            and kv.dtype == keys.dtype
+            and settings.native_prefill
+            and native_ops.available()
+            and bool(native.library().irm_vectorised())
+        ):
             return False
         return kv.dtype == torch.float32 or (kv.dtype == torch.bfloat16 and self.widen_prefill())
 
@@ -58,8 +70,10 @@ class CPUAttention(ReferenceAttention):
         widths, on this machine at torch's thread count (timed once, cached per CPU as the linear
         products' times are: `kernel_choice`)."""
         cfg = self.cfg
-        key = (f"prefill-widen|{cfg.num_attention_heads}x{cfg.qk_nope_head_dim}+{cfg.qk_rope_head_dim}"
-               f"x{cfg.v_head_dim}|threads{torch.get_num_threads()}|{native.fingerprint('prefill_attention.c')}")
+        key = (
+            f"prefill-widen|{cfg.num_attention_heads}x{cfg.qk_nope_head_dim}+{cfg.qk_rope_head_dim}"
+            f"x{cfg.v_head_dim}|threads{torch.get_num_threads()}|{native.fingerprint('prefill_attention.c')}"
+        )
         return bool(kernel_choice._measured(key, "widen", self._time_widening)["widen"])
 
     def _time_widening(self) -> dict:
@@ -72,20 +86,37 @@ class CPUAttention(ReferenceAttention):
             return torch.randn(*shape, generator=gen).bfloat16()
 
         q_nope, q_pe = rand(t, h, cfg.qk_nope_head_dim), rand(t, h, cfg.qk_rope_head_dim)
-        k_nope, k_pe, v = rand(1, t, h, cfg.qk_nope_head_dim), rand(1, t, cfg.qk_rope_head_dim), rand(1, t, h, cfg.v_head_dim)
+        k_nope, k_pe, v = (
+            rand(1, t, h, cfg.qk_nope_head_dim),
+            rand(1, t, cfg.qk_rope_head_dim),
+            rand(1, t, h, cfg.v_head_dim),
+        )
         with torch.inference_mode():
-            times = kernel_choice._time({
-                "sdpa": lambda: super(CPUAttention, self)._expanded_attention(q_nope, q_pe, k_nope, k_pe, v, g, False),
-                "widened": lambda: self._native_expanded(q_nope, q_pe, k_nope, k_pe, v, g)})
+            times = kernel_choice._time(
+                {
+                    "sdpa": lambda: super(CPUAttention, self)._expanded_attention(
+                        q_nope, q_pe, k_nope, k_pe, v, g, False
+                    ),
+                    "widened": lambda: self._native_expanded(q_nope, q_pe, k_nope, k_pe, v, g),
+                }
+            )
         return {"widen": times["widened"] * kernel_choice.WIDEN_GAIN < times["sdpa"], **times}
 
     def _absorbed(self, q_lat, q_pe, pool, g: AttentionGroup, index=None) -> torch.Tensor:
         if g.shape[1] == 1 and g.at_end and index is None and self.native_decode(pool):
             # one query per sequence at its last key: the mask is "every non-empty slot", the kernel's
             q = torch.cat([q_lat, q_pe], dim=-1)
-            return native_ops.call_mla_decode(q, pool, g.key_slots, g.key_cos, g.key_sin, None, q_lat.shape[2],
-                                              self.rotary.out_layout == "interleaved",
-                                              self.cfg.softmax_scale).to(q_lat.dtype)
+            return native_ops.call_mla_decode(
+                q,
+                pool,
+                g.key_slots,
+                g.key_cos,
+                g.key_sin,
+                None,
+                q_lat.shape[2],
+                self.rotary.out_layout == "interleaved",
+                self.cfg.softmax_scale,
+            ).to(q_lat.dtype)
         return super()._absorbed(q_lat, q_pe, pool, g, index)
 
     def _expanded_attention(self, q_nope, q_pe, k_nope, k_pe, v, g: AttentionGroup, selected: bool) -> torch.Tensor:
@@ -102,13 +133,23 @@ class CPUAttention(ReferenceAttention):
         if dtype != torch.float32:
             q_nope, q_pe, k_nope, k_pe, v = (x.float() for x in (q_nope, q_pe, k_nope, k_pe, v))
         q_nope, q_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_nope, q_pe))
-        o = native_ops.call_prefill_attention(_grid(q_nope, g), _grid(q_pe, g), k_nope, k_pe, v, g.key_slots,
-                                              g.query_pos, g.query_len, cfg.softmax_scale)
+        o = native_ops.call_prefill_attention(
+            _grid(q_nope, g), _grid(q_pe, g), k_nope, k_pe, v, g.key_slots, g.query_pos, g.query_len, cfg.softmax_scale
+        )
         return _rows(o.view(b * m, cfg.num_attention_heads, cfg.v_head_dim).to(dtype), g)
 
-    def beside_native(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
-                      key_slots: torch.Tensor, new: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      q_cos_sin) -> torch.Tensor:
+    def beside_native(
+        self,
+        attn,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        pool: torch.Tensor,
+        key_slots: torch.Tensor,
+        new: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_cos_sin,
+    ) -> torch.Tensor:
         """`beside` through the native kernel (`native_ops.mla_decode`), for model/compiled.py's batched
         step: the earlier rows read where they lie in `pool` [slots, width] (one layer) at key_slots
         [B, T] (EMPTY_SLOT: none), no gathered copy; each token's own row `new` [B, width] one more key."""

@@ -82,7 +82,8 @@ class AttentionGroup:
         if self.explicit_mask is None:
             t = self.key_slots.shape[1]
             self.explicit_mask = (self.key_slots != EMPTY_SLOT)[:, None, :] & (
-                torch.arange(t, device=self.key_slots.device)[None, None, :] <= self.query_pos[:, :, None])
+                torch.arange(t, device=self.key_slots.device)[None, None, :] <= self.query_pos[:, :, None]
+            )
         return self.explicit_mask
 
 
@@ -119,8 +120,11 @@ class ReferenceAttention(AttentionBackend):
         """Group the step's sequences (decode / prefill) and build each group's padded metadata."""
         decode = [i for i, s in enumerate(seqs) if len(s.q_positions) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.q_positions) > 1]
-        groups = [self._group([seqs[i] for i in ids], [offsets[i] for i in ids], device)
-                  for kind in (decode, prefill) for ids in _buckets(kind, seqs)]
+        groups = [
+            self._group([seqs[i] for i in ids], [offsets[i] for i in ids], device)
+            for kind in (decode, prefill)
+            for ids in _buckets(kind, seqs)
+        ]
         if len(groups) == 1:  # (its sequences are all of them, in order: token_index is 0..n-1)
             groups[0].whole = True
         return groups
@@ -153,12 +157,20 @@ class ReferenceAttention(AttentionBackend):
         else:
             cos, sin = self.rotary.cos_sin(torch.from_numpy(rope).reshape(-1).to(device))
             cos, sin = cos.view(b, t, -1), sin.view(b, t, -1)
-        return AttentionGroup(torch.from_numpy(np.concatenate(token_index)).to(device),
-                              torch.from_numpy(np.concatenate(grid_index)).to(device), key_slots, cos, sin,
-                              torch.from_numpy(qpos).to(device),
-                              m > 1 and expand_is_cheaper(self.cfg, m, t, self._pads(device)), causal, dense, run,
-                              at_end=at_end,
-                              query_len=torch.tensor([len(s.q_positions) for s in seqs], dtype=torch.int64))
+        return AttentionGroup(
+            torch.from_numpy(np.concatenate(token_index)).to(device),
+            torch.from_numpy(np.concatenate(grid_index)).to(device),
+            key_slots,
+            cos,
+            sin,
+            torch.from_numpy(qpos).to(device),
+            m > 1 and expand_is_cheaper(self.cfg, m, t, self._pads(device)),
+            causal,
+            dense,
+            run,
+            at_end=at_end,
+            query_len=torch.tensor([len(s.q_positions) for s in seqs], dtype=torch.int64),
+        )
 
     def _pads(self, device) -> bool:
         """Whether expanded attention on `device` widens the narrower of q·k and v (`EQUAL_WIDTHS`)."""
@@ -166,8 +178,15 @@ class ReferenceAttention(AttentionBackend):
 
     # -- once per layer --------------------------------------------------------------------
 
-    def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
-                groups: list[AttentionGroup], index=None) -> torch.Tensor:
+    def forward(
+        self,
+        attn,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        pool: torch.Tensor,
+        groups: list[AttentionGroup],
+        index=None,
+    ) -> torch.Tensor:
         """The absorbed groups share one W_UK product before and one W_UV product after their
         attention. With V3.2's `index`, each query attends only to the index_topk keys its indexer
         scores best."""
@@ -201,12 +220,23 @@ class ReferenceAttention(AttentionBackend):
                 return o
             out[idx] = o
         for g in expanded:
-            out[g.token_index] = self._expanded(attn, q_nope[g.token_index], q_pe[g.token_index], pool, g,
-                                                _rows_of(index, g))
+            out[g.token_index] = self._expanded(
+                attn, q_nope[g.token_index], q_pe[g.token_index], pool, g, _rows_of(index, g)
+            )
         return out
 
-    def beside(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, new: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, q_cos_sin, visible: torch.Tensor | None) -> torch.Tensor:
+    def beside(
+        self,
+        attn,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        rows: torch.Tensor,
+        new: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_cos_sin,
+        visible: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Decode attention of B tokens over their earlier rows and, beside them, each token's own row
         (not in the pool yet: model/compiled.py's step returns the new rows instead of writing them, as
         a graph that writes into its input copies the input whole). q_nope [B, H, nope], q_pe [B, H,
@@ -309,8 +339,9 @@ class ReferenceAttention(AttentionBackend):
         k[..., qk:] = 0
         v = (_widen(v, width) if pads else v).transpose(1, 2).contiguous()
         # NOTE: causal: padded keys (beyond a shorter sequence) are seen only by its padded queries
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if g.causal else g.mask[:, None],
-                                           is_causal=g.causal, scale=cfg.softmax_scale)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if g.causal else g.mask[:, None], is_causal=g.causal, scale=cfg.softmax_scale
+        )
         o = o.transpose(1, 2)[..., : cfg.v_head_dim]  # (any zero columns of a widened v dropped)
         return _rows(o.reshape(b * m, h, cfg.v_head_dim), g)
 

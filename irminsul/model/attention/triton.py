@@ -54,8 +54,10 @@ def available() -> str | None:
     if triton is None:
         return "the triton backend needs the `triton` package (pip install triton)"
     if not torch.cuda.is_available() and not settings.triton_interpret:
-        return ("the triton backend needs a GPU, or TRITON_INTERPRET=1 in the environment before Python starts "
-                "(Triton's CPU interpreter: slow, for tests)")
+        return (
+            "the triton backend needs a GPU, or TRITON_INTERPRET=1 in the environment before Python starts "
+            "(Triton's CPU interpreter: slow, for tests)"
+        )
     return None
 
 
@@ -122,21 +124,41 @@ class TritonAttention(AttentionBackend):
                 prefill.append((i, offsets[i] + a, k, int(s.q_positions[a + k - 1]) + 1))
         max_pos = int(pos.max()) if pos is not None else t - 1
         as_t = lambda a: torch.from_numpy(np.asarray(a, np.int32)).to(device)  # noqa: E731
-        tiles = [Tiles(*(as_t(col) for col in zip(*group)), block, max(e for *_, e in group))
-                 for group, block in ((decode, 1), (prefill, block_m)) if group]
-        return TritonPlan(as_t(q_last), torch.from_numpy(q_seq).to(device), torch.from_numpy(slots).to(device),
-                          as_t(pos) if pos is not None else None, max_pos, tiles)
+        tiles = [
+            Tiles(*(as_t(col) for col in zip(*group)), block, max(e for *_, e in group))
+            for group, block in ((decode, 1), (prefill, block_m))
+            if group
+        ]
+        return TritonPlan(
+            as_t(q_last),
+            torch.from_numpy(q_seq).to(device),
+            torch.from_numpy(slots).to(device),
+            as_t(pos) if pos is not None else None,
+            max_pos,
+            tiles,
+        )
 
-    def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan: TritonPlan,
-                index=None):
+    def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan: TritonPlan, index=None):
         cfg = self.cfg
         w_uk, w_uv = self.absorbed_weights(attn)
         q_lat = absorb_query(q_nope, w_uk)  # [n, H, r]
         cos, sin = self.rotary.table(plan.max_pos + 1, pool.device)
         selected = None if index is None else self._selection(index, pool, plan, cos, sin)
-        o_lat = mla_attention(q_lat, q_pe, pool, plan, cos, sin, cfg.softmax_scale,
-                              self.rotary.config.cache_layout == "interleaved", self.BLOCK_T, self.SPLIT, selected)
+        o_lat = mla_attention(
+            q_lat,
+            q_pe,
+            pool,
+            plan,
+            cos,
+            sin,
+            cfg.softmax_scale,
+            self.rotary.config.cache_layout == "interleaved",
+            self.BLOCK_T,
+            self.SPLIT,
+            selected,
+        )
         return absorb_output(o_lat.to(q_nope.dtype), w_uv)
+
     def _selection(self, index, pool, plan: TritonPlan, cos, sin) -> torch.Tensor:
         """DeepSeek-V3.2's DSA in torch: each query's index_topk best keys by its indexer scores ->
         uint8 [n, T] (1 = attend), which the kernel ANDs into its causal mask. (A reference path: a
@@ -146,8 +168,9 @@ class TritonAttention(AttentionBackend):
         rows = pool.index_select(0, plan.key_slots.view(-1)).view(b, t, -1)[..., self.cfg.latent_width :]
         pos = (plan.key_pos if plan.key_pos is not None else torch.arange(t, device=pool.device)).long()
         keys = encode_half(rows.float(), cos[pos], sin[pos])  # [B, T, d], rotary part at each key's position
-        visible = (torch.arange(t, device=pool.device)[None, :] <= plan.q_last[:, None].long()) & \
-            (plan.key_slots[plan.q_seq] != 0)
+        visible = (torch.arange(t, device=pool.device)[None, :] <= plan.q_last[:, None].long()) & (
+            plan.key_slots[plan.q_seq] != 0
+        )
         return dsa_selection(q, w, keys[plan.q_seq], visible, self.cfg.index_topk).to(torch.uint8)
 
 
@@ -157,9 +180,20 @@ def prefill_block_m(heads: int) -> int:
     return max(1, 64 // triton.next_power_of_2(heads)) if triton is not None else 1
 
 
-def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, interleaved: bool,
-                  block_t: int = 32, split: int = 256, selected: torch.Tensor | None = None,
-                  num_warps: int | None = None) -> torch.Tensor:
+def mla_attention(
+    q_lat,
+    q_pe,
+    pool,
+    plan: TritonPlan,
+    cos,
+    sin,
+    scale: float,
+    interleaved: bool,
+    block_t: int = 32,
+    split: int = 256,
+    selected: torch.Tensor | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """Absorbed MLA attention of n query rows over the pool -> o_lat [n, H, r] float32.
     q_lat [n, H, r], q_pe [n, H, rope] (rotated, cache layout), pool [S, r + rope] of one layer.
     One launch per tile kind (decode rows, prefill blocks), each split over the key length.
@@ -182,15 +216,47 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
         if tiles.block_m * block_h < 16:
             block_h = 16 // tiles.block_m  # tl.dot needs 16 rows
         _partial[(len(tiles.seq), splits)](
-            q_lat, q_pe, pool, plan.key_slots, key_pos, cos, sin, tiles.seq, tiles.row0, tiles.rows, tiles.end,
-            plan.q_last, sel, acc, mx, sm,
-            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), pool.stride(0),
-            plan.key_slots.stride(0), key_pos.stride(0), cos.stride(0), sel.stride(0),
-            h, r, rope // 2, splits, scale,
-            HAS_KEY_POS=plan.key_pos is not None, HAS_SEL=selected is not None, INTERLEAVED=interleaved,
-            LOW=pool.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED, BLOCK_M=tiles.block_m,
-            BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_T=block_t,
-            num_warps=num_warps or (8 if tiles.block_m * block_h * block_r >= 16384 else 4))
+            q_lat,
+            q_pe,
+            pool,
+            plan.key_slots,
+            key_pos,
+            cos,
+            sin,
+            tiles.seq,
+            tiles.row0,
+            tiles.rows,
+            tiles.end,
+            plan.q_last,
+            sel,
+            acc,
+            mx,
+            sm,
+            q_lat.stride(0),
+            q_lat.stride(1),
+            q_pe.stride(0),
+            q_pe.stride(1),
+            pool.stride(0),
+            plan.key_slots.stride(0),
+            key_pos.stride(0),
+            cos.stride(0),
+            sel.stride(0),
+            h,
+            r,
+            rope // 2,
+            splits,
+            scale,
+            HAS_KEY_POS=plan.key_pos is not None,
+            HAS_SEL=selected is not None,
+            INTERLEAVED=interleaved,
+            LOW=pool.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED,
+            BLOCK_M=tiles.block_m,
+            BLOCK_H=block_h,
+            BLOCK_R=block_r,
+            BLOCK_P=block_p,
+            BLOCK_T=block_t,
+            num_warps=num_warps or (8 if tiles.block_m * block_h * block_r >= 16384 else 4),
+        )
     if splits == 1:  # (a row that saw no key, a captured step's padding, gets 0, not 0 / 0)
         return acc[:, 0] / torch.where(sm[:, 0] > 0, sm[:, 0], 1.0)[..., None]
     out = torch.empty(n, h, r, dtype=torch.float32, device=pool.device)
@@ -202,13 +268,47 @@ def mla_attention(q_lat, q_pe, pool, plan: TritonPlan, cos, sin, scale: float, i
 if triton is not None:
 
     @triton.jit
-    def _partial(q_lat, q_pe, pool, slots, key_pos, cos_tab, sin_tab, t_seq, t_row0, t_rows, t_end, q_last, sel,
-                 acc_out, max_out, sum_out,
-                 s_ql_n, s_ql_h, s_qp_n, s_qp_h, s_pool, s_slots, s_kpos, s_tab, s_sel,
-                 H, R, HALF, n_parts, scale,
-                 HAS_KEY_POS: tl.constexpr, HAS_SEL: tl.constexpr, INTERLEAVED: tl.constexpr, LOW: tl.constexpr,
-                 BLOCK_M: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _partial(
+        q_lat,
+        q_pe,
+        pool,
+        slots,
+        key_pos,
+        cos_tab,
+        sin_tab,
+        t_seq,
+        t_row0,
+        t_rows,
+        t_end,
+        q_last,
+        sel,
+        acc_out,
+        max_out,
+        sum_out,
+        s_ql_n,
+        s_ql_h,
+        s_qp_n,
+        s_qp_h,
+        s_pool,
+        s_slots,
+        s_kpos,
+        s_tab,
+        s_sel,
+        H,
+        R,
+        HALF,
+        n_parts,
+        scale,
+        HAS_KEY_POS: tl.constexpr,
+        HAS_SEL: tl.constexpr,
+        INTERLEAVED: tl.constexpr,
+        LOW: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
         """One tile (BLOCK_M query rows of one sequence, all heads, as BLOCK_M * BLOCK_H rows of one
         product) x one split of the keys: online softmax over key blocks -> (acc, max, sum) per row."""
         tile = tl.program_id(0)
@@ -230,12 +330,21 @@ if triton is not None:
             ia, ib = 2 * offs_p, 2 * offs_p + 1
         else:  # halves (i, i + dim/2)
             ia, ib = offs_p, offs_p + HALF
-        ql = tl.load(q_lat + row[:, None] * s_ql_n + qh[:, None] * s_ql_h + offs_r[None, :],
-                     mask=live[:, None] & rm[None, :], other=0.0).to(tl.float32)
-        qa = tl.load(q_pe + row[:, None] * s_qp_n + qh[:, None] * s_qp_h + ia[None, :],
-                     mask=live[:, None] & pm[None, :], other=0.0).to(tl.float32)
-        qb = tl.load(q_pe + row[:, None] * s_qp_n + qh[:, None] * s_qp_h + ib[None, :],
-                     mask=live[:, None] & pm[None, :], other=0.0).to(tl.float32)
+        ql = tl.load(
+            q_lat + row[:, None] * s_ql_n + qh[:, None] * s_ql_h + offs_r[None, :],
+            mask=live[:, None] & rm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        qa = tl.load(
+            q_pe + row[:, None] * s_qp_n + qh[:, None] * s_qp_h + ia[None, :],
+            mask=live[:, None] & pm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        qb = tl.load(
+            q_pe + row[:, None] * s_qp_n + qh[:, None] * s_qp_h + ib[None, :],
+            mask=live[:, None] & pm[None, :],
+            other=0.0,
+        ).to(tl.float32)
         m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_R], tl.float32)
@@ -306,8 +415,12 @@ if triton is not None:
             at = (row * n_parts + k) * H + offs_h
             w = tl.exp(tl.load(max_in + at, mask=hm, other=float("-inf")) - m_safe)
             total += w * tl.load(sum_in + at, mask=hm, other=0.0)
-            acc += w[:, None] * tl.load(acc_in + at[:, None] * R + offs_r[None, :], mask=hm[:, None] & rm[None, :],
-                                        other=0.0)
+            acc += w[:, None] * tl.load(
+                acc_in + at[:, None] * R + offs_r[None, :], mask=hm[:, None] & rm[None, :], other=0.0
+            )
         total = tl.where(total > 0, total, 1.0)  # (padding heads, and rows that saw no key: 0, not 0 / 0)
-        tl.store(out + (row * H + offs_h)[:, None] * R + offs_r[None, :], acc / total[:, None],
-                 mask=hm[:, None] & rm[None, :])
+        tl.store(
+            out + (row * H + offs_h)[:, None] * R + offs_r[None, :],
+            acc / total[:, None],
+            mask=hm[:, None] & rm[None, :],
+        )

@@ -48,8 +48,9 @@ def closed_windows(q_pos: torch.Tensor, n_entries: int, rate: int) -> torch.Tens
     return torch.arange(n_entries, device=q_pos.device)[None, :] < ready[:, None]
 
 
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [B, S, H, D] over one shared key/value head kv [B, K, D] where allowed [B, S, K]; each head's softmax
     also holds a learned sink logit that absorbs probability and adds nothing (gpt-oss style). -> [B, S, H, D]"""
     b, s, h, _ = q.shape
@@ -112,8 +113,9 @@ class HCACompressor(WindowPool):
     def __init__(self, cfg: V4Config):
         super().__init__(cfg.hidden_size, cfg.head_dim, cfg.hca_rate, overlap=False, eps=cfg.rms_norm_eps)
 
-    def forward(self, rows: torch.Tensor, x: torch.Tensor, q_latent: torch.Tensor, q_pos: torch.Tensor,
-                rot: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, rows: torch.Tensor, x: torch.Tensor, q_latent: torch.Tensor, q_pos: torch.Tensor, rot: CosSin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [B, T, row_width] of every position; x, q_latent [B, n, ...] of the queries at q_pos [n]
         -> entries [B, E, head_dim], visible [B, n, E]"""
         entries = self.entries(rows, rot)
@@ -132,8 +134,9 @@ class Indexer(WindowPool):
         self.scorer = nn.Module()  # transformers' `scorer.weights_proj` key, kept as a plain holder
         self.scorer.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
 
-    def forward(self, rows: torch.Tensor, x: torch.Tensor, q_latent: torch.Tensor, q_pos: torch.Tensor,
-                rot: CosSin) -> torch.Tensor:
+    def forward(
+        self, rows: torch.Tensor, x: torch.Tensor, q_latent: torch.Tensor, q_pos: torch.Tensor, rot: CosSin
+    ) -> torch.Tensor:
         """-> chosen [B, n, E] bool: the top-k closed windows of each query."""
         b = x.shape[0]
         keys = self.entries(rows, rot)  # [B, E, index_head_dim]
@@ -165,8 +168,9 @@ class CSACompressor(WindowPool):
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([super().rows(x), self.indexer.rows(x)], dim=-1)
 
-    def forward(self, rows: torch.Tensor, x: torch.Tensor, q_latent: torch.Tensor, q_pos: torch.Tensor,
-                rot: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, rows: torch.Tensor, x: torch.Tensor, q_latent: torch.Tensor, q_pos: torch.Tensor, rot: CosSin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         own, index = rows.split([2 * self.kv_proj.out_features, self.indexer.row_width], dim=-1)
         return self.entries(own, rot), self.indexer(index, x, q_latent, q_pos, rot)
 
@@ -220,8 +224,14 @@ class V4Attention(nn.Module):
         """x [B, S, hidden] at positions 0..S-1 -> [B, S, hidden]"""
         return self.attend(x, self.rows(x), torch.arange(x.shape[1], device=x.device), None, rotations)
 
-    def attend(self, x: torch.Tensor, rows: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor | None,
-               rotations: Rotations) -> torch.Tensor:
+    def attend(
+        self,
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        q_pos: torch.Tensor,
+        key_pos: torch.Tensor | None,
+        rotations: Rotations,
+    ) -> torch.Tensor:
         """The queries x [B, n, hidden] at positions q_pos [n] over the rows [B, T, row_width] of positions
         0..T-1 (theirs included) -> [B, n, hidden]. Each key is rotated at key_pos [T] (default: its own
         position; the stale positions it was computed at for the `naive` baseline); compressed entries are
@@ -244,5 +254,3 @@ class V4Attention(nn.Module):
         # only relative angles in the rope slice
         out = rotate_tail(out, cos[q_pos, None], -sin[q_pos, None])
         return self.o_b_proj(self.o_a_proj(out.reshape(b, n, self.o_a_proj.groups, -1)).flatten(2))
-
-

@@ -176,5 +176,3 @@ class V4MoE(nn.Module):
         # NOTE: always normalised over the chosen k, as transformers does (`norm_topk_prob` is not read)
         weights = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
         return self.experts(flat, experts, weights).view_as(x) + self.shared_experts(x)
-
-

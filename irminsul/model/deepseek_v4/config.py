@@ -17,7 +17,6 @@ HASH_MOE, TOPK_MOE = "hash_moe", "moe"
 _RATIO_TO_LAYER = {0: SLIDING, 4: CSA, 128: HCA}  # the per-layer ratios of DeepSeek's own config.json
 
 
-
 # ------------------------------------------------------------------------------------------------ config
 
 
@@ -57,8 +56,10 @@ class V4Config:
 
     def __post_init__(self):
         n = self.num_hidden_layers
-        for name, kinds, allowed in (("layer_types", self.layer_types, (SLIDING, CSA, HCA)),
-                                     ("mlp_layer_types", self.mlp_layer_types, (HASH_MOE, TOPK_MOE))):
+        for name, kinds, allowed in (
+            ("layer_types", self.layer_types, (SLIDING, CSA, HCA)),
+            ("mlp_layer_types", self.mlp_layer_types, (HASH_MOE, TOPK_MOE)),
+        ):
             if len(kinds) != n or any(k not in allowed for k in kinds):
                 raise ConfigError(f"{name}={list(kinds)}: need {n} entries, each one of {allowed}")
         if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
@@ -100,21 +101,36 @@ class V4Config:
         main_rope, _ = _rope(main, head_dim, max_positions)  # plain RoPE in every released config
         compress_rope, compress_factor = _rope(compress, head_dim, max_positions)
         return cls(
-            vocab_size=raw.get("vocab_size", 129280), hidden_size=raw.get("hidden_size", 4096), num_hidden_layers=n,
-            num_attention_heads=raw.get("num_attention_heads", 64), head_dim=head_dim,
-            q_lora_rank=raw.get("q_lora_rank", 1024), o_groups=raw.get("o_groups", 8),
-            o_lora_rank=raw.get("o_lora_rank", 1024), sliding_window=raw.get("sliding_window", 128),
-            layer_types=tuple(layer_types[:n]), csa_rate=rates[CSA], hca_rate=rates[HCA],
-            index_n_heads=raw.get("index_n_heads", 64), index_head_dim=raw.get("index_head_dim", 128),
-            index_topk=raw.get("index_topk", 512), hc_mult=raw.get("hc_mult", 4),
-            hc_sinkhorn_iters=raw.get("hc_sinkhorn_iters", 20), hc_eps=raw.get("hc_eps", 1e-6),
-            mlp_layer_types=tuple(mlp_types[:n]), n_routed_experts=raw.get("n_routed_experts", 256),
+            vocab_size=raw.get("vocab_size", 129280),
+            hidden_size=raw.get("hidden_size", 4096),
+            num_hidden_layers=n,
+            num_attention_heads=raw.get("num_attention_heads", 64),
+            head_dim=head_dim,
+            q_lora_rank=raw.get("q_lora_rank", 1024),
+            o_groups=raw.get("o_groups", 8),
+            o_lora_rank=raw.get("o_lora_rank", 1024),
+            sliding_window=raw.get("sliding_window", 128),
+            layer_types=tuple(layer_types[:n]),
+            csa_rate=rates[CSA],
+            hca_rate=rates[HCA],
+            index_n_heads=raw.get("index_n_heads", 64),
+            index_head_dim=raw.get("index_head_dim", 128),
+            index_topk=raw.get("index_topk", 512),
+            hc_mult=raw.get("hc_mult", 4),
+            hc_sinkhorn_iters=raw.get("hc_sinkhorn_iters", 20),
+            hc_eps=raw.get("hc_eps", 1e-6),
+            mlp_layer_types=tuple(mlp_types[:n]),
+            n_routed_experts=raw.get("n_routed_experts", 256),
             num_experts_per_tok=raw.get("num_experts_per_tok", 6),
             moe_intermediate_size=raw.get("moe_intermediate_size", 2048),
             scoring_func=raw.get("scoring_func", "sqrtsoftplus"),
-            routed_scaling_factor=raw.get("routed_scaling_factor", 1.5), swiglu_limit=raw.get("swiglu_limit", 10.0),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), main_rope=main_rope, compress_rope=compress_rope,
-            compress_attention_factor=compress_factor, tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            routed_scaling_factor=raw.get("routed_scaling_factor", 1.5),
+            swiglu_limit=raw.get("swiglu_limit", 10.0),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            main_rope=main_rope,
+            compress_rope=compress_rope,
+            compress_attention_factor=compress_factor,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
             max_position_embeddings=max_positions,
         )
 
@@ -143,9 +159,15 @@ def _rope(params: dict, head_dim: int, max_positions: int) -> tuple[RopeConfig, 
         return RopeConfig(dim=dim, theta=params["rope_theta"], kind=kind), 1.0
     original = params["original_max_position_embeddings"]
     rope = RopeConfig(
-        dim=dim, theta=params["rope_theta"], kind="yarn", factor=params.get("factor") or max_positions / original,
-        original_max_position=original, beta_fast=params.get("beta_fast") or 32, beta_slow=params.get("beta_slow") or 1,
-        mscale=params.get("mscale") or 0.0, mscale_all_dim=params.get("mscale_all_dim") or 0.0,
+        dim=dim,
+        theta=params["rope_theta"],
+        kind="yarn",
+        factor=params.get("factor") or max_positions / original,
+        original_max_position=original,
+        beta_fast=params.get("beta_fast") or 32,
+        beta_slow=params.get("beta_slow") or 1,
+        mscale=params.get("mscale") or 0.0,
+        mscale_all_dim=params.get("mscale_all_dim") or 0.0,
         # NOTE: transformers reads `truncate` from the outer {"main", "compress"} dict, so for V4 it is always True
         truncate=True,
     )
@@ -179,5 +201,3 @@ def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class Rotations(NamedTuple):
     main: CosSin  # sliding-only layers
     compress: CosSin  # CSA / HCA layers, their compressed entries and the indexer
-
-

@@ -23,9 +23,15 @@ class V4DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
 
-    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, rotations: Rotations,
-                rows: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
-                key_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        streams: torch.Tensor,
+        token_ids: torch.Tensor,
+        rotations: Rotations,
+        rows: torch.Tensor | None = None,
+        q_pos: torch.Tensor | None = None,
+        key_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """streams [B, n, hc_mult, hidden] -> the same. Without `rows`: the tokens are positions 0..n-1 and
         attend to each other. With `rows` [B, T, row_width] (this layer's rows of positions 0..T-1, the
         ones of other positions filled in, e.g. reused): the tokens are positions q_pos [n], their rows are
@@ -62,8 +68,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def rotations(self, n: int, device) -> Rotations:
         cfg = self.config
-        return Rotations(main=rotary_table(cfg.main_rope, 1.0, n, device),
-                         compress=rotary_table(cfg.compress_rope, cfg.compress_attention_factor, n, device))
+        return Rotations(
+            main=rotary_table(cfg.main_rope, 1.0, n, device),
+            compress=rotary_table(cfg.compress_rope, cfg.compress_attention_factor, n, device),
+        )
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -84,8 +92,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         return [w.new_zeros(n, layer.self_attn.row_width) for layer in self.model.layers]
 
     @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor, compute: torch.Tensor, rows: list[torch.Tensor],
-                key_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        compute: torch.Tensor,
+        rows: list[torch.Tensor],
+        key_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Compute the positions `compute` [n] (increasing) of one sequence token_ids [T], given every other
         position's per-layer rows in `rows` (a list of [T, row_width], from `new_rows`; e.g. rows another
         prompt computed for the same content at other positions). The computed positions' rows are written
@@ -99,8 +112,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.logits(self.prefill_hidden(token_ids[compute], compute, rows, key_pos))
 
     @torch.inference_mode()
-    def prefill_hidden(self, token_ids: torch.Tensor, compute: torch.Tensor, rows: list[torch.Tensor],
-                       key_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill_hidden(
+        self,
+        token_ids: torch.Tensor,
+        compute: torch.Tensor,
+        rows: list[torch.Tensor],
+        key_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`prefill` given the computed positions' own token ids [n]; -> the final hidden states [n, hidden]
         (after the hyper head and the norm, before lm_head)."""
         device = self.lm_head.weight.device
@@ -116,5 +134,3 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
-
-

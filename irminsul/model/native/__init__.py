@@ -38,8 +38,9 @@ from irminsul.model.settings import settings
 
 log = logging.getLogger("irminsul.model")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "prefill_attention.c", "elementwise.c",
-                                                 "moe.c")]
+SOURCES = [
+    Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "prefill_attention.c", "elementwise.c", "moe.c")
+]
 HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "simd.h")]
 # reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder
 # them too) lets the compiler vectorise the plain loops; no -ffast-math (it would also assume no NaN)
@@ -51,8 +52,12 @@ FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-
 # x86-64 (SSE2). "native" is the CPU it is built on.
 _V2 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
-VARIANTS = {"x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}, "x86-64-v3": _V3,
-            "x86-64": frozenset(), "native": frozenset()}
+VARIANTS = {
+    "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "x86-64-v3": _V3,
+    "x86-64": frozenset(),
+    "native": frozenset(),
+}
 
 
 def default_variant() -> str:
@@ -88,8 +93,10 @@ def _torch_uses_openmp() -> bool:
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
-_PROBE = ("#include <omp.h>\nint irm_probe(void) { int n = 0;\n#pragma omp parallel reduction(+:n)\nn += 1;\n"
-          "return n + omp_get_thread_num(); }\n")
+_PROBE = (
+    "#include <omp.h>\nint irm_probe(void) { int n = 0;\n#pragma omp parallel reduction(+:n)\nn += 1;\n"
+    "return n + omp_get_thread_num(); }\n"
+)
 
 
 @functools.cache
@@ -105,8 +112,12 @@ def _openmp(cc: str) -> bool:
             src, out = Path(tmp) / "probe.c", Path(tmp) / "probe.so"
             src.write_text(_PROBE)
             try:
-                built = subprocess.run([cc, "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(out)],
-                                       capture_output=True, timeout=60).returncode == 0
+                built = (
+                    subprocess.run(
+                        [cc, "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(out)], capture_output=True, timeout=60
+                    ).returncode
+                    == 0
+                )
             except (OSError, subprocess.SubprocessError):
                 built = False
             if not built:
@@ -181,8 +192,13 @@ def _build(cc: str, variant: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # built beside it, then renamed: no half-written library
     os.close(fd)
     try:
-        subprocess.run([cc, *_flags(variant), *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        subprocess.run(
+            [cc, *_flags(variant), *map(str, SOURCES), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -225,20 +241,77 @@ library.cache_clear = _library.cache_clear
 def _declare(lib: ctypes.CDLL) -> None:
     """The kernels' signatures; each takes the threads it may use as its last argument."""
     c_long, c_int, c_void = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
-    lib.irm_linear.argtypes = [c_void, c_int, c_long, c_long, c_void, c_int, c_long, c_long, c_long,
-                               c_void, c_int, c_void, c_int, c_long, c_int]
+    lib.irm_linear.argtypes = [
+        c_void,
+        c_int,
+        c_long,
+        c_long,
+        c_void,
+        c_int,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_int,
+        c_void,
+        c_int,
+        c_long,
+        c_int,
+    ]
     lib.irm_linear.restype = c_int
-    lib.irm_heads_linear.argtypes = [c_void, c_int, c_long, c_long, c_long, c_long, c_void, c_int, c_long, c_long,
-                                     c_long, c_long, c_void, c_int, c_long, c_long, c_int]
+    lib.irm_heads_linear.argtypes = [
+        c_void,
+        c_int,
+        c_long,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_int,
+        c_long,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_int,
+        c_long,
+        c_long,
+        c_int,
+    ]
     lib.irm_heads_linear.restype = c_int
     lib.irm_max_rows.restype = c_int
     lib.irm_openmp.restype = c_int
-    lib.irm_mla_decode.argtypes = [c_void, c_long, c_long, c_long, c_long, c_void, c_int, c_long,
-                                   c_void, c_long, c_void, c_void, c_long, c_int, ctypes.c_float, c_void, c_long, c_void, c_int]
+    lib.irm_mla_decode.argtypes = [
+        c_void,
+        c_long,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_int,
+        c_long,
+        c_void,
+        c_long,
+        c_void,
+        c_void,
+        c_long,
+        c_int,
+        ctypes.c_float,
+        c_void,
+        c_long,
+        c_void,
+        c_int,
+    ]
     lib.irm_mla_decode.restype = c_int
-    lib.irm_prefill_attention.argtypes = ([c_long] * 7 + [c_void, c_long, c_long, c_long] * 3 + [c_void, c_long, c_long]
-                                          + [c_void, c_long, c_long, c_long] + [c_void] * 3 + [ctypes.c_float]
-                                          + [c_void, c_long, c_long, c_long, c_int])
+    lib.irm_prefill_attention.argtypes = (
+        [c_long] * 7
+        + [c_void, c_long, c_long, c_long] * 3
+        + [c_void, c_long, c_long]
+        + [c_void, c_long, c_long, c_long]
+        + [c_void] * 3
+        + [ctypes.c_float]
+        + [c_void, c_long, c_long, c_long, c_int]
+    )
     lib.irm_prefill_attention.restype = c_int
     lib.irm_vectorised.restype = c_int
     c_float = ctypes.c_float
@@ -248,10 +321,48 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.irm_rms_norm_bf16.restype = None
     lib.irm_silu_mul.argtypes = [c_void, c_long, c_long, c_long, c_void, c_long, c_int]
     lib.irm_silu_mul.restype = None
-    lib.irm_moe.argtypes = [c_void, c_long, c_long, c_long, c_void, c_void, c_long, c_long, c_long,
-                            c_void, c_long, c_long, c_long, c_void, c_long, c_long, c_long, c_void, c_long, c_int]
+    lib.irm_moe.argtypes = [
+        c_void,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_void,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_long,
+        c_int,
+    ]
     lib.irm_moe.restype = c_int
     lib.irm_moe_has_bf16.restype = c_int
-    lib.irm_moe_bf16.argtypes = [c_void, c_long, c_long, c_long, c_void, c_void, c_long, c_long, c_long,
-                                 c_void, c_long, c_long, c_void, c_long, c_long, c_void, c_long, c_int]
+    lib.irm_moe_bf16.argtypes = [
+        c_void,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_void,
+        c_long,
+        c_long,
+        c_long,
+        c_void,
+        c_long,
+        c_long,
+        c_void,
+        c_long,
+        c_long,
+        c_void,
+        c_long,
+        c_int,
+    ]
     lib.irm_moe_bf16.restype = c_int

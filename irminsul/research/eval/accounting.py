@@ -65,20 +65,50 @@ class Arch:
         name = name or t
         if t in MLA_TYPES:
             c = ModelConfig.from_dict(raw)
-            ffn = tuple(FFN(c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
-                            c.moe_intermediate_size * c.n_shared_experts) if c.is_moe_layer(i) else FFN(c.intermediate_size)
-                        for i in range(c.num_hidden_layers))
-            return cls(name, "mla", c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size, ffn,
-                       kv_lora_rank=c.kv_lora_rank, rope=c.qk_rope_head_dim, nope=c.qk_nope_head_dim,
-                       v_head=c.v_head_dim, q_lora=c.q_lora_rank, config=c)
+            ffn = tuple(
+                FFN(
+                    c.moe_intermediate_size,
+                    c.n_routed_experts,
+                    c.num_experts_per_tok,
+                    c.moe_intermediate_size * c.n_shared_experts,
+                )
+                if c.is_moe_layer(i)
+                else FFN(c.intermediate_size)
+                for i in range(c.num_hidden_layers)
+            )
+            return cls(
+                name,
+                "mla",
+                c.num_hidden_layers,
+                c.hidden_size,
+                c.num_attention_heads,
+                c.vocab_size,
+                ffn,
+                kv_lora_rank=c.kv_lora_rank,
+                rope=c.qk_rope_head_dim,
+                nope=c.qk_nope_head_dim,
+                v_head=c.v_head_dim,
+                q_lora=c.q_lora_rank,
+                config=c,
+            )
         if t in GQA_TYPES:
             heads = raw["num_attention_heads"]
             head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-            return cls(name, "gqa", raw["num_hidden_layers"], raw["hidden_size"], heads, raw["vocab_size"],
-                       (FFN(raw["intermediate_size"]),) * raw["num_hidden_layers"],
-                       kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim)
-        raise ConfigError(f"model_type={t!r}: cost accounting knows MLA ({', '.join(MLA_TYPES)}) and GQA "
-                          f"({', '.join(GQA_TYPES)}) models")
+            return cls(
+                name,
+                "gqa",
+                raw["num_hidden_layers"],
+                raw["hidden_size"],
+                heads,
+                raw["vocab_size"],
+                (FFN(raw["intermediate_size"]),) * raw["num_hidden_layers"],
+                kv_heads=raw.get("num_key_value_heads") or heads,
+                head_dim=head_dim,
+            )
+        raise ConfigError(
+            f"model_type={t!r}: cost accounting knows MLA ({', '.join(MLA_TYPES)}) and GQA "
+            f"({', '.join(GQA_TYPES)}) models"
+        )
 
     @property
     def row_values(self) -> int:

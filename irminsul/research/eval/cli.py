@@ -32,8 +32,11 @@ def register(subparsers) -> None:
     q.add_argument("--greedy-tokens", type=int, default=16, help="length of the greedy first-divergence probe")
     q.add_argument("--context", type=int, default=None, help="size tasks for this many tokens (default: model's)")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
-    q.add_argument("--no-segments", action="store_true",
-                   help="plan requests as flat token ids (CDC alone), not as segmented chat requests (S2)")
+    q.add_argument(
+        "--no-segments",
+        action="store_true",
+        help="plan requests as flat token ids (CDC alone), not as segmented chat requests (S2)",
+    )
     q.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
     q.set_defaults(func=quality)
 
@@ -44,22 +47,32 @@ def register(subparsers) -> None:
 
     c = sub.add_parser("roc", help="position-invariance AUC of c_KV, k_r, V and the GQA twin's K, V")
     _common(c, 100)  # the paper used 500 blocks: about 40 minutes on 2 cores
-    c.add_argument("--gqa", default=None, help="GQA (Llama) checkpoint, or 'random-twin' for the twin's "
-                   "architecture with random weights (default: the bundled twin, if present)")
+    c.add_argument(
+        "--gqa",
+        default=None,
+        help="GQA (Llama) checkpoint, or 'random-twin' for the twin's "
+        "architecture with random weights (default: the bundled twin, if present)",
+    )
     c.add_argument("--block-tokens", type=int, default=64, help="tokens per block whose rows are compared")
     c.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
     c.set_defaults(func=roc)
 
     k = sub.add_parser("cost", help="FLOPs, bytes, energy and CPU wall time a hit saves vs a miss")
     _common(k, 3)
-    k.add_argument("--gqa", default=None, help="GQA (Llama) checkpoint, or 'random-twin' (default: the bundled "
-                   "twin, else its architecture with random weights: FLOPs and wall time do not depend on them)")
+    k.add_argument(
+        "--gqa",
+        default=None,
+        help="GQA (Llama) checkpoint, or 'random-twin' (default: the bundled "
+        "twin, else its architecture with random weights: FLOPs and wall time do not depend on them)",
+    )
     k.add_argument("--prompt-tokens", type=int, default=4096, help="request length for the analytic models")
     k.add_argument("--shared-fraction", type=float, default=0.875, help="reused share of the request")
-    k.add_argument("--pj-per-flop", type=float, default=None,
-                   help="energy per FLOP, picojoules (default: the cost model's)")
-    k.add_argument("--pj-per-byte", type=float, default=None,
-                   help="energy per byte moved, picojoules (default: the cost model's)")
+    k.add_argument(
+        "--pj-per-flop", type=float, default=None, help="energy per FLOP, picojoules (default: the cost model's)"
+    )
+    k.add_argument(
+        "--pj-per-byte", type=float, default=None, help="energy per byte moved, picojoules (default: the cost model's)"
+    )
     k.set_defaults(func=cost)
 
 
@@ -74,8 +87,9 @@ def _setup(args) -> tuple[float, Path]:
         torch.set_num_threads(args.threads)
     model = Path(args.model) if args.model else bundled_model("mla")
     if is_v4(model):  # (its rows are not MLA's [c_KV | k_r], which these evaluations read)
-        raise ConfigError("irminsul eval measures MLA checkpoints; for DeepSeek-V4 run benchmarks/v4_reuse.py "
-                          "(docs/deepseek-v4.md)")
+        raise ConfigError(
+            "irminsul eval measures MLA checkpoints; for DeepSeek-V4 run benchmarks/v4_reuse.py (docs/deepseek-v4.md)"
+        )
     return time.time(), model
 
 
@@ -117,12 +131,12 @@ def quality(args) -> int:
         wanted = args.strategies.split(",")
         strategies = tuple(s for s in STRATEGIES if s.name in wanted)
         if missing := set(wanted) - {s.name for s in strategies}:
-            raise UserFacingError(f"unknown strategy {', '.join(sorted(missing))}; choose from "
-                                  f"{', '.join(s.name for s in STRATEGIES)}")
+            raise UserFacingError(
+                f"unknown strategy {', '.join(sorted(missing))}; choose from {', '.join(s.name for s in STRATEGIES)}"
+            )
     context = args.context or ModelConfig.from_file(model / "config.json").max_position_embeddings
     cases = build_cases(model, tasks, args.n, args.seed, context, args.data)
-    result = run_quality(model, cases, strategies, args.greedy_tokens, dtype=args.dtype,
-                         segments=not args.no_segments)
+    result = run_quality(model, cases, strategies, args.greedy_tokens, dtype=args.dtype, segments=not args.no_segments)
     result.setup = {"segments": not args.no_segments, "context": context}
     emit("quality", result, args, str(model), started)
     return 0
@@ -184,8 +198,9 @@ def cost(args) -> int:
         archs["gqa"] = Arch.from_config(graw, "gqa")
         lengths["gqa"] = min(args.prompt_tokens, graw["max_position_embeddings"] * 3 // 4)
         twin = AutoModelForCausalLM.from_pretrained(str(gqa), dtype="float32").eval()
-        timings["gqa"] = time_gqa(twin, _request(rng, graw, lengths["gqa"], args.shared_fraction,
-                                                 graw.get("bos_token_id")), args.n)
+        timings["gqa"] = time_gqa(
+            twin, _request(rng, graw, lengths["gqa"], args.shared_fraction, graw.get("bos_token_id")), args.n
+        )
     bar.update()
     archs["deepseek-v2-lite"] = Arch.from_config(DEEPSEEK_V2_LITE, "deepseek-v2-lite")
     archs["qwen3-32b-like"] = Arch.from_config(QWEN3_32B, "qwen3-32b-like")
@@ -205,5 +220,6 @@ def _request(rng, raw: dict, n: int, shared_fraction: float, bos):
 
     sc = Scenario.of(n, shared_fraction)
     head = (bos,) if bos is not None else ()
-    return MovedSpan.random(rng, raw["vocab_size"], sc.header_tokens, sc.shared_tokens,
-                          n - sc.header_tokens - sc.shared_tokens, head)
+    return MovedSpan.random(
+        rng, raw["vocab_size"], sc.header_tokens, sc.shared_tokens, n - sc.header_tokens - sc.shared_tokens, head
+    )

@@ -93,8 +93,8 @@ def hit_vs_miss(a: Arch, sc: Scenario, energy: EnergyModel = EnergyModel(), dtyp
         "flops_per_hit": flops_hit,
         "flops_per_miss": f_miss["total"],
         "hit_flops_breakdown": {k: v for k, v in f_hit.items() if k != "total"} | {"rotation": rotate_flops},
-        "hit_bytes_breakdown": {k: v for k, v in b_hit.items() if k != "total"} | {"copy": copy_bytes,
-                                                                                   "rotate": rotate_bytes},
+        "hit_bytes_breakdown": {k: v for k, v in b_hit.items() if k != "total"}
+        | {"copy": copy_bytes, "rotate": rotate_bytes},
         "reused_tokens": r,
         "computed_tokens": len(sc.computed()),
         "correction_per_reused_token": correction(a, dtype_bytes),
@@ -105,11 +105,14 @@ def hit_vs_miss(a: Arch, sc: Scenario, energy: EnergyModel = EnergyModel(), dtyp
 
 def correction(a: Arch, dtype_bytes: int = 2) -> dict:
     """What fixing one reused token's rows costs: MLA rotates k_r only, GQA its whole K."""
-    return {"rotated_values_per_layer": a.rotated_values, "row_values_per_layer": a.row_values,
-            "rotated_fraction_of_row": a.rotated_values / a.row_values,
-            "flops": 3 * a.rotated_values * a.layers,
-            "bytes": 2 * a.rotated_values * a.layers * dtype_bytes,
-            "copied_bytes": 2 * a.row_values * a.layers * dtype_bytes}
+    return {
+        "rotated_values_per_layer": a.rotated_values,
+        "row_values_per_layer": a.row_values,
+        "rotated_fraction_of_row": a.rotated_values / a.row_values,
+        "flops": 3 * a.rotated_values * a.layers,
+        "bytes": 2 * a.rotated_values * a.layers * dtype_bytes,
+        "copied_bytes": 2 * a.row_values * a.layers * dtype_bytes,
+    }
 
 
 @dataclass
@@ -128,14 +131,37 @@ class CostResult:
         for name, m in self.models.items():
             wt = m.get("wall_time")
             c = m["correction_per_reused_token"]
-            rows.append([name, f"{m['scenario']['prompt_tokens']}", f"{m['reused_tokens']}",
-                         f"{100 * m['flops_saved_fraction']:.1f}%", f"{100 * m['bytes_saved_fraction']:.1f}%",
-                         f"{m['bytes_moved_per_hit'] / 1e6:,.1f} MB", f"{100 * m['energy_saved_fraction']:.1f}%",
-                         f"{100 * m['paper_energy_saved']:.0f}%" if m["paper_energy_saved"] else "-",
-                         f"{100 * wt['saved_fraction']:.1f}% ({wt['miss_s'] * 1e3:.0f}→{wt['hit_s'] * 1e3:.0f} ms)" if wt else "-",
-                         f"{c['rotated_values_per_layer']}/{c['row_values_per_layer']} · {c['flops']:,} FLOP"])
-        return table(["model", "prompt", "reused", "FLOPs saved", "bytes saved", "bytes/hit", "energy saved",
-                      "paper", "wall time saved (CPU)", "correction/token (values · FLOPs)"], rows)
+            rows.append(
+                [
+                    name,
+                    f"{m['scenario']['prompt_tokens']}",
+                    f"{m['reused_tokens']}",
+                    f"{100 * m['flops_saved_fraction']:.1f}%",
+                    f"{100 * m['bytes_saved_fraction']:.1f}%",
+                    f"{m['bytes_moved_per_hit'] / 1e6:,.1f} MB",
+                    f"{100 * m['energy_saved_fraction']:.1f}%",
+                    f"{100 * m['paper_energy_saved']:.0f}%" if m["paper_energy_saved"] else "-",
+                    f"{100 * wt['saved_fraction']:.1f}% ({wt['miss_s'] * 1e3:.0f}→{wt['hit_s'] * 1e3:.0f} ms)"
+                    if wt
+                    else "-",
+                    f"{c['rotated_values_per_layer']}/{c['row_values_per_layer']} · {c['flops']:,} FLOP",
+                ]
+            )
+        return table(
+            [
+                "model",
+                "prompt",
+                "reused",
+                "FLOPs saved",
+                "bytes saved",
+                "bytes/hit",
+                "energy saved",
+                "paper",
+                "wall time saved (CPU)",
+                "correction/token (values · FLOPs)",
+            ],
+            rows,
+        )
 
     def plot(self, path: Path) -> Path:
         import matplotlib
@@ -150,16 +176,24 @@ class CostResult:
         for kind, v in PAPER.items():
             ax0.axhline(100 * v, ls=":", color="gray")
             ax0.text(0.5, 100 * v + 1, f"paper {kind.upper()} {100 * v:.0f}%", fontsize=7, color="gray")
-        ax0.set(xlabel="shared (reused) fraction of the prompt", ylabel="energy saved per hit (%)",
-                title="modelled prefill energy saved by a hit")
+        ax0.set(
+            xlabel="shared (reused) fraction of the prompt",
+            ylabel="energy saved per hit (%)",
+            title="modelled prefill energy saved by a hit",
+        )
         ax0.legend(fontsize=7)
         names = list(self.models)
         x = np.arange(len(names))
         for k, key in enumerate(("flops_saved_fraction", "bytes_saved_fraction", "energy_saved_fraction")):
             ax1.bar(x - 0.3 + 0.2 * k + 0.1, [100 * self.models[n][key] for n in names], 0.2, label=key[:-15])
         timed = [i for i, n in enumerate(names) if "wall_time" in self.models[n]]
-        ax1.scatter(x[timed], [100 * self.models[names[i]]["wall_time"]["saved_fraction"] for i in timed],
-                    color="black", zorder=3, label="wall time (CPU, measured)")
+        ax1.scatter(
+            x[timed],
+            [100 * self.models[names[i]]["wall_time"]["saved_fraction"] for i in timed],
+            color="black",
+            zorder=3,
+            label="wall time (CPU, measured)",
+        )
         ax1.set_xticks(x, names, rotation=15, fontsize=7)
         ax1.set(ylabel="% saved per hit", title="hit vs miss at the default scenario")
         ax1.legend(fontsize=7)
@@ -169,14 +203,21 @@ class CostResult:
         return path
 
 
-def run_cost(archs: dict[str, Arch], prompt_tokens: dict[str, int], shared_fraction: float = 0.875,
-             energy: EnergyModel = EnergyModel(), timings: dict | None = None) -> CostResult:
+def run_cost(
+    archs: dict[str, Arch],
+    prompt_tokens: dict[str, int],
+    shared_fraction: float = 0.875,
+    energy: EnergyModel = EnergyModel(),
+    timings: dict | None = None,
+) -> CostResult:
     models, sweep = {}, {}
     for name, a in archs.items():
         models[name] = hit_vs_miss(a, Scenario.of(prompt_tokens[name], shared_fraction), energy)
         if timings and name in timings:
             t = timings[name]
             models[name]["wall_time"] = asdict(t) | {"saved_fraction": t.saved_fraction}
-        sweep[name] = {f: hit_vs_miss(a, Scenario.of(prompt_tokens[name], f), energy)["energy_saved_fraction"]
-                       for f in (0.25, 0.5, 0.75, 0.875, 0.95)}
+        sweep[name] = {
+            f: hit_vs_miss(a, Scenario.of(prompt_tokens[name], f), energy)["energy_saved_fraction"]
+            for f in (0.25, 0.5, 0.75, 0.875, 0.95)
+        }
     return CostResult(models, energy, sweep)

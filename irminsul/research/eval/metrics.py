@@ -113,8 +113,13 @@ def wilson(successes: int, n: int, z: float = 1.96) -> Interval:
     return Interval(p, float(max(0.0, centre - half)), float(min(1.0, centre + half)))
 
 
-def bootstrap_ci(values: Sequence, statistic: Callable[[np.ndarray], float] = np.mean, n_boot: int = 2000,
-                 level: float = 0.95, seed: int = 0) -> Interval:
+def bootstrap_ci(
+    values: Sequence,
+    statistic: Callable[[np.ndarray], float] = np.mean,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Interval:
     """Percentile bootstrap over the rows of `values` (resample cases; paired data stays paired)."""
     values = np.asarray(values, dtype=np.float64)
     point = float(statistic(values))

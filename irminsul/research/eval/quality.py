@@ -104,7 +104,9 @@ class QualityRunner:
     def run_case(self, case: ShiftedCase) -> dict[str, CaseScore]:
         ref = build_engine(EngineConfig.of(reuse="prefix"), self.llm.model, self.llm.tokenizer, self.pool)
         # With segments, the cache restarts chunking at each segment start (S2), as for a chat request.
-        fs, ps = (list(case.first_segments) or None, list(case.prompt_segments) or None) if self.segments else (None, None)
+        fs, ps = (
+            (list(case.first_segments) or None, list(case.prompt_segments) or None) if self.segments else (None, None)
+        )
         ref_lp, ref_seq = ref.score(case.prompt, case.answer, ps)  # empty cache: full prefill
         g = ref.run(ref.add(case.prompt, SamplingParams(max_tokens=self.greedy_tokens, ignore_eos=True), ps)).output_ids
         ref.close()
@@ -118,8 +120,17 @@ class QualityRunner:
         try:
             for s in self.strategies:
                 if s.reuse == "off":
-                    out[s.name] = CaseScore(np.zeros(len(case.answer)), 1.0, len(g), _correct(case, ref_lp), n, 0, 0,
-                                            n, answer_logprob=_answer_logprob(case, ref_lp))
+                    out[s.name] = CaseScore(
+                        np.zeros(len(case.answer)),
+                        1.0,
+                        len(g),
+                        _correct(case, ref_lp),
+                        n,
+                        0,
+                        0,
+                        n,
+                        answer_logprob=_answer_logprob(case, ref_lp),
+                    )
                     continue
                 eng = s.engine(self.llm, self.pool)
                 eng.kv.offer(first)  # what generate(first) registers
@@ -127,10 +138,18 @@ class QualityRunner:
                 st = seq.stats
                 div = metrics.first_divergence(g, eng.score(case.prompt, g, ps)[0]) if g else 0
                 eng.close()
-                out[s.name] = CaseScore(metrics.kl_per_token(ref_lp, lp).numpy(), metrics.argmax_agreement(ref_lp, lp),
-                                        div, _correct(case, lp), st.prompt_tokens, st.prefix_tokens, st.reused_tokens,
-                                        st.computed_tokens, getattr(st, "recomputed_tokens", 0),
-                                        _answer_logprob(case, lp))
+                out[s.name] = CaseScore(
+                    metrics.kl_per_token(ref_lp, lp).numpy(),
+                    metrics.argmax_agreement(ref_lp, lp),
+                    div,
+                    _correct(case, lp),
+                    st.prompt_tokens,
+                    st.prefix_tokens,
+                    st.reused_tokens,
+                    st.computed_tokens,
+                    getattr(st, "recomputed_tokens", 0),
+                    _answer_logprob(case, lp),
+                )
         finally:
             self.off.finish(first)
         return out
@@ -187,8 +206,13 @@ class QualityResult:
     setup: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"tasks": self.tasks, "sweep": self.sweep, "targets": self.targets, "skipped_strategies": self.skipped,
-                "setup": self.setup}
+        return {
+            "tasks": self.tasks,
+            "sweep": self.sweep,
+            "targets": self.targets,
+            "skipped_strategies": self.skipped,
+            "setup": self.setup,
+        }
 
     def table(self) -> str:
         from irminsul.table import table
@@ -196,12 +220,35 @@ class QualityResult:
         rows = []
         for task, per in self.tasks.items():
             for name, s in per.items():
-                rows.append([task, name, f"{s['kl_mean']:.4g}", f"{s['kl_p95']:.4g}", f"{s['argmax_agreement']:.3f}",
-                             f"{s['first_divergence']:.1f}", f"{s['accuracy']:.3f}", f"{s['answer_logprob']:.3f}",
-                             f"{100 * s['reused_fraction']:.1f}%",
-                             f"{s['computed_tokens']:.0f}"])
-        out = table(["task", "strategy", "KL mean", "KL p95", "argmax agr.", "first div.", "accuracy", "answer lp",
-                     "reused", "computed"], rows)
+                rows.append(
+                    [
+                        task,
+                        name,
+                        f"{s['kl_mean']:.4g}",
+                        f"{s['kl_p95']:.4g}",
+                        f"{s['argmax_agreement']:.3f}",
+                        f"{s['first_divergence']:.1f}",
+                        f"{s['accuracy']:.3f}",
+                        f"{s['answer_logprob']:.3f}",
+                        f"{100 * s['reused_fraction']:.1f}%",
+                        f"{s['computed_tokens']:.0f}",
+                    ]
+                )
+        out = table(
+            [
+                "task",
+                "strategy",
+                "KL mean",
+                "KL p95",
+                "argmax agr.",
+                "first div.",
+                "accuracy",
+                "answer lp",
+                "reused",
+                "computed",
+            ],
+            rows,
+        )
         lines = [out, ""]
         for task, t in self.targets.items():
             lines.append(f"{task}: " + "; ".join(f"{k} = {v['text']}" for k, v in t.items()))
@@ -218,8 +265,9 @@ class QualityResult:
         names = list(next(iter(self.tasks.values())))
         x = np.arange(len(tasks))
         width = 0.8 / len(names)
-        for row, (key, title) in enumerate((("kl_mean", "teacher-forced KL(full ‖ strategy), nats/token"),
-                                            ("accuracy", "task accuracy"))):
+        for row, (key, title) in enumerate(
+            (("kl_mean", "teacher-forced KL(full ‖ strategy), nats/token"), ("accuracy", "task accuracy"))
+        ):
             ax = axes[row, 0]
             for k, name in enumerate(names):
                 ax.bar(x - 0.4 + width * (k + 0.5), [self.tasks[t][name][key] for t in tasks], width, label=name)
@@ -231,8 +279,13 @@ class QualityResult:
                 ax, bins = axes[row, col], list(self.sweep[task][key])
                 for name in ("naive", "pic", "pic-nocarve", "pic+r0.05", "pic+r0.15"):
                     if name in names:
-                        ax.plot(bins, [self.sweep[task][key][b].get(name, np.nan) for b in bins], marker="o",
-                                label=name, alpha=0.8)
+                        ax.plot(
+                            bins,
+                            [self.sweep[task][key][b].get(name, np.nan) for b in bins],
+                            marker="o",
+                            label=name,
+                            alpha=0.8,
+                        )
                 label = "|shift δ|" if key == "delta" else "depth of the cached copy"
                 ax.set(xlabel=f"{label} (tokens)", ylabel="KL mean")
                 ax.set_title(f"{task}: KL by {label}", fontsize=9)
@@ -252,10 +305,16 @@ def _targets(runner: QualityRunner, summary: dict) -> dict:
             pic_kl = np.array([s.kl.mean() for s in per["pic"]])
             naive_kl = np.array([s.kl.mean() for s in per["naive"]])
             pooled = 1 - summary[task]["pic"]["kl_mean"] / max(summary[task]["naive"]["kl_mean"], 1e-300)
-            ci = metrics.bootstrap_ci(np.stack([pic_kl, naive_kl], 1), lambda v: 1 - v[:, 0].mean() / max(v[:, 1].mean(), 1e-300))
-            t["kl_reduction_pic_vs_naive"] = {"value": pooled, "ci": ci.as_dict(), "target": 0.22,
-                                              "met": bool(pooled >= 0.22),
-                                              "text": f"{100 * pooled:.1f}% (95% CI {100 * ci.low:.1f}..{100 * ci.high:.1f}%; target >= 22%)"}
+            ci = metrics.bootstrap_ci(
+                np.stack([pic_kl, naive_kl], 1), lambda v: 1 - v[:, 0].mean() / max(v[:, 1].mean(), 1e-300)
+            )
+            t["kl_reduction_pic_vs_naive"] = {
+                "value": pooled,
+                "ci": ci.as_dict(),
+                "target": 0.22,
+                "met": bool(pooled >= 0.22),
+                "text": f"{100 * pooled:.1f}% (95% CI {100 * ci.low:.1f}..{100 * ci.high:.1f}%; target >= 22%)",
+            }
         if "pic" in per and "off" in per:
             off = np.array([s.correct for s in per["off"]])
             pic = np.array([s.correct for s in per["pic"]])
@@ -263,11 +322,15 @@ def _targets(runner: QualityRunner, summary: dict) -> dict:
             w_off = metrics.wilson(int(off.sum()), len(off)) if set(off) <= {0.0, 1.0} else None
             w_pic = metrics.wilson(int(pic.sum()), len(pic)) if set(pic) <= {0.0, 1.0} else None
             t["accuracy_pic_minus_off"] = {
-                "value": diff.value, "ci": diff.as_dict(), "within_noise": bool(diff.low <= 0 <= diff.high),
+                "value": diff.value,
+                "ci": diff.as_dict(),
+                "within_noise": bool(diff.low <= 0 <= diff.high),
                 "off": w_off.as_dict() if w_off else {"value": float(off.mean())},
                 "pic": w_pic.as_dict() if w_pic else {"value": float(pic.mean())},
-                "text": (f"{diff.value:+.3f} (95% CI {diff.low:+.3f}..{diff.high:+.3f}); off {w_off or f'{off.mean():.3f}'}, "
-                         f"pic {w_pic or f'{pic.mean():.3f}'}"),
+                "text": (
+                    f"{diff.value:+.3f} (95% CI {diff.low:+.3f}..{diff.high:+.3f}); off {w_off or f'{off.mean():.3f}'}, "
+                    f"pic {w_pic or f'{pic.mean():.3f}'}"
+                ),
             }
         out[task] = t
     return out
@@ -286,14 +349,22 @@ def result(runner: QualityRunner) -> QualityResult:
                 for name, sc in per.items():
                     bins.setdefault(b, {}).setdefault(name, []).append(float(sc[i].kl.mean()))
             order = sorted(bins, key=lambda b: int(b.split("-")[0].rstrip("+")))
-            sweep[task][key] = {b: {name: float(np.mean(v)) for name, v in bins[b].items()} | {"n": len(next(iter(bins[b].values())))}
-                                for b in order}
+            sweep[task][key] = {
+                b: {name: float(np.mean(v)) for name, v in bins[b].items()} | {"n": len(next(iter(bins[b].values())))}
+                for b in order
+            }
     return QualityResult(summary, sweep, _targets(runner, summary), runner.skipped)
 
 
-def run_quality(model: str | Path, cases: dict[str, list[ShiftedCase]], strategies=STRATEGIES,
-                greedy_tokens: int = 16, progress: bool = True, dtype: str = "float32",
-                segments: bool = True) -> QualityResult:
+def run_quality(
+    model: str | Path,
+    cases: dict[str, list[ShiftedCase]],
+    strategies=STRATEGIES,
+    greedy_tokens: int = 16,
+    progress: bool = True,
+    dtype: str = "float32",
+    segments: bool = True,
+) -> QualityResult:
     runner = QualityRunner(LLM(model, dtype=dtype, compile_decode=False), strategies, greedy_tokens, segments)
     runner.run(cases, progress)
     return result(runner)

@@ -32,11 +32,17 @@ class RunInfo:
     def now(cls, args, model: str, started: float) -> RunInfo:
         argv = getattr(args, "argv", None) or sys.argv
         command = "irminsul " + shlex.join(argv[1:]) if argv and argv[0].endswith("irminsul") else shlex.join(argv)
-        return cls(command=command, seed=args.seed, model=str(model), n=args.n,
-                   started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-                   wall_s=round(time.time() - started, 1),
-                   machine=describe(),
-                   torch=torch.__version__, threads=torch.get_num_threads())
+        return cls(
+            command=command,
+            seed=args.seed,
+            model=str(model),
+            n=args.n,
+            started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            wall_s=round(time.time() - started, 1),
+            machine=describe(),
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+        )
 
 
 def jsonable(obj):
@@ -60,8 +66,9 @@ def emit(name: str, result, args, model: str, started: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     text = result.table()
-    (out / f"{name}.md").write_text(f"`{info.command}` (seed {info.seed}, model {info.model}, "
-                                    f"{info.started_utc}, {info.wall_s} s)\n\n{text}\n")
+    (out / f"{name}.md").write_text(
+        f"`{info.command}` (seed {info.seed}, model {info.model}, {info.started_utc}, {info.wall_s} s)\n\n{text}\n"
+    )
     png = result.plot(out / f"{name}.png")
     if args.json:
         print(json.dumps(data))

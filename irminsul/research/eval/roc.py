@@ -63,7 +63,7 @@ def mla_vectors(model, ids: list[int]) -> dict[str, torch.Tensor]:
     for layer, (attn, _) in enumerate(model.sublayers()):
         w = attn.kv_b_proj.weight.float().view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
         vs.append(torch.einsum("nr,hvr->nhv", c[layer], w[:, cfg.qk_nope_head_dim :]).flatten(1))
-    return {"c_kv": c, "k_r": block[..., r:cfg.latent_width], "v": torch.stack(vs)}
+    return {"c_kv": c, "k_r": block[..., r : cfg.latent_width], "v": torch.stack(vs)}
 
 
 @torch.no_grad()
@@ -94,8 +94,18 @@ class Collected:
         return torch.cat(pos).numpy(), torch.cat(neg).numpy()
 
 
-def collect(extract: Callable[[list[int]], dict[str, torch.Tensor]], n: int, positions, blocks, sample: Sampler,
-            seed: int, token_idx: np.ndarray, head=(), desc: str = "roc", progress: bool = True) -> Collected:
+def collect(
+    extract: Callable[[list[int]], dict[str, torch.Tensor]],
+    n: int,
+    positions,
+    blocks,
+    sample: Sampler,
+    seed: int,
+    token_idx: np.ndarray,
+    head=(),
+    desc: str = "roc",
+    progress: bool = True,
+) -> Collected:
     rng = np.random.default_rng([seed, 1])
     out: dict[str, torch.Tensor] = {}
     for ids, placed in tqdm(layout(n, positions, blocks, sample, rng, head), total=n, desc=desc, disable=not progress):
@@ -173,9 +183,17 @@ class RocResult:
         return path
 
 
-def run_roc(mla_dir: str | Path, sample: Sampler, gqa_dir: str | Path | None = None, n: int = 500,
-            block_tokens: int = 64, tokens_per_block: int = 16, seed: int = 0, head=(),
-            progress: bool = True) -> RocResult:
+def run_roc(
+    mla_dir: str | Path,
+    sample: Sampler,
+    gqa_dir: str | Path | None = None,
+    n: int = 500,
+    block_tokens: int = 64,
+    tokens_per_block: int = 16,
+    seed: int = 0,
+    head=(),
+    progress: bool = True,
+) -> RocResult:
     from irminsul.model.loader import load_model
 
     mla = load_model(Path(mla_dir))
@@ -184,9 +202,17 @@ def run_roc(mla_dir: str | Path, sample: Sampler, gqa_dir: str | Path | None = N
     rng = np.random.default_rng([seed, 0])
     blocks = [sample(rng, block_tokens) for _ in range(n)]
     token_idx = np.linspace(0, block_tokens - 1, min(tokens_per_block, block_tokens)).round().astype(int)
-    setup = {"blocks": n, "block_tokens": block_tokens, "tokens_per_block": len(token_idx), "positions": positions,
-             "mla_model": str(mla_dir), "gqa_model": str(gqa_dir) if gqa_dir else None}
-    col = collect(lambda ids: mla_vectors(mla, ids), n, positions, blocks, sample, seed, token_idx, head, "roc mla", progress)
+    setup = {
+        "blocks": n,
+        "block_tokens": block_tokens,
+        "tokens_per_block": len(token_idx),
+        "positions": positions,
+        "mla_model": str(mla_dir),
+        "gqa_model": str(gqa_dir) if gqa_dir else None,
+    }
+    col = collect(
+        lambda ids: mla_vectors(mla, ids), n, positions, blocks, sample, seed, token_idx, head, "roc mla", progress
+    )
     mla_res, curves = aucs(col, seed)
     curves = {f"mla {k}": c for k, c in curves.items()}
     gqa_res: dict = {"k": None, "v": None, "missing": "no GQA model (pass --gqa PATH)"}
@@ -194,8 +220,9 @@ def run_roc(mla_dir: str | Path, sample: Sampler, gqa_dir: str | Path | None = N
         from transformers import AutoModelForCausalLM
 
         gqa = AutoModelForCausalLM.from_pretrained(str(gqa_dir), dtype=torch.float32).eval()
-        gcol = collect(lambda ids: gqa_vectors(gqa, ids), n, positions, blocks, sample, seed, token_idx, head,
-                       "roc gqa", progress)
+        gcol = collect(
+            lambda ids: gqa_vectors(gqa, ids), n, positions, blocks, sample, seed, token_idx, head, "roc gqa", progress
+        )
         gqa_res, gcurves = aucs(gcol, seed)
         curves |= {f"gqa {k}": c for k, c in gcurves.items()}
     return RocResult(mla_res, gqa_res, setup, curves)

@@ -69,7 +69,8 @@ def by_delta(rotary: Rotary, k_raw: torch.Tensor, max_position: int, seed: int, 
 
 def _pooled(table: dict) -> dict:
     return {f"{name}_rel_l2": float(np.mean([v[name] for v in table.values()])) for name in DTYPES} | {
-        f"{name}_max_rel_l2": float(max(v[name] for v in table.values())) for name in DTYPES}
+        f"{name}_max_rel_l2": float(max(v[name] for v in table.values())) for name in DTYPES
+    }
 
 
 class KeyRecorder:
@@ -77,12 +78,15 @@ class KeyRecorder:
 
     def __init__(self, model):
         self.out: dict[int, torch.Tensor] = {}
-        self.handles = [attn.kv_a_proj_with_mqa.register_forward_hook(self._hook(i))
-                        for i, (attn, _) in enumerate(model.sublayers())]
+        self.handles = [
+            attn.kv_a_proj_with_mqa.register_forward_hook(self._hook(i))
+            for i, (attn, _) in enumerate(model.sublayers())
+        ]
 
     def _hook(self, i):
         def hook(module, args, output):
             self.out[i] = output.detach().float()
+
         return hook
 
     def close(self):
@@ -111,12 +115,18 @@ def drift_pair(model, content: list[int], before_a: list[int], before_b: list[in
     p_tgt = torch.arange(b, b + n)
     out = []
     for layer in range(cfg.num_hidden_layers):
-        k_a = rows_a[layer, a:, r:cfg.latent_width]  # [n, rope] as cached (model dtype)
-        k_b = rows_b[layer, b:, r:cfg.latent_width]
+        k_a = rows_a[layer, a:, r : cfg.latent_width]  # [n, rope] as cached (model dtype)
+        k_b = rows_b[layer, b:, r : cfg.latent_width]
         moved = rot.rotate(k_a, delta)
         k_a_at_tgt = rot.apply(raw_a[layer][a:, r:].to(k_a.dtype), p_tgt)  # old context, new position
-        out.append({"rotation": rel_l2(moved, k_a_at_tgt), "drift": rel_l2(k_a_at_tgt, k_b),
-                    "total": rel_l2(moved, k_b), "c_kv_drift": rel_l2(rows_a[layer, a:, :r], rows_b[layer, b:, :r])})
+        out.append(
+            {
+                "rotation": rel_l2(moved, k_a_at_tgt),
+                "drift": rel_l2(k_a_at_tgt, k_b),
+                "total": rel_l2(moved, k_b),
+                "c_kv_drift": rel_l2(rows_a[layer, a:, :r], rows_b[layer, b:, :r]),
+            }
+        )
     return out
 
 
@@ -133,16 +143,31 @@ class RotationResult:
     def table(self) -> str:
         from irminsul.table import table
 
-        rows = [[f"{d:,}", f"{self.layer0['by_delta'][d]['fp32']:.2e}", f"{self.layer0['by_delta'][d]['bf16']:.2e}",
-                 f"{self.v2_lite['by_delta'][d]['fp32']:.2e}", f"{self.v2_lite['by_delta'][d]['bf16']:.2e}"]
-                for d in self.layer0["by_delta"]]
+        rows = [
+            [
+                f"{d:,}",
+                f"{self.layer0['by_delta'][d]['fp32']:.2e}",
+                f"{self.layer0['by_delta'][d]['bf16']:.2e}",
+                f"{self.v2_lite['by_delta'][d]['fp32']:.2e}",
+                f"{self.v2_lite['by_delta'][d]['bf16']:.2e}",
+            ]
+            for d in self.layer0["by_delta"]
+        ]
         t1 = table(["δ", "model L0 fp32", "model L0 bf16", "V2-Lite fp32", "V2-Lite bf16"], rows)
-        rows = [[r["layer"]] + [f"{r[f'{k}_{dt}']:.2e}" for dt in DTYPES for k in ("rotation", "drift", "total")]
-                + [f"{r['c_kv_drift_fp32']:.2e}"] for r in self.per_layer]
-        t2 = table(["layer"] + [f"{k} {dt}" for dt in DTYPES for k in ("rotation", "drift", "total")]
-                   + ["c_KV drift fp32"], rows)
-        return (f"layer 0 (exact comparison), relative L2 of R(δ)·k_r vs k_r at p+δ:\n\n{t1}\n\n"
-                f"every layer, content re-requested after different text (model {self.model}):\n\n{t2}")
+        rows = [
+            [r["layer"]]
+            + [f"{r[f'{k}_{dt}']:.2e}" for dt in DTYPES for k in ("rotation", "drift", "total")]
+            + [f"{r['c_kv_drift_fp32']:.2e}"]
+            for r in self.per_layer
+        ]
+        t2 = table(
+            ["layer"] + [f"{k} {dt}" for dt in DTYPES for k in ("rotation", "drift", "total")] + ["c_KV drift fp32"],
+            rows,
+        )
+        return (
+            f"layer 0 (exact comparison), relative L2 of R(δ)·k_r vs k_r at p+δ:\n\n{t1}\n\n"
+            f"every layer, content re-requested after different text (model {self.model}):\n\n{t2}"
+        )
 
     def plot(self, path: Path) -> Path:
         import matplotlib
@@ -160,8 +185,14 @@ class RotationResult:
         ax0.legend(fontsize=7)
         layers = [r["layer"] for r in self.per_layer]
         x = np.arange(len(layers))
-        for k, (key, label) in enumerate((("rotation_fp32", "rotation fp32"), ("rotation_bf16", "rotation bf16"),
-                                          ("drift_fp32", "context drift fp32"), ("total_bf16", "total bf16"))):
+        for k, (key, label) in enumerate(
+            (
+                ("rotation_fp32", "rotation fp32"),
+                ("rotation_bf16", "rotation bf16"),
+                ("drift_fp32", "context drift fp32"),
+                ("total_bf16", "total bf16"),
+            )
+        ):
             ax1.bar(x - 0.4 + 0.2 * (k + 0.5), [max(r[key], 1e-12) for r in self.per_layer], 0.2, label=label)
         ax1.set_xticks(x, layers)
         ax1.set(yscale="log", xlabel="layer", ylabel="relative L2 of k_r", title="per layer: rotation vs context drift")
@@ -172,8 +203,15 @@ class RotationResult:
         return path
 
 
-def run_rotation(model_dir: str | Path, sample, n: int = 8, seed: int = 0, content_tokens: int = 256,
-                 head: tuple[int, ...] = (), progress: bool = True) -> RotationResult:
+def run_rotation(
+    model_dir: str | Path,
+    sample,
+    n: int = 8,
+    seed: int = 0,
+    content_tokens: int = 256,
+    head: tuple[int, ...] = (),
+    progress: bool = True,
+) -> RotationResult:
     """`sample(rng, k) -> k token ids` draws text; n (content, two contexts) pairs for the layer
     study, each context starting with `head` (e.g. BOS)."""
     rng = np.random.default_rng(seed)
@@ -200,5 +238,6 @@ def run_rotation(model_dir: str | Path, sample, n: int = 8, seed: int = 0, conte
             for key in ("rotation", "drift", "total", "c_kv_drift"):
                 row[f"{key}_{name}"] = float(np.mean([p[layer][key] for p in parts[name]]))
         per_layer.append(row)
-    return RotationResult({"by_delta": layer0} | _pooled(layer0), per_layer, {"by_delta": v2} | _pooled(v2),
-                          str(model_dir))
+    return RotationResult(
+        {"by_delta": layer0} | _pooled(layer0), per_layer, {"by_delta": v2} | _pooled(v2), str(model_dir)
+    )

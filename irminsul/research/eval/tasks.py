@@ -33,7 +33,7 @@ from irminsul.research.workloads.trace import TraceRequest
 
 TASKS = ("niah", "musique", "agent_meta")
 # How `train.tasks.doc_qa` asks; `musique` checks that it still does.
-DOC_QA_QUESTION = "\n\nWhich words follow \""
+DOC_QA_QUESTION = '\n\nWhich words follow "'
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,17 @@ def niah(d: TaskData, rng: np.random.Generator, body_tokens: int, depth: int, de
     head = [d.bos, d.user]
     first, fs = _joined(head, d.pool.filler(rng, depth), haystack)
     prompt, ps = _joined(head, d.pool.filler(rng, depth + delta), haystack, tail)
-    return ShiftedCase("niah", first, prompt, ex.answer_ids[: ex.answer_len], depth, delta, len(haystack),
-                       first_segments=fs, prompt_segments=ps)
+    return ShiftedCase(
+        "niah",
+        first,
+        prompt,
+        ex.answer_ids[: ex.answer_len],
+        depth,
+        delta,
+        len(haystack),
+        first_segments=fs,
+        prompt_segments=ps,
+    )
 
 
 def musique(d: TaskData, rng: np.random.Generator, body_tokens: int, min_docs: int = 3) -> ShiftedCase:
@@ -150,8 +159,17 @@ def musique(d: TaskData, rng: np.random.Generator, body_tokens: int, min_docs: i
     first, fs = _joined(head, *(blocks[i] for i in order1))
     prompt, ps = _joined(head, *(blocks[i] for i in order2), ex.prompt_ids[q:])
     depth = before(order1) - 2
-    return ShiftedCase("musique", first, prompt, ex.answer_ids[: ex.answer_len], depth,
-                       before(order2) - before(order1), sum(map(len, blocks)), first_segments=fs, prompt_segments=ps)
+    return ShiftedCase(
+        "musique",
+        first,
+        prompt,
+        ex.answer_ids[: ex.answer_len],
+        depth,
+        before(order2) - before(order1),
+        sum(map(len, blocks)),
+        first_segments=fs,
+        prompt_segments=ps,
+    )
 
 
 class AgentConversations:
@@ -177,8 +195,9 @@ class AgentConversations:
                     size += len(ids)
                 answer = d.tok.encode(render_chat([m])).ids[1 : answer_tokens + 1]  # drop <|assistant|>
                 if size >= min_body and answer:
-                    self.turns.append((f"tau-{t['task_id']}-{t['trial']}", tuple(msgs[i - len(body) : i]), body,
-                                       answer))
+                    self.turns.append(
+                        (f"tau-{t['task_id']}-{t['trial']}", tuple(msgs[i - len(body) : i]), body, answer)
+                    )
 
 
 def agent_meta_case(d: TaskData, conv: AgentConversations, rng: np.random.Generator) -> ShiftedCase:
@@ -190,12 +209,29 @@ def agent_meta_case(d: TaskData, conv: AgentConversations, rng: np.random.Genera
         headers.append(d.tok.encode(render_chat([req.messages[0]])).ids)
     first, fs = _joined([d.bos], headers[0], *body)
     prompt, ps = _joined([d.bos], headers[1], *body, [d.asst])
-    return ShiftedCase("agent_meta", first, prompt, answer, len(headers[0]), len(headers[1]) - len(headers[0]),
-                       sum(map(len, body)), scoring="tokens", first_segments=fs, prompt_segments=ps)
+    return ShiftedCase(
+        "agent_meta",
+        first,
+        prompt,
+        answer,
+        len(headers[0]),
+        len(headers[1]) - len(headers[0]),
+        sum(map(len, body)),
+        scoring="tokens",
+        first_segments=fs,
+        prompt_segments=ps,
+    )
 
 
-def build_cases(model_dir: str | Path, task_names=TASKS, n: int = 24, seed: int = 0, context: int = 2048,
-                data_dir: str | Path | None = None, sweep: Sweep = Sweep()) -> dict[str, list[ShiftedCase]]:
+def build_cases(
+    model_dir: str | Path,
+    task_names=TASKS,
+    n: int = 24,
+    seed: int = 0,
+    context: int = 2048,
+    data_dir: str | Path | None = None,
+    sweep: Sweep = Sweep(),
+) -> dict[str, list[ShiftedCase]]:
     """`n` cases per task, sized for a model with a `context`-token window."""
     d = TaskData(model_dir, data_dir)
     sweep = sweep.scaled(context)

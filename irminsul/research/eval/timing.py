@@ -47,8 +47,12 @@ class MovedSpan:
         def ids(k):
             return rng.integers(16, vocab, k).tolist()
 
-        return cls(list(head) + ids(max(1, header - len(head) + 7)), list(head) + ids(header - len(head)),
-                   ids(shared), ids(tail))
+        return cls(
+            list(head) + ids(max(1, header - len(head) + 7)),
+            list(head) + ids(header - len(head)),
+            ids(shared),
+            ids(tail),
+        )
 
 
 @dataclass(frozen=True)
@@ -123,8 +127,9 @@ def gqa_hit_logits(model, rotary: Rotary, req: MovedSpan, span) -> torch.Tensor:
         layer.values = torch.cat([layer.values, v], dim=2)
     start = len(req.header) + len(req.shared)
     pos = torch.arange(start, start + len(req.tail))[None]
-    return model(input_ids=torch.tensor([req.tail]), cache=cache, position_ids=pos, use_cache=True,
-                 logits_to_keep=1).logits[0, -1]
+    return model(
+        input_ids=torch.tensor([req.tail]), cache=cache, position_ids=pos, use_cache=True, logits_to_keep=1
+    ).logits[0, -1]
 
 
 def time_gqa(model, req: MovedSpan, repeats: int = 3) -> Timing:
@@ -135,5 +140,9 @@ def time_gqa(model, req: MovedSpan, repeats: int = 3) -> Timing:
         with torch.no_grad():
             model(input_ids=torch.tensor([req.prompt]), use_cache=True, logits_to_keep=1)
 
-    return Timing(_median(miss, repeats), _median(lambda: gqa_hit_logits(model, rotary, req, span), repeats),
-                  len(req.header) + len(req.tail), len(req.shared))
+    return Timing(
+        _median(miss, repeats),
+        _median(lambda: gqa_hit_logits(model, rotary, req, span), repeats),
+        len(req.header) + len(req.tail),
+        len(req.shared),
+    )

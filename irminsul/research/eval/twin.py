@@ -22,9 +22,14 @@ def twin_config(mla_dir: str | Path):
     from irminsul.research.train.tokenizer import load_tokenizer
 
     raw = read_config(mla_dir)
-    shape = dataclasses.replace(ReferenceShape(), hidden=raw["hidden_size"], layers=raw["num_hidden_layers"],
-                                heads=raw["num_attention_heads"], max_positions=raw["max_position_embeddings"],
-                                dense_intermediate=raw["intermediate_size"])
+    shape = dataclasses.replace(
+        ReferenceShape(),
+        hidden=raw["hidden_size"],
+        layers=raw["num_hidden_layers"],
+        heads=raw["num_attention_heads"],
+        max_positions=raw["max_position_embeddings"],
+        dense_intermediate=raw["intermediate_size"],
+    )
     return hf_config("gqa", load_tokenizer(Path(mla_dir)), shape)
 
 

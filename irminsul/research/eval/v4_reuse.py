@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 
-def shifted_reuse_error(model, before_a: int, before_b: int, content: int = 40, naive: bool = False,
-                        seed: int = 0, vocab: int = 256) -> float:
+def shifted_reuse_error(
+    model, before_a: int, before_b: int, content: int = 40, naive: bool = False, seed: int = 0, vocab: int = 256
+) -> float:
     """`content` random tokens computed behind a prefix of `before_a` tokens, then reused (their rows copied
     as they are) behind one of `before_b` (a shift of before_b - before_a), in front of 6 new tokens ->
     max |Δ log-prob| of the computed positions against full prefill of the new prompt. naive: the reused

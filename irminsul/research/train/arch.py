@@ -99,19 +99,41 @@ def _v4_config(tok, shape: ReferenceShape):
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(
-        vocab_size=tok.get_vocab_size(), hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads, head_dim=64, partial_rotary_factor=0.25, q_lora_rank=128,
-        o_groups=2, o_lora_rank=64, sliding_window=64,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        head_dim=64,
+        partial_rotary_factor=0.25,
+        q_lora_rank=128,
+        o_groups=2,
+        o_lora_rank=64,
+        sliding_window=64,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
-        layer_types=(["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
-                      "compressed_sparse_attention"] * shape.layers)[: shape.layers],
+        layer_types=(
+            [
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+                "sliding_attention",
+                "compressed_sparse_attention",
+            ]
+            * shape.layers
+        )[: shape.layers],
         mlp_layer_types=["hash_moe"] + ["moe"] * (shape.layers - 1),
-        index_n_heads=4, index_head_dim=32, index_topk=16, hc_mult=2,
-        n_routed_experts=shape.routed_experts, num_experts_per_tok=shape.experts_per_tok,
-        moe_intermediate_size=shape.moe_intermediate, max_position_embeddings=shape.max_positions,
-        rms_norm_eps=1e-6, initializer_range=0.02,
-        bos_token_id=tok.token_to_id(BOS), eos_token_id=tok.token_to_id(END),
-        pad_token_id=tok.token_to_id(PAD), architectures=["DeepseekV4ForCausalLM"],
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=16,
+        hc_mult=2,
+        n_routed_experts=shape.routed_experts,
+        num_experts_per_tok=shape.experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate,
+        max_position_embeddings=shape.max_positions,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        bos_token_id=tok.token_to_id(BOS),
+        eos_token_id=tok.token_to_id(END),
+        pad_token_id=tok.token_to_id(PAD),
+        architectures=["DeepseekV4ForCausalLM"],
     )
 
 

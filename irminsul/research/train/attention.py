@@ -56,7 +56,9 @@ class HeadProbe:
             return
         hs = args[0] if args else kwargs["hidden_states"]
         b, t = (self.src >= 0).nonzero(as_tuple=True)
-        q, k, v = self._mla(hs, kwargs["position_embeddings"]) if self.mla else self._llama(hs, kwargs["position_embeddings"])
+        q, k, v = (
+            self._mla(hs, kwargs["position_embeddings"]) if self.mla else self._llama(hs, kwargs["position_embeddings"])
+        )
         # q [B, H, L, d], k [B, H, L, d], v [B, H, L, dv]
         s = torch.einsum("nhd,nhld->nhl", q[b, :, t], k[b]).float() * module.scaling  # [n, H, L]
         L = hs.shape[1]

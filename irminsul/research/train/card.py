@@ -16,13 +16,23 @@ def stage_command(stage: dict) -> str:
     one of its `previous_stages`): every option that shapes the run, from its recorded config, and
     --stop-after where the stage ended before its schedule did."""
     c = stage["config"]
-    args = ["irminsul train-reference", f"--arch {c['arch']}", f"--out {c['out']}", f"--steps {c['steps']}",
-            f"--minutes {c['minutes']:g}", f"--seed {c['seed']}", f"--threads {c['threads']}", f"--lr {c['lr']:g}",
-            f"--warmup {c['warmup']}",
-            "--phases " + ",".join(f"{n}x{b}:{s:g}" for n, b, s in c["phases"]),
-            "--mix " + ",".join(f"{k}={v:g}" for k, v in c["mix"]),
-            f"--copy-steps {c['copy_steps']}", f"--eval-every {c['eval_every']}",
-            f"--attn-weight {c['attn_weight']:g}", f"--attn-heads {c['attn_heads']}"]
+    args = [
+        "irminsul train-reference",
+        f"--arch {c['arch']}",
+        f"--out {c['out']}",
+        f"--steps {c['steps']}",
+        f"--minutes {c['minutes']:g}",
+        f"--seed {c['seed']}",
+        f"--threads {c['threads']}",
+        f"--lr {c['lr']:g}",
+        f"--warmup {c['warmup']}",
+        "--phases " + ",".join(f"{n}x{b}:{s:g}" for n, b, s in c["phases"]),
+        "--mix " + ",".join(f"{k}={v:g}" for k, v in c["mix"]),
+        f"--copy-steps {c['copy_steps']}",
+        f"--eval-every {c['eval_every']}",
+        f"--attn-weight {c['attn_weight']:g}",
+        f"--attn-heads {c['attn_heads']}",
+    ]
     if c.get("init"):
         args.append(f"--init {c['init']}")
     if c.get("start_step"):
@@ -45,8 +55,11 @@ def write_card(model_dir: Path, metrics: dict, eval_cmd: str, notes: str = "") -
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = cfg["architectures"][0]
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 1e6
-    loads = ("loads in transformers and in `irminsul.LLM`" if "kv_lora_rank" in cfg else
-             "loads in transformers; the MLA model's twin for architecture comparisons (the engine serves MLA only)")
+    loads = (
+        "loads in transformers and in `irminsul.LLM`"
+        if "kv_lora_rank" in cfg
+        else "loads in transformers; the MLA model's twin for architecture comparisons (the engine serves MLA only)"
+    )
     lines = [
         f"# Irminsul reference model: {state['arch'].upper()} ({arch})",
         "",
@@ -71,7 +84,9 @@ def write_card(model_dir: Path, metrics: dict, eval_cmd: str, notes: str = "") -
             f"layer 0 dense, width {cfg['intermediate_size']} |",
         ]
     else:
-        lines += [f"| GQA | {cfg['num_key_value_heads']} KV heads, head_dim {cfg.get('head_dim')}, FFN {cfg['intermediate_size']} |"]
+        lines += [
+            f"| GQA | {cfg['num_key_value_heads']} KV heads, head_dim {cfg.get('head_dim')}, FFN {cfg['intermediate_size']} |"
+        ]
     lines += [
         f"| context | {cfg['max_position_embeddings']} tokens, RoPE theta {cfg['rope_parameters']['rope_theta']:g} |",
         f"| vocabulary | {cfg['vocab_size']} (byte-level BPE trained on the training text; chat special tokens and template) |",
@@ -128,22 +143,38 @@ def write_card(model_dir: Path, metrics: dict, eval_cmd: str, notes: str = "") -
         nd = metrics.get(f"needle/{impl}")
         if not nd:
             continue
-        lines += ["", f"Needle-in-a-haystack recall at full prefill ({impl}; 5-digit passkey in held-out text,",
-                  "5 depths; greedy decoding must reproduce it exactly):", "",
-                  "| context | recall | answer log-prob/token | n |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"Needle-in-a-haystack recall at full prefill ({impl}; 5-digit passkey in held-out text,",
+            "5 depths; greedy decoding must reproduce it exactly):",
+            "",
+            "| context | recall | answer log-prob/token | n |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {n} | {nd['recall'][n]:.2f} | {nd['logprob'][n]:.2f} | {nd['n'][n]} |" for n in nd["recall"]]
         mq = metrics[f"musique/{impl}"]
-        lines += ["", f"Multi-document QA ({impl}):", "",
-                  f"- MuSiQue (real multi-hop questions, gold passages first, 2k-token prompts): exact match "
-                  f"{mq['exact_match']:.3f}, answer contained {mq['contains']:.3f} (n={mq['n']}); "
-                  f"held-out questions only: {mq['held_out_exact_match']} (n={mq['held_out_n']})"]
+        lines += [
+            "",
+            f"Multi-document QA ({impl}):",
+            "",
+            f"- MuSiQue (real multi-hop questions, gold passages first, 2k-token prompts): exact match "
+            f"{mq['exact_match']:.3f}, answer contained {mq['contains']:.3f} (n={mq['n']}); "
+            f"held-out questions only: {mq['held_out_exact_match']} (n={mq['held_out_n']})",
+        ]
         sy = metrics[f"synthetic/{impl}"]
-        lines += ["- synthetic tasks on held-out text (exact match of the answer, greedy):", "",
-                  "| task | accuracy | answer log-prob/token | n |", "|---|---|---|---|"]
+        lines += [
+            "- synthetic tasks on held-out text (exact match of the answer, greedy):",
+            "",
+            "| task | accuracy | answer log-prob/token | n |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {k} | {v['accuracy']:.2f} | {v['logprob']:.2f} | {v['n']} |" for k, v in sy.items()]
     if "engine_vs_transformers_max_abs_logprob_diff" in metrics:
-        lines += ["", f"Engine vs transformers, max |Δ log-prob| on a 512-token probe: "
-                      f"{metrics['engine_vs_transformers_max_abs_logprob_diff']:.2e}"]
+        lines += [
+            "",
+            f"Engine vs transformers, max |Δ log-prob| on a 512-token probe: "
+            f"{metrics['engine_vs_transformers_max_abs_logprob_diff']:.2e}",
+        ]
     if notes:
         lines += ["", "## Notes", "", notes]
     path = model_dir / "MODEL_CARD.md"

@@ -24,7 +24,9 @@ from irminsul.research.train.tokenizer import load_tokenizer
 
 
 @torch.no_grad()
-def held_out_loss(model, pool: tasks.TokenPool, bos: int, window: int = 1024, max_windows: int = 32) -> dict[str, float]:
+def held_out_loss(
+    model, pool: tasks.TokenPool, bos: int, window: int = 1024, max_windows: int = 32
+) -> dict[str, float]:
     """Mean next-token loss per source over non-overlapping windows of the held-out documents."""
     out = {}
     for src, docs in pool.docs.items():
@@ -34,16 +36,24 @@ def held_out_loss(model, pool: tasks.TokenPool, bos: int, window: int = 1024, ma
             continue
         nll = []
         for i in range(n):
-            w = torch.from_numpy(stream[i * window: i * window + window + 1])[None]
+            w = torch.from_numpy(stream[i * window : i * window + window + 1])[None]
             logits = model(input_ids=w[:, :-1]).logits.float()
             nll.append(float(F.cross_entropy(logits[0], w[0, 1:])))
         out[src] = float(np.mean(nll))
     return out
 
 
-def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items: int = 120,
-             doc_qa_n: int = 20, data: str | None = None, seed: int = 0, loss_windows: int = 32,
-             log=lambda line: tqdm.write(line, file=sys.stderr)) -> dict:
+def evaluate(
+    model_dir: Path,
+    engine: bool = False,
+    n_needles: int = 4,
+    qa_items: int = 120,
+    doc_qa_n: int = 20,
+    data: str | None = None,
+    seed: int = 0,
+    loss_windows: int = 32,
+    log=lambda line: tqdm.write(line, file=sys.stderr),
+) -> dict:
     model_dir = Path(model_dir)
     tok = load_tokenizer(model_dir)
     corpus = Corpus.load(data)
@@ -51,7 +61,9 @@ def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items
     end = tok.token_to_id(END)
     t0 = time.time()
     impls = {"transformers": load_checkpoint(model_dir)}
-    fns = {"transformers": (retrieval.hf_score(impls["transformers"]), retrieval.hf_generate(impls["transformers"], [end]))}
+    fns = {
+        "transformers": (retrieval.hf_score(impls["transformers"]), retrieval.hf_generate(impls["transformers"], [end]))
+    }
     if engine:
         from irminsul import LLM
 
@@ -71,8 +83,11 @@ def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items
     log(f"held-out loss per source: {res['held_out_loss']}")
 
     rng = np.random.default_rng(seed + 1)
-    synth = {f"{kind}@{n}": [tasks.BUILDERS[kind](held, rng, n) for _ in range(doc_qa_n)]
-             for kind in ("kv", "doc_qa", "tool") for n in (512, 1024, 2048)}
+    synth = {
+        f"{kind}@{n}": [tasks.BUILDERS[kind](held, rng, n) for _ in range(doc_qa_n)]
+        for kind in ("kv", "doc_qa", "tool")
+        for n in (512, 1024, 2048)
+    }
     qa = retrieval.musique_prompts(tok, items)
     for name, (score, generate) in fns.items():
         rep = retrieval.needle_recall(needles, generate, score)
@@ -81,15 +96,24 @@ def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items
         for key, exs in synth.items():
             s = retrieval.score_examples(score, exs)
             res.setdefault(f"synthetic/{name}", {})[key] = {
-                "accuracy": retrieval.accuracy(s), "logprob": float(np.mean([p.logprob for p in s])), "n": len(s)}
-        log(f"[{name}] synthetic accuracy: " + " ".join(
-            f"{k}={v['accuracy']:.2f}" for k, v in res[f"synthetic/{name}"].items()))
+                "accuracy": retrieval.accuracy(s),
+                "logprob": float(np.mean([p.logprob for p in s])),
+                "n": len(s),
+            }
+        log(
+            f"[{name}] synthetic accuracy: "
+            + " ".join(f"{k}={v['accuracy']:.2f}" for k, v in res[f"synthetic/{name}"].items())
+        )
         dec = lambda ids: tok.decode([i for i in ids if i != end])  # noqa: E731
         full = retrieval.multidoc_qa(qa, generate, dec)
         sub = retrieval.multidoc_qa([qa[i] for i in held_q], generate, dec) if held_q else None
-        res[f"musique/{name}"] = {"exact_match": full.exact_match, "contains": full.contains, "n": full.n,
-                                  "held_out_exact_match": sub.exact_match if sub else None,
-                                  "held_out_n": sub.n if sub else 0}
+        res[f"musique/{name}"] = {
+            "exact_match": full.exact_match,
+            "contains": full.contains,
+            "n": full.n,
+            "held_out_exact_match": sub.exact_match if sub else None,
+            "held_out_n": sub.n if sub else 0,
+        }
         log(f"[{name}] MuSiQue QA: EM {full.exact_match:.3f}, contains {full.contains:.3f} (n={full.n})")
     bar.close()
     if engine:
@@ -103,10 +127,12 @@ def evaluate(model_dir: Path, engine: bool = False, n_needles: int = 4, qa_items
 
 def _counted(fn, bar) -> tuple:
     """(fn, counting each call on the progress bar)"""
+
     def call(*args):
         out = fn(*args)
         bar.update()
         return out
+
     return (call,)
 
 

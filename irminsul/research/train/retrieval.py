@@ -47,12 +47,14 @@ def score_examples(score: ScoreFn, examples: Sequence[Example]) -> list[ProbeSco
     return out
 
 
-def needle_examples(pool: TokenPool, lengths=NEEDLE_LENGTHS, depths=NEEDLE_DEPTHS, per_depth: int = 4,
-                    n_digits: int = 5, seed: int = 0) -> list[Example]:
+def needle_examples(
+    pool: TokenPool, lengths=NEEDLE_LENGTHS, depths=NEEDLE_DEPTHS, per_depth: int = 4, n_digits: int = 5, seed: int = 0
+) -> list[Example]:
     """Passkey probes over a grid of context lengths x needle depths, from `pool` (use held-out)."""
     rng = np.random.default_rng(seed)
-    return [passkey(pool, rng, n, depth=d, n_digits=n_digits)
-            for n in lengths for d in depths for _ in range(per_depth)]
+    return [
+        passkey(pool, rng, n, depth=d, n_digits=n_digits) for n in lengths for d in depths for _ in range(per_depth)
+    ]
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,9 @@ class NeedleReport:
     n: dict[int, int]
 
     def row(self) -> str:
-        return "  ".join(f"{n}: {self.recall[n]:.2f} (lp {self.logprob[n]:.2f}, n={self.n[n]})" for n in sorted(self.recall))
+        return "  ".join(
+            f"{n}: {self.recall[n]:.2f} (lp {self.logprob[n]:.2f}, n={self.n[n]})" for n in sorted(self.recall)
+        )
 
 
 def needle_recall(examples: Sequence[Example], generate: GenerateFn, score: ScoreFn | None = None) -> NeedleReport:
@@ -137,8 +141,9 @@ class QAReport:
     n: int
 
 
-def multidoc_qa(items: Sequence[QAItem], generate: GenerateFn, decode: Callable[[list[int]], str],
-                max_tokens: int = 16) -> QAReport:
+def multidoc_qa(
+    items: Sequence[QAItem], generate: GenerateFn, decode: Callable[[list[int]], str], max_tokens: int = 16
+) -> QAReport:
     em, contains = [], []
     for it in items:
         text = normalize(decode(generate(it.prompt_ids, max_tokens)))
@@ -159,7 +164,7 @@ def hf_score(model) -> ScoreFn:
     @torch.no_grad()
     def score(prompt_ids: list[int], cont_ids: list[int]) -> torch.Tensor:
         x = torch.tensor([list(prompt_ids) + list(cont_ids)])
-        logits = model(input_ids=x).logits[0, len(prompt_ids) - 1: x.shape[1] - 1].float()
+        logits = model(input_ids=x).logits[0, len(prompt_ids) - 1 : x.shape[1] - 1].float()
         return torch.log_softmax(logits, -1)  # [len(cont), vocab]
 
     return score
@@ -168,8 +173,13 @@ def hf_score(model) -> ScoreFn:
 def hf_generate(model, stop_ids: Sequence[int] = ()) -> GenerateFn:
     @torch.no_grad()
     def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=max_tokens, do_sample=False,
-                             eos_token_id=list(stop_ids) or None, pad_token_id=model.config.pad_token_id)
-        return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([list(prompt_ids)]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=list(stop_ids) or None,
+            pad_token_id=model.config.pad_token_id,
+        )
+        return out[0, len(prompt_ids) :].tolist()
 
     return generate

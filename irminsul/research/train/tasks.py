@@ -47,8 +47,7 @@ class TokenPool:
         self.tok = tok
         specials = {tok.token_to_id(t) for t in SPECIAL_TOKENS}
         self.docs = {
-            src: [np.array([i for i in e.ids if i not in specials], dtype=np.int32)
-                  for e in tok.encode_batch(texts)]
+            src: [np.array([i for i in e.ids if i not in specials], dtype=np.int32) for e in tok.encode_batch(texts)]
             for src, texts in docs.items()
         }
         self.filler_docs = [d for ds in self.docs.values() for d in ds if len(d) >= 32]
@@ -56,7 +55,7 @@ class TokenPool:
         self.tools = tools
         counts = np.bincount(np.concatenate(self.filler_docs), minlength=tok.get_vocab_size())
         numbers = [i for t, i in tok.get_vocab().items() if t.lstrip("Ġ").isdigit()]
-        frequent = np.argsort(-counts)[:1024 - len(numbers)]
+        frequent = np.argsort(-counts)[: 1024 - len(numbers)]
         self.copy_vocab = np.array(sorted(set(frequent.tolist()) | set(numbers) - specials), dtype=np.int64)
         self.words = words
         self._cache: dict[str, list[int]] = {}
@@ -71,7 +70,7 @@ class TokenPool:
         while len(out) < n:
             d = self.filler_docs[rng.integers(len(self.filler_docs))]
             start = int(rng.integers(0, max(1, len(d) - 16)))
-            out += d[start:start + n - len(out)].tolist() + self.enc("\n\n")
+            out += d[start : start + n - len(out)].tolist() + self.enc("\n\n")
         return out[:n]
 
 
@@ -84,12 +83,23 @@ BODY_AT = 2  # the body starts after BOS and <|user|>
 
 def _turn(t: Tokenizer, user: list[int], assistant: list[int]) -> list[int]:
     """One user turn, then the assistant's reply begun: `<|bos|><|user|>user<|end|><|assistant|>assistant`."""
-    return [t.token_to_id(BOS), t.token_to_id(ROLE_TOKENS["user"])] + user + [
-        t.token_to_id(END), t.token_to_id(ROLE_TOKENS["assistant"])] + assistant
+    return (
+        [t.token_to_id(BOS), t.token_to_id(ROLE_TOKENS["user"])]
+        + user
+        + [t.token_to_id(END), t.token_to_id(ROLE_TOKENS["assistant"])]
+        + assistant
+    )
 
 
-def _wrap(pool: TokenPool, body: list[int], question: str, prefix: str, answer: list[int], kind: str,
-          body_sources: list[int] | None = None) -> Example:
+def _wrap(
+    pool: TokenPool,
+    body: list[int],
+    question: str,
+    prefix: str,
+    answer: list[int],
+    kind: str,
+    body_sources: list[int] | None = None,
+) -> Example:
     t = pool.tok
     prompt = _turn(t, body + pool.enc(question), pool.enc(prefix))
     sources = tuple(BODY_AT + i for i in body_sources) if body_sources is not None else None
@@ -110,8 +120,14 @@ def _insert(filler: list[int], needles: list[list[int]], depths: list[float]) ->
     return out + filler[prev:], starts
 
 
-def passkey(pool: TokenPool, rng: np.random.Generator, n_tokens: int, depth: float | None = None,
-            n_digits: int | None = None, value: str | None = None) -> Example:
+def passkey(
+    pool: TokenPool,
+    rng: np.random.Generator,
+    n_tokens: int,
+    depth: float | None = None,
+    n_digits: int | None = None,
+    value: str | None = None,
+) -> Example:
     value = value or _digits(rng, n_digits or int(rng.integers(3, 8)))
     v = pool.enc(" " + value)  # the same ids in the needle and in the answer
     lead = pool.enc(" The passkey is")
@@ -136,12 +152,14 @@ def kv(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     fixed = 4 + sum(map(len, needles)) + len(pool.enc(question)) + len(pool.enc(prefix)) + len(values[j]) + 1
     filler = pool.filler(rng, max(8, n_tokens - fixed))
     body, starts = _insert(filler, needles, rng.random(m).tolist())
-    return _wrap(pool, body, question, prefix, values[j], "kv",
-                 [starts[j] + len(leads[j]) + i for i in range(len(values[j]))])
+    return _wrap(
+        pool, body, question, prefix, values[j], "kv", [starts[j] + len(leads[j]) + i for i in range(len(values[j]))]
+    )
 
 
-def doc_qa(pool: TokenPool, rng: np.random.Generator, n_tokens: int, quote_len: int = 8,
-           answer_len: int = 4) -> Example:
+def doc_qa(
+    pool: TokenPool, rng: np.random.Generator, n_tokens: int, quote_len: int = 8, answer_len: int = 4
+) -> Example:
     """N MuSiQue passages as "Document [i]: ..."; quote a span of one, answer with what follows it."""
     budget = max(64, n_tokens - 40)
     n_docs = int(rng.integers(2, 11))
@@ -151,7 +169,7 @@ def doc_qa(pool: TokenPool, rng: np.random.Generator, n_tokens: int, quote_len: 
     for i in range(n_docs):
         d = pool.passages[rng.integers(len(pool.passages))]
         start = int(rng.integers(0, max(1, len(d) - per_doc)))
-        text = d[start:start + per_doc].tolist()
+        text = d[start : start + per_doc].tolist()
         spans.append(text)
         body += pool.enc(f"Document [{i + 1}]: ")
         text_at.append(len(body))
@@ -161,9 +179,9 @@ def doc_qa(pool: TokenPool, rng: np.random.Generator, n_tokens: int, quote_len: 
     k = int(rng.integers(len(spans)))
     text = spans[k]
     s = int(rng.integers(0, max(1, len(text) - quote_len - answer_len)))
-    quote, answer = text[s:s + quote_len], text[s + quote_len:s + quote_len + answer_len]
+    quote, answer = text[s : s + quote_len], text[s + quote_len : s + quote_len + answer_len]
     t = pool.tok
-    q_ids = pool.enc("\n\nWhich words follow \"") + quote + pool.enc("\"?")
+    q_ids = pool.enc('\n\nWhich words follow "') + quote + pool.enc('"?')
     prompt = _turn(t, body + q_ids, pool.enc("They are:"))
     at = BODY_AT + text_at[k] + s + quote_len
     return Example(prompt, answer + [t.token_to_id(END)], "doc_qa", tuple(range(at, at + len(answer))))
@@ -188,8 +206,7 @@ def tool(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     if not choices:
         return passkey(pool, rng, n_tokens)
     s, p = choices[rng.integers(len(choices))]
-    return _wrap(pool, body, f"\n\nWhich tool takes the parameter \"{p}\"?", "The tool is \"",
-                 pool.enc(s["name"]), "tool")
+    return _wrap(pool, body, f'\n\nWhich tool takes the parameter "{p}"?', 'The tool is "', pool.enc(s["name"]), "tool")
 
 
 def repeat(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
@@ -201,7 +218,7 @@ def repeat(pool: TokenPool, rng: np.random.Generator, n_tokens: int) -> Example:
     d = pool.filler_docs[rng.integers(len(pool.filler_docs))]
     m = int(rng.integers(8, 25))
     start = int(rng.integers(0, max(1, len(d) - m - 6)))
-    span = d[start:start + 6 + m].tolist()
+    span = d[start : start + 6 + m].tolist()
     head, answer = span[:6], span[6:]
     question = "\n\nContinue the text that begins as follows."
     fixed = 4 + 2 * len(span) + len(pool.enc(question)) + 1

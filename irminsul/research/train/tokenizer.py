@@ -38,8 +38,14 @@ def save_tokenizer(tok: Tokenizer, out: Path, model_max_length: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     added = {
-        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                  "single_word": False, "special": True}
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t in SPECIAL_TOKENS
     }
     config = {
@@ -56,8 +62,12 @@ def save_tokenizer(tok: Tokenizer, out: Path, model_max_length: int) -> None:
         "added_tokens_decoder": added,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    specials = {"bos_token": BOS, "eos_token": END, "pad_token": PAD,
-                "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, END, PAD)]}
+    specials = {
+        "bos_token": BOS,
+        "eos_token": END,
+        "pad_token": PAD,
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, END, PAD)],
+    }
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
 
 

@@ -101,7 +101,7 @@ class Batches:
 
     def text(self, rng, n: int) -> list[int]:
         start = int(rng.integers(0, len(self.stream) - n))
-        return self.stream[start:start + n].tolist()
+        return self.stream[start : start + n].tolist()
 
     def get(self, step: int, length: int, batch: int):
         """(inputs, targets, text mask, answer mask, source) for one step; `source[b, t]` is the
@@ -126,18 +126,23 @@ class Batches:
                     ex = ex if len(ex.ids) <= room else None  # never train on a cut-off answer
                 if ex is None:
                     text = [self.tok.token_to_id(BOS)] + self.text(rng, room) if ids else self.text(rng, room)
-                    lm[b, len(ids) + 1:len(ids) + room] = True
+                    lm[b, len(ids) + 1 : len(ids) + room] = True
                     ids += text[:room]
                     break
                 at = len(ids) + len(ex.prompt_ids)
-                ans[b, at:len(ids) + len(ex.ids)] = True
+                ans[b, at : len(ids) + len(ex.ids)] = True
                 if ex.sources is not None:
-                    src[b, at:at + ex.answer_len] = [len(ids) + i for i in ex.sources]
+                    src[b, at : at + ex.answer_len] = [len(ids) + i for i in ex.sources]
                 ids += ex.ids
             x[b] = ids
         # position t predicts token t+1: shift masks by one
-        return (torch.from_numpy(x[:, :-1]), torch.from_numpy(x[:, 1:]), torch.from_numpy(lm[:, 1:]),
-                torch.from_numpy(ans[:, 1:]), torch.from_numpy(src[:, 1:]))
+        return (
+            torch.from_numpy(x[:, :-1]),
+            torch.from_numpy(x[:, 1:]),
+            torch.from_numpy(lm[:, 1:]),
+            torch.from_numpy(ans[:, 1:]),
+            torch.from_numpy(src[:, 1:]),
+        )
 
 
 def losses(model, x, y, lm_mask, ans_mask):
@@ -158,7 +163,9 @@ class Probes:
         rng = np.random.default_rng(10_000 + cfg.seed)
         self.examples = {}
         for n in (256, 512, 1024, 2048):
-            self.examples[f"passkey@{n}"] = [tasks.passkey(held, rng, n, depth=d, n_digits=5) for d in (0.1, 0.4, 0.7, 0.95)]
+            self.examples[f"passkey@{n}"] = [
+                tasks.passkey(held, rng, n, depth=d, n_digits=5) for d in (0.1, 0.4, 0.7, 0.95)
+            ]
         for kind in ("copy", "repeat", "kv", "doc_qa", "tool"):
             self.examples[f"{kind}@512"] = [tasks.BUILDERS[kind](held, rng, 512) for _ in range(4)]
         self.windows = {}
@@ -166,7 +173,7 @@ class Probes:
         for src, docs in held.docs.items():
             stream = np.concatenate([np.concatenate([[bos], d]) for d in docs]).astype(np.int64)
             starts = np.linspace(0, max(0, len(stream) - 513), 4).astype(int)
-            self.windows[src] = torch.tensor(np.stack([stream[s:s + 513] for s in starts]))
+            self.windows[src] = torch.tensor(np.stack([stream[s : s + 513] for s in starts]))
 
     @torch.no_grad()
     def run(self, model) -> dict:
@@ -248,12 +255,16 @@ def train(cfg: TrainConfig) -> Path:
         torch.manual_seed(cfg.seed)
         per_step = _time_steps(cfg, build_model(config), batches)
         steps = int(cfg.minutes * 60 * 0.9 / per_step)  # 10% for evals and checkpoints
-        tqdm.write(f"timed {per_step:.2f} s/step -> {steps} steps for {cfg.minutes} min (reproduce with --steps {steps})")
+        tqdm.write(
+            f"timed {per_step:.2f} s/step -> {steps} steps for {cfg.minutes} min (reproduce with --steps {steps})"
+        )
     if cfg.start_step >= steps:
         from irminsul.errors import UserFacingError
 
-        raise UserFacingError(f"--start-step {cfg.start_step} is at or past the schedule's end (--steps {steps}): "
-                              f"nothing is left to train")
+        raise UserFacingError(
+            f"--start-step {cfg.start_step} is at or past the schedule's end (--steps {steps}): "
+            f"nothing is left to train"
+        )
     torch.manual_seed(cfg.seed)
     if cfg.init:
         from irminsul.research.train.checkpoint import load_checkpoint
@@ -262,15 +273,21 @@ def train(cfg: TrainConfig) -> Path:
         assert model.config.vocab_size == tok.get_vocab_size(), "the init checkpoint has another vocabulary"
     else:
         model = build_model(config).train()
-    probe = (HeadProbe(model, cfg.attn_layer % cfg.shape.layers, tuple(range(cfg.attn_heads)))
-             if cfg.attn_weight else None)
+    probe = (
+        HeadProbe(model, cfg.attn_layer % cfg.shape.layers, tuple(range(cfg.attn_heads))) if cfg.attn_weight else None
+    )
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    tqdm.write(f"{cfg.arch}: {n_params / 1e6:.2f} M params, vocab {tok.get_vocab_size()}, {steps} steps, "
-               f"{len(batches.stream) / 1e6:.2f} M text tokens; setup {time.time() - t0:.0f} s")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    tqdm.write(
+        f"{cfg.arch}: {n_params / 1e6:.2f} M params, vocab {tok.get_vocab_size()}, {steps} steps, "
+        f"{len(batches.stream) / 1e6:.2f} M text tokens; setup {time.time() - t0:.0f} s"
+    )
 
     log: list[dict] = []
     logf = (out / "log.jsonl").open("w")
@@ -287,12 +304,19 @@ def train(cfg: TrainConfig) -> Path:
         logf.flush()
 
     def snapshot(dir_name):
-        state.update(arch=cfg.arch, step=step + 1, steps=steps, tokens=tokens, params=n_params,
-                     wall_s=round(time.time() - t_train) + prior.get("wall_s", 0),
-                     config=_jsonable(asdict(cfg)) | {"steps": steps})
+        state.update(
+            arch=cfg.arch,
+            step=step + 1,
+            steps=steps,
+            tokens=tokens,
+            params=n_params,
+            wall_s=round(time.time() - t_train) + prior.get("wall_s", 0),
+            config=_jsonable(asdict(cfg)) | {"steps": steps},
+        )
         if prior:
             state["previous_stages"] = prior.get("previous_stages", []) + [
-                {k: prior[k] for k in ("step", "steps", "tokens", "wall_s", "config") if k in prior}]
+                {k: prior[k] for k in ("step", "steps", "tokens", "wall_s", "config") if k in prior}
+            ]
         save_checkpoint(model, tok, out / dir_name, state)
         plot(log, out / "loss_curve.png")
 
@@ -315,19 +339,41 @@ def train(cfg: TrainConfig) -> Path:
         extra = {}
         if probe:
             mass = probe.mass()
-            extra = {"attn": round(attn_loss.item(), 4), "copy": round(copy_loss.item(), 4),
-                     **({"mass": round(mass, 4)} if mass is not None else {})}
+            extra = {
+                "attn": round(attn_loss.item(), 4),
+                "copy": round(copy_loss.item(), 4),
+                **({"mass": round(mass, 4)} if mass is not None else {}),
+            }
             probe.target(None)  # the probes and checkpoints below run the model without targets
-        record({"step": step, "len": length, "lm": round(lm_loss.item(), 4), "ans": round(ans_loss.item(), 4), **extra,
-                "lr": opt.param_groups[0]["lr"], "tokens": tokens, "t": round(time.time() - t_train, 1)})
-        bar.set_postfix(len=length, lm=f"{lm_loss.item():.2f}", ans=f"{ans_loss.item():.2f}",
-                        **({"mass": f"{extra['mass']:.2f}"} if "mass" in extra else {}), refresh=False)
+        record(
+            {
+                "step": step,
+                "len": length,
+                "lm": round(lm_loss.item(), 4),
+                "ans": round(ans_loss.item(), 4),
+                **extra,
+                "lr": opt.param_groups[0]["lr"],
+                "tokens": tokens,
+                "t": round(time.time() - t_train, 1),
+            }
+        )
+        bar.set_postfix(
+            len=length,
+            lm=f"{lm_loss.item():.2f}",
+            ans=f"{ans_loss.item():.2f}",
+            **({"mass": f"{extra['mass']:.2f}"} if "mass" in extra else {}),
+            refresh=False,
+        )
         if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
             ev = probes.run(model)
             record({"step": step, "eval": ev, "t": round(time.time() - t_train, 1)})
-            tqdm.write(f"step {step + 1} len {length} tokens {tokens / 1e6:.2f}M | answer lp (acc): " + " ".join(
-                f"{k[3:]}={v:.2f}({ev['acc/' + k[3:]]:.2f})" for k, v in ev.items() if k.startswith("lp/")))
-            tqdm.write("  held-out loss: " + " ".join(f"{k[8:]}={v:.2f}" for k, v in ev.items() if k.startswith("heldout/")))
+            tqdm.write(
+                f"step {step + 1} len {length} tokens {tokens / 1e6:.2f}M | answer lp (acc): "
+                + " ".join(f"{k[3:]}={v:.2f}({ev['acc/' + k[3:]]:.2f})" for k, v in ev.items() if k.startswith("lp/"))
+            )
+            tqdm.write(
+                "  held-out loss: " + " ".join(f"{k[8:]}={v:.2f}" for k, v in ev.items() if k.startswith("heldout/"))
+            )
             state["eval"] = ev
             plot(log, out / "loss_curve.png")
         if time.time() - last_ckpt > cfg.ckpt_minutes * 60:

@@ -111,7 +111,7 @@ def test_entries_are_authenticated_by_the_store_secret(tmp_path):
     assert torch.equal(decode(blob, ours, 0x77).payload, e.payload)
     # an attacker without the secret replaces the rows and keeps every metadata field as it was
     (n,) = struct.unpack("<Q", blob[:8])
-    meta = json.loads(blob[8:8 + n])["__metadata__"]
+    meta = json.loads(blob[8 : 8 + n])["__metadata__"]
     tensors = load(blob)
     forged = save({"rows": torch.zeros_like(tensors["rows"]), "token_ids": tensors["token_ids"]}, metadata=meta)
     with pytest.raises(CorruptEntry, match="MAC"):

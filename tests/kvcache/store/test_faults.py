@@ -194,7 +194,7 @@ def forged(blob: bytes, **changes) -> bytes:
     from safetensors.torch import load, save
 
     (n,) = struct.unpack("<Q", blob[:8])
-    meta = {**json.loads(blob[8:8 + n])["__metadata__"], **changes}
+    meta = {**json.loads(blob[8 : 8 + n])["__metadata__"], **changes}
     return save(load(blob), metadata=meta)
 
 
@@ -202,8 +202,11 @@ def test_a_planted_disk_file_is_replaced_by_the_legitimate_write(tmp_path):
     from irminsul.kvcache.store.codec import encode
 
     disk = DiskRegistry(tmp_path, LAYOUT, budget_bytes=1 << 20)
-    for fp, blob in ((0x51, b"garbage"), (0x52, forged(encode(entry(0x52), LAYOUT), base_pos="7")),
-                     (0x53, forged(encode(entry(0x53), LAYOUT), key_id="0123456789abcdef"))):
+    for fp, blob in (
+        (0x51, b"garbage"),
+        (0x52, forged(encode(entry(0x52), LAYOUT), base_pos="7")),
+        (0x53, forged(encode(entry(0x53), LAYOUT), key_id="0123456789abcdef")),
+    ):
         disk._path(fp).write_bytes(blob)  # planted before start: the index picks it up by its name
     disk = DiskRegistry(tmp_path, LAYOUT, budget_bytes=1 << 20)
     assert len(disk) == 3
@@ -219,8 +222,11 @@ def test_a_planted_redis_value_is_replaced_and_a_racing_writer_is_not_clobbered(
 
     r = RedisRegistry(redis_proc.url, LAYOUT)
     client = redis_proc.client()
-    planted = {0x61: b"garbage", 0x62: forged(encode(entry(0x62), LAYOUT), fingerprint="00000000000000ff"),
-               0x63: forged(encode(entry(0x63), LAYOUT), key_id="0123456789abcdef")}
+    planted = {
+        0x61: b"garbage",
+        0x62: forged(encode(entry(0x62), LAYOUT), fingerprint="00000000000000ff"),
+        0x63: forged(encode(entry(0x63), LAYOUT), key_id="0123456789abcdef"),
+    }
     for fp, blob in planted.items():
         client.set(r._key(fp), blob)
     for fp in planted:
@@ -348,8 +354,14 @@ def generate(llm, registry, prompts):
     from irminsul.engine.build import build_engine
     from irminsul.engine.config import EngineConfig
 
-    config = EngineConfig.of(reuse="pic", kv_cache_gib=0.01, compile_decode=False, max_running_requests=16,
-                             decode_slowdown=None, model_id="faults")
+    config = EngineConfig.of(
+        reuse="pic",
+        kv_cache_gib=0.01,
+        compile_decode=False,
+        max_running_requests=16,
+        decode_slowdown=None,
+        model_id="faults",
+    )
     llm.engine = build_engine(config, llm.model, llm.tokenizer, registry=registry)
     out = llm.generate(prompts, max_tokens=3, ignore_eos=True)  # raises if any request failed
     return [r.token_ids for r in out], [r.stats.reused_tokens for r in out]
@@ -368,14 +380,17 @@ def store(llm, specs, raising=False) -> TieredRegistry:
     return TieredRegistry(registry.memory, [Raising(), *registry.lower]) if raising else registry
 
 
-CASES = [("disk", f) for f in (*DISK_FAULTS, "planted", "raising")] + \
-        [("redis", f) for f in ("failing", "full", "slow", "planted")] + \
-        [("disk+redis", f) for f in ("read-only", "planted")]
+CASES = (
+    [("disk", f) for f in (*DISK_FAULTS, "planted", "raising")]
+    + [("redis", f) for f in ("failing", "full", "slow", "planted")]
+    + [("disk+redis", f) for f in ("read-only", "planted")]
+)
 
 
 @pytest.mark.parametrize(("tiers", "fault"), CASES, ids=[f"{t}-{f}" for t, f in CASES])
-def test_requests_complete_with_the_same_tokens_whatever_the_store_does(llm, reference, tmp_path, redis_proc,
-                                                                         monkeypatch, caplog, tiers, fault):
+def test_requests_complete_with_the_same_tokens_whatever_the_store_does(
+    llm, reference, tmp_path, redis_proc, monkeypatch, caplog, tiers, fault
+):
     import redis
 
     specs = ([f"disk:{tmp_path}"] if "disk" in tiers else []) + ([redis_proc.url] if "redis" in tiers else [])
@@ -393,15 +408,18 @@ def test_requests_complete_with_the_same_tokens_whatever_the_store_does(llm, ref
             client.set(key, b"planted")
     elif tiers == "redis":
         if fault == "failing":
+
             def down(*args, **kwargs):
                 raise redis.ConnectionError("connection reset by peer")
+
             monkeypatch.setattr(redis.Redis, "execute_command", down)
         elif fault == "full":
             client.config_set("maxmemory", client.info("memory")["used_memory"])
         elif fault == "slow":
             real = redis.Redis.execute_command
-            monkeypatch.setattr(redis.Redis, "execute_command",
-                                lambda self, *a, **k: time.sleep(0.002) or real(self, *a, **k))
+            monkeypatch.setattr(
+                redis.Redis, "execute_command", lambda self, *a, **k: time.sleep(0.002) or real(self, *a, **k)
+            )
     elif fault != "raising":
         disk_faults.mode = fault
     with caplog.at_level(logging.WARNING, logger="irminsul.store"):

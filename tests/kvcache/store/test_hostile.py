@@ -262,8 +262,9 @@ def dripping(name: str):
     """A Redis that answers at once, an empty one, except every GET: a 1,000-byte value, a byte at a time."""
     if name == "GET":
         return [b"$1000\r\n", *(b"x" for _ in range(1000)), b"\r\n"]
-    return {"HELLO": HELLO_RESP3, "PING": b"+PONG\r\n", "DBSIZE": b":0\r\n",
-            "SCAN": b"*2\r\n$1\r\n0\r\n*0\r\n"}.get(name, b"+OK\r\n")
+    return {"HELLO": HELLO_RESP3, "PING": b"+PONG\r\n", "DBSIZE": b":0\r\n", "SCAN": b"*2\r\n$1\r\n0\r\n*0\r\n"}.get(
+        name, b"+OK\r\n"
+    )
 
 
 @pytest.fixture
