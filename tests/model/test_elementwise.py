@@ -6,7 +6,7 @@ layers compute with torch; the layers and the engine give the same results with 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from irminsul import LLM
@@ -109,6 +109,9 @@ def test_special_values_behave_as_torch(variant):
     scale=st.sampled_from([1e-3, 1.0, 40.0]),
     seed=st.integers(0, 2**16),
 )
+# a case where the sums' order moves the normalised x's rounding and the product's adds a second step
+# (more than one bf16 step apart: the bound below is two)
+@example(rows=4, d=2048, scale=1e-3, seed=50)
 def test_bf16_rms_norm_rounds_as_torchs_ops(variant, monkeypatch, rows, d, scale, seed):
     """A bf16 model's RMSNorm: what layers.RMSNorm's torch ops give in bf16 (the normalised x rounded,
     then its product with the weight), but for the float32 sum's order: all but a few elements equal,
