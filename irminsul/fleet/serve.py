@@ -67,8 +67,8 @@ def build(config: ServerConfig, fleet: FleetConfig):
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[fleet.router],  # type: ignore[arg-type]  # Ray's **kwargs annotation
             request_routing_stats_period_s=fleet.stats_period_s,  # type: ignore[arg-type]  # (the same)
-            request_routing_stats_timeout_s=max(5.0, 4 * fleet.stats_period_s),
-        ),  # type: ignore[arg-type]  # (the same)
+            request_routing_stats_timeout_s=max(5.0, 4 * fleet.stats_period_s),  # type: ignore[arg-type]  # (the same)
+        ),
         health_check_period_s=2.0,
         graceful_shutdown_timeout_s=10.0,
     )

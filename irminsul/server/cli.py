@@ -281,8 +281,8 @@ def uvicorn_config(app, config, log_level: str = "info"):
         timeout_graceful_shutdown=5,
         timeout_keep_alive=config.timeout_keep_alive,
         # uvicorn annotates `http` as a class; it only calls it, so a factory serves
-        http=functools.partial(GuardedH11Protocol, limits=limits),
-    )  # type: ignore[arg-type]
+        http=functools.partial(GuardedH11Protocol, limits=limits),  # type: ignore[arg-type]
+    )
 
 
 def check_port(host: str, port: int) -> None:

@@ -53,7 +53,7 @@ class ConnectorTiers(TieredRegistry):
     def spill(self, entry: Entry) -> None:
         """Write an entry holding its rows to every lower tier, on the tiered registry's writer thread
         (a full queue drops it, counted)."""
-        self._enqueue(entry, range(len(self.lower)))
+        self.write_lower(entry)
 
 
 def store_specs(extra: dict) -> tuple[str, ...]:

@@ -136,6 +136,12 @@ class TieredRegistry(Registry):
             self._enqueue(self._to_lower(entry), range(len(self.lower)))
         return stored
 
+    def write_lower(self, entry: Entry) -> None:
+        """Write an entry that holds its rows (as the lower tiers keep them) to every lower tier, on the
+        writer thread, not to memory: for a caller whose memory tier learns of a chunk before its rows
+        exist (the vLLM connector). A full queue drops it, counted in `dropped_writes`."""
+        self._enqueue(entry, range(len(self.lower)))
+
     def _enqueue(self, entry: Entry, tiers: range) -> None:
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="irminsul-store-writer", daemon=True)
