@@ -39,6 +39,17 @@ are counted as reuse already.
 Requests the router sent a replica since that replica's last load report count as running
 sequences on it: an unrelated burst spreads by count between reports, and a burst for one new
 document stays together while its reuse outweighs them.
+
+Bounded load (`LoadBound`, consistent hashing with bounded loads applied to work): the router keeps
+the work it sent each replica in the last `assignment_ttl_s` (the prompt tokens it expected the
+replica to compute there plus a decode estimate). A replica that this request would take above
+(1 + epsilon) x the mean of that work over the replicas, plus `slack_tokens`, is not chosen while
+another is within the bound: its cost is lifted above every replica's within it, so a caller that
+ranks by cost (the Ray router) ranks it last too. The cost's load terms are instantaneous and a
+document's reuse outweighs them, so without the bound a hot session (one document many requests
+share) keeps its home replica busiest however much of the traffic it is; with it, once its home is
+over the bound the session's next request goes to the next best replica, which computes the
+document once and shares the session from then on.
 """
 
 from __future__ import annotations
@@ -80,6 +91,21 @@ class RouterWeights:
         if self.store_credit > 1:
             raise ValueError(f"RouterWeights.store_credit={self.store_credit} is a share of a chunk's tokens: "
                              "at most 1")
+
+
+@dataclass(frozen=True)
+class LoadBound:
+    # a replica is not chosen while this request would take the work sent it in the window above
+    # (1 + epsilon) x the mean over the replicas, plus slack_tokens, and another is within the bound
+    epsilon: float = 0.2
+    # so that a new document is not copied to every replica while the window holds little work
+    slack_tokens: int = 8192
+    # a request's work beyond the prompt tokens computed: its decoded tokens, estimated
+    decode_tokens: int = 16
+
+    def __post_init__(self):
+        if self.epsilon < 0 or self.slack_tokens < 0 or self.decode_tokens < 0:
+            raise ValueError(f"{self} must have epsilon, slack_tokens and decode_tokens >= 0")
 
 
 @dataclass(frozen=True)
@@ -127,6 +153,8 @@ class Decision:
     costs: dict[str, float]  # per replica id
     cached_tokens: dict[str, int]  # prompt tokens each replica would not compute (pool and store)
     explanation: str  # one line, for a debug response header
+    # per replica id: the work it would take on (prompt tokens to compute + decode estimate)
+    work: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -147,6 +175,7 @@ class _Sent:
     replica: str
     expires: float
     fingerprints: np.ndarray = field(repr=False)
+    work: int = 0
 
 
 _DEFAULT_CHUNKER = ChunkerConfig()  # (frozen: one instance serves every router as a default)
@@ -155,13 +184,15 @@ _DEFAULT_CHUNKER = ChunkerConfig()  # (frozen: one instance serves every router 
 class ContentRouter:
     def __init__(self, model_id: str, chunker: ChunkerConfig = _DEFAULT_CHUNKER,
                  weights: RouterWeights = RouterWeights(), assignment_ttl_s: float = 30.0, clock=time.monotonic,
-                 sink: int = PlannerConfig().sink):
+                 sink: int = PlannerConfig().sink, bound: LoadBound | None = LoadBound()):
         """`model_id`, `chunker` and `sink`: the replicas' own (`KVCacheManager(model_id=...)` and its
-        planner's), or the fingerprints and the counts differ from theirs."""
+        planner's), or the fingerprints and the counts differ from theirs. `bound`: None, no bound
+        on a replica's share of the work."""
         if assignment_ttl_s < 0:
             raise ValueError(f"assignment_ttl_s={assignment_ttl_s} must be >= 0")
         self.model_id, self.chunker, self.weights, self.sink = model_id, chunker, weights, sink
-        self.assignment_ttl_s, self.clock = assignment_ttl_s, clock
+        self.assignment_ttl_s, self.clock, self.bound = assignment_ttl_s, clock, bound
+        self._work: dict[str, int] = {}  # per replica: the work sent it that has not expired
         self._seeds: dict[str, tuple[int, int]] = {}  # tenant -> (its seed, the shared namespace's)
         # the chunks sent to each replica and not yet expired: fingerprint -> expiry
         self._assigned: dict[str, dict[int, float]] = {}
@@ -200,7 +231,7 @@ class ContentRouter:
                     np.array([int(a) in store or int(b) in store
                               for a, b in zip(prompt.fingerprints, prompt.shared)], bool))
         w = self.weights
-        costs, cached, notes = {}, {}, {}
+        costs, cached, notes, work = {}, {}, {}, {}
         k, listed = len(prompt.useful), prompt.fingerprints.tolist()
         both = np.concatenate([prompt.fingerprints, prompt.shared])
         for rid, view in replicas.items():
@@ -223,14 +254,21 @@ class ContentRouter:
             to_compute = prompt.n_tokens - resident - w.store_credit * stored
             costs[rid] = w.compute * to_compute + w.queued * queued + w.running * running
             cached[rid] = resident + stored
+            work[rid] = prompt.n_tokens - resident - stored + (self.bound.decode_tokens if self.bound else 0)
             notes[rid] = (f"{rid}: cost {costs[rid]:.0f} (reuse {resident}/{prompt.n_tokens}"
                           + (f", store {stored}" if stored else "")
                           + (f", queued {queued}" if queued else "")
                           + f", running {running})")
+        over = self._over_bound(replicas, work)
+        if over:
+            lift = max(costs[r] for r in replicas if r not in over) - min(costs[r] for r in over) + 1
+            for rid in over:
+                costs[rid] += max(0.0, lift)
+                notes[rid] = notes[rid][:-1] + ", over the load bound)"
         # ties: the less loaded, then the replica id, so the same state always gives the same choice
         order = sorted(replicas, key=lambda r: (costs[r], replicas[r].load.running + replicas[r].load.waiting, r))
         shown = " < ".join(notes[r] for r in order[:3]) + (f" < {len(order) - 3} more" if len(order) > 3 else "")
-        decision = Decision(order[0], costs, cached, shown)
+        decision = Decision(order[0], costs, cached, shown, work)
         self._last = decision, prompt
         return decision
 
@@ -246,7 +284,9 @@ class ContentRouter:
         assigned = self._assigned.setdefault(decision.replica, {})
         for f in prompt.fingerprints.tolist():
             assigned[f] = expires
-        self._sent.append(_Sent(decision.replica, expires, prompt.fingerprints))
+        work = decision.work.get(decision.replica, 0)
+        self._sent.append(_Sent(decision.replica, expires, prompt.fingerprints, work))
+        self._work[decision.replica] = self._work.get(decision.replica, 0) + work
         reports = self._reports_seen.get(decision.replica, 0)
         pending = self._unreported.get(decision.replica)
         if pending is None or pending[0] != reports:
@@ -259,6 +299,7 @@ class ContentRouter:
         self._sent = deque(s for s in self._sent if s.replica != replica_id)
         self._unreported.pop(replica_id, None)
         self._reports_seen.pop(replica_id, None)
+        self._work.pop(replica_id, None)
         if self._last is not None and self._last[0].replica == replica_id:
             self._last = None
 
@@ -266,6 +307,23 @@ class ContentRouter:
         """Chunks the router sent the replica that have not expired yet."""
         self._expire()
         return len(self._assigned.get(replica_id, ()))
+
+    def sent_work(self, replica_id: str) -> int:
+        """The work the router sent the replica that has not expired yet."""
+        self._expire()
+        return self._work.get(replica_id, 0)
+
+    def _over_bound(self, replicas: Mapping[str, ReplicaView], work: dict[str, int]) -> set[str]:
+        """The replicas this request would take above the load bound, if another stays within it."""
+        if self.bound is None or len(replicas) < 2:
+            return set()
+        total = sum(self._work.get(r, 0) for r in replicas)
+        over = set()
+        for rid in replicas:
+            mean = (total + work[rid]) / len(replicas)
+            if self._work.get(rid, 0) + work[rid] > (1 + self.bound.epsilon) * mean + self.bound.slack_tokens:
+                over.add(rid)
+        return over if len(over) < len(replicas) else set()
 
     def _sent_since_report(self, replica_id: str, reports: int) -> int:
         """Requests sent to the replica since its load report number `reports` (and not expired)."""
@@ -281,6 +339,8 @@ class ContentRouter:
         now = self.clock()
         while self._sent and self._sent[0].expires <= now:
             sent = self._sent.popleft()
+            if sent.replica in self._work:
+                self._work[sent.replica] -= sent.work
             assigned = self._assigned.get(sent.replica, {})
             for f in sent.fingerprints.tolist():
                 if assigned.get(f, now + 1) <= now:  # (a later send of the same chunk keeps it)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from irminsul.fleet.router import ContentRouter, ReplicaLoad, ReplicaView, RouterWeights
+from irminsul.fleet.router import ContentRouter, LoadBound, ReplicaLoad, ReplicaView, RouterWeights
 from irminsul.kvcache.chunker import ChunkerConfig, namespace_seed
 from irminsul.kvcache.journal import ChunkJournal
 from irminsul.kvcache.planner import Planner, PlannerConfig
@@ -68,11 +68,13 @@ class FleetConfig:
     bytes_per_token: int = BYTES_PER_TOKEN
     model_id: str = "replay"
     weights: RouterWeights = field(default_factory=RouterWeights)
+    bound: LoadBound | None = field(default_factory=LoadBound)  # the content router's (None: no bound)
     assignment_ttl_s: float = 30.0
     poll_s: float = 1.0  # the content router reads every replica's journal this often
     tokens_per_s: float = 20_000.0  # a replica's prefill rate
     offered_load: float = 0.5  # arrival rate: this share of the fleet's prefill rate at the best reuse
     decode_s: float = 0.5  # in flight after its prefill
+    decode_tokens: int = 16  # a request's decoded tokens, for its work (bench_fleet's max_tokens)
     ray_match_threshold: float = 0.1  # Ray's match_rate_threshold
     ray_imbalanced_threshold: int = 10  # Ray's imbalanced_threshold, in requests
     sglang_cache_threshold: float = 0.3
@@ -98,6 +100,8 @@ class FleetResult:
     seconds: float
     ttft_p50_s: float = 0.0  # the load model's TTFT: queue wait + own prefill
     ttft_p95_s: float = 0.0
+    # prompt tokens each replica computed plus the tokens it decoded (empty: the requests stand in)
+    work_per_replica: tuple[int, ...] = ()
 
     @property
     def reuse(self) -> float:
@@ -106,6 +110,14 @@ class FleetResult:
 
     @property
     def max_share(self) -> float:
+        """The busiest replica's share of the work: prompt tokens computed plus tokens decoded."""
+        if not self.work_per_replica:
+            return self.max_request_share
+        total = sum(self.work_per_replica)
+        return max(self.work_per_replica) / total if total else 0.0
+
+    @property
+    def max_request_share(self) -> float:
         """The busiest replica's share of the requests."""
         return max(self.requests_per_replica) / self.requests if self.requests else 0.0
 
@@ -226,7 +238,7 @@ def simulate(trace: Sequence[tuple[str, Rendered]], policy: str, replicas: int, 
     now, next_poll = 0.0, 0.0
     if policy == "content":
         router = ContentRouter(config.model_id, config.chunker, config.weights, config.assignment_ttl_s,
-                               clock=lambda: now, sink=config.sink)
+                               clock=lambda: now, sink=config.sink, bound=config.bound)
         views = {n: ReplicaView(n) for n in names}
     elif policy in ("prefix", "sglang"):
         prefix = _PrefixRouter(names, config, policy == "sglang", rng)
@@ -259,7 +271,8 @@ def simulate(trace: Sequence[tuple[str, Rendered]], policy: str, replicas: int, 
     ttfts = np.array([t for f in fleet.values() for t in f.ttfts]) if trace else np.zeros(1)
     return FleetResult(policy, replicas, len(trace), prompt_tokens, sum(f.computed for f in fleet.values()),
                        tuple(f.requests for f in fleet.values()), time.perf_counter() - start,
-                       float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 95)))
+                       float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 95)),
+                       tuple(f.computed + f.requests * config.decode_tokens for f in fleet.values()))
 
 
 def run_fleet(trace: Sequence[tuple[str, Rendered]], replicas: Sequence[int], policies: Sequence[str],

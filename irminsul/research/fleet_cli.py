@@ -44,17 +44,20 @@ def _fleet(args) -> int:
     if args.json:
         print(json.dumps({"trace": str(args.trace), "pool_tokens": pool, "distinct_tokens": ref.distinct_tokens,
                           "offered_load": args.offered_load, "weights": dataclasses.asdict(weights),
-                          "results": [{**dataclasses.asdict(r), "reuse": r.reuse, "max_share": r.max_share}
+                          "results": [{**dataclasses.asdict(r), "reuse": r.reuse, "max_share": r.max_share,
+                                       "max_request_share": r.max_request_share}
                                       for r in results]}))
         return 0
     prompt = results[0].prompt_tokens if results else 0
     print(f"{args.trace}: {len(trace)} requests, {prompt} prompt tokens, {ref.distinct_tokens} distinct "
           f"content tokens; pool {pool} tokens per replica; offered load {args.offered_load}")
     rows = [(r.replicas, r.policy, pct(r.reuse), r.computed_tokens,
-             "-" if r.policy == "perfect" else pct(r.max_share), f"{r.ttft_p50_s:.3f}", f"{r.ttft_p95_s:.3f}",
+             "-" if r.policy == "perfect" else pct(r.max_share),
+             "-" if r.policy == "perfect" else pct(r.max_request_share), f"{r.ttft_p50_s:.3f}", f"{r.ttft_p95_s:.3f}",
              f"{r.seconds:.1f}") for r in results]
-    print(table(("replicas", "policy", "reuse", "computed tokens", "max share", "TTFT p50 s", "TTFT p95 s",
+    print(table(("replicas", "policy", "reuse", "computed tokens", "busiest work", "busiest requests", "TTFT p50 s", "TTFT p95 s",
                  "seconds"), rows))
+    print("busiest: the busiest replica's share of the work (prompt tokens computed + decoded) and of the requests")
     print(f"TTFT: the load model's, queue wait + own prefill at {config.tokens_per_s:,.0f} tokens/s a replica "
           "(perfect: one queue at N x that rate)")
     return 0

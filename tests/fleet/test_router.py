@@ -2,6 +2,8 @@
 it holds, what the router sent it lately, and its load. Replicas here are real KV managers (no
 model: their rows are never computed) or bare journals."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from irminsul.engine.sampling import SamplingParams
 from irminsul.engine.sequence import Sequence
 from irminsul.fleet import fingerprints
 from irminsul.fleet.fingerprints import FingerprintSet
-from irminsul.fleet.router import ContentRouter, NoReplicas, ReplicaLoad, ReplicaView, RouterWeights
+from irminsul.fleet.router import ContentRouter, LoadBound, NoReplicas, ReplicaLoad, ReplicaView, RouterWeights
 from irminsul.kvcache.journal import ChunkJournal
 from irminsul.kvcache.manager import KVCacheManager
 from irminsul.kvcache.pool import LatentPool
@@ -268,3 +270,48 @@ def test_a_queue_computing_the_prompts_own_document_does_not_push_the_burst_away
     replicas[first.replica].chunks.add(router.chunks(burst[1]).fingerprints)
     decision = router.choose(burst[1], replicas)
     assert f"queued {len(burst[0])}" in decision.explanation
+
+
+def test_a_hot_session_spills_once_its_home_is_over_the_load_bound():
+    """Within the bound reuse wins: every turn of a hot document goes home; with no slack, the home is
+    over (1 + epsilon) x the mean of the work sent as soon as it holds it all, and the next turn
+    computes the document on the other replica, which then shares the session."""
+    question = [tokens(50 + i, 40) for i in range(6)]
+    for slack, want in ((1 << 20, ["r0"] * 6), (0, ["r0", "r1"])):
+        router = ContentRouter(MODEL, bound=LoadBound(epsilon=0.2, slack_tokens=slack))
+        replicas, chosen = fleet(2), []
+        for q in question:
+            decision = router.choose(DOC + q, replicas)
+            router.record(decision, DOC + q)
+            chosen.append(decision.replica)
+        assert chosen[:len(want)] == want, (slack, chosen)
+    # once both hold it, each turn goes where less work was sent: the session is split in two
+    assert set(chosen) == {"r0", "r1"} and abs(router.sent_work("r0") - router.sent_work("r1")) < len(DOC)
+
+
+def test_the_load_bound_lifts_the_cost_above_every_replica_within_it():
+    router, replicas = ContentRouter(MODEL, bound=LoadBound(epsilon=0.0, slack_tokens=0)), fleet(3)
+    replicas["r0"].chunks.add(router.chunks(DOC).fingerprints)
+    first = router.choose(DOC, replicas)
+    assert first.replica == "r0" and first.work["r0"] < first.work["r1"]
+    for i in range(3):  # unrelated prompts r0 took: it is busiest
+        other = tokens(400 + i, 900)
+        router.record(dataclasses.replace(router.choose(other, replicas), replica="r0"), other)
+    decision = router.choose(DOC, replicas)  # r0 now above the mean: ranked last, whatever its reuse
+    assert decision.replica != "r0" and max(decision.costs, key=decision.costs.get) == "r0"
+    assert "over the load bound" in decision.explanation
+    # no bound: reuse wins however much was sent
+    router = ContentRouter(MODEL, bound=None)
+    router.record(router.choose(DOC, replicas), DOC)
+    assert router.choose(DOC, replicas).replica == "r0"
+
+
+def test_sent_work_expires_with_the_assignments():
+    now = [0.0]
+    router, replicas = ContentRouter(MODEL, assignment_ttl_s=5.0, clock=lambda: now[0]), fleet(2)
+    router.record(router.choose(DOC, replicas), DOC)
+    assert router.sent_work("r0") == len(DOC) + 16  # nothing held: every prompt token is computed
+    now[0] = 5.0
+    assert router.sent_work("r0") == 0
+    with pytest.raises(ValueError):
+        LoadBound(epsilon=-1)

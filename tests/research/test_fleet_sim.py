@@ -110,3 +110,20 @@ def test_perfect_computes_at_the_fleets_rate(results):
     """perfect is one queue with N replicas' rate: it waits no longer than a fleet of N queues."""
     for n in (2, 4):
         assert results[n, "perfect"].ttft_p50_s <= results[n, "p2c"].ttft_p50_s
+
+
+def test_the_skewed_trace_keeps_the_busiest_replica_within_the_share_bound():
+    """The skewed pattern over shipped MuSiQue: at N = 2 the content router gives no replica more
+    than 1.25 x 1/N of the work (prompt tokens computed + decoded), and the work adds up."""
+    from irminsul.research.workloads.builders import build_source
+    from irminsul.research.workloads.patterns import apply_pattern
+    from irminsul.research.workloads.render import render_trace
+
+    requests = apply_pattern("skewed", build_source("musique", n=40))
+    assert len({r.session for r in requests}) < 40  # (a heavy tail: some sessions never come back)
+    trace = list(render_trace(requests, "deepseek"))
+    ref = reference(trace, FleetConfig(pool_tokens=1))
+    config = FleetConfig(pool_tokens=ref.distinct_tokens // 2)
+    r = simulate(trace, "content", 2, config, ref.interval_s(len(trace), 2, config))
+    assert r.max_share <= 0.625, r
+    assert sum(r.work_per_replica) == r.computed_tokens + r.requests * config.decode_tokens

@@ -8,6 +8,8 @@ seeded (`random.Random(seed)`, nothing global) and its knobs are keyword argumen
 - `compact`: older turns of a session replaced by a summary once the history grows.
 - `rerank`: the same retrieved passages again, in another order and subset.
 - `tool_variants`: other subsets and orders of the same tool schemas.
+- `skewed`: multi-session RAG whose sessions' sizes are heavy-tailed: a few hot sessions carry
+  most of the requests, interleaved with many small ones.
 - `raw`: the source as it is.
 """
 
@@ -173,9 +175,53 @@ def tool_variants(requests: list[TraceRequest], seed: int = 0, keep: tuple[float
     return out
 
 
+def skewed(requests: list[TraceRequest], seed: int = 0, per_source: int = 4, zipf: float = 1.2,
+           new_passages: tuple[int, int] = (1, 3), keep_turns: int = 2) -> list[TraceRequest]:
+    """Multi-turn RAG sessions whose sizes follow a heavy tail. Each source RAG request opens a
+    session; `per_source` x sources requests follow, each a turn of a session drawn with probability
+    proportional to 1 / rank ** `zipf` (ranks shuffled, so the hot sessions interleave with the rest
+    throughout). A turn retrieves `new_passages` passages new to its session (drawn from all the
+    source's passages) and asks a source question; the prompt carries the session's last
+    `keep_turns` turns (their passages, questions and a stand-in answer) before it. Passages are dealt
+    from the source's, shuffled, without repeats until every one has been dealt: reuse comes from the
+    sessions' own history, not from passages recurring by chance."""
+    rng = random.Random(seed)
+    sources, passages, qa = [], [], []
+    for r in requests:
+        idx = next((i for i, m in enumerate(r.messages) if isinstance(m.get("content"), list)), None)
+        if idx is None:
+            raise UserFacingError("skewed needs requests with retrieved passages as text parts (musique)")
+        sources.append((r, idx))
+        passages += r.messages[idx]["content"][:-1]
+        qa.append(r.messages[idx]["content"][-1])
+    if not sources:
+        return []
+    ranks = list(range(len(sources)))
+    rng.shuffle(ranks)
+    weights = [1 / (ranks[s] + 1) ** zipf for s in range(len(sources))]
+    history: dict[int, list[dict]] = {}  # session -> its turns' messages so far
+    deck: list[dict] = []
+    out = []
+    for s in rng.choices(range(len(sources)), weights, k=per_source * len(sources)):
+        r, idx = sources[s]
+        turns = history.setdefault(s, [])
+        question = rng.randrange(len(qa))
+        dealt = []
+        for _ in range(rng.randint(*new_passages)):
+            if not deck:
+                deck = rng.sample(passages, len(passages))
+            dealt.append(deck.pop())
+        turn = {**r.messages[idx], "content": dealt + [qa[question]]}
+        kept = turns[-2 * keep_turns:] if keep_turns else []
+        out.append(replace(r, session=f"skewed-{s}", messages=(*r.messages[:idx], *kept, turn)))
+        answer = {"role": "assistant", "content": f"Answer {question}."}
+        turns += [turn, answer]
+    return out
+
+
 PATTERNS: dict[str, Callable[..., list[TraceRequest]]] = {
     "raw": raw, "agent_meta": agent_meta, "sysvar": sysvar, "compact": compact,
-    "rerank": rerank, "tool_variants": tool_variants,
+    "rerank": rerank, "tool_variants": tool_variants, "skewed": skewed,
 }
 
 
