@@ -89,8 +89,9 @@ class RouterWeights:
             if getattr(self, name) < 0:
                 raise ValueError(f"RouterWeights.{name}={getattr(self, name)} must be >= 0")
         if self.store_credit > 1:
-            raise ValueError(f"RouterWeights.store_credit={self.store_credit} is a share of a chunk's tokens: "
-                             "at most 1")
+            raise ValueError(
+                f"RouterWeights.store_credit={self.store_credit} is a share of a chunk's tokens: at most 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class Decision:
 @dataclass(frozen=True)
 class PromptChunks:
     """A prompt as the replicas' registries key it."""
+
     n_tokens: int
     fingerprints: np.ndarray  # [k] uint64, the tenant's namespace
     shared: np.ndarray  # [k] uint64, the same chunks in the operator's shared namespace
@@ -182,9 +184,16 @@ _DEFAULT_CHUNKER = ChunkerConfig()  # (frozen: one instance serves every router 
 
 
 class ContentRouter:
-    def __init__(self, model_id: str, chunker: ChunkerConfig = _DEFAULT_CHUNKER,
-                 weights: RouterWeights = RouterWeights(), assignment_ttl_s: float = 30.0, clock=time.monotonic,
-                 sink: int = PlannerConfig().sink, bound: LoadBound | None = LoadBound()):
+    def __init__(
+        self,
+        model_id: str,
+        chunker: ChunkerConfig = _DEFAULT_CHUNKER,
+        weights: RouterWeights = RouterWeights(),
+        assignment_ttl_s: float = 30.0,
+        clock=time.monotonic,
+        sink: int = PlannerConfig().sink,
+        bound: LoadBound | None = LoadBound(),
+    ):
         """`model_id`, `chunker` and `sink`: the replicas' own (`KVCacheManager(model_id=...)` and its
         planner's), or the fingerprints and the counts differ from theirs. `bound`: None, no bound
         on a replica's share of the work."""
@@ -215,21 +224,31 @@ class ContentRouter:
         cut = chunk(ids, self.chunker, seed, segment_starts)
         starts, ends = np.array([c.start for c in cut], np.int64), np.array([c.end for c in cut], np.int64)
         fps = np.array([c.fingerprint for c in cut], np.uint64)
-        shared = np.array([fingerprint(ids[c.start:c.end], shared_seed) for c in cut], np.uint64)
+        shared = np.array([fingerprint(ids[c.start : c.end], shared_seed) for c in cut], np.uint64)
         useful = np.maximum(0, np.minimum(ends, n - 1) - np.maximum(starts, self.sink))
         return PromptChunks(n, fps, shared, useful.astype(np.int64))
 
     # -- choosing -----------------------------------------------------------------------
 
-    def choose(self, token_ids, replicas: Mapping[str, ReplicaView], segment_starts=None, tenant: str = "",
-               store: Container[int] | None = None) -> Decision:
+    def choose(
+        self,
+        token_ids,
+        replicas: Mapping[str, ReplicaView],
+        segment_starts=None,
+        tenant: str = "",
+        store: Container[int] | None = None,
+    ) -> Decision:
         if not replicas:
             raise NoReplicas("no replica to route to: none has started, or every one has left the fleet")
         self._expire()
         prompt = self.chunks(token_ids, segment_starts, tenant)
-        in_store = (np.zeros(len(prompt.useful), bool) if store is None else
-                    np.array([int(a) in store or int(b) in store
-                              for a, b in zip(prompt.fingerprints, prompt.shared)], bool))
+        in_store = (
+            np.zeros(len(prompt.useful), bool)
+            if store is None
+            else np.array(
+                [int(a) in store or int(b) in store for a, b in zip(prompt.fingerprints, prompt.shared)], bool
+            )
+        )
         w = self.weights
         costs, cached, notes, work = {}, {}, {}, {}
         k, listed = len(prompt.useful), prompt.fingerprints.tolist()
@@ -255,10 +274,12 @@ class ContentRouter:
             costs[rid] = w.compute * to_compute + w.queued * queued + w.running * running
             cached[rid] = resident + stored
             work[rid] = prompt.n_tokens - resident - stored + (self.bound.decode_tokens if self.bound else 0)
-            notes[rid] = (f"{rid}: cost {costs[rid]:.0f} (reuse {resident}/{prompt.n_tokens}"
-                          + (f", store {stored}" if stored else "")
-                          + (f", queued {queued}" if queued else "")
-                          + f", running {running})")
+            notes[rid] = (
+                f"{rid}: cost {costs[rid]:.0f} (reuse {resident}/{prompt.n_tokens}"
+                + (f", store {stored}" if stored else "")
+                + (f", queued {queued}" if queued else "")
+                + f", running {running})"
+            )
         over = self._over_bound(replicas, work)
         if over:
             lift = max(costs[r] for r in replicas if r not in over) - min(costs[r] for r in over) + 1

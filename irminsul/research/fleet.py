@@ -131,9 +131,13 @@ class SimReplica:
         self.tokens_per_s = tokens_per_s or config.tokens_per_s
         self.registry = MemoryRegistry(budget)
         self.radix = RadixCache(budget, config.bytes_per_token)
-        self.planner = Planner(PlannerConfig(chunker=config.chunker, sink=config.sink, window=config.window),
-                               self.registry, self.radix, WindowIndex(config.window),
-                               seed=namespace_seed(config.model_id))
+        self.planner = Planner(
+            PlannerConfig(chunker=config.chunker, sink=config.sink, window=config.window),
+            self.registry,
+            self.radix,
+            WindowIndex(config.window),
+            seed=namespace_seed(config.model_id),
+        )
         self.journal = ChunkJournal()  # wired as ReuseCache (kvcache/caches.py) wires its own
         self.registry.on_store.append(lambda entry: self.journal.added(entry.fingerprint))
         self.registry.on_evict.append(lambda entry: self.journal.removed(entry.fingerprint))
@@ -146,8 +150,12 @@ class SimReplica:
         """Plan, register and insert the prompt as the engine does after a request; its computed
         tokens join the queue (its TTFT: when the queue has computed them). Returns them."""
         plan = self.planner.plan(tokens, segments)
-        self.planner.register(plan, rows_of=lambda a, b: None,
-                              nbytes_of=lambda k: k * self.config.bytes_per_token, segment_starts=segments)
+        self.planner.register(
+            plan,
+            rows_of=lambda a, b: None,
+            nbytes_of=lambda k: k * self.config.bytes_per_token,
+            segment_starts=segments,
+        )
         self.radix.insert(tokens, None)
         self.planner.release(plan)
         computed = plan.stats.computed_tokens
@@ -203,6 +211,7 @@ def _two_choices(names: list[str], flights: dict[str, int], rng: random.Random) 
 @dataclass(frozen=True)
 class Reference:
     """One replica with an unbounded pool over the trace."""
+
     distinct_tokens: int  # tokens of the content chunks it ends up holding: the trace's distinct content
     computed_tokens: int  # what it computes: the least any fleet can
 
@@ -219,8 +228,14 @@ def reference(trace: Sequence[tuple[str, Rendered]], config: FleetConfig) -> Ref
     return Reference(replica.registry.stats.bytes // config.bytes_per_token, replica.computed)
 
 
-def simulate(trace: Sequence[tuple[str, Rendered]], policy: str, replicas: int, config: FleetConfig,
-             interval_s: float, progress: bool = False) -> FleetResult:
+def simulate(
+    trace: Sequence[tuple[str, Rendered]],
+    policy: str,
+    replicas: int,
+    config: FleetConfig,
+    interval_s: float,
+    progress: bool = False,
+) -> FleetResult:
     """Replay `trace` over `replicas` replicas routed by `policy`, a request every `interval_s`."""
     from tqdm import tqdm
 
@@ -237,8 +252,15 @@ def simulate(trace: Sequence[tuple[str, Rendered]], policy: str, replicas: int, 
     router = views = prefix = None
     now, next_poll = 0.0, 0.0
     if policy == "content":
-        router = ContentRouter(config.model_id, config.chunker, config.weights, config.assignment_ttl_s,
-                               clock=lambda: now, sink=config.sink, bound=config.bound)
+        router = ContentRouter(
+            config.model_id,
+            config.chunker,
+            config.weights,
+            config.assignment_ttl_s,
+            clock=lambda: now,
+            sink=config.sink,
+            bound=config.bound,
+        )
         views = {n: ReplicaView(n) for n in names}
     elif policy in ("prefix", "sglang"):
         prefix = _PrefixRouter(names, config, policy == "sglang", rng)
@@ -269,14 +291,28 @@ def simulate(trace: Sequence[tuple[str, Rendered]], policy: str, replicas: int, 
                 name = min(names, key=lambda n: (flights[n], fleet[n].load(now).queued_prefill_tokens, n))
         fleet[name].serve(now, tokens, segments)
     ttfts = np.array([t for f in fleet.values() for t in f.ttfts]) if trace else np.zeros(1)
-    return FleetResult(policy, replicas, len(trace), prompt_tokens, sum(f.computed for f in fleet.values()),
-                       tuple(f.requests for f in fleet.values()), time.perf_counter() - start,
-                       float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 95)),
-                       tuple(f.computed + f.requests * config.decode_tokens for f in fleet.values()))
+    return FleetResult(
+        policy,
+        replicas,
+        len(trace),
+        prompt_tokens,
+        sum(f.computed for f in fleet.values()),
+        tuple(f.requests for f in fleet.values()),
+        time.perf_counter() - start,
+        float(np.percentile(ttfts, 50)),
+        float(np.percentile(ttfts, 95)),
+        tuple(f.computed + f.requests * config.decode_tokens for f in fleet.values()),
+    )
 
 
-def run_fleet(trace: Sequence[tuple[str, Rendered]], replicas: Sequence[int], policies: Sequence[str],
-              config: FleetConfig, ref: Reference, progress: bool = False) -> list[FleetResult]:
+def run_fleet(
+    trace: Sequence[tuple[str, Rendered]],
+    replicas: Sequence[int],
+    policies: Sequence[str],
+    config: FleetConfig,
+    ref: Reference,
+    progress: bool = False,
+) -> list[FleetResult]:
     """Every policy at every fleet size (`ref`: the trace's `reference`, for the arrival rate)."""
     from tqdm import tqdm
 
@@ -286,5 +322,7 @@ def run_fleet(trace: Sequence[tuple[str, Rendered]], replicas: Sequence[int], po
 
         raise UserFacingError(f"unknown policies {sorted(unknown)}: use {', '.join(POLICIES)}")
     grid = [(n, p) for n in replicas for p in policies]
-    return [simulate(trace, p, n, config, ref.interval_s(len(trace), n, config), progress=progress)
-            for n, p in tqdm(grid, desc="fleet", disable=not progress)]
+    return [
+        simulate(trace, p, n, config, ref.interval_s(len(trace), n, config), progress=progress)
+        for n, p in tqdm(grid, desc="fleet", disable=not progress)
+    ]

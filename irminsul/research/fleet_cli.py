@@ -42,37 +42,94 @@ def _fleet(args) -> int:
     config = dataclasses.replace(config, pool_tokens=pool)
     results = run_fleet(trace, args.replicas, policies, config, ref, progress=True)
     if args.json:
-        print(json.dumps({"trace": str(args.trace), "pool_tokens": pool, "distinct_tokens": ref.distinct_tokens,
-                          "offered_load": args.offered_load, "weights": dataclasses.asdict(weights),
-                          "results": [{**dataclasses.asdict(r), "reuse": r.reuse, "max_share": r.max_share,
-                                       "max_request_share": r.max_request_share}
-                                      for r in results]}))
+        print(
+            json.dumps(
+                {
+                    "trace": str(args.trace),
+                    "pool_tokens": pool,
+                    "distinct_tokens": ref.distinct_tokens,
+                    "offered_load": args.offered_load,
+                    "weights": dataclasses.asdict(weights),
+                    "results": [
+                        {
+                            **dataclasses.asdict(r),
+                            "reuse": r.reuse,
+                            "max_share": r.max_share,
+                            "max_request_share": r.max_request_share,
+                        }
+                        for r in results
+                    ],
+                }
+            )
+        )
         return 0
     prompt = results[0].prompt_tokens if results else 0
-    print(f"{args.trace}: {len(trace)} requests, {prompt} prompt tokens, {ref.distinct_tokens} distinct "
-          f"content tokens; pool {pool} tokens per replica; offered load {args.offered_load}")
-    rows = [(r.replicas, r.policy, pct(r.reuse), r.computed_tokens,
-             "-" if r.policy == "perfect" else pct(r.max_share),
-             "-" if r.policy == "perfect" else pct(r.max_request_share), f"{r.ttft_p50_s:.3f}", f"{r.ttft_p95_s:.3f}",
-             f"{r.seconds:.1f}") for r in results]
-    print(table(("replicas", "policy", "reuse", "computed tokens", "busiest work", "busiest requests", "TTFT p50 s", "TTFT p95 s",
-                 "seconds"), rows))
+    print(
+        f"{args.trace}: {len(trace)} requests, {prompt} prompt tokens, {ref.distinct_tokens} distinct "
+        f"content tokens; pool {pool} tokens per replica; offered load {args.offered_load}"
+    )
+    rows = [
+        (
+            r.replicas,
+            r.policy,
+            pct(r.reuse),
+            r.computed_tokens,
+            "-" if r.policy == "perfect" else pct(r.max_share),
+            "-" if r.policy == "perfect" else pct(r.max_request_share),
+            f"{r.ttft_p50_s:.3f}",
+            f"{r.ttft_p95_s:.3f}",
+            f"{r.seconds:.1f}",
+        )
+        for r in results
+    ]
+    print(
+        table(
+            (
+                "replicas",
+                "policy",
+                "reuse",
+                "computed tokens",
+                "busiest work",
+                "busiest requests",
+                "TTFT p50 s",
+                "TTFT p95 s",
+                "seconds",
+            ),
+            rows,
+        )
+    )
     print("busiest: the busiest replica's share of the work (prompt tokens computed + decoded) and of the requests")
-    print(f"TTFT: the load model's, queue wait + own prefill at {config.tokens_per_s:,.0f} tokens/s a replica "
-          "(perfect: one queue at N x that rate)")
+    print(
+        f"TTFT: the load model's, queue wait + own prefill at {config.tokens_per_s:,.0f} tokens/s a replica "
+        "(perfect: one queue at N x that rate)"
+    )
     return 0
 
 
 def register_bench(bench_subparsers) -> None:
     f = bench_subparsers.add_parser("fleet", help="simulate a fleet of replicas per routing policy, model-free")
     f.add_argument("trace", help="trace JSONL (irminsul workloads build ...)")
-    f.add_argument("--replicas", type=_sizes, default=[1, 2, 4, 8, 16, 32, 64], metavar="N,N,...",
-                   help="fleet sizes (default 1,2,4,8,16,32,64)")
-    f.add_argument("--pool-tokens", type=at_least(1), default=None, metavar="N",
-                   help="each replica's pool in tokens (default: half the trace's distinct content)")
+    f.add_argument(
+        "--replicas",
+        type=_sizes,
+        default=[1, 2, 4, 8, 16, 32, 64],
+        metavar="N,N,...",
+        help="fleet sizes (default 1,2,4,8,16,32,64)",
+    )
+    f.add_argument(
+        "--pool-tokens",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="each replica's pool in tokens (default: half the trace's distinct content)",
+    )
     f.add_argument("--policies", nargs="+", default=None, help="a subset of the policies (default: all)")
-    f.add_argument("--offered-load", type=float, default=0.5,
-                   help="arrivals keep the fleet this busy at the best reuse (default 0.5)")
+    f.add_argument(
+        "--offered-load",
+        type=float,
+        default=0.5,
+        help="arrivals keep the fleet this busy at the best reuse (default 0.5)",
+    )
     f.add_argument("--queued-weight", type=float, default=1.0, help="the content router's queued weight")
     f.add_argument("--running-weight", type=float, default=32.0, help="the content router's running weight")
     f.add_argument("--tokenizer", default="deepseek", help="deepseek (default), qwen2 or a tokenizer directory")

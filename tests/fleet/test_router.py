@@ -33,14 +33,20 @@ DOC = tokens(1, 900)
 
 
 def manager(tenant: str = "", rows: int = 4000) -> KVCacheManager:
-    return KVCacheManager("pic", LatentPool(CFG, rows + 1, torch.float32), CFG.num_hidden_layers,
-                          tenant=tenant, model_id=MODEL)
+    return KVCacheManager(
+        "pic", LatentPool(CFG, rows + 1, torch.float32), CFG.num_hidden_layers, tenant=tenant, model_id=MODEL
+    )
 
 
 def serve(kv: KVCacheManager, prompt, segment_starts=None, tenant=None) -> None:
     """Admit a prompt, 'compute' its rows, finish it: its chunks go to the registry (and journal)."""
-    seq = Sequence(tokens=list(prompt), prompt_len=len(prompt), params=SamplingParams(max_tokens=1),
-                   segment_starts=segment_starts, tenant=tenant)
+    seq = Sequence(
+        tokens=list(prompt),
+        prompt_len=len(prompt),
+        params=SamplingParams(max_tokens=1),
+        segment_starts=segment_starts,
+        tenant=tenant,
+    )
     # as the scheduler admits one: the admission, then fresh rows for the positions it computes
     seq.admit(kv.admission(seq))
     if len(seq.pending):
@@ -175,7 +181,9 @@ def test_the_explanation_names_the_numbers():
     replicas["r1"].load = ReplicaLoad(running=3, queued_prefill_tokens=120)
     decision = router.choose(DOC, replicas)
     cached = decision.cached_tokens["r3"]
-    assert decision.explanation.startswith(f"r3: cost {decision.costs['r3']:.0f} (reuse {cached}/{len(DOC)}, running 0)")
+    assert decision.explanation.startswith(
+        f"r3: cost {decision.costs['r3']:.0f} (reuse {cached}/{len(DOC)}, running 0)"
+    )
     assert " < r0: cost 900 (reuse 0/900, running 0)" in decision.explanation
     assert decision.explanation.endswith("< 2 more") and "\n" not in decision.explanation
     only_r1 = router.choose(DOC, {"r1": replicas["r1"]})
@@ -196,8 +204,11 @@ def test_weights_are_checked():
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "remove", "replace"]),
-                              st.lists(st.integers(0, 40), max_size=12)), max_size=40))
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "remove", "replace"]), st.lists(st.integers(0, 40), max_size=12)), max_size=40
+    )
+)
 def test_the_compact_set_is_a_set(ops):
     fingerprints.MERGE_MIN, saved = 3, fingerprints.MERGE_MIN  # merge often, so merges are exercised
     try:
@@ -221,8 +232,10 @@ def test_the_compact_set_is_a_set(ops):
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "remove", "poll"]), st.integers(0, 20)), max_size=80),
-       keep=st.sampled_from([3, 1 << 20]))
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["add", "remove", "poll"]), st.integers(0, 20)), max_size=80),
+    keep=st.sampled_from([3, 1 << 20]),
+)
 def test_a_view_following_a_journal_holds_what_is_resident(ops, keep):
     journal, view, truth = ChunkJournal(keep=keep), ReplicaView("r"), set()
     for op, fp in ops:
@@ -284,7 +297,7 @@ def test_a_hot_session_spills_once_its_home_is_over_the_load_bound():
             decision = router.choose(DOC + q, replicas)
             router.record(decision, DOC + q)
             chosen.append(decision.replica)
-        assert chosen[:len(want)] == want, (slack, chosen)
+        assert chosen[: len(want)] == want, (slack, chosen)
     # once both hold it, each turn goes where less work was sent: the session is split in two
     assert set(chosen) == {"r0", "r1"} and abs(router.sent_work("r0") - router.sent_work("r1")) < len(DOC)
 

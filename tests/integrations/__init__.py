@@ -13,5 +13,8 @@ def require_vllm() -> None:
     except ImportError:
         if os.environ.get("IRMINSUL_REQUIRE_VLLM") == "1":
             raise
-        pytest.skip("vLLM is not installed: pip install -e '.[vllm]' (the optional extra, docs/vllm.md) to run "
-                    "the vLLM integration tests", allow_module_level=True)
+        pytest.skip(
+            "vLLM is not installed: pip install -e '.[vllm]' (the optional extra, docs/vllm.md) to run "
+            "the vLLM integration tests",
+            allow_module_level=True,
+        )

@@ -33,8 +33,9 @@ def _score(llm, prompt: list[int], continuation: list[int]) -> list[dict[str, fl
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt + continuation}], params, use_tqdm=False)[0]
-    return [{str(t): lp.logprob for t, lp in out.prompt_logprobs[len(prompt) + j].items()}
-            for j in range(len(continuation))]
+    return [
+        {str(t): lp.logprob for t, lp in out.prompt_logprobs[len(prompt) + j].items()} for j in range(len(continuation))
+    ]
 
 
 def run(path: str, mode: str, blocks: int, score: dict | None = None) -> dict:
@@ -65,19 +66,30 @@ def run(path: str, mode: str, blocks: int, score: dict | None = None) -> dict:
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-            elif out.request_id == "abort_decoding" and len(out.outputs[0].token_ids) >= 2 and not aborted.get(out.request_id):
+            elif (
+                out.request_id == "abort_decoding"
+                and len(out.outputs[0].token_ids) >= 2
+                and not aborted.get(out.request_id)
+            ):
                 engine.abort_request([out.request_id])
                 aborted[out.request_id] = steps
         steps += 1
         if steps == 1:
             engine.abort_request(["abort_early"])
             aborted["abort_early"] = 0
-    result = {"preempted": sorted(set(x.split("-")[0] for x in preempted)), "preemptions": len(preempted),
-              "aborted": sorted(aborted), "steps": steps, "outputs": {}}
+    result = {
+        "preempted": sorted(set(x.split("-")[0] for x in preempted)),
+        "preemptions": len(preempted),
+        "aborted": sorted(aborted),
+        "steps": steps,
+        "outputs": {},
+    }
     for name in names[:KEPT]:
         out = final[name].outputs[0]
-        result["outputs"][name] = {"token_ids": list(out.token_ids),
-                                   "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in out.logprobs]}
+        result["outputs"][name] = {
+            "token_ids": list(out.token_ids),
+            "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in out.logprobs],
+        }
     if score is not None:  # vLLM alone, teacher-forced: its log-probabilities of these continuations
         # and its own noise: each kept request decoded again on its own (another batch), both of its
         # continuations scored
@@ -85,18 +97,25 @@ def run(path: str, mode: str, blocks: int, score: dict | None = None) -> dict:
         result["single"] = {}
         for name in names[:KEPT]:
             out = llm.generate([{"prompt_token_ids": prompts[name]}], single, use_tqdm=False)[0].outputs[0]
-            result["single"][name] = {"token_ids": list(out.token_ids),
-                                      "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in out.logprobs]}
+            result["single"][name] = {
+                "token_ids": list(out.token_ids),
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in out.logprobs],
+            }
         result["scored"] = {}
         for label, outputs in (("self", result["outputs"]), ("single", result["single"]), ("given", score)):
-            result["scored"][label] = {name: _score(llm, prompts[name], out["token_ids"]) for name, out in outputs.items()}
+            result["scored"][label] = {
+                name: _score(llm, prompts[name], out["token_ids"]) for name, out in outputs.items()
+            }
     if mode == "irminsul":
         sched, worker = INSTANCES["scheduler"][-1], INSTANCES["worker"][-1]
         stats = {k.split("-")[0]: vars(v) for k, v in sched.stats.items()}
         result["stats"] = {name: stats.get(name) for name in names}
         result["in_flight"] = sched.in_flight()
-        result["worker"] = {"loaded_rows": worker.loaded_rows, "missed_rows": worker.missed_rows,
-                            "rows_match_registry": {e.payload for e in sched.index.registry.entries()} == set(worker.rows)}
+        result["worker"] = {
+            "loaded_rows": worker.loaded_rows,
+            "missed_rows": worker.missed_rows,
+            "rows_match_registry": {e.payload for e in sched.index.registry.entries()} == set(worker.rows),
+        }
     return result
 
 

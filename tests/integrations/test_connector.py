@@ -40,10 +40,12 @@ class MiniEngine:
         (tmp_path / "config.json").write_text(json.dumps(raw))
 
         def config(chunked_prefill: bool):
-            return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
-                                   model_config=SimpleNamespace(model=str(tmp_path)),
-                                   cache_config=SimpleNamespace(block_size=BLOCK),
-                                   scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill))
+            return SimpleNamespace(
+                kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+                model_config=SimpleNamespace(model=str(tmp_path)),
+                cache_config=SimpleNamespace(block_size=BLOCK),
+                scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill),
+            )
 
         # the scheduler side as on vLLM's CPU backend (compute after a load in steps of after_load_chunk
         # tokens), the worker side without cpu_mla's builder (no attention runs here)
@@ -94,8 +96,9 @@ class MiniEngine:
 
     def step(self, running: list, preempted: set | None = None) -> None:
         scheduled = {r.request_id: self.chunk(r) for r in running}
-        meta = self.sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens=scheduled,
-                                                               preempted_req_ids=preempted or set()))
+        meta = self.sched.build_connector_meta(
+            SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=preempted or set())
+        )
         starts = {r.request_id: r.num_computed_tokens for r in running}
         for r in running:
             r.num_computed_tokens += scheduled[r.request_id]  # (vLLM's _update_after_schedule)
@@ -104,8 +107,9 @@ class MiniEngine:
         for r in running:  # the forward: this step's rows
             start, end = starts[r.request_id], r.num_computed_tokens
             for layer, cache in enumerate(self.caches):
-                cache.view(-1, self.width)[self.slots(r.request_id, start, end)] = \
-                    self.true_rows(r.prompt_token_ids, layer)[start:end]
+                cache.view(-1, self.width)[self.slots(r.request_id, start, end)] = self.true_rows(
+                    r.prompt_token_ids, layer
+                )[start:end]
         self.worker.wait_for_save()
         invalid = self.worker.get_block_ids_with_load_errors()
         step_stats = self.worker.get_kv_connector_stats()
@@ -127,8 +131,14 @@ class MiniEngine:
             while waiting and len(running) < max_running:
                 tokens, salt = waiting.pop(0)
                 self.n += 1
-                request = SimpleNamespace(request_id=f"r{self.n}", prompt_token_ids=tokens, num_computed_tokens=0,
-                                          cache_salt=salt, prefill_stats=PrefillStats(), num_preemptions=0)
+                request = SimpleNamespace(
+                    request_id=f"r{self.n}",
+                    prompt_token_ids=tokens,
+                    num_computed_tokens=0,
+                    cache_salt=salt,
+                    prefill_stats=PrefillStats(),
+                    num_preemptions=0,
+                )
                 self.blocks[request.request_id] = [self.free.pop(0) for _ in range(len(tokens) // BLOCK + 1)]
                 self.sched.get_num_new_matched_tokens(request, 0)
                 request.prefill_stats.set(len(tokens), 0, 0)  # (vLLM: the connector answered 0)

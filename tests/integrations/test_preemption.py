@@ -18,8 +18,14 @@ from tests.integrations.test_connector import BLOCK, MiniEngine, _ids  # noqa: E
 
 def _admit(engine: MiniEngine, tokens: list[int]):
     engine.n += 1
-    r = SimpleNamespace(request_id=f"r{engine.n}", prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
-                        prefill_stats=PrefillStats(), num_preemptions=0)
+    r = SimpleNamespace(
+        request_id=f"r{engine.n}",
+        prompt_token_ids=tokens,
+        num_computed_tokens=0,
+        cache_salt=None,
+        prefill_stats=PrefillStats(),
+        num_preemptions=0,
+    )
     engine.blocks[r.request_id] = [engine.free.pop(0) for _ in range(len(tokens) // BLOCK + 1)]
     engine.sched.get_num_new_matched_tokens(r, 0)
     r.prefill_stats.set(len(tokens), 0, 0)
@@ -38,8 +44,9 @@ def _preempt(engine: MiniEngine, r) -> None:
 def _check_rows(engine: MiniEngine, r) -> None:
     rows = engine.slots(r.request_id, 0, len(r.prompt_token_ids))
     for layer, cache in enumerate(engine.caches):
-        torch.testing.assert_close(cache.view(-1, engine.width)[rows], engine.true_rows(r.prompt_token_ids, layer),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            cache.view(-1, engine.width)[rows], engine.true_rows(r.prompt_token_ids, layer), atol=1e-4, rtol=1e-4
+        )
 
 
 def _finish(engine: MiniEngine, r) -> None:

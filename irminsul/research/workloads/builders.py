@@ -23,18 +23,30 @@ from irminsul.research.workloads.trace import TraceRequest
 
 # bfcl_eval's MULTI_TURN_FUNC_DOC_FILE_MAPPING: class name -> schema file
 BFCL_CLASS_FILES = {
-    "GorillaFileSystem": "gorilla_file_system", "MathAPI": "math_api", "MessageAPI": "message_api",
-    "TwitterAPI": "posting_api", "TicketAPI": "ticket_api", "TradingBot": "trading_bot",
-    "TravelAPI": "travel_booking", "VehicleControlAPI": "vehicle_control", "WebSearchAPI": "web_search",
-    "MemoryAPI_kv": "memory_kv", "MemoryAPI_vector": "memory_vector", "MemoryAPI_rec_sum": "memory_rec_sum",
+    "GorillaFileSystem": "gorilla_file_system",
+    "MathAPI": "math_api",
+    "MessageAPI": "message_api",
+    "TwitterAPI": "posting_api",
+    "TicketAPI": "ticket_api",
+    "TradingBot": "trading_bot",
+    "TravelAPI": "travel_booking",
+    "VehicleControlAPI": "vehicle_control",
+    "WebSearchAPI": "web_search",
+    "MemoryAPI_kv": "memory_kv",
+    "MemoryAPI_vector": "memory_vector",
+    "MemoryAPI_rec_sum": "memory_rec_sum",
 }
 
 # CacheBlend's MuSiQue prompt (YaoJiayi/CacheBlend, example/blend_musique.py).
-MUSIQUE_SYSTEM = ("You will be asked a question after reading several passages. Please directly answer the "
-                  "question based on the given passages. Do NOT repeat the question. The answer should be "
-                  "within 5 words..")
-MUSIQUE_QUERY = ("Answer the question directly based on the given passages. Do NOT repeat the question. "
-                 "The answer should be within 5 words. \nQuestion: ")
+MUSIQUE_SYSTEM = (
+    "You will be asked a question after reading several passages. Please directly answer the "
+    "question based on the given passages. Do NOT repeat the question. The answer should be "
+    "within 5 words.."
+)
+MUSIQUE_QUERY = (
+    "Answer the question directly based on the given passages. Do NOT repeat the question. "
+    "The answer should be within 5 words. \nQuestion: "
+)
 
 
 def _missing(path: Path) -> UserFacingError:
@@ -73,9 +85,12 @@ def bfcl(data: Path) -> list[TraceRequest]:
     out = []
     for rec in _load_jsonl(root / "BFCL_v4_multi_turn_base.json"):
         excluded = set(rec.get("excluded_function", []))
-        tools = tuple(_tool(f) for c in rec["involved_classes"]
-                      for f in _load_jsonl(root / "multi_turn_func_doc" / f"{BFCL_CLASS_FILES[c]}.json")
-                      if f["name"] not in excluded)
+        tools = tuple(
+            _tool(f)
+            for c in rec["involved_classes"]
+            for f in _load_jsonl(root / "multi_turn_func_doc" / f"{BFCL_CLASS_FILES[c]}.json")
+            if f["name"] not in excluded
+        )
         history: list = []
         for turn in rec["question"]:
             history += turn
@@ -105,16 +120,21 @@ def toolbench(data: Path) -> list[TraceRequest]:
 def musique(data: Path) -> list[TraceRequest]:
     out = []
     for i, item in enumerate(_load_json(data / "musique" / "musique_s.json")):
-        parts = [{"type": "text", "text": (c["title"] + "\n" if c["title"] else "") + c["text"]}
-                 for c in item["ctxs"]]
+        parts = [{"type": "text", "text": (c["title"] + "\n" if c["title"] else "") + c["text"]} for c in item["ctxs"]]
         parts.append({"type": "text", "text": MUSIQUE_QUERY + item["question"]})
-        out.append(TraceRequest(f"musique-{i}", ({"role": "system", "content": MUSIQUE_SYSTEM},
-                                            {"role": "user", "content": parts})))
+        out.append(
+            TraceRequest(
+                f"musique-{i}", ({"role": "system", "content": MUSIQUE_SYSTEM}, {"role": "user", "content": parts})
+            )
+        )
     return out
 
 
 SOURCES: dict[str, Callable[[Path], list[TraceRequest]]] = {
-    "tau_bench": tau_bench, "bfcl": bfcl, "toolbench": toolbench, "musique": musique,
+    "tau_bench": tau_bench,
+    "bfcl": bfcl,
+    "toolbench": toolbench,
+    "musique": musique,
 }
 
 

@@ -68,16 +68,25 @@ class CensusResult:
     def to_json(self) -> dict:
         f = self.fraction
         return {
-            "requests": self.requests, "sessions": self.sessions,
-            "prompt_tokens": self.prompt_tokens, "prefix_tokens": self.prefix_tokens,
-            "shifted_tokens": self.shifted_tokens, "novel_tokens": self.novel_tokens,
+            "requests": self.requests,
+            "sessions": self.sessions,
+            "prompt_tokens": self.prompt_tokens,
+            "prefix_tokens": self.prefix_tokens,
+            "shifted_tokens": self.shifted_tokens,
+            "novel_tokens": self.novel_tokens,
             "oracle_tokens": self.oracle_tokens,
-            "prefix_fraction": f(self.prefix_tokens), "shifted_fraction": f(self.shifted_tokens),
-            "novel_fraction": f(self.novel_tokens), "oracle_fraction": f(self.oracle_tokens),
-            "within_session": {"shifted_tokens": self.within_session_shifted,
-                               "shifted_fraction": f(self.within_session_shifted)},
-            "cross_session": {"shifted_tokens": self.cross_session_shifted,
-                              "shifted_fraction": f(self.cross_session_shifted)},
+            "prefix_fraction": f(self.prefix_tokens),
+            "shifted_fraction": f(self.shifted_tokens),
+            "novel_fraction": f(self.novel_tokens),
+            "oracle_fraction": f(self.oracle_tokens),
+            "within_session": {
+                "shifted_tokens": self.within_session_shifted,
+                "shifted_fraction": f(self.within_session_shifted),
+            },
+            "cross_session": {
+                "shifted_tokens": self.cross_session_shifted,
+                "shifted_fraction": f(self.cross_session_shifted),
+            },
         }
 
 
@@ -111,7 +120,7 @@ class Census:
         last_tokens, last_hashes = self._last.get(session, (tokens[:0], np.zeros(0, np.uint64)))
         same = max(0, min(common_prefix(tokens, last_tokens), n_win + w - 1) - w + 1)
         data, hash64, step = tokens.tobytes(), xxhash.xxh3_64_intdigest, 4 * w
-        fresh = [hash64(data[k:k + step], seed) for k in range(4 * same, 4 * n_win, 4)]
+        fresh = [hash64(data[k : k + step], seed) for k in range(4 * same, 4 * n_win, 4)]
         hashes = np.concatenate((last_hashes[:same], np.array(fresh, dtype=np.uint64)))
         seen_any, seen_own = np.ones(n_win, dtype=bool), np.ones(n_win, dtype=bool)
         seen_any[same:] = [h in self._seen for h in fresh]
@@ -132,14 +141,28 @@ class Census:
 
     def result(self) -> CensusResult:
         rows = self._rows
-        total = {k: sum(getattr(r, k) for r in rows) for k in
-                 ("prompt_tokens", "prefix_tokens", "within_tokens", "cross_tokens", "novel_tokens", "oracle_tokens")}
+        total = {
+            k: sum(getattr(r, k) for r in rows)
+            for k in (
+                "prompt_tokens",
+                "prefix_tokens",
+                "within_tokens",
+                "cross_tokens",
+                "novel_tokens",
+                "oracle_tokens",
+            )
+        }
         return CensusResult(
-            requests=len(rows), sessions=len({r.session for r in rows}),
-            prompt_tokens=total["prompt_tokens"], prefix_tokens=total["prefix_tokens"],
-            shifted_tokens=total["within_tokens"] + total["cross_tokens"], novel_tokens=total["novel_tokens"],
-            oracle_tokens=total["oracle_tokens"], within_session_shifted=total["within_tokens"],
-            cross_session_shifted=total["cross_tokens"], per_request=tuple(rows),
+            requests=len(rows),
+            sessions=len({r.session for r in rows}),
+            prompt_tokens=total["prompt_tokens"],
+            prefix_tokens=total["prefix_tokens"],
+            shifted_tokens=total["within_tokens"] + total["cross_tokens"],
+            novel_tokens=total["novel_tokens"],
+            oracle_tokens=total["oracle_tokens"],
+            within_session_shifted=total["within_tokens"],
+            cross_session_shifted=total["cross_tokens"],
+            per_request=tuple(rows),
         )
 
 

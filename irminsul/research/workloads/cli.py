@@ -35,16 +35,22 @@ def _build(args) -> int:
                 over.add(session)
             if session not in over:
                 kept.append(request)
-        dropped = (f"; dropped {len(requests) - len(kept)} requests: {len(over)} sessions cut at their first prompt "
-                   f"over {args.max_prompt_tokens} tokens ({args.tokenizer} tokenizer)")
+        dropped = (
+            f"; dropped {len(requests) - len(kept)} requests: {len(over)} sessions cut at their first prompt "
+            f"over {args.max_prompt_tokens} tokens ({args.tokenizer} tokenizer)"
+        )
         requests = kept
     if not requests:
-        raise UserFacingError(f"{args.pattern} from {args.source} built no requests"
-                              f"{f' from the first {args.n} sessions' if args.n is not None else ''}{dropped}; "
-                              f"nothing written")
+        raise UserFacingError(
+            f"{args.pattern} from {args.source} built no requests"
+            f"{f' from the first {args.n} sessions' if args.n is not None else ''}{dropped}; "
+            f"nothing written"
+        )
     n = write_trace(args.out, requests)
-    print(f"wrote {n} requests in {len(Counter(r.session for r in requests))} sessions "
-          f"({args.pattern} from {args.source}, seed {args.seed}) to {args.out}{dropped}")
+    print(
+        f"wrote {n} requests in {len(Counter(r.session for r in requests))} sessions "
+        f"({args.pattern} from {args.source}, seed {args.seed}) to {args.out}{dropped}"
+    )
     return 0
 
 
@@ -64,13 +70,15 @@ def _census(args) -> int:
         print(json.dumps({"trace": str(args.trace), "tokenizer": args.tokenizer, **result.to_json()}))
         return 0
     f = result.fraction
-    rows = [("prefix", result.prefix_tokens, pct(f(result.prefix_tokens))),
-            ("shifted", result.shifted_tokens, pct(f(result.shifted_tokens))),
-            ("  within session", result.within_session_shifted, pct(f(result.within_session_shifted))),
-            ("  cross session", result.cross_session_shifted, pct(f(result.cross_session_shifted))),
-            ("novel", result.novel_tokens, pct(f(result.novel_tokens))),
-            ("oracle (PIC bound)", result.oracle_tokens, pct(f(result.oracle_tokens))),
-            ("prompt", result.prompt_tokens, "100.0%")]
+    rows = [
+        ("prefix", result.prefix_tokens, pct(f(result.prefix_tokens))),
+        ("shifted", result.shifted_tokens, pct(f(result.shifted_tokens))),
+        ("  within session", result.within_session_shifted, pct(f(result.within_session_shifted))),
+        ("  cross session", result.cross_session_shifted, pct(f(result.cross_session_shifted))),
+        ("novel", result.novel_tokens, pct(f(result.novel_tokens))),
+        ("oracle (PIC bound)", result.oracle_tokens, pct(f(result.oracle_tokens))),
+        ("prompt", result.prompt_tokens, "100.0%"),
+    ]
     print(f"{args.trace}: {result.requests} requests, {result.sessions} sessions, tokenizer {args.tokenizer}")
     print(table(("class", "tokens", "share"), rows))
     return 0
@@ -104,21 +112,40 @@ def _recovery(args) -> int:
     result = run_recovery(rendered, strategies=args.strategies or STRATEGIES, config=config, progress=None)
     if args.plot:
         names = list(result.strategies)
-        bar_chart(args.plot, names, {
-            "prefix": [result.prefix_tokens / result.prompt_tokens] * len(names),
-            "recovered beyond prefix": [s.recovered_tokens / result.prompt_tokens for s in result.strategies.values()],
-        }, f"recovery: {Path(args.trace).name}", "share of prompt tokens", stacked=True,
-            hline=("census oracle", result.oracle_tokens / result.prompt_tokens))
+        bar_chart(
+            args.plot,
+            names,
+            {
+                "prefix": [result.prefix_tokens / result.prompt_tokens] * len(names),
+                "recovered beyond prefix": [
+                    s.recovered_tokens / result.prompt_tokens for s in result.strategies.values()
+                ],
+            },
+            f"recovery: {Path(args.trace).name}",
+            "share of prompt tokens",
+            stacked=True,
+            hline=("census oracle", result.oracle_tokens / result.prompt_tokens),
+        )
         _wrote(args.plot)
     if args.json:
         print(json.dumps({"trace": str(args.trace), "tokenizer": args.tokenizer, **result.to_json()}))
         return 0
-    print(f"{args.trace}: {result.requests} requests, {result.prompt_tokens} prompt tokens, "
-          f"exact prefix {pct(result.prefix_tokens / result.prompt_tokens)}, "
-          f"oracle {pct(result.oracle_tokens / result.prompt_tokens)}")
-    rows = [(name, s.recovered_tokens, pct(s.recovered_tokens / result.prompt_tokens),
-             pct(result.of_oracle(s)), s.stored_tokens, f"{s.seconds:.2f}")
-            for name, s in result.strategies.items()]
+    print(
+        f"{args.trace}: {result.requests} requests, {result.prompt_tokens} prompt tokens, "
+        f"exact prefix {pct(result.prefix_tokens / result.prompt_tokens)}, "
+        f"oracle {pct(result.oracle_tokens / result.prompt_tokens)}"
+    )
+    rows = [
+        (
+            name,
+            s.recovered_tokens,
+            pct(s.recovered_tokens / result.prompt_tokens),
+            pct(result.of_oracle(s)),
+            s.stored_tokens,
+            f"{s.seconds:.2f}",
+        )
+        for name, s in result.strategies.items()
+    ]
     print(table(("strategy", "recovered beyond prefix", "of prompt", "of oracle", "stored tokens", "seconds"), rows))
     return 0
 
@@ -146,10 +173,15 @@ def register(subparsers) -> None:
     b.add_argument("--n", type=at_least(1), default=None, help="keep the first N sessions of the source")
     b.add_argument("--seed", type=int, default=0, help="seed of the pattern's random choices")
     b.add_argument("--data", default=None, help="data folder (default: the one shipped in irminsul/data)")
-    b.add_argument("--max-prompt-tokens", type=at_least(1), default=None, metavar="N",
-                   help="cut each session before its first prompt longer than N tokens, as `census` renders it "
-                        "with --tokenizer (a server's own chat template may count fewer): a trace a model with a "
-                        "context of N + its output serves whole (the bundled model: 2048)")
+    b.add_argument(
+        "--max-prompt-tokens",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="cut each session before its first prompt longer than N tokens, as `census` renders it "
+        "with --tokenizer (a server's own chat template may count fewer): a trace a model with a "
+        "context of N + its output serves whole (the bundled model: 2048)",
+    )
     b.add_argument("--tokenizer", default="deepseek", help="deepseek (default), qwen2 or a tokenizer directory")
     b.set_defaults(func=_build)
 
@@ -166,8 +198,12 @@ def register_bench(bench_subparsers) -> None:
     r = bench_subparsers.add_parser("recovery", help="replay a trace through the planner, per strategy")
     r.add_argument("trace", help="trace JSONL (irminsul workloads build ...)")
     r.add_argument("--strategies", nargs="+", default=None, help="a subset of the strategies")
-    r.add_argument("--budget-gib", type=float, default=None,
-                   help="content store budget per strategy in GiB at 31,104 B/token (default: unbounded)")
+    r.add_argument(
+        "--budget-gib",
+        type=float,
+        default=None,
+        help="content store budget per strategy in GiB at 31,104 B/token (default: unbounded)",
+    )
     _add_tokenizer(r)
     r.set_defaults(func=_recovery)
     fleet_bench(bench_subparsers)

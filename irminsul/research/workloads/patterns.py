@@ -25,16 +25,30 @@ from irminsul.research.workloads.trace import TraceRequest
 
 AGENTS = ("airline-support", "booking-assistant", "triage-bot", "travel-concierge", "ops-copilot")
 PROFILE_FIELDS = (
-    "preferred_language: {lang}", "loyalty_tier: {tier}", "home_airport: {airport}", "timezone: {tz}",
-    "seat_preference: {seat}", "accessibility_needs: {need}", "last_contact: {days} days ago",
-    "open_tickets: {n}", "lifetime_bookings: {big}", "marketing_opt_in: {flag}",
-    "note: customer asked about {topic} on a previous call", "device: {device}", "channel: {channel}",
+    "preferred_language: {lang}",
+    "loyalty_tier: {tier}",
+    "home_airport: {airport}",
+    "timezone: {tz}",
+    "seat_preference: {seat}",
+    "accessibility_needs: {need}",
+    "last_contact: {days} days ago",
+    "open_tickets: {n}",
+    "lifetime_bookings: {big}",
+    "marketing_opt_in: {flag}",
+    "note: customer asked about {topic} on a previous call",
+    "device: {device}",
+    "channel: {channel}",
 )
 FILL = {
-    "lang": ("en", "de", "fr", "es", "ja", "zh"), "tier": ("none", "silver", "gold", "platinum"),
-    "airport": ("JFK", "SFO", "ORD", "SEA", "MUC", "LHR"), "tz": ("America/New_York", "Europe/Berlin"),
-    "seat": ("aisle", "window", "none"), "need": ("none", "wheelchair", "extra legroom"),
-    "flag": ("true", "false"), "device": ("ios", "android", "web"), "channel": ("chat", "voice", "email"),
+    "lang": ("en", "de", "fr", "es", "ja", "zh"),
+    "tier": ("none", "silver", "gold", "platinum"),
+    "airport": ("JFK", "SFO", "ORD", "SEA", "MUC", "LHR"),
+    "tz": ("America/New_York", "Europe/Berlin"),
+    "seat": ("aisle", "window", "none"),
+    "need": ("none", "wheelchair", "extra legroom"),
+    "flag": ("true", "false"),
+    "device": ("ios", "android", "web"),
+    "channel": ("chat", "voice", "email"),
     "topic": ("baggage allowance", "refund status", "seat upgrades", "travel insurance", "pet policy"),
 }
 VARIANT_LINES = (
@@ -49,8 +63,12 @@ VARIANT_LINES = (
 
 
 def _fill(rng: random.Random, template: str) -> str:
-    return template.format(**{k: rng.choice(v) for k, v in FILL.items()},
-                           days=rng.randint(1, 400), n=rng.randint(1, 9), big=rng.randint(1, 900))
+    return template.format(
+        **{k: rng.choice(v) for k, v in FILL.items()},
+        days=rng.randint(1, 400),
+        n=rng.randint(1, 9),
+        big=rng.randint(1, 900),
+    )
 
 
 def _split_system(r: TraceRequest) -> tuple[list[dict], list[dict]]:
@@ -63,29 +81,41 @@ def raw(requests: list[TraceRequest], seed: int = 0) -> list[TraceRequest]:
     return list(requests)
 
 
-def agent_meta(requests: list[TraceRequest], seed: int = 0,
-               profile_lines: tuple[int, int] = (2, 24)) -> list[TraceRequest]:
+def agent_meta(
+    requests: list[TraceRequest], seed: int = 0, profile_lines: tuple[int, int] = (2, 24)
+) -> list[TraceRequest]:
     """Prepend a header message (request id, timestamp, agent, user profile of varying length)."""
     rng = random.Random(seed)
     clock = datetime(2026, 5, 4, 9, 0, 0)
     out = []
     for r in requests:
         clock += timedelta(seconds=rng.randint(1, 90), milliseconds=rng.randint(0, 999))
-        lines = [f"request_id: req-{rng.getrandbits(64):016x}", f"timestamp: {clock.isoformat(timespec='milliseconds')}Z",
-                 f"agent: {rng.choice(AGENTS)}", "user_profile:"]
+        lines = [
+            f"request_id: req-{rng.getrandbits(64):016x}",
+            f"timestamp: {clock.isoformat(timespec='milliseconds')}Z",
+            f"agent: {rng.choice(AGENTS)}",
+            "user_profile:",
+        ]
         lines += ["  " + _fill(rng, rng.choice(PROFILE_FIELDS)) for _ in range(rng.randint(*profile_lines))]
         header = {"role": "system", "content": "<agent-metadata>\n" + "\n".join(lines) + "\n</agent-metadata>"}
         out.append(replace(r, messages=(header, *r.messages)))
     return out
 
 
-def sysvar(requests: list[TraceRequest], seed: int = 0, n_variants: int = 8, per: str = "request",
-           lines: tuple[int, int] = (1, 6), at: float = 0.5) -> list[TraceRequest]:
+def sysvar(
+    requests: list[TraceRequest],
+    seed: int = 0,
+    n_variants: int = 8,
+    per: str = "request",
+    lines: tuple[int, int] = (1, 6),
+    at: float = 0.5,
+) -> list[TraceRequest]:
     """Insert one of `n_variants` paragraphs (of 1-6 lines) at fraction `at` of the system prompt's
     paragraphs; a variant is drawn per request (a dynamic section) or per session."""
     rng = random.Random(seed)
-    variants = ["\n".join(_fill(rng, rng.choice(VARIANT_LINES)) for _ in range(rng.randint(*lines)))
-                for _ in range(n_variants)]
+    variants = [
+        "\n".join(_fill(rng, rng.choice(VARIANT_LINES)) for _ in range(rng.randint(*lines))) for _ in range(n_variants)
+    ]
     chosen: dict[str, str] = {}
     out = []
     for r in requests:
@@ -115,8 +145,9 @@ def _summary(messages: list[dict]) -> str:
     return "Summary of the earlier conversation:\n" + "\n".join(lines)
 
 
-def compact(requests: list[TraceRequest], seed: int = 0, every: tuple[int, int] = (4, 8),
-            keep_last: int = 2) -> list[TraceRequest]:
+def compact(
+    requests: list[TraceRequest], seed: int = 0, every: tuple[int, int] = (4, 8), keep_last: int = 2
+) -> list[TraceRequest]:
     """Once a session's history beyond its last summary exceeds `every` (drawn per compaction)
     plus `keep_last` messages, all but the last `keep_last` are replaced by a summary message."""
     rng = random.Random(seed)
@@ -133,13 +164,15 @@ def compact(requests: list[TraceRequest], seed: int = 0, every: tuple[int, int] 
         head = [{"role": "user", "content": _summary(summarised)}] if summarised else []
         out.append(replace(r, messages=(*system, *head, *body[cut:])))
     if not compacted:
-        raise UserFacingError("compact found no session long enough to compact: use a multi-turn source "
-                              "(tau_bench, toolbench, bfcl)")
+        raise UserFacingError(
+            "compact found no session long enough to compact: use a multi-turn source (tau_bench, toolbench, bfcl)"
+        )
     return out
 
 
-def rerank(requests: list[TraceRequest], seed: int = 0, repeats: int = 4,
-           keep: tuple[float, float] = (0.6, 1.0)) -> list[TraceRequest]:
+def rerank(
+    requests: list[TraceRequest], seed: int = 0, repeats: int = 4, keep: tuple[float, float] = (0.6, 1.0)
+) -> list[TraceRequest]:
     """After each RAG request, `repeats` more with its passages (all text parts of a message but the
     last, which is the question) re-ordered and a random subset of `keep` of them kept."""
     rng = random.Random(seed)
@@ -154,12 +187,13 @@ def rerank(requests: list[TraceRequest], seed: int = 0, repeats: int = 4,
         for _ in range(repeats):
             subset = rng.sample(passages, max(1, round(rng.uniform(*keep) * len(passages))))
             msg = {**m, "content": subset + question}
-            out.append(replace(r, messages=(*r.messages[:idx], msg, *r.messages[idx + 1:])))
+            out.append(replace(r, messages=(*r.messages[:idx], msg, *r.messages[idx + 1 :])))
     return out
 
 
-def tool_variants(requests: list[TraceRequest], seed: int = 0, keep: tuple[float, float] = (0.5, 1.0),
-                  per: str = "request") -> list[TraceRequest]:
+def tool_variants(
+    requests: list[TraceRequest], seed: int = 0, keep: tuple[float, float] = (0.5, 1.0), per: str = "request"
+) -> list[TraceRequest]:
     """Each request (or session) gets a random subset of `keep` of its tools, in a random order."""
     rng = random.Random(seed)
     chosen: dict[str, list[int]] = {}
@@ -175,8 +209,14 @@ def tool_variants(requests: list[TraceRequest], seed: int = 0, keep: tuple[float
     return out
 
 
-def skewed(requests: list[TraceRequest], seed: int = 0, per_source: int = 4, zipf: float = 1.2,
-           new_passages: tuple[int, int] = (1, 3), keep_turns: int = 2) -> list[TraceRequest]:
+def skewed(
+    requests: list[TraceRequest],
+    seed: int = 0,
+    per_source: int = 4,
+    zipf: float = 1.2,
+    new_passages: tuple[int, int] = (1, 3),
+    keep_turns: int = 2,
+) -> list[TraceRequest]:
     """Multi-turn RAG sessions whose sizes follow a heavy tail. Each source RAG request opens a
     session; `per_source` x sources requests follow, each a turn of a session drawn with probability
     proportional to 1 / rank ** `zipf` (ranks shuffled, so the hot sessions interleave with the rest
@@ -212,7 +252,7 @@ def skewed(requests: list[TraceRequest], seed: int = 0, per_source: int = 4, zip
                 deck = rng.sample(passages, len(passages))
             dealt.append(deck.pop())
         turn = {**r.messages[idx], "content": dealt + [qa[question]]}
-        kept = turns[-2 * keep_turns:] if keep_turns else []
+        kept = turns[-2 * keep_turns :] if keep_turns else []
         out.append(replace(r, session=f"skewed-{s}", messages=(*r.messages[:idx], *kept, turn)))
         answer = {"role": "assistant", "content": f"Answer {question}."}
         turns += [turn, answer]
@@ -220,8 +260,13 @@ def skewed(requests: list[TraceRequest], seed: int = 0, per_source: int = 4, zip
 
 
 PATTERNS: dict[str, Callable[..., list[TraceRequest]]] = {
-    "raw": raw, "agent_meta": agent_meta, "sysvar": sysvar, "compact": compact,
-    "rerank": rerank, "tool_variants": tool_variants, "skewed": skewed,
+    "raw": raw,
+    "agent_meta": agent_meta,
+    "sysvar": sysvar,
+    "compact": compact,
+    "rerank": rerank,
+    "tool_variants": tool_variants,
+    "skewed": skewed,
 }
 
 

@@ -48,12 +48,12 @@ class PrefixIndex:
         step = 4 * self.block
         h, matched = ROOT, None
         for off in range(0, len(data), step):
-            blk = data[off:off + step]
+            blk = data[off : off + step]
             nxt = self._next.get(h)
             i = bisect_left(nxt, blk) if nxt else 0
             present = nxt is not None and i < len(nxt) and nxt[i] == blk
             if matched is None and not (present and len(blk) == step):
-                near = nxt[max(0, i - 1):i + 1] if nxt else []
+                near = nxt[max(0, i - 1) : i + 1] if nxt else []
                 matched = off // 4 + max((_common(blk, c) for c in near), default=0)
                 if not insert:
                     return matched

@@ -81,13 +81,19 @@ class RecoveryResult:
         return s.recovered_tokens / beyond if beyond > 0 else 0.0
 
     def to_json(self) -> dict:
-        out = {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
-               "prefix_tokens": self.prefix_tokens, "oracle_tokens": self.oracle_tokens, "strategies": {}}
+        out = {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "prefix_tokens": self.prefix_tokens,
+            "oracle_tokens": self.oracle_tokens,
+            "strategies": {},
+        }
         for name, s in self.strategies.items():
             out["strategies"][name] = {
                 **{k: v for k, v in asdict(s).items() if k != "name"},
                 "recovered_fraction": s.recovered_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-                "of_oracle": self.of_oracle(s), "of_oracle_beyond_prefix": self.of_oracle_beyond_prefix(s),
+                "of_oracle": self.of_oracle(s),
+                "of_oracle_beyond_prefix": self.of_oracle_beyond_prefix(s),
                 "tokens_per_s": self.prompt_tokens / s.seconds if s.seconds else None,
             }
         st = self.strategies
@@ -97,8 +103,9 @@ class RecoveryResult:
         return out
 
 
-def replay_planner(trace: Sequence[tuple[str, Rendered]], name: str, config: RecoveryConfig = RecoveryConfig(),
-                   progress: bool = False) -> StrategyResult:
+def replay_planner(
+    trace: Sequence[tuple[str, Rendered]], name: str, config: RecoveryConfig = RecoveryConfig(), progress: bool = False
+) -> StrategyResult:
     """Replay through the real planner; `name` is one of prefix, cdc, cdc+s1, cdc+s2."""
     from tqdm import tqdm
 
@@ -106,11 +113,18 @@ def replay_planner(trace: Sequence[tuple[str, Rendered]], name: str, config: Rec
     registry = MemoryRegistry(config.budget_bytes)
     radix = RadixCache(config.budget_bytes, config.bytes_per_token)
     windows = WindowIndex(config.window) if s1 else None
-    planner = Planner(PlannerConfig(chunker=config.chunker, sink=config.sink, window=config.window,
-                                    content_reuse=content, s1=s1, carve_out=True),
-                      registry, radix, windows, seed=namespace_seed(config.model_id))
-    totals = dict.fromkeys(("prompt_tokens", "prefix_tokens", "reused_tokens", "computed_tokens",
-                            "carve_out_tokens", "s1_tokens"), 0)
+    planner = Planner(
+        PlannerConfig(
+            chunker=config.chunker, sink=config.sink, window=config.window, content_reuse=content, s1=s1, carve_out=True
+        ),
+        registry,
+        radix,
+        windows,
+        seed=namespace_seed(config.model_id),
+    )
+    totals = dict.fromkeys(
+        ("prompt_tokens", "prefix_tokens", "reused_tokens", "computed_tokens", "carve_out_tokens", "s1_tokens"), 0
+    )
     start = time.perf_counter()
     for _, r in tqdm(trace, desc=name, disable=not progress, leave=False):
         tokens = r.token_ids.astype(np.int64)
@@ -119,17 +133,27 @@ def replay_planner(trace: Sequence[tuple[str, Rendered]], name: str, config: Rec
         for k in totals:
             totals[k] += getattr(plan.stats, k)
         if content:  # the engine registers every chunk after the request (payload None: no model)
-            planner.register(plan, rows_of=lambda a, b: None,
-                             nbytes_of=lambda k: k * config.bytes_per_token, segment_starts=segments)
+            planner.register(
+                plan, rows_of=lambda a, b: None, nbytes_of=lambda k: k * config.bytes_per_token, segment_starts=segments
+            )
         radix.insert(tokens, None)
         planner.release(plan)
-    return StrategyResult(name, totals["prompt_tokens"], totals["prefix_tokens"], totals["reused_tokens"],
-                          totals["computed_tokens"], totals["carve_out_tokens"], totals["s1_tokens"],
-                          time.perf_counter() - start, registry.stats.bytes // config.bytes_per_token)
+    return StrategyResult(
+        name,
+        totals["prompt_tokens"],
+        totals["prefix_tokens"],
+        totals["reused_tokens"],
+        totals["computed_tokens"],
+        totals["carve_out_tokens"],
+        totals["s1_tokens"],
+        time.perf_counter() - start,
+        registry.stats.bytes // config.bytes_per_token,
+    )
 
 
-def replay_fixed_blocks(trace: Sequence[tuple[str, Rendered]], config: RecoveryConfig = RecoveryConfig(),
-                        name: str = "fixed128") -> StrategyResult:
+def replay_fixed_blocks(
+    trace: Sequence[tuple[str, Rendered]], config: RecoveryConfig = RecoveryConfig(), name: str = "fixed128"
+) -> StrategyResult:
     """Aligned fixed blocks keyed by content alone (xxh3-128), each stored once with the offset it
     was first seen at; LRU under the same byte budget as the planner's registry."""
     b, sink = config.block, config.sink
@@ -142,7 +166,7 @@ def replay_fixed_blocks(trace: Sequence[tuple[str, Rendered]], config: RecoveryC
         n = len(tokens)
         prefix = min(prefix_index.add(tokens), n - 1)  # the last prompt token is always computed
         data = memoryview(tokens.tobytes())
-        keys = [xxhash.xxh3_128_intdigest(data[4 * s:4 * (s + b)]) for s in range(0, n - b + 1, b)]
+        keys = [xxhash.xxh3_128_intdigest(data[4 * s : 4 * (s + b)]) for s in range(0, n - b + 1, b)]
         for k, key in enumerate(keys):
             s, e = k * b, min((k + 1) * b, n - 1)
             src = first_seen.get(key)
@@ -160,13 +184,18 @@ def replay_fixed_blocks(trace: Sequence[tuple[str, Rendered]], config: RecoveryC
                     first_seen.popitem(last=False)
         prompt, prefix_total = prompt + n, prefix_total + prefix
     computed = prompt - prefix_total - recovered
-    return StrategyResult(name, prompt, prefix_total, recovered, computed, carved, 0, time.perf_counter() - start,
-                          len(first_seen) * b)
+    return StrategyResult(
+        name, prompt, prefix_total, recovered, computed, carved, 0, time.perf_counter() - start, len(first_seen) * b
+    )
 
 
-def run_recovery(trace: Iterable[tuple[str, Rendered]], strategies: Sequence[str] = STRATEGIES,
-                 config: RecoveryConfig = RecoveryConfig(), progress: bool | None = None,
-                 census: CensusResult | None = None) -> RecoveryResult:
+def run_recovery(
+    trace: Iterable[tuple[str, Rendered]],
+    strategies: Sequence[str] = STRATEGIES,
+    config: RecoveryConfig = RecoveryConfig(),
+    progress: bool | None = None,
+    census: CensusResult | None = None,
+) -> RecoveryResult:
     """Replay `trace` once per strategy; the oracle comes from `census` (run here when not given)."""
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:  # NOTE: before the trace is consumed, which renders it
@@ -179,7 +208,10 @@ def run_recovery(trace: Iterable[tuple[str, Rendered]], strategies: Sequence[str
         census = run_census(((s, r.token_ids) for s, r in trace), CensusConfig(sink=config.sink))
     results = {}
     for name in strategies:
-        results[name] = (replay_fixed_blocks(trace, config) if name == "fixed128"
-                         else replay_planner(trace, name, config, progress=show))
+        results[name] = (
+            replay_fixed_blocks(trace, config)
+            if name == "fixed128"
+            else replay_planner(trace, name, config, progress=show)
+        )
     prefix = results["prefix"].prefix_tokens if "prefix" in results else census.prefix_tokens
     return RecoveryResult(len(trace), census.prompt_tokens, prefix, census.oracle_tokens, results)

@@ -48,8 +48,9 @@ class Renderer:
         return Rendered(np.concatenate(pieces), tuple(int(s) for s in starts))
 
 
-def render_trace(requests, tokenizer: str | NamedTokenizer = "deepseek", progress: bool | None = None,
-                 desc: str = "render") -> Iterator[tuple[str, Rendered]]:
+def render_trace(
+    requests, tokenizer: str | NamedTokenizer = "deepseek", progress: bool | None = None, desc: str = "render"
+) -> Iterator[tuple[str, Rendered]]:
     """Yield (session, Rendered) per request, in order; a progress bar on long traces."""
     from tqdm import tqdm
 

@@ -10,8 +10,15 @@ def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def bar_chart(path: str | Path, labels: Sequence[str], series: dict[str, Sequence[float]], title: str,
-              ylabel: str, stacked: bool = False, hline: tuple[str, float] | None = None) -> Path:
+def bar_chart(
+    path: str | Path,
+    labels: Sequence[str],
+    series: dict[str, Sequence[float]],
+    title: str,
+    ylabel: str,
+    stacked: bool = False,
+    hline: tuple[str, float] | None = None,
+) -> Path:
     """Write a (stacked or grouped) bar chart of `series` (name -> one value per label) as a PNG,
     with an optional labelled horizontal reference line."""
     import matplotlib

@@ -36,8 +36,9 @@ def test_strategy_names_are_the_issue_names():
 
 
 def test_eval_quality_json(tiny, capsys, tmp_path):
-    data = _run(capsys, tmp_path, "quality", "--model", str(tiny), "--n", "1", "--context", "512",
-                "--greedy-tokens", "2")
+    data = _run(
+        capsys, tmp_path, "quality", "--model", str(tiny), "--n", "1", "--context", "512", "--greedy-tokens", "2"
+    )
     assert set(data["tasks"]) == {"niah", "musique", "agent_meta"}
     for task, per in data["tasks"].items():
         assert tuple(per) == ISSUE_STRATEGIES, task

@@ -43,9 +43,11 @@ def test_mla_flops_equal_the_flop_counter_in_both_attention_forms(tiny_q_lora, m
     model = load_model(tiny_q_lora)
     arch = Arch.from_config(json.loads((tiny_q_lora / "config.json").read_text()))
     rows = model.new_rows(128)
-    steps = [(torch.arange(50) + 5, torch.arange(50)),  # full prefill: the expanded form
-             (torch.arange(10) + 9, torch.arange(60, 70)),  # sparse prefill after a gap: absorbed
-             (torch.tensor([7]), torch.tensor([70]))]  # decode
+    steps = [
+        (torch.arange(50) + 5, torch.arange(50)),  # full prefill: the expanded form
+        (torch.arange(10) + 9, torch.arange(60, 70)),  # sparse prefill after a gap: absorbed
+        (torch.tensor([7]), torch.tensor([70])),
+    ]  # decode
     forms = set()
     for ids, pos in steps:
         got = _counted(lambda: model.prefill(rows, ids, pos))
@@ -58,8 +60,15 @@ def test_mla_flops_equal_the_flop_counter_in_both_attention_forms(tiny_q_lora, m
 def test_gqa_flops_equal_the_flop_counter():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=96, attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(cfg)
     got = _counted(lambda: model(torch.arange(40)[None]))
     assert got == forward_flops(Arch.from_config(cfg.to_dict()), Pass.dense(range(40), logits=40))["total"]

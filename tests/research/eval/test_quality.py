@@ -11,8 +11,9 @@ from irminsul.research.eval.tasks import ShiftedCase
 
 @pytest.fixture(scope="module")
 def one_layer(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("q1") / "m", num_hidden_layers=1, first_k_dense_replace=1,
-                                yarn=True, std=0.3)
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("q1") / "m", num_hidden_layers=1, first_k_dense_replace=1, yarn=True, std=0.3
+    )
 
 
 def _case(seed, depth=40, delta=117):
@@ -25,8 +26,9 @@ def _case(seed, depth=40, delta=117):
 
 
 def test_pic_is_exact_on_one_layer_and_naive_is_not(one_layer):
-    runner = QualityRunner(LLM(one_layer), [s for s in STRATEGIES if s.name in ("off", "prefix", "naive", "pic")],
-                           greedy_tokens=6)
+    runner = QualityRunner(
+        LLM(one_layer), [s for s in STRATEGIES if s.name in ("off", "prefix", "naive", "pic")], greedy_tokens=6
+    )
     runner.run({"niah": [_case(0), _case(1, delta=-30)]}, progress=False)
     res = result(runner).to_json()
     per = res["tasks"]["niah"]

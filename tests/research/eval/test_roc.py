@@ -34,9 +34,16 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("roc")
     mla = make_tiny_checkpoint(root / "mla", num_hidden_layers=2, std=0.3, max_position_embeddings=512)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-                      initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+    )
     LlamaForCausalLM(cfg).save_pretrained(root / "gqa")
     return mla, root / "gqa"
 

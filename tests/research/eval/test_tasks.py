@@ -49,9 +49,11 @@ def test_sweep_cells_keep_positions_non_negative_and_scale():
 
 
 def test_segments_start_each_part_so_shared_parts_chunk_alike(data):
-    for case in (niah(data, np.random.default_rng(3), 300, depth=40, delta=60),
-                 musique(data, np.random.default_rng(4), 500),
-                 agent_meta_case(data, AgentConversations(data, max_body=400), np.random.default_rng(5))):
+    for case in (
+        niah(data, np.random.default_rng(3), 300, depth=40, delta=60),
+        musique(data, np.random.default_rng(4), 500),
+        agent_meta_case(data, AgentConversations(data, max_body=400), np.random.default_rng(5)),
+    ):
         for ids, starts in ((case.first, case.first_segments), (case.prompt, case.prompt_segments)):
             assert starts[0] == 0 and list(starts) == sorted(set(starts)) and starts[-1] < len(ids)
         shared = case.first[-case.shared :] if case.task != "musique" else None

@@ -11,8 +11,15 @@ def _llama(layers):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        initializer_range=0.3,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -5,9 +5,20 @@ from irminsul.research.train.arch import ReferenceShape
 from irminsul.research.train.tasks import TokenPool
 from irminsul.research.train.tokenizer import train_tokenizer
 
-TINY = ReferenceShape(hidden=32, layers=2, heads=2, kv_heads=1, kv_lora_rank=16, qk_rope_head_dim=2,
-                      qk_nope_head_dim=6, v_head_dim=8, dense_intermediate=64, moe_intermediate=16,
-                      routed_experts=4, max_positions=512)
+TINY = ReferenceShape(
+    hidden=32,
+    layers=2,
+    heads=2,
+    kv_heads=1,
+    kv_lora_rank=16,
+    qk_rope_head_dim=2,
+    qk_nope_head_dim=6,
+    v_head_dim=8,
+    dense_intermediate=64,
+    moe_intermediate=16,
+    routed_experts=4,
+    max_positions=512,
+)
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
 
 
@@ -18,7 +29,9 @@ def _texts(seed: int, n: int) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tok():
-    return train_tokenizer(_texts(0, 50) + ["What is the passkey? The code for Document [1]: Which words follow"], vocab_size=400)
+    return train_tokenizer(
+        _texts(0, 50) + ["What is the passkey? The code for Document [1]: Which words follow"], vocab_size=400
+    )
 
 
 @pytest.fixture(scope="session")

@@ -45,8 +45,9 @@ def test_probe_scores_and_output_match_transformers(tok, tiny_shape, arch):
     torch.testing.assert_close(probe.out, seen["out"][b, t], atol=1e-4, rtol=0)  # all heads = the module
     want = ref[b, :, t].gather(2, src[b, t][:, None, None].expand(-1, len(heads), 1)).mean()
     assert probe.mass() == pytest.approx(float(want), abs=1e-5)
-    assert float(probe.attention_loss()) == pytest.approx(float(-ref[b, :, t].gather(
-        2, src[b, t][:, None, None].expand(-1, len(heads), 1)).log().mean()), rel=1e-4)
+    assert float(probe.attention_loss()) == pytest.approx(
+        float(-ref[b, :, t].gather(2, src[b, t][:, None, None].expand(-1, len(heads), 1)).log().mean()), rel=1e-4
+    )
     probe.target(torch.full_like(src, -1))  # a text-only batch: nothing to supervise, no mass (not nan)
     with torch.no_grad():
         model(input_ids=x)

@@ -42,8 +42,13 @@ def test_score_examples_marks_exact_only_when_every_token_is_argmax(tok, pool):
 
 
 def test_multidoc_qa_normalises_answers(tok):
-    items = [{"ctxs": [{"title": "", "text": "echo delta golf"}, {"title": "", "text": "alpha bravo"}],
-              "question": "which?", "answers": ["Alpha Bravo"]}]
+    items = [
+        {
+            "ctxs": [{"title": "", "text": "echo delta golf"}, {"title": "", "text": "alpha bravo"}],
+            "question": "which?",
+            "answers": ["Alpha Bravo"],
+        }
+    ]
     qa = retrieval.musique_prompts(tok, items, max_tokens=200)
     text = tok.decode(qa[0].prompt_ids)
     assert text.index("alpha bravo") < text.index("echo delta")  # gold passage first

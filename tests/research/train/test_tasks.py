@@ -5,7 +5,7 @@ from irminsul.research.train import tasks
 
 
 def _sub(seq, sub):
-    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 @pytest.mark.parametrize("n", [128, 512])

@@ -68,11 +68,31 @@ def test_a_second_stage_resumes_the_schedule_and_carries_the_state(tmp_path):
     from irminsul.research.train.arch import ReferenceShape
     from irminsul.research.train.train import train
 
-    shape = dataclasses.replace(ReferenceShape(), hidden=32, layers=2, heads=2, kv_heads=1, kv_lora_rank=16,
-                                qk_rope_head_dim=2, qk_nope_head_dim=6, v_head_dim=8, dense_intermediate=64,
-                                moe_intermediate=16, routed_experts=4)
-    common = dict(arch="mla", steps=4, threads=1, phases=((64, 2, 1.0),), eval_every=1000, shape=shape,
-                  warmup=1, minutes=10, attn_heads=2)
+    shape = dataclasses.replace(
+        ReferenceShape(),
+        hidden=32,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        kv_lora_rank=16,
+        qk_rope_head_dim=2,
+        qk_nope_head_dim=6,
+        v_head_dim=8,
+        dense_intermediate=64,
+        moe_intermediate=16,
+        routed_experts=4,
+    )
+    common = dict(
+        arch="mla",
+        steps=4,
+        threads=1,
+        phases=((64, 2, 1.0),),
+        eval_every=1000,
+        shape=shape,
+        warmup=1,
+        minutes=10,
+        attn_heads=2,
+    )
     first = train(TrainConfig(out=str(tmp_path / "a"), stop_after=2, **common))
     second = train(TrainConfig(out=str(tmp_path / "b"), init=str(first), start_step=2, **common))
     a = json.loads((first / "train_state.json").read_text())
@@ -92,11 +112,31 @@ def test_a_start_step_past_the_schedule_is_a_clear_error(tmp_path):
     from irminsul.research.train.arch import ReferenceShape
     from irminsul.research.train.train import train
 
-    shape = dataclasses.replace(ReferenceShape(), hidden=32, layers=2, heads=2, kv_heads=1, kv_lora_rank=16,
-                                qk_rope_head_dim=2, qk_nope_head_dim=6, v_head_dim=8, dense_intermediate=64,
-                                moe_intermediate=16, routed_experts=4)
-    cfg = TrainConfig(out=str(tmp_path / "a"), steps=4, start_step=4, threads=1, phases=((64, 2, 1.0),), shape=shape,
-                      warmup=1, minutes=10, attn_heads=2)
+    shape = dataclasses.replace(
+        ReferenceShape(),
+        hidden=32,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        kv_lora_rank=16,
+        qk_rope_head_dim=2,
+        qk_nope_head_dim=6,
+        v_head_dim=8,
+        dense_intermediate=64,
+        moe_intermediate=16,
+        routed_experts=4,
+    )
+    cfg = TrainConfig(
+        out=str(tmp_path / "a"),
+        steps=4,
+        start_step=4,
+        threads=1,
+        phases=((64, 2, 1.0),),
+        shape=shape,
+        warmup=1,
+        minutes=10,
+        attn_heads=2,
+    )
     with pytest.raises(UserFacingError, match="nothing is left to train"):
         train(cfg)
 
@@ -111,10 +151,30 @@ def test_a_v4_reference_model_trains_and_serves(tmp_path):
     from irminsul.research.train.arch import ReferenceShape
     from irminsul.research.train.train import train
 
-    shape = dataclasses.replace(ReferenceShape(), hidden=32, layers=2, heads=2, kv_lora_rank=16, qk_rope_head_dim=2,
-                                moe_intermediate=16, routed_experts=4)
-    out = train(TrainConfig(arch="v4", out=str(tmp_path / "v4"), steps=2, threads=1, phases=((64, 2, 1.0),),
-                            eval_every=1000, shape=shape, warmup=1, minutes=10, attn_weight=0.0))
+    shape = dataclasses.replace(
+        ReferenceShape(),
+        hidden=32,
+        layers=2,
+        heads=2,
+        kv_lora_rank=16,
+        qk_rope_head_dim=2,
+        moe_intermediate=16,
+        routed_experts=4,
+    )
+    out = train(
+        TrainConfig(
+            arch="v4",
+            out=str(tmp_path / "v4"),
+            steps=2,
+            threads=1,
+            phases=((64, 2, 1.0),),
+            eval_every=1000,
+            shape=shape,
+            warmup=1,
+            minutes=10,
+            attn_weight=0.0,
+        )
+    )
     ids = list(range(5, 45))
     want = load_deepseek_v4(out).forward(torch.tensor(ids))[29:39].log_softmax(-1)
     assert (LLM(out).score(ids[:30], ids[30:]) - want).abs().max().item() < 1e-4

@@ -36,8 +36,13 @@ def test_hand_built_trace_per_request():
 def test_hand_built_trace_totals_and_json():
     result = _census(TRACE)
     j = result.to_json()
-    assert (j["prompt_tokens"], j["prefix_tokens"], j["shifted_tokens"], j["novel_tokens"], j["oracle_tokens"]) == \
-        (57, 20, 17, 20, 36)
+    assert (j["prompt_tokens"], j["prefix_tokens"], j["shifted_tokens"], j["novel_tokens"], j["oracle_tokens"]) == (
+        57,
+        20,
+        17,
+        20,
+        36,
+    )
     assert j["within_session"]["shifted_tokens"] == 8 and j["cross_session"]["shifted_tokens"] == 9
     assert j["requests"] == 6 and j["sessions"] == 3
 
@@ -70,6 +75,7 @@ def _reference(trace, w, sink):
             while k < min(len(t), len(u)) and t[k] == u[k]:
                 k += 1
             prefix = max(prefix, k)
+
         def wins(seq, w=w):
             return {tuple(seq[j : j + w]) for j in range(len(seq) - w + 1)}
 
@@ -77,7 +83,7 @@ def _reference(trace, w, sink):
         own_seen = set().union(*[wins(u) for s, u in trace[:i] if s == session] or [set()])
         within = cross = oracle_extra = 0
         for p in range(prefix, len(t)):
-            cov = [tuple(t[j:j + w]) for j in range(max(0, p - w + 1), min(p, len(t) - w) + 1)]
+            cov = [tuple(t[j : j + w]) for j in range(max(0, p - w + 1), min(p, len(t) - w) + 1)]
             if any(c in own_seen for c in cov):
                 within += 1
             elif any(c in any_seen for c in cov):
@@ -102,7 +108,9 @@ def test_matches_brute_force_on_random_agent_like_traces(seed):
         history[session] = body
         trace.append((session, head + body if rng.random() < 0.5 else body))
     result = _census(trace, window=3, sink=2)
-    got = [(r.prefix_tokens, r.within_tokens, r.cross_tokens, r.novel_tokens, r.oracle_tokens) for r in result.per_request]
+    got = [
+        (r.prefix_tokens, r.within_tokens, r.cross_tokens, r.novel_tokens, r.oracle_tokens) for r in result.per_request
+    ]
     assert got == _reference(trace, 3, 2)
 
 
@@ -113,11 +121,13 @@ def test_prefix_index_matches_brute_force(block):
     for _ in range(200):
         if seqs and rng.random() < 0.7:
             base = seqs[rng.integers(0, len(seqs))]
-            s = base[:rng.integers(0, len(base) + 1)] + list(rng.choice([0, 1, 256, 65536], rng.integers(0, 20)))
+            s = base[: rng.integers(0, len(base) + 1)] + list(rng.choice([0, 1, 256, 65536], rng.integers(0, 20)))
         else:
             s = list(rng.choice([0, 1, 256, 65536], rng.integers(0, 40)))
-        ref = max((next((k for k in range(min(len(o), len(s))) if o[k] != s[k]), min(len(o), len(s)))
-                   for o in seqs), default=0)
+        ref = max(
+            (next((k for k in range(min(len(o), len(s))) if o[k] != s[k]), min(len(o), len(s))) for o in seqs),
+            default=0,
+        )
         arr = np.array(s, dtype=np.int32)
         assert index.match(arr) == ref
         assert index.add(arr) == ref

@@ -86,8 +86,24 @@ def test_build_can_cut_sessions_to_a_context(tmp_path, capsys):
 
     full, cut = tmp_path / "full.jsonl", tmp_path / "cut.jsonl"
     assert main(["workloads", "build", "raw", "--source", "toolbench", "--n", "10", "--out", str(full)]) == 0
-    assert main(["workloads", "build", "raw", "--source", "toolbench", "--n", "10", "--out", str(cut),
-                 "--max-prompt-tokens", "1800"]) == 0
+    assert (
+        main(
+            [
+                "workloads",
+                "build",
+                "raw",
+                "--source",
+                "toolbench",
+                "--n",
+                "10",
+                "--out",
+                str(cut),
+                "--max-prompt-tokens",
+                "1800",
+            ]
+        )
+        == 0
+    )
     assert "sessions cut at their first prompt over 1800 tokens" in capsys.readouterr().out
     whole, kept = read_trace(full), read_trace(cut)
     lengths = {id(r): len(x.token_ids) for r, (_, x) in zip(whole, render_trace(whole, "deepseek"))}

@@ -11,16 +11,20 @@ TOOLS = tuple({"type": "function", "function": {"name": f"t{i}"}} for i in range
 def _session(name, turns):
     out, history = [], []
     for k in range(turns):
-        history = history + [{"role": "user", "content": f"{name} question {k}"},
-                             {"role": "assistant", "content": f"{name} answer {k}"}]
+        history = history + [
+            {"role": "user", "content": f"{name} question {k}"},
+            {"role": "assistant", "content": f"{name} answer {k}"},
+        ]
         out.append(TraceRequest(name, (SYSTEM, *history[:-1]), TOOLS))
     return out
 
 
 def _rag(n):
     parts = [{"type": "text", "text": f"passage {i}"} for i in range(10)]
-    return [TraceRequest(f"q{k}", (SYSTEM, {"role": "user", "content": parts + [{"type": "text", "text": f"Q{k}?"}]}))
-            for k in range(n)]
+    return [
+        TraceRequest(f"q{k}", (SYSTEM, {"role": "user", "content": parts + [{"type": "text", "text": f"Q{k}?"}]}))
+        for k in range(n)
+    ]
 
 
 AGENT = _session("a", 12) + _session("b", 9)
@@ -50,11 +54,11 @@ def test_sysvar_differs_in_the_middle():
     they were, so the content after the section recurs at a shifted position."""
     out = apply_pattern("sysvar", AGENT, n_variants=4)
     old = SYSTEM["content"]
-    head, tail = old[:old.index("Rule 3")], old[old.index("Rule 3"):]
+    head, tail = old[: old.index("Rule 3")], old[old.index("Rule 3") :]
     assert len(out) == len(AGENT)
     for r, a in zip(out, AGENT):
         new = r.messages[0]["content"]
-        section = new[len(head):len(new) - len(tail)]
+        section = new[len(head) : len(new) - len(tail)]
         assert new == head + section + tail and r.messages[0]["role"] == "system"
         assert section.startswith("## Deployment notes\n") and section.strip() != "## Deployment notes"
         assert r.messages[1:] == a.messages[1:] and r.tools == a.tools and r.session == a.session

@@ -9,8 +9,13 @@ def _rand(n, seed):
 
 
 def _trace(*seqs):
-    return [(f"s{i}", Rendered(np.concatenate(s).astype(np.int32), tuple(np.cumsum([0] + [len(x) for x in s[:-1]]).tolist())))
-            for i, s in enumerate(seqs)]
+    return [
+        (
+            f"s{i}",
+            Rendered(np.concatenate(s).astype(np.int32), tuple(np.cumsum([0] + [len(x) for x in s[:-1]]).tolist())),
+        )
+        for i, s in enumerate(seqs)
+    ]
 
 
 def test_fixed_blocks_hit_only_at_aligned_offsets_with_carve_out():
@@ -35,8 +40,10 @@ def test_fixed_blocks_sink_carve_out_on_source_rows():
 
 def test_strategies_on_a_shifted_body():
     body = [_rand(300, 10 + k) for k in range(4)]  # four "documents"
-    seqs = [[_rand(5 + 17 * i, 100 + i), *np.random.default_rng(i).permutation(np.array(body, dtype=object))]
-            for i in range(6)]
+    seqs = [
+        [_rand(5 + 17 * i, 100 + i), *np.random.default_rng(i).permutation(np.array(body, dtype=object))]
+        for i in range(6)
+    ]
     trace = _trace(*[[np.asarray(x, dtype=np.int32) for x in s] for s in seqs])
     res = run_recovery(trace)
     j = res.to_json()

@@ -5,14 +5,25 @@ from irminsul.model.chat_format import segment_texts
 from irminsul.research.workloads.render import Renderer
 from irminsul.research.workloads.trace import TraceRequest
 
-TOOLS = tuple({"type": "function", "function": {"name": f"tool_{i}", "description": f"Does thing {i} well.",
-                                                "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
-              for i in range(3))
+TOOLS = tuple(
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "description": f"Does thing {i} well.",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+    }
+    for i in range(3)
+)
 MESSAGES = (
     {"role": "system", "content": "You are a careful agent."},
     {"role": "user", "content": "Book me a flight to Seattle."},
-    {"role": "assistant", "content": None,
-     "tool_calls": [{"function": {"name": "tool_1", "arguments": '{"x": "SEA"}'}, "id": "c1", "type": "function"}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"function": {"name": "tool_1", "arguments": '{"x": "SEA"}'}, "id": "c1", "type": "function"}],
+    },
     {"role": "tool", "content": '{"ok": true}'},
 )
 
@@ -39,13 +50,16 @@ def test_same_tool_tokenises_the_same_in_any_order(renderer):
 
     def seg(out, k):
         s = out.segment_starts
-        return out.token_ids[s[k]:s[k + 1]].tolist()
+        return out.token_ids[s[k] : s[k + 1]].tolist()
 
     first_tool = 1 + (renderer.template.bos != "") + 1  # [bos] system, tools header, tools...
     tools_a = [seg(a, first_tool + i) for i in range(3)]
     tools_b = [seg(b, first_tool + i) for i in range(3)]
     assert tools_a == tools_b[::-1]
-    assert a.token_ids[a.segment_starts[first_tool + 3]:].tolist() == b.token_ids[b.segment_starts[first_tool + 3]:].tolist()
+    assert (
+        a.token_ids[a.segment_starts[first_tool + 3] :].tolist()
+        == b.token_ids[b.segment_starts[first_tool + 3] :].tolist()
+    )
 
 
 def test_text_parts_are_segments(renderer):
@@ -59,7 +73,7 @@ def test_text_parts_are_segments(renderer):
 
 def test_generation_prompt_ends_every_request(renderer):
     out = renderer(TraceRequest("s", MESSAGES[:2]))
-    tail = renderer.tokenizer.decode(out.token_ids[out.segment_starts[-1]:])
+    tail = renderer.tokenizer.decode(out.token_ids[out.segment_starts[-1] :])
     assert tail == renderer.template.generation
 
 

@@ -41,8 +41,16 @@ def test_replay_equals_engine_stats(tiny, mode, strategy):
         prompt = Segments(segs) if strategy == "cdc+s2" else [t for s in segs for t in s]
         st = llm.generate(prompt, max_tokens=1).stats
         engine.append((st.prompt_tokens, st.prefix_tokens, st.reused_tokens, st.s1_tokens, st.carve_out_tokens))
-    rendered = [("s", Rendered(np.array([t for s in segs for t in s], dtype=np.int32),
-                               tuple(np.cumsum([0] + [len(s) for s in segs[:-1]]).tolist()))) for segs in trace]
+    rendered = [
+        (
+            "s",
+            Rendered(
+                np.array([t for s in segs for t in s], dtype=np.int32),
+                tuple(np.cumsum([0] + [len(s) for s in segs[:-1]]).tolist()),
+            ),
+        )
+        for segs in trace
+    ]
     config = RecoveryConfig(model_id=checkpoint_id(tiny))
     replay = []
     for i in range(1, len(rendered) + 1):  # cumulative replays give per-request numbers
