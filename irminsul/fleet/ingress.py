@@ -4,8 +4,9 @@ The ingress serves every path `irminsul serve` has by forwarding the request's b
 path, headers, body) to a replica, which answers with the single server's own handlers
 (`replica.py`), so parsing, errors, streaming, tenants and keys behave exactly as they do there.
 What the ingress adds: the API key is checked before the body is read (a 401 costs no body), the
-body is read within `--max-request-bytes`, the prompt is rendered on a worker thread for the router
-(`prompt.py`), and a replica that dies before it sent anything is replaced by another:
+body is read within `--max-request-bytes` and `--timeout-body` (a 408 past it), the prompt is
+rendered on a worker thread for the router (`prompt.py`), and a replica that dies before it sent
+anything is replaced by another:
 
 - an answer that is not a stream is buffered whole, so it is retried on another replica until it is
   complete;
@@ -190,9 +191,9 @@ class FleetIngress:
         try:
             if path in KEYED:
                 self.reader.key_tenant(request)  # (a 401 before the body is read)
-            body = await read_body(request, self.config.max_request_bytes)
+            body = await self._read_body(request)
         except APIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         route = None
         if path in ROUTED:
             self.reader.max_chars = self.fleet.meta.get("max_prompt_chars", self.reader.max_chars)
@@ -215,6 +216,14 @@ class FleetIngress:
         self.unanswered += 1
         error = APIError(503, f"{ATTEMPTS} replicas stopped before answering this request; retry later")
         return JSONResponse(error.body(), status_code=503)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body within --max-request-bytes and --timeout-body: Serve's proxy has no deadline of its own,
+        so a client that never finishes its body would hold the request (and its memory) for ever."""
+        try:
+            return await asyncio.wait_for(read_body(request, self.config.max_request_bytes), self.config.timeout_body)
+        except TimeoutError:
+            raise APIError(408, "the request's body did not arrive in time (--timeout-body)") from None
 
     async def _answer(self, forwarded: Forwarded, route) -> Response:
         stream = self.replicas.options(stream=True).http.remote(forwarded, route=route)
