@@ -38,6 +38,10 @@ class CPUAttention(ReferenceAttention):
     NATIVE_DECODE = True  # False: decode groups take the reference's torch ops
     NATIVE_PREFILL = True  # False: expanded prefill groups take SDPA
 
+    def __init__(self, cfg, rotary):
+        super().__init__(cfg, rotary)
+        self._widen_prefill: dict[int, bool] = {}  # `widen_prefill`'s answer per thread count
+
     def native_decode(self, pool: torch.Tensor) -> bool:
         """Whether decode groups take the native kernel: a CPU pool of float32 or bfloat16 rows with
         unit stride, the kernel built, not switched off."""
@@ -69,12 +73,17 @@ class CPUAttention(ReferenceAttention):
         that was faster than SDPA in bfloat16 on a causal prompt of WIDEN_PROBE tokens at this model's
         widths, on this machine at torch's thread count (timed once, cached per CPU as the linear
         products' times are: `kernel_choice`)."""
+        threads = torch.get_num_threads()
+        known = self._widen_prefill  # (per thread count: asked for every group of every layer)
+        if threads in known:
+            return known[threads]
         cfg = self.cfg
         key = (
             f"prefill-widen|{cfg.num_attention_heads}x{cfg.qk_nope_head_dim}+{cfg.qk_rope_head_dim}"
             f"x{cfg.v_head_dim}|threads{torch.get_num_threads()}|{native.fingerprint('prefill_attention.c')}"
         )
-        return bool(kernel_choice._measured(key, "widen", self._time_widening)["widen"])
+        known[threads] = bool(kernel_choice._measured(key, "widen", self._time_widening)["widen"])
+        return known[threads]
 
     def _time_widening(self) -> dict:
         cfg = self.cfg
