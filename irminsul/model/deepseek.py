@@ -229,8 +229,8 @@ class DeepseekModel(nn.Module):
                 if dtype == torch.bfloat16:  # (each head's absorbed product: whether to widen it, `MLAttention.pack`)
                     heads = cfg.num_attention_heads
                     found += [
-                        Product(cfg.kv_lora_rank, cfg.qk_nope_head_dim, dtype, heads, heads, "out"),
-                        Product(cfg.v_head_dim, cfg.kv_lora_rank, dtype, heads, heads, "out"),
+                        Product(cfg.kv_lora_rank, cfg.qk_nope_head_dim, dtype, heads, heads, "out", held=False),
+                        Product(cfg.v_head_dim, cfg.kv_lora_rank, dtype, heads, heads, "out", held=False),
                     ]
         w = self.lm_head.weight
         found.append(Product(*w.shape, w.dtype, 1, 1.0))

@@ -115,6 +115,9 @@ class Product:
     count: int = 0
     uses: float = 0.0
     layout: str | None = None  # "out": the weight keeps nn.Linear's layout (others read it as [out, in])
+    # False: a shape timed for its choice of kernel only, with no weight of its own to lay out or copy
+    # (attention's per-head absorbed products): it takes no oneDNN copy and none of the copy budget
+    held: bool = True
 
     @property
     def key(self) -> tuple[int, int, torch.dtype, str | None]:
@@ -519,14 +522,16 @@ def _times(products: list[Product], streamed: int, progress: bool) -> dict[tuple
 
 
 def _merged(products: list[Product]) -> list[Product]:
-    """One Product per key, counts and uses summed."""
+    """One Product per key, the counts and uses of its held weights summed (one held weight makes it held)."""
     merged: dict[tuple, Product] = {}
     for p in products:
+        count, uses = (p.count, p.uses) if p.held else (0, 0.0)
         if p.key in merged:
-            merged[p.key].count += p.count
-            merged[p.key].uses += p.uses
+            merged[p.key].count += count
+            merged[p.key].uses += uses
+            merged[p.key].held |= p.held
         else:
-            merged[p.key] = Product(p.out, p.inp, p.dtype, p.count, p.uses, p.layout)
+            merged[p.key] = Product(p.out, p.inp, p.dtype, count, uses, p.layout, p.held)
     return list(merged.values())
 
 
@@ -570,7 +575,7 @@ def choose(
             and t[str(b)][layout] >= MIN_GAIN * t[str(b)]["dnn"]
             and _block_saving(t, layout, b) > 0
         ]
-        if paying:
+        if paying and p.held:
             best = max(paying, key=lambda b: _block_saving(t, layout, b))
             offers.append((_block_saving(t, layout, best) * p.uses / (p.weight_bytes() * p.count), p, best))
     room = budget * model_bytes

@@ -143,3 +143,24 @@ def test_a_bf16_model_packed_to_widen_keeps_its_logits(tiny_dir, tmp_path, monke
         seq = m.new_rows(64)
         got.append(m.logits(m.prefill(seq, ids, list(range(40)))).float())
     assert (got[0] - got[1]).abs().max().item() < 0.1 * got[1].abs().max().item()
+
+
+def test_a_shape_timed_only_for_its_kernel_takes_no_copy_budget(tmp_path, monkeypatch):
+    """The absorbed products have no weight of their own: a oneDNN copy that would pay for them is not
+    offered, so it cannot take the budget a held weight of another shape needs."""
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+
+    def times(*a):
+        t = _times(2.0, 2.0)
+        for r in ("8", "32", "256"):
+            t[r]["dnn"] = 0.1  # a copy pays at every block
+        return t
+
+    monkeypatch.setattr(kernel_choice, "measure", times)
+    held = kernel_choice.Product(48, 64, torch.bfloat16, 1, 1.0, "out")
+    timed = kernel_choice.Product(64, 16, torch.bfloat16, 1, 1.0, "out", held=False)  # (smaller: offered first)
+    got = kernel_choice.choose([timed, held], model_bytes=48 * 64 * 2, kernels="measured", budget=1.0, progress=False)
+    assert got.choices[timed.key].blocks == () and got.choices[held.key].blocks != ()
+    merged = kernel_choice._merged([timed, kernel_choice.Product(64, 16, torch.bfloat16, 1, 1.0, "out")])
+    assert merged[0].held and (merged[0].count, merged[0].uses) == (1, 1.0)
