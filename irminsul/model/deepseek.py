@@ -194,6 +194,8 @@ class DeepseekModel(nn.Module):
                     self.embed_rows, self._embed_from = head.detach().contiguous(), head.data_ptr()
             self.lm_head.pack_dnn(layout=None)
         self.kernel_choices = choices
+        if choices.kernels == "measured" and self.dtype == torch.bfloat16 and isinstance(self.attention, CPUAttention):
+            self.attention.widen_prefill()  # (timed at load, not inside the first request's prefill)
         if choices.seconds > 0.05:
             kernel_choice.log.info(
                 "linear kernels measured in %.1f s: %s", choices.seconds, "; ".join(kernel_choice.describe(choices))

@@ -213,3 +213,16 @@ def test_widening_is_measured_once_and_kept(tmp_path, monkeypatch):
     assert backend.widen_prefill() == first and len(timed) == 1
     entry = next(iter(kernel_choice._read_cache(tmp_path / "kernels.json").values()))
     assert entry["widen"] == (entry["widened"] * kernel_choice.WIDEN_GAIN < entry["sdpa"])
+
+
+def test_a_bf16_model_times_the_widening_when_it_loads_not_in_a_request(tmp_path, monkeypatch):
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    timed = []
+    real = CPUAttention._time_widening
+    monkeypatch.setattr(CPUAttention, "_time_widening", lambda self: timed.append(1) or real(self))
+    monkeypatch.setenv("IRMINSUL_KERNEL_CHOICE", "measured")
+    llm = LLM(make_tiny_checkpoint(tmp_path / "c", "v3"), dtype="bfloat16", compile_decode=False)
+    assert timed == [1]
+    llm.generate([list(range(3, 250))], max_tokens=2, ignore_eos=True)  # (an expanded bf16 prefill)
+    assert timed == [1]
