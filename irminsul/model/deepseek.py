@@ -174,25 +174,25 @@ class DeepseekModel(nn.Module):
         any), that `kernel_choice.choose` measured fastest for its shape on this machine (cached per CPU
         model; `kernel_choice`). kernels="fixed" (or IRMINSUL_KERNEL_CHOICE=fixed): the earlier fixed
         rule instead, input-major with oneDNN copies for 256, 32 and 8 rows of each float32 weight;
-        a `kernel_choice.KernelChoices`: those. They are kept as `kernel_choices`."""
+        a `kernel_choice.KernelChoices`: those. Each layer's `pack` is handed them, and they are kept
+        as `kernel_choices`."""
         from irminsul.model import kernel_choice
         from irminsul.model.layers import chosen_layout, laid_out
 
         choices = kernel_choice.choose(self.products(), *self._weight_bytes(), device=self.device, kernels=kernels)
-        with kernel_choice.active(choices):
-            for module in self.modules():  # (an MoE before its experts: they are packed into its stack)
-                if module is not self and hasattr(module, "pack"):
-                    module.pack()
-            with torch.no_grad():
-                w = self.lm_head.weight
-                head = nn.Parameter(laid_out(w, chosen_layout(*w.shape, w.dtype, w.device)), requires_grad=False)
-            self.lm_head.weight = head
-            self.embed_rows = None
-            if self.config.tie_word_embeddings:
-                self.model.embed_tokens.weight = head
-                if not head.is_contiguous() and head.numel() * head.element_size() <= EMBED_COPY_BYTES:
-                    self.embed_rows, self._embed_from = head.detach().contiguous(), head.data_ptr()
-            self.lm_head.pack_dnn(layout=None)
+        for module in self.modules():  # (an MoE before its experts: they are packed into its stack)
+            if module is not self and hasattr(module, "pack"):
+                module.pack(choices)
+        with torch.no_grad():
+            w = self.lm_head.weight
+            head = nn.Parameter(laid_out(w, chosen_layout(*w.shape, w.dtype, w.device, choices)), requires_grad=False)
+        self.lm_head.weight = head
+        self.embed_rows = None
+        if self.config.tie_word_embeddings:
+            self.model.embed_tokens.weight = head
+            if not head.is_contiguous() and head.numel() * head.element_size() <= EMBED_COPY_BYTES:
+                self.embed_rows, self._embed_from = head.detach().contiguous(), head.data_ptr()
+        self.lm_head.pack_dnn(choices, layout=None)
         self.kernel_choices = choices
         if choices.kernels == "measured" and self.dtype == torch.bfloat16 and isinstance(self.attention, CPUAttention):
             self.attention.widen_prefill()  # (timed at load, not inside the first request's prefill)

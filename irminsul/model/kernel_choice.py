@@ -695,28 +695,7 @@ def _measured(key: str, field: str, measure) -> dict:
     return entry
 
 
-# --- the choices packing follows -----------------------------------------------------------------------
-
-_active: list[KernelChoices] = []
-
-
-class active:
-    """`with active(choices):` the choices `layers` packs by (pack_linears, dnn_weight, MoE.stacked)."""
-
-    def __init__(self, p: KernelChoices):
-        self.choices = p
-
-    def __enter__(self) -> KernelChoices:
-        _active.append(self.choices)
-        return self.choices
-
-    def __exit__(self, *exc) -> None:
-        _active.pop()
-
-
-def current() -> KernelChoices | None:
-    """The choices being packed by, or None (outside `DeepseekModel.pack`: the fixed rule)."""
-    return _active[-1] if _active else None
+# --- the choices, described ----------------------------------------------------------------------------
 
 
 def describe(p: KernelChoices) -> list[str]:

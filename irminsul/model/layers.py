@@ -18,6 +18,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from irminsul.model import elementwise, gemv, kernel_choice, native_ops
 from irminsul.model.config import ModelConfig
+from irminsul.model.kernel_choice import KernelChoices
 from irminsul.model.settings import settings
 from irminsul.model.widen import widened
 
@@ -47,16 +48,19 @@ DNN_BLOCKS = (256, 32, 8)
 
 
 def dnn_weight(
-    w: torch.Tensor, blocks: tuple[int, ...] | None = None, layout: str | None = None
+    w: torch.Tensor,
+    blocks: tuple[int, ...] | None = None,
+    layout: str | None = None,
+    choices: KernelChoices | None = None,
 ) -> tuple[torch.Tensor | None, ...] | None:
     """oneDNN's blocked copies of a weight [out, in] for blocks of 256, 32 and 8 rows (None for a block
     not kept; `dnn_linear`), or None where none is kept or applies (not a CPU, no oneDNN in this
     torch, bfloat16 on a CPU without bf16 instructions).
 
-    Which blocks: `blocks` when given; else, while `DeepseekModel.pack` packs, the block its choices
-    measured on this machine for this shape, if any (`kernel_choice`: at most one, where it pays and
-    fits the copy budget; `layout`: "out" for a weight that keeps nn.Linear's layout, None for one
-    laid out by the choices); else the fixed rule (float32 only: every block whose rows x weight size
+    Which blocks: `blocks` when given; else the block `choices` (`DeepseekModel.pack`'s) measured on
+    this machine for this shape, if any (`kernel_choice`: at most one, where it pays and fits the copy
+    budget; `layout`: "out" for a weight that keeps nn.Linear's layout, None for one laid out by the
+    choices); without choices the fixed rule (float32 only: every block whose rows x weight size
     reach `kernel_choice.DNN_MIN_MACS`). Each copy is one more copy of the weight.
 
     torch's CPU GEMM is MKL's, and MKL runs its AVX2 code on AMD processors: there oneDNN's product
@@ -65,7 +69,6 @@ def dnn_weight(
     """
 
     if blocks is None:
-        choices = kernel_choice.current()
         choice = (
             choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout)
             if choices is not None
@@ -139,39 +142,38 @@ def _dnn_rows(
 _dnn_op = torch.library.custom_op("irminsul::dnn_rows", _dnn_rows, mutates_args=())
 
 
-def chosen_layout(out: int, inp: int, dtype: torch.dtype, device) -> str:
+def chosen_layout(out: int, inp: int, dtype: torch.dtype, device, choices: KernelChoices | None) -> str:
     """The dense layout a weight [out, in] is stored in: "in" ([in, out], x @ W) or "out" ([out, in]),
-    as the choices being packed by measured it (`kernel_choice`), else input-major (the fixed rule)."""
+    as `choices` measured it (`kernel_choice`), else input-major (no choices: the fixed rule)."""
 
-    choices = kernel_choice.current()
     if choices is None or choices.kernels == "fixed":
         return "in"
     return choices.choice(out, inp, dtype, device).layout
 
 
-def gemv_rows(w: torch.Tensor, layout: str | None = None) -> int:
-    """How many rows at most the products of w [out, in] take `gemv.product` for (0: none): while
-    `DeepseekModel.pack` packs, what its choices measured for this shape (`kernel_choice.Choice.gemv`),
-    where w's rows are contiguous and the kernel is available; 0 outside a pack (the fixed rule)."""
+def gemv_rows(w: torch.Tensor, choices: KernelChoices | None, layout: str | None = None) -> int:
+    """How many rows at most the products of w [out, in] take `gemv.product` for (0: none): what
+    `choices` (`DeepseekModel.pack`'s) measured for this shape (`kernel_choice.Choice.gemv`), where
+    w's rows are contiguous and the kernel is available; 0 without choices (the fixed rule)."""
 
-    choices = kernel_choice.current()
     if choices is None or choices.kernels == "fixed" or w.stride(1) != 1 or not gemv.available(w.device, w.dtype):
         return 0
     return choices.choice(w.shape[0], w.shape[1], w.dtype, w.device, layout=layout).gemv
 
 
-def widen_rows(w: torch.Tensor, layout: str | None = None) -> int:
-    """From how many rows on the products of w [out, in] run `widened` (0: never): while
-    `DeepseekModel.pack` packs, what its choices measured for this shape (`kernel_choice.Choice.widen`);
-    0 outside a pack (the fixed rule)."""
+def widen_rows(w: torch.Tensor, choices: KernelChoices | None, layout: str | None = None) -> int:
+    """From how many rows on the products of w [out, in] run `widened` (0: never): what `choices`
+    (`DeepseekModel.pack`'s) measured for this shape (`kernel_choice.Choice.widen`); 0 without choices
+    (the fixed rule)."""
 
-    return widen_rows_of(w.shape[0], w.shape[1], w.dtype, w.device, layout)
+    return widen_rows_of(w.shape[0], w.shape[1], w.dtype, w.device, choices, layout)
 
 
-def widen_rows_of(out: int, inp: int, dtype: torch.dtype, device, layout: str | None = "out") -> int:
+def widen_rows_of(
+    out: int, inp: int, dtype: torch.dtype, device, choices: KernelChoices | None, layout: str | None = "out"
+) -> int:
     """`widen_rows` for a product shape [out, in] that has no weight of its own laid out by the choices
     (each head's share of the absorbed W_UK / W_UV products)."""
-    choices = kernel_choice.current()
     if choices is None or choices.kernels == "fixed" or torch.device(device).type != "cpu":
         return 0
     return choices.choice(out, inp, dtype, device, layout=layout).widen
@@ -204,13 +206,14 @@ class Linear(nn.Linear):
     gemv_rows: int = 0  # products of at most this many rows through gemv.product
     widen_rows: int = 0  # products of at least this many rows through `widened` (0: none)
 
-    def pack_dnn(self, layout: str | None = "out") -> None:
-        """(Named apart from `pack`: a linear fused into another product needs no copy of its own.)
-        layout: "out" (the default) for a weight that keeps nn.Linear's layout (others read it as
-        [out, in] views: attention's W_UK / W_UV), None for one laid out by the choices already."""
-        self.dnn = dnn_weight(self.weight, layout=layout)
-        self.gemv_rows = gemv_rows(self.weight, layout=layout)
-        self.widen_rows = widen_rows(self.weight, layout=layout)
+    def pack_dnn(self, choices: KernelChoices | None, layout: str | None = "out") -> None:
+        """Its oneDNN copy, gemv and widened rows as `choices` measured them for its shape (None: the
+        fixed rule). (Named apart from `pack`: a linear fused into another product needs no copy of
+        its own.) layout: "out" (the default) for a weight that keeps nn.Linear's layout (others read
+        it as [out, in] views: attention's W_UK / W_UV), None for one laid out by the choices already."""
+        self.dnn = dnn_weight(self.weight, layout=layout, choices=choices)
+        self.gemv_rows = gemv_rows(self.weight, choices, layout=layout)
+        self.widen_rows = widen_rows(self.weight, choices, layout=layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = gemv.rows(x)
@@ -223,11 +226,13 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_linears(
+    *linears: nn.Linear, layout: str | None = None, choices: KernelChoices | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Linears that read the same input, as one product: (weight [in, sum of outs], bias or None).
 
-    The weight is stored in one layout, `layout` or the one the choices being packed by measured for
-    this shape (`chosen_layout`; input-major outside a pack): input-major ([in, out] contiguous) or
+    The weight is stored in one layout, `layout` or the one `choices` measured for this shape
+    (`chosen_layout`; input-major without choices): input-major ([in, out] contiguous) or
     out-major (the returned [in, out] is then the transpose of a contiguous [out, in]; `x @ w` is
     F.linear's product); each linear's weight becomes a view of it, so nothing is held twice and
     state dicts are unchanged. One product instead of several is fewer calls.
@@ -235,7 +240,7 @@ def pack_linears(*linears: nn.Linear, layout: str | None = None) -> tuple[torch.
     with torch.no_grad():
         cat = torch.cat([lin.weight for lin in linears])  # [sum of outs, in]
         if layout is None:
-            layout = chosen_layout(cat.shape[0], cat.shape[1], cat.dtype, cat.device)
+            layout = chosen_layout(cat.shape[0], cat.shape[1], cat.dtype, cat.device, choices)
         w = cat.t().contiguous() if layout == "in" else cat.contiguous().t()
         del cat
         biases = [lin.bias for lin in linears]
@@ -292,14 +297,16 @@ class MLP(nn.Module):
         self.gate_up_gemv_rows = 0  # its products of at most this many rows through gemv.product (`gemv_rows`)
         self.gate_up_widen_rows = 0  # its products of at least this many rows through `widened` (`widen_rows`)
 
-    def pack(self) -> None:
+    def pack(self, choices: KernelChoices | None = None) -> None:
+        """gate and up as one product, each product laid out, copied and routed as `choices` measured
+        for its shape (`DeepseekModel.pack`'s; None: the fixed rule)."""
         stacked = self.packed  # (a stacked expert's gate|up is a view of its MoE's stack, laid out there)
         if not stacked:
-            self.gate_up, _ = pack_linears(self.gate_proj, self.up_proj)
-        self.gate_up_dnn = dnn_weight(self.gate_up.t())
-        self.gate_up_gemv_rows = gemv_rows(self.gate_up.t())
-        self.gate_up_widen_rows = widen_rows(self.gate_up.t())
-        self.down_proj.pack_dnn(layout=None if stacked else "out")
+            self.gate_up, _ = pack_linears(self.gate_proj, self.up_proj, choices=choices)
+        self.gate_up_dnn = dnn_weight(self.gate_up.t(), choices=choices)
+        self.gate_up_gemv_rows = gemv_rows(self.gate_up.t(), choices)
+        self.gate_up_widen_rows = widen_rows(self.gate_up.t(), choices)
+        self.down_proj.pack_dnn(choices, layout=None if stacked else "out")
 
     def products(self, uses: float = 1.0, stacked: bool = False) -> list:
         """The products `pack` lays out (`kernel_choice.Product`s): gate|up, down; `uses` per token each."""
@@ -440,15 +447,19 @@ class MoE(nn.Module):
 
     layouts: tuple[str, str] = ("in", "in")  # the stacked gate|up's and down's (`stacked`), set by `pack`
 
-    def pack(self) -> None:
+    def pack(self, choices: KernelChoices | None = None) -> None:
+        """The experts stacked in the layouts `choices` measured for an expert's products (None: the
+        fixed rule), and the native kernel's token counts and the expert loop's costs measured."""
         inner, hidden = self.experts[0].gate_proj.weight.shape
         dtype, device = self.experts[0].gate_proj.weight.dtype, self.experts[0].gate_proj.weight.device
-        self.layouts = (chosen_layout(2 * inner, hidden, dtype, device), chosen_layout(hidden, inner, dtype, device))
+        self.layouts = (
+            chosen_layout(2 * inner, hidden, dtype, device, choices),
+            chosen_layout(hidden, inner, dtype, device, choices),
+        )
         self._stacked = None
         self.stacked()
-        choices = kernel_choice.current()
         if device.type == "cpu":
-            how = choices.kernels if choices else None
+            how = choices.kernels if choices is not None else None
             self.native_counts = kernel_choice.native_experts_counts(self, dtype, how)
             self.native_tokens = max(self.native_counts, default=0)
             if how not in ("fixed", "forced") and kernel_choice.mode(how) == "measured":

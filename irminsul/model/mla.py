@@ -26,6 +26,7 @@ from torch import nn
 
 from irminsul.model.attention import EMPTY_SLOT, AttentionBackend, SeqAttention
 from irminsul.model.config import ModelConfig
+from irminsul.model.kernel_choice import KernelChoices
 from irminsul.model.layers import (
     Linear,
     RMSNorm,
@@ -178,14 +179,16 @@ class MLAttention(nn.Module):
     def _q_in(self) -> nn.Linear:
         return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
 
-    def pack(self) -> None:
-        """The two products of the layer's input (q or q_a, and kv_a) as one (`pack_linears`)."""
-        self.in_proj = pack_linears(self._q_in(), self.kv_a_proj_with_mqa)
-        self.in_proj_dnn = dnn_weight(self.in_proj[0].t())
-        self.in_proj_gemv_rows = gemv_rows(self.in_proj[0].t())
-        self.in_proj_widen_rows = widen_rows(self.in_proj[0].t())
+    def pack(self, choices: KernelChoices | None = None) -> None:
+        """The two products of the layer's input (q or q_a, and kv_a) as one (`pack_linears`); each
+        product laid out, copied and routed as `choices` measured for its shape (`DeepseekModel.pack`'s;
+        None: the fixed rule)."""
+        self.in_proj = pack_linears(self._q_in(), self.kv_a_proj_with_mqa, choices=choices)
+        self.in_proj_dnn = dnn_weight(self.in_proj[0].t(), choices=choices)
+        self.in_proj_gemv_rows = gemv_rows(self.in_proj[0].t(), choices)
+        self.in_proj_widen_rows = widen_rows(self.in_proj[0].t(), choices)
         for lin in (self.kv_b_proj, self.o_proj) + ((self.q_b_proj,) if self.cfg.q_lora_rank is not None else ()):
-            lin.pack_dnn()
+            lin.pack_dnn(choices)
         # NOTE: W_UK and W_UV are slices of kv_b_proj's weight, one head (nope + v) x r apart; a bf16
         # bmm copies such a batch to a contiguous one on every call (an order of magnitude slower than
         # the product itself at realistic shapes), so they are kept apart: one more copy of kv_b (a
@@ -200,8 +203,8 @@ class MLAttention(nn.Module):
                 self.absorbed = (w_uk.transpose(1, 2).contiguous().transpose(1, 2), w_uv.contiguous())
                 cfg = self.cfg  # (each head's product: [n, nope] x [nope, r], then [n, r] x [r, v])
                 self.absorbed_widen = (
-                    widen_rows_of(cfg.kv_lora_rank, cfg.qk_nope_head_dim, w.dtype, w.device),
-                    widen_rows_of(cfg.v_head_dim, cfg.kv_lora_rank, w.dtype, w.device),
+                    widen_rows_of(cfg.kv_lora_rank, cfg.qk_nope_head_dim, w.dtype, w.device, choices),
+                    widen_rows_of(cfg.v_head_dim, cfg.kv_lora_rank, w.dtype, w.device, choices),
                 )
             self.absorbed_from = w.data_ptr()
 

@@ -75,8 +75,7 @@ def test_choose_records_it_and_a_linear_takes_it_from_those_rows(tmp_path, monke
     choices = kernel_choice.choose([product], model_bytes=10**6, kernels="measured", progress=False)
     assert choices.choices[product.key] == Choice("out", widen=32)
     lin = Linear(64, 48, bias=False).bfloat16()
-    with kernel_choice.active(choices):
-        lin.pack_dnn()
+    lin.pack_dnn(choices)
     assert lin.widen_rows == 32
     calls = []
     real = layers.widened
