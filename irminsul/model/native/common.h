@@ -224,21 +224,34 @@ static inline void bf16_dots(const uint16_t *xi, long rows, const uint16_t *w, l
 
 /* out[r] = x_r . w[0 .. n) for M (<= 4, a constant where it is inlined) float32 rows x_r = x + r * ldx
  * and a bfloat16 weight row w, widened to float32 IRM_W at a time (the products of a bf16 model where
- * the CPU has no vdpbf16ps: bf16 times bf16 is exact in float32, as there) */
+ * the CPU has no vdpbf16ps: bf16 times bf16 is exact in float32, as there). Each row keeps U = 4 / M
+ * independent sums (four FMA chains in all for one or two rows): one chain per row is bound by the
+ * FMA's latency, below the memory's speed, when a weight row serves only one or two rows. */
 static inline __attribute__((always_inline)) void widen_group(const float *x, const int M, long ldx,
                                                               const uint16_t *w, long n, float *out) {
-    vf a[4];
-    for (int r = 0; r < M; r++) a[r] = vf_zero();
+    const int U = M == 1 ? 4 : M == 2 ? 2 : 1;
+    vf a[4][4];
+    for (int r = 0; r < M; r++)
+        for (int u = 0; u < U; u++) a[r][u] = vf_zero();
     long i = 0;
+    for (; i + U * IRM_W <= n; i += U * IRM_W)
+        for (int u = 0; u < U; u++) {
+            vf wv = vf_load_bf16(w + i + u * IRM_W);
+            for (int r = 0; r < M; r++) a[r][u] = vf_fma(vf_load(x + r * ldx + i + u * IRM_W), wv, a[r][u]);
+        }
     for (; i + IRM_W <= n; i += IRM_W) {
         vf wv = vf_load_bf16(w + i);
-        for (int r = 0; r < M; r++) a[r] = vf_fma(vf_load(x + r * ldx + i), wv, a[r]);
+        for (int r = 0; r < M; r++) a[r][0] = vf_fma(vf_load(x + r * ldx + i), wv, a[r][0]);
     }
     if (i < n) {
         vf wv = vf_load_bf16_n(w + i, n - i);
-        for (int r = 0; r < M; r++) a[r] = vf_fma(vf_load_n(x + r * ldx + i, n - i), wv, a[r]);
+        for (int r = 0; r < M; r++) a[r][0] = vf_fma(vf_load_n(x + r * ldx + i, n - i), wv, a[r][0]);
     }
-    for (int r = 0; r < M; r++) out[r] = vf_hsum(a[r]);
+    for (int r = 0; r < M; r++) {
+        vf s = a[r][0];
+        for (int u = 1; u < U; u++) s = vf_add(s, a[r][u]);
+        out[r] = vf_hsum(s);
+    }
 }
 
 /* out[r] = x_r . w[0 .. n) for r < rows: widen_group over groups of four rows */

@@ -13,9 +13,9 @@
  * running softmax (each head's maximum and sum so far, its output rescaled when the maximum grows, as
  * flash attention's), and summed into the outputs while the block is still in cache. With vectors
  * (simd.h: AVX-512 or AVX2) and widths in multiples of their IRM_W lanes the products run in register
- * tiles: scores 4 heads x 4 keys (each key's chunk loaded once for four heads, each head's for four
- * keys), sums 4 heads x 4 vectors of outputs (one load of a key's chunk serves four heads, the sums
- * stay in registers across the block). The threads share the
+ * tiles: scores 4 heads x SK keys (each key's chunk loaded once for four heads, each head's for SK
+ * keys), sums 4 heads x NV_TILE vectors of outputs (one load of a key's chunk serves four heads, the
+ * sums stay in registers across the block); SK and NV_TILE fit the build's vector registers. The threads share the
  * sequences and groups of their heads.
  */
 #include <math.h>
@@ -116,34 +116,43 @@ static inline float dot(const float *restrict a, const float *restrict b, long n
 }
 
 #if IRM_VEC
-/* s[h * KB + k] = q_h . [c[k] | kr[k]] for 4 heads (q_h = q + h * w) and 4 keys, r and rope multiples
- * of IRM_W: sixteen sums in registers, each chunk of a key loaded once for the four heads */
-static void scores_4x4(const float *q, long w, long r, long rope, const float *const *c, const float *const *kr,
-                       float *s) {
-    vf a[16];
-    for (int i = 0; i < 16; i++) a[i] = vf_zero();
+/* The register tiles, sized to the vector registers: SK keys a score tile (4 heads x SK sums) and NV
+ * vectors of outputs a value tile (4 heads x NV sums), 4 each with AVX-512's 32 registers, 2 each
+ * with AVX2's 16 (4 x 4 sums and their loads would not fit: the compiler spills them). Each (head,
+ * key) sum and each output is summed in the same order whatever the tile, so every build's tiles
+ * compute what the plain loops compute up to the sums' order within a vector. */
+#if IRM_W == 16
+#define SK 4
+#define NV_TILE 4
+#else
+#define SK 2
+#define NV_TILE 2
+#endif
+
+/* s[h * KB + k] = q_h . [c[k] | kr[k]] for 4 heads (q_h = q + h * w) and SK keys, r and rope
+ * multiples of IRM_W: 4 x SK sums in registers, each chunk of a key loaded once for the four heads */
+static void scores_tile(const float *q, long w, long r, long rope, const float *const *c, const float *const *kr,
+                        float *s) {
+    vf a[4 * SK];
+    for (int i = 0; i < 4 * SK; i++) a[i] = vf_zero();
     for (int part = 0; part < 2; part++) {
         const float *const *rows = part ? kr : c;
         const float *qp = q + (part ? r : 0);
         long n = part ? rope : r;
         for (long i = 0; i < n; i += IRM_W) {
-            vf k0 = vf_load(rows[0] + i), k1 = vf_load(rows[1] + i), k2 = vf_load(rows[2] + i), k3 = vf_load(rows[3] + i);
+            vf kv[SK];
+            for (int k = 0; k < SK; k++) kv[k] = vf_load(rows[k] + i);
             for (int h = 0; h < 4; h++) {
                 vf qh = vf_load(qp + h * w + i);
-                a[4 * h] = vf_fma(qh, k0, a[4 * h]);
-                a[4 * h + 1] = vf_fma(qh, k1, a[4 * h + 1]);
-                a[4 * h + 2] = vf_fma(qh, k2, a[4 * h + 2]);
-                a[4 * h + 3] = vf_fma(qh, k3, a[4 * h + 3]);
+                for (int k = 0; k < SK; k++) a[SK * h + k] = vf_fma(qh, kv[k], a[SK * h + k]);
             }
         }
     }
     float t[8];
-    vf_reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], t); /* heads 0 and 1 */
-    memcpy(s, t, sizeof(float) * 4);
-    memcpy(s + KB, t + 4, sizeof(float) * 4);
-    vf_reduce8(a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15], t); /* heads 2 and 3 */
-    memcpy(s + 2 * KB, t, sizeof(float) * 4);
-    memcpy(s + 3 * KB, t + 4, sizeof(float) * 4);
+    for (int g = 0; g < 4 * SK; g += 8) { /* eight sums at a time: 8 / SK heads of SK keys */
+        vf_reduce8(a[g], a[g + 1], a[g + 2], a[g + 3], a[g + 4], a[g + 5], a[g + 6], a[g + 7], t);
+        for (int j = 0; j < 8; j++) s[(g + j) / SK * KB + (g + j) % SK] = t[j];
+    }
 }
 
 /* o_h[i0 .. i0 + IRM_W * NV) += sum_k p_h[k] c[k][..] for 4 heads (o_h = o + h * r, p_h = p + h * KB),
@@ -164,7 +173,7 @@ static void scores_4x4(const float *q, long w, long r, long rope, const float *c
         for (int h = 0; h < 4; h++)                                                                        \
             for (int v = 0; v < NV; v++) vf_store(o + h * r + i0 + IRM_W * v, a[h][v]);                    \
     }
-VALUES_TILE(values_4x4w, 4)
+VALUES_TILE(values_tile, NV_TILE)
 VALUES_TILE(values_4x1w, 1)
 #endif
 
@@ -210,7 +219,7 @@ static void decode_heads(const float *q, long b, long H, long h0, long h1, long 
     for (long h = h0; h < h1; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
     for (long j0 = 0; j0 < keys; j0 += KB) {
         long n = keys - j0 < KB ? keys - j0 : KB;
-        long np = tiles ? (n + 3) & ~3L : n; /* the tiles take keys 4 at a time: the rest are absent keys */
+        long np = tiles ? (n + 3) & ~3L : n; /* the tiles take keys 4 (a multiple of SK) at a time: the rest are absent keys */
         for (long j = j0 + KB; j < j0 + 2 * KB && j < T; j++) /* the next block's rows, asked for early */
             for (long at = 0; at < w * esize; at += 64)
                 __builtin_prefetch((const char *)pool + sb[j] * ldp * esize + at);
@@ -242,7 +251,7 @@ static void decode_heads(const float *q, long b, long H, long h0, long h1, long 
 #if IRM_VEC
         if (tiles)
             for (; ht + 4 <= h1; ht += 4)
-                for (long k = 0; k < np; k += 4) scores_4x4(qb + ht * w, w, r, rope, c + k, kr + k, s + ht * KB + k);
+                for (long k = 0; k < np; k += SK) scores_tile(qb + ht * w, w, r, rope, c + k, kr + k, s + ht * KB + k);
 #endif
         for (long h = ht; h < h1; h++)
             for (long k = 0; k < np; k++) s[h * KB + k] = dot(qb + h * w, c[k], r) + dot(qb + h * w + r, kr[k], rope);
@@ -261,7 +270,7 @@ static void decode_heads(const float *q, long b, long H, long h0, long h1, long 
         if (tiles)
             for (; ht + 4 <= h1; ht += 4) {
                 long i = 0;
-                for (; i + 4 * IRM_W <= r; i += 4 * IRM_W) values_4x4w(ob + ht * r, r, s + ht * KB, c, np, i);
+                for (; i + NV_TILE * IRM_W <= r; i += NV_TILE * IRM_W) values_tile(ob + ht * r, r, s + ht * KB, c, np, i);
                 for (; i < r; i += IRM_W) values_4x1w(ob + ht * r, r, s + ht * KB, c, np, i);
             }
 #endif
