@@ -48,7 +48,7 @@ from irminsul.model import native_ops
 from irminsul.model.attention import CPUAttention
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MoE
-from irminsul.model.settings import settings
+from irminsul.model.settings import Settings
 
 log = logging.getLogger("irminsul.model")
 DENSE_EXPERTS = 4  # the batched step runs every expert when that is at most this many times the routed work
@@ -93,10 +93,11 @@ def unavailable(model) -> str | None:
     return None
 
 
-def wanted(compile_decode: bool | None, why_not: str | None, what: str) -> bool:
+def wanted(compile_decode: bool | None, why_not: str | None, what: str, settings: Settings) -> bool:
     """Whether to build compiled decode steps (here, or model/graphs.py's). compile_decode: True
     (required: a clear error when `why_not` says they cannot be), False, or None (auto: where they
-    can be, unless IRMINSUL_COMPILE_DECODE=0)."""
+    can be, unless the model's settings say compile_decode off: IRMINSUL_COMPILE_DECODE=0 when it
+    was loaded)."""
     if compile_decode is False or (compile_decode is None and not settings.compile_decode):
         return False
     if why_not is not None:
@@ -122,7 +123,7 @@ def resolve(model, compile_decode: bool | None) -> CompiledDecode | Compiling | 
     """The model's compiled step (`wanted` says when there is one): with compile_decode=True built
     and warmed now; with None (auto) a `Compiling`, built on a thread of its own while the eager
     path serves (or the step itself, when an earlier engine's build has finished)."""
-    if not wanted(compile_decode, unavailable(model), "the compiled decode step"):
+    if not wanted(compile_decode, unavailable(model), "the compiled decode step", model.settings):
         return None
     step = getattr(model, "_compiled_decode", None)
     if isinstance(step, Compiling) and compile_decode:  # required now: wait for the background build
@@ -198,8 +199,9 @@ class CompiledDecode:
         # the step in pieces with eager code between them, slower and silently so; it fails instead
         # cpp_wrapper: the graph's calls between its kernels made from C++ instead of Python (inductor's
         # wrapper), ~80 calls a batched step
-        # (IRMINSUL_COMPILE_CPP_WRAPPER=0: Python's, read when the step is built as the other switches are)
-        options = {"cpp_wrapper": settings.compile_cpp_wrapper}
+        # (IRMINSUL_COMPILE_CPP_WRAPPER=0 when the model was loaded: Python's; the model's settings, as
+        # the other switches)
+        options = {"cpp_wrapper": model.settings.compile_cpp_wrapper}
         self._fn = torch.compile(self._step, dynamic=True, fullgraph=True, options=options)
         self._batch_fn = torch.compile(self._step_batch, dynamic=True, fullgraph=True, options=options)
         cfg = model.config
@@ -208,8 +210,8 @@ class CompiledDecode:
         self.native = (
             isinstance(model.attention, CPUAttention)
             and native_ops.available()
-            and settings.native_decode
-            and settings.native_moe
+            and model.settings.native_decode
+            and model.settings.native_moe
         )
         for layer in model.model.layers:
             if isinstance(layer.mlp, MoE):

@@ -27,6 +27,7 @@ from irminsul.model.layers import MLP, Linear, LongcatMoE, MoE, RMSNorm
 from irminsul.model.loader import owned, read_tensors, resolve_dtype, weight_files
 from irminsul.model.mla import ForwardBatch, MLAttention, SequenceRows
 from irminsul.model.rope import Rotary
+from irminsul.model.settings import Settings
 
 # `DeepseekModel.embed`'s row-major copy of a tied table is kept up to this size (the bundled model's
 # is 8 MiB; a large tied table is read strided rather than held twice)
@@ -34,12 +35,14 @@ EMBED_COPY_BYTES = 64 * 2**20
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: AttentionBackend, settings: Settings):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, layer, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, settings)
+        self.self_attn = MLAttention(cfg, layer, rotary, backend, settings)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, settings)
+        self.mlp = (
+            MoE(cfg, settings) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, settings)
+        )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch)
@@ -53,13 +56,15 @@ class LongcatBlock(nn.Module):
     """LongCat-Flash's decoder block: two MLA sublayers (pool layers 2i and 2i + 1), each followed by
     a dense MLP, and a shortcut MoE fed after the first sublayer and added after the second."""
 
-    def __init__(self, cfg: ModelConfig, block: int, rotary: Rotary, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, block: int, rotary: Rotary, backend: AttentionBackend, settings: Settings):
         super().__init__()
-        self.mlp = LongcatMoE(cfg)
-        self.self_attn = nn.ModuleList(MLAttention(cfg, 2 * block + j, rotary, backend) for j in range(2))
-        self.mlps = nn.ModuleList(MLP(cfg.hidden_size, cfg.intermediate_size) for _ in range(2))
-        self.input_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(2))
-        self.post_attention_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(2))
+        self.mlp = LongcatMoE(cfg, settings)
+        self.self_attn = nn.ModuleList(MLAttention(cfg, 2 * block + j, rotary, backend, settings) for j in range(2))
+        self.mlps = nn.ModuleList(MLP(cfg.hidden_size, cfg.intermediate_size, settings) for _ in range(2))
+        self.input_layernorm = nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, settings) for _ in range(2))
+        self.post_attention_layernorm = nn.ModuleList(
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, settings) for _ in range(2)
+        )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, stop: int | None = None) -> torch.Tensor:
         """stop=1: the hidden state entering the second sublayer (its norm not applied)."""
@@ -77,21 +82,26 @@ class LongcatBlock(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, settings: Settings):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         block = LongcatBlock if cfg.model_type == "longcat_flash" else DecoderLayer
-        self.layers = nn.ModuleList(block(cfg, i, rotary, backend) for i in range(cfg.num_blocks))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(block(cfg, i, rotary, backend, settings) for i in range(cfg.num_blocks))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, settings)
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None, settings: Settings | None = None):
+        """settings: the switches it runs by (model/settings.py), else the environment's, read now."""
         super().__init__()
         self.config = cfg
         self.rotary = rotary or Rotary(cfg.rope)
-        self.attention = CPUAttention(cfg, self.rotary)  # the attention backend every layer calls (the default)
-        self.model = Backbone(cfg, self.rotary, self.attention)
+        # the switches, read once: its layers, its attention backend, its kernel choice and its compiled
+        # steps run by these, whatever the environment says later
+        self.settings = settings if settings is not None else Settings.from_env()
+        # the attention backend every layer calls (the default)
+        self.attention = CPUAttention(cfg, self.rotary, self.settings)
+        self.model = Backbone(cfg, self.rotary, self.attention, self.settings)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -101,17 +111,24 @@ class DeepseekModel(nn.Module):
 
     @classmethod
     def load(
-        cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu", pack: bool = True
+        cls,
+        path: str | Path,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        pack: bool = True,
+        settings: Settings | None = None,
     ) -> DeepseekModel:
         """An MLA checkpoint (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash, LongCat-Flash) as a DeepseekModel
-        (`loader.load_model` reaches it through the registry); `pack`: laid out for inference."""
+        (`loader.load_model` reaches it through the registry); `pack`: laid out for inference;
+        `settings`: the switches it runs by (default: the environment's, read now)."""
+        settings = settings if settings is not None else Settings.from_env()
         path = Path(path)
         cfg = ModelConfig.from_file(path / "config.json")
         dtype = resolve_dtype(dtype)
         tensors = read_tensors(weight_files(path), cfg.num_blocks)
         rotary = Rotary(cfg.rope, device)  # built outside the meta context: it holds real buffers
         with torch.device("meta"):
-            model = cls(cfg, rotary)
+            model = cls(cfg, rotary, settings)
         expected = model.state_dict()
         if cfg.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
@@ -154,7 +171,7 @@ class DeepseekModel(nn.Module):
         or "triton" (a GPU, or Triton's interpreter on CPU tensors): attention in model/attention/triton.py,
         and the MoE layers' routed experts in model/triton_moe.py (one grouped launch per product, no host
         sync)."""
-        backend = attention.backend(name, self.config, self.rotary)
+        backend = attention.backend(name, self.config, self.rotary, self.settings)
         kernel = None
         if name == "triton":
             from irminsul.model import triton_moe
@@ -172,14 +189,16 @@ class DeepseekModel(nn.Module):
         dicts are unchanged): the products that read one input fused (q|kv_a, gate|up, the stacked
         experts), each product's weight held once in the layout, and with the oneDNN blocked copy (if
         any), that `kernel_choice.choose` measured fastest for its shape on this machine (cached per CPU
-        model; `kernel_choice`). kernels="fixed" (or IRMINSUL_KERNEL_CHOICE=fixed): the earlier fixed
-        rule instead, input-major with oneDNN copies for 256, 32 and 8 rows of each float32 weight;
-        a `kernel_choice.KernelChoices`: those. Each layer's `pack` is handed them, and they are kept
-        as `kernel_choices`."""
+        model; `kernel_choice`). kernels="fixed" (or IRMINSUL_KERNEL_CHOICE=fixed in its `settings`):
+        the earlier fixed rule instead, input-major with oneDNN copies for 256, 32 and 8 rows of each
+        float32 weight; a `kernel_choice.KernelChoices`: those. Each layer's `pack` is handed them, and
+        they are kept as `kernel_choices`."""
         from irminsul.model import kernel_choice
         from irminsul.model.layers import chosen_layout, laid_out
 
-        choices = kernel_choice.choose(self.products(), *self._weight_bytes(), device=self.device, kernels=kernels)
+        choices = kernel_choice.choose(
+            self.products(), *self._weight_bytes(), device=self.device, kernels=kernels, settings=self.settings
+        )
         for module in self.modules():  # (an MoE before its experts: they are packed into its stack)
             if module is not self and hasattr(module, "pack"):
                 module.pack(choices)

@@ -9,8 +9,9 @@ reciprocal (within ~1e-7 relative of torch's, its special values kept: tests/mod
 They run where the native library built, for float32 tensors (RMSNorm also bfloat16: nine norms a
 decode token of the realistic bf16 model, each several dispatches as torch's ops) on a CPU, their
 rows shared among torch's threads, outside graphs being compiled (inductor fuses these operations
-itself), unless IRMINSUL_NATIVE_ELEMENTWISE=0. Each function returns None where it does not run;
-the caller computes with torch.
+itself). Each function returns None where it does not run; the caller computes with torch. The layers
+call them only where their settings have them on (`layers.RMSNorm`, `layers.MLP`: native_elementwise,
+IRMINSUL_NATIVE_ELEMENTWISE=0 turns them off when a model is loaded).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from irminsul.model import native
-from irminsul.model.settings import settings
 
 
 def _runs(x: torch.Tensor, w: torch.Tensor | None = None, dtypes=(torch.float32,)) -> bool:
@@ -29,7 +29,6 @@ def _runs(x: torch.Tensor, w: torch.Tensor | None = None, dtypes=(torch.float32,
         and (w is None or w.dtype is x.dtype)
         and x.device.type == "cpu"
         and (w is None or w.device.type == "cpu")
-        and settings.native_elementwise
         and native.library() is not None
     )
 

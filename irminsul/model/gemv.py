@@ -95,8 +95,8 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
 def heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [n, H, in] (1 to MAX_ROWS rows, each head's in contiguous) times each head's w [H, out, in]
     (its rows contiguous) -> [n, H, out] in x's dtype: attention's absorbed per-head products
-    (`attention.base.absorb_query` / `absorb_output`). None where the kernel does not run (see
-    `product`; then the caller's bmm)."""
+    (`attention.base.absorb_query` / `absorb_output`, asked where the backend's settings have gemv
+    on). None where the kernel does not run (see `product`; then the caller's bmm)."""
     n, h, inner = x.shape
     if (
         torch.compiler.is_compiling()
@@ -108,7 +108,6 @@ def heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         or w.stride(2) != 1
         or x.dtype not in DTYPES
         or w.dtype not in DTYPES
-        or not settings.gemv
     ):
         return None
     lib = native.library()

@@ -60,7 +60,7 @@ def supported(model) -> str | None:
 def resolve(model, pool: torch.Tensor, compile_decode: bool | None) -> DecodeGraphs | None:
     """The engine's captured decode steps over `pool`, or None (`compiled.wanted` says when; auto
     captures on a GPU only, and True on a CPU runs the uncaptured static step, a test mode)."""
-    if not wanted(compile_decode, supported(model), "capturing decode steps as CUDA graphs"):
+    if not wanted(compile_decode, supported(model), "capturing decode steps as CUDA graphs", model.settings):
         return None
     if compile_decode is None and pool.device.type != "cuda":
         return None  # the interpreter gains nothing from the static step

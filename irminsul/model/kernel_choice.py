@@ -38,11 +38,14 @@ layout is chosen with its times counted as the out-major layout's.
 `IRMINSUL_KERNEL_CHOICE=fixed` (or `DeepseekModel.pack(kernels="fixed")`) keeps the earlier fixed rule
 instead (input-major everywhere; oneDNN copies for 256, 32 and 8 rows of every float32 weight large
 enough, `DNN_MIN_MACS`), for comparing. `IRMINSUL_KERNEL_CACHE` names the cache file;
-`IRMINSUL_KERNEL_COPIES` the copy budget (a fraction of the weight bytes; 0: no copies).
+`IRMINSUL_KERNEL_COPIES` the copy budget (a fraction of the weight bytes; 0: no copies). A model reads
+them, and IRMINSUL_GEMV, once, when it is loaded (`DeepseekModel.settings`, model/settings.py), and
+`choose` and the measurements after it take those settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -58,7 +61,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from irminsul.model.settings import settings
+from irminsul.model.settings import Settings
 
 log = logging.getLogger("irminsul.model")
 
@@ -131,8 +134,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def mode(kernels: str | None = None) -> str:
-    """ "measured" or "fixed": the argument when given, else IRMINSUL_KERNEL_CHOICE (default measured)."""
+def mode(kernels: str | None, settings: Settings) -> str:
+    """ "measured" or "fixed": the argument when given, else the settings' kernel_choice
+    (IRMINSUL_KERNEL_CHOICE; default measured)."""
     value = (kernels or settings.kernel_choice or "measured").strip().lower()
     if value in ("fixed", "0", "off", "false", "no"):
         return "fixed"
@@ -175,9 +179,9 @@ def cpu_key() -> str:
     return f"{cpu_model()} | torch {torch.__version__} | mkldnn {torch.backends.mkldnn.is_available()}"
 
 
-def cache_path() -> Path:
-    """IRMINSUL_KERNEL_CACHE, else kernels-<hash of the CPU model>.json in the user's cache directory
-    ($XDG_CACHE_HOME or ~/.cache, then irminsul/)."""
+def cache_path(settings: Settings) -> Path:
+    """The settings' kernel_cache (IRMINSUL_KERNEL_CACHE), else kernels-<hash of the CPU model>.json in
+    the user's cache directory ($XDG_CACHE_HOME or ~/.cache, then irminsul/)."""
     if settings.kernel_cache is not None:
         return settings.kernel_cache
     base = settings.cache_home
@@ -455,6 +459,9 @@ class KernelChoices:
     streamed: int = 64 * 2**20
     seconds: float = 0.0  # time spent measuring (0 when every shape was cached)
     forced: Choice | None = None  # every shape's choice (`KernelChoices.every`), for tests and benchmarks
+    # the switches they are chosen by (`choose` sets them): where the times of a shape not chosen yet
+    # are cached, whether gemv is a candidate
+    settings: Settings | None = None
 
     @classmethod
     def every(cls, layout: str, blocks: tuple[int, ...] = (), gemv: int = 0, widen: int = 0) -> KernelChoices:
@@ -475,24 +482,27 @@ class KernelChoices:
         elif self.kernels == "fixed" or torch.device(device).type != "cpu":
             c = fixed_choice(out, inp, dtype, device)
         else:
-            times = _times([Product(out, inp, dtype)], self.streamed, progress=False)[key[:3] + (None,)]
+            settings = self.settings if self.settings is not None else Settings.from_env()
+            times = _times([Product(out, inp, dtype)], self.streamed, False, settings)[key[:3] + (None,)]
             layout = layout or _dense_layout(times)
             c = Choice(layout, gemv=_gemv_rows(times) if layout == "out" else 0, widen=_widen_rows(times, layout))
         self.choices[key] = c
         return c
 
 
-def _times(products: list[Product], streamed: int, progress: bool) -> dict[tuple, dict[str, dict[str, float]]]:
-    """Each product's measured times: from this process's memory, the cache file, or measured now
-    (and written to the cache; a cache that cannot be read or written only means measuring again)."""
+def _times(
+    products: list[Product], streamed: int, progress: bool, settings: Settings
+) -> dict[tuple, dict[str, dict[str, float]]]:
+    """Each product's measured times: from this process's memory, the settings' cache file, or measured
+    now (and written to the cache; a cache that cannot be read or written only means measuring again)."""
     from irminsul.model import gemv
 
-    path = cache_path()
+    path = cache_path(settings)
     stored = None
     out: dict[tuple, dict[str, dict[str, float]]] = {}
     todo = []
     for p in products:
-        with_gemv = gemv.available(dtype=p.dtype)
+        with_gemv = settings.gemv and gemv.available(dtype=p.dtype)
         key = entry_key(p.out, p.inp, p.dtype, streamed, with_gemv)
         if key not in _memory:
             if stored is None:
@@ -543,24 +553,31 @@ def choose(
     kernels: str | KernelChoices | None = None,
     budget: float | None = None,
     progress: bool = True,
+    settings: Settings | None = None,
 ) -> KernelChoices:
     """The choice for each product (`Product`s: the model's distinct shapes with their counts and uses);
-    kernels: "measured" / "fixed" (default IRMINSUL_KERNEL_CHOICE, else measured) or KernelChoices to use.
-    model_bytes: all the model's weight bytes (the copy budget is a fraction of them); decode_bytes:
-    those one decode token reads (how far a weight is streamed from; default model_bytes)."""
+    kernels: "measured" / "fixed" (default the settings' kernel_choice, else measured) or KernelChoices
+    to use. model_bytes: all the model's weight bytes (the copy budget is a fraction of them);
+    decode_bytes: those one decode token reads (how far a weight is streamed from; default model_bytes).
+    settings: the switches to choose by (a model's, `DeepseekModel.settings`; default the environment's,
+    read now); the choices keep them."""
+    if settings is None:
+        settings = Settings.from_env()
     if isinstance(kernels, KernelChoices):
-        return kernels
-    how = mode(kernels)
+        return kernels if kernels.settings is not None else dataclasses.replace(kernels, settings=settings)
+    how = mode(kernels, settings)
     if how == "fixed":
-        return KernelChoices("fixed", {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products})
+        fixed = {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products}
+        return KernelChoices("fixed", fixed, settings=settings)
     products = _merged(products)
     if torch.device(device).type != "cpu":  # (a GPU: not measured here; the layout its kernels were written for)
-        return KernelChoices("fixed", {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products})
+        fixed = {p.key: fixed_choice(p.out, p.inp, p.dtype, device) for p in products}
+        return KernelChoices("fixed", fixed, settings=settings)
     streamed = stream_bytes(decode_bytes if decode_bytes is not None else model_bytes)
     if budget is None:
         budget = settings.kernel_copies if settings.kernel_copies is not None else COPY_BUDGET
     start = time.perf_counter()
-    times = _times(products, streamed, progress)
+    times = _times(products, streamed, progress, settings)
     seconds = time.perf_counter() - start
     choices = {}
     offers = []  # (time saved per token per byte held, product, block)
@@ -587,7 +604,7 @@ def choose(
     for p in products:
         c = choices[p.key]
         choices[p.key] = Choice(c.layout, c.blocks, c.gemv, _widen_rows(times[p.key], c.layout, c.blocks))
-    return KernelChoices(how, choices, streamed, seconds)
+    return KernelChoices(how, choices, streamed, seconds, settings=settings)
 
 
 # --- the routed experts: at which token counts the native kernel runs, what the loop costs ------------
@@ -609,12 +626,15 @@ def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -
     kernel loses at one token, where torch's product streams the same weights, and wins at eight),
     until a call takes EXPERT_CALL_LIMIT_S (larger counts are then left to torch). Empty where the
     kernel does not run here. Cached per CPU (`cache_path`), keyed by the layer's shape, the thread
-    count and the kernel's build. The fixed rule (kernels="fixed" / IRMINSUL_KERNEL_CHOICE=fixed) and
-    forced choices take every count up to `MoE.NATIVE_TOKENS`, unmeasured."""
+    count and the kernel's build (the cache named by the layer's settings). The fixed rule
+    (kernels="fixed" / the layer's settings' kernel_choice) and forced choices take every count up to
+    `MoE.NATIVE_TOKENS`, unmeasured."""
     kernel = moe.native_kernel(dtype)
     if kernel is None:
         return ()
-    if kernels == "forced" or mode(kernels) == "fixed":  # (forced: `KernelChoices.every`, for comparisons)
+    if (
+        kernels == "forced" or mode(kernels, moe.settings) == "fixed"
+    ):  # (forced: `KernelChoices.every`, for comparisons)
         return tuple(n for n in EXPERT_TOKENS if n <= moe.NATIVE_TOKENS)
     from irminsul.model import native
 
@@ -649,7 +669,7 @@ def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -
         log.info("native experts %s: at %s tokens (measured)", key.split("|threads")[0], wins or "no count")
         return {"wins": wins, "times": times}
 
-    return tuple(_measured(key, "wins", measure)["wins"])
+    return tuple(_measured(key, "wins", measure, moe.settings)["wins"])
 
 
 def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:
@@ -679,19 +699,19 @@ def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:
             )
         return {"loop_call_s": t["loop"], "macs_per_s": experts * rows * 3 * hidden * (inner2 // 2) / t["grouped"]}
 
-    entry = _measured(key, "loop_call_s", measure)
+    entry = _measured(key, "loop_call_s", measure, moe.settings)
     return float(entry["loop_call_s"]), float(entry["macs_per_s"])
 
 
-def _measured(key: str, field: str, measure) -> dict:
-    """The cache entry `key` (this process's, else the cache file's) when it holds `field`, else
-    `measure()`'s, kept in both."""
-    cached = _memory.get(key) or _read_cache(cache_path()).get(key)
+def _measured(key: str, field: str, measure, settings: Settings) -> dict:
+    """The cache entry `key` (this process's, else the settings' cache file's) when it holds `field`,
+    else `measure()`'s, kept in both."""
+    cached = _memory.get(key) or _read_cache(cache_path(settings)).get(key)
     if cached is not None and field in cached:
         return cached
     entry = measure()
     _memory[key] = entry
-    _write_cache(cache_path(), {key: entry})
+    _write_cache(cache_path(settings), {key: entry})
     return entry
 
 

@@ -19,19 +19,27 @@ from torch.utils.flop_counter import register_flop_formula
 from irminsul.model import elementwise, gemv, kernel_choice, native_ops
 from irminsul.model.config import ModelConfig
 from irminsul.model.kernel_choice import KernelChoices
-from irminsul.model.settings import settings
+from irminsul.model.settings import Settings
 from irminsul.model.widen import widened
 
 
+def snapshot(settings: Settings | None) -> Settings:
+    """The switches a layer built with `settings` runs by: those (its model's), else the environment's
+    now (a layer built on its own reads it once, when it is built)."""
+    return settings if settings is not None else Settings.from_env()
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, settings: Settings | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.settings = snapshot(settings)  # (native_elementwise: the native kernel where it runs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: not F.rms_norm: on a CPU it is no faster for one row and 10x slower for 1,500
-        fused = elementwise.rms_norm(x, self.weight, self.eps)  # (one pass, where the native kernel runs)
+        # (one pass, where the native kernel runs)
+        fused = elementwise.rms_norm(x, self.weight, self.eps) if self.settings.native_elementwise else None
         if fused is not None:
             return fused
         dtype = x.dtype
@@ -287,8 +295,9 @@ def packed(
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); after `pack`, gate and up are one product."""
 
-    def __init__(self, hidden: int, inner: int):
+    def __init__(self, hidden: int, inner: int, settings: Settings | None = None):
         super().__init__()
+        self.settings = snapshot(settings)  # (native_elementwise: silu * up through the native kernel)
         self.gate_proj = Linear(hidden, inner, bias=False)
         self.up_proj = Linear(hidden, inner, bias=False)
         self.down_proj = Linear(inner, hidden, bias=False)
@@ -331,7 +340,8 @@ class MLP(nn.Module):
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """forward of a packed MLP, without the check (a compiled graph cannot compare data pointers)."""
         gate_up = packed(x, self.gate_up, None, self.gate_up_dnn, self.gate_up_gemv_rows, self.gate_up_widen_rows)
-        act = elementwise.silu_mul(gate_up)  # (one pass, where the native kernel runs)
+        # (one pass, where the native kernel runs)
+        act = elementwise.silu_mul(gate_up) if self.settings.native_elementwise else None
         if act is None:
             g, u = gate_up.chunk(2, dim=-1)
             act = F.silu(g) * u
@@ -397,14 +407,17 @@ class MoE(nn.Module):
     # model/compiled.py where the native kernels run), instead of every expert on every token (`dense`)
     native_graph = False
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, settings: Settings | None = None):
         super().__init__()
+        self.settings = settings = snapshot(settings)  # (native_moe: the native experts where they run)
         self.gate = Router(cfg)
         self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size, settings) for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, settings)
+            if cfg.n_shared_experts
+            else None
         )
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
         # the triton backend's grouped kernel (triton_moe.fused_experts), set by set_attention_backend
@@ -462,7 +475,7 @@ class MoE(nn.Module):
             how = choices.kernels if choices is not None else None
             self.native_counts = kernel_choice.native_experts_counts(self, dtype, how)
             self.native_tokens = max(self.native_counts, default=0)
-            if how not in ("fixed", "forced") and kernel_choice.mode(how) == "measured":
+            if how not in ("fixed", "forced") and kernel_choice.mode(how, self.settings) == "measured":
                 self.loop_call_s, self.macs_per_s = kernel_choice.expert_costs(self, dtype)
         else:
             self.native_counts, self.native_tokens = (), 0
@@ -552,9 +565,10 @@ class MoE(nn.Module):
     def native_kernel(self, dtype: torch.dtype):
         """The native experts' call for tokens of `dtype` over this layer's stacks, whatever the token
         count (`native_tokens` bounds it; benchmarks/bench_moe.py times it), or None where it cannot
-        run: the library not built, IRMINSUL_NATIVE_MOE=0, or stacks it does not read (float32, or
-        bfloat16 out-major where the bf16 experts were built: `native_ops.moe_bf16_available`)."""
-        if not native_ops.available() or not settings.native_moe:
+        run: the library not built, switched off (its settings' native_moe: IRMINSUL_NATIVE_MOE=0), or
+        stacks it does not read (float32, or bfloat16 out-major where the bf16 experts were built:
+        `native_ops.moe_bf16_available`)."""
+        if not native_ops.available() or not self.settings.native_moe:
             return None
         gate_up, down = self.stacked()
         if dtype == gate_up.dtype == down.dtype == torch.float32:
@@ -658,11 +672,12 @@ class LongcatMoE(nn.Module):
     """Routed experts plus `zero_expert_num` identity experts (a token routed there keeps its
     input, weighted): the zero-computation experts that let a token spend less compute."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, settings: Settings | None = None):
         super().__init__()
+        settings = snapshot(settings)
         self.router = LongcatRouter(cfg)
         self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size, settings) for _ in range(cfg.n_routed_experts)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

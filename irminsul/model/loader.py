@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from irminsul.errors import CheckpointError, RequestError
 from irminsul.model.config import read_json_config
 from irminsul.model.registry import model_class
+from irminsul.model.settings import Settings
 
 DTYPES = {
     "float32": torch.float32,
@@ -111,9 +112,16 @@ def read_config(path: Path) -> dict:
     return read_json_config(path / "config.json")
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu", pack: bool = True):
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    pack: bool = True,
+    settings: Settings | None = None,
+):
     """The checkpoint as the class its model_type is registered to (registry.py), a `base.Model`;
-    `pack`: lay its weights out for inference where the family does (`DeepseekModel.pack`)."""
+    `pack`: lay its weights out for inference where the family does (`DeepseekModel.pack`);
+    `settings`: the switches it runs by (model/settings.py; default the environment's, read now)."""
     path = Path(path)
     if not path.is_dir():
         text = str(path)
@@ -125,4 +133,5 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
             )
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     check_device(device)
-    return model_class(read_config(path).get("model_type")).load(path, dtype=dtype, device=device, pack=pack)
+    family = model_class(read_config(path).get("model_type"))
+    return family.load(path, dtype=dtype, device=device, pack=pack, settings=settings)

@@ -34,10 +34,12 @@ from irminsul.model.layers import (
     gemv_rows,
     pack_linears,
     packed,
+    snapshot,
     widen_rows,
     widen_rows_of,
 )
 from irminsul.model.rope import Rotary, encode_half
+from irminsul.model.settings import Settings
 
 
 class SequenceRows:
@@ -146,20 +148,24 @@ class ForwardBatch:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: AttentionBackend):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, rotary: Rotary, backend: AttentionBackend, settings: Settings | None = None
+    ):
+        """settings: its model's (its norms run by them; `layers.snapshot`)."""
         super().__init__()
+        settings = snapshot(settings)
         self.cfg, self.layer, self.rotary, self.backend = cfg, layer, rotary, backend
         h, bias = cfg.num_attention_heads, cfg.attention_bias
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, settings)
             self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_width, bias=bias)
         self.indexer = Indexer(cfg) if cfg.index_n_heads else None
         # HF builds kv_a_layernorm with its default eps (1e-6), not rms_norm_eps.
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, settings)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=bias)
         # LongCat-Flash scales q and the normed c_KV (what is cached) by sqrt(hidden / LoRA rank)

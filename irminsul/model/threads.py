@@ -29,7 +29,9 @@ def fastest_threads(model, key: str) -> int:
     start = torch.get_num_threads()
     if start == 1 or not isinstance(model, DeepseekModel) or model.device.type != "cpu":
         return start
-    entry = kernel_choice._measured(f"threads|{key}|from{start}", "threads", lambda: _probe(model, start))
+    entry = kernel_choice._measured(
+        f"threads|{key}|from{start}", "threads", lambda: _probe(model, start), model.settings
+    )
     return int(entry["threads"])
 
 

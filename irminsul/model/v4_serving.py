@@ -30,6 +30,7 @@ from irminsul.errors import ConfigError
 from irminsul.model.attention import EMPTY_SLOT, SeqAttention
 from irminsul.model.base import Capabilities
 from irminsul.model.deepseek_v4 import DeepseekV4ForCausalLM, load_deepseek_v4
+from irminsul.model.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,14 @@ class V4Backend:
 
 
 class V4Model(nn.Module):
-    def __init__(self, model: DeepseekV4ForCausalLM, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self, model: DeepseekV4ForCausalLM, eos_token_ids: tuple[int, ...] = (), settings: Settings | None = None
+    ):
         super().__init__()
         self.v4 = model
+        # the switches, read once (model/settings.py): V4's reference path has none of its own; the
+        # engine asks a model's for compile_decode
+        self.settings = settings if settings is not None else Settings.from_env()
         cfg = model.config
         self.widths = [layer.self_attn.row_width for layer in model.model.layers]
         self.config = V4EngineConfig(
@@ -99,12 +105,14 @@ class V4Model(nn.Module):
         self.attention = V4Backend()
 
     @classmethod
-    def load(cls, path, dtype="float32", device: str = "cpu", pack: bool = True) -> V4Model:
+    def load(
+        cls, path, dtype="float32", device: str = "cpu", pack: bool = True, settings: Settings | None = None
+    ) -> V4Model:
         """(`pack` has nothing to do: V4's reference path keeps the checkpoint's layout.)"""
         raw = json.loads((Path(path) / "config.json").read_text())
         eos = raw.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        return cls(load_deepseek_v4(path, dtype=dtype, device=device), eos)
+        return cls(load_deepseek_v4(path, dtype=dtype, device=device), eos, settings)
 
     @property
     def device(self) -> torch.device:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from irminsul import LLM
 from irminsul.model import elementwise, native
 from irminsul.model.layers import MLP, RMSNorm
+from irminsul.model.settings import Settings
 from irminsul.model.tiny import make_tiny_checkpoint
 from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 
@@ -125,9 +126,8 @@ def test_bf16_rms_norm_rounds_as_torchs_ops(variant, monkeypatch, rows, d, scale
     with torch.no_grad():
         norm.weight.copy_(torch.randn(d, generator=g))
     got = elementwise.rms_norm(x, norm.weight, 1e-6)
-    monkeypatch.setenv("IRMINSUL_NATIVE_ELEMENTWISE", "0")
+    norm.settings = Settings(native_elementwise=False)  # (torch's ops)
     want = norm(x)
-    monkeypatch.delenv("IRMINSUL_NATIVE_ELEMENTWISE")
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == want.shape
     step = want.float().abs() * 2.0**-7 + 1e-30
     assert ((got.float() - want.float()).abs() <= 2 * step).all()
@@ -140,8 +140,20 @@ def test_where_they_do_not_run_they_return_none(monkeypatch):
     assert elementwise.rms_norm(x, w.bfloat16(), 1e-6) is None
     assert elementwise.rms_norm(x.t().contiguous().t(), w, 1e-6) is None  # (elements not contiguous)
     assert elementwise.silu_mul(torch.randn(4, 7)) is None  # (an odd width is no [gate | up])
+
+
+def test_switched_off_the_layers_do_not_call_them(monkeypatch):
+    """IRMINSUL_NATIVE_ELEMENTWISE=0 when a layer is built (or its model loaded): the layer keeps
+    torch's ops, whatever the environment says later."""
+    for name in ("rms_norm", "silu_mul"):
+        monkeypatch.setattr(elementwise, name, lambda *a, _n=name: pytest.fail(f"{_n} ran"))
     monkeypatch.setenv("IRMINSUL_NATIVE_ELEMENTWISE", "0")
-    assert elementwise.rms_norm(x, w, 1e-6) is None and elementwise.silu_mul(x) is None
+    norm, mlp = RMSNorm(64, 1e-6), MLP(64, 32)
+    mlp.pack()
+    monkeypatch.delenv("IRMINSUL_NATIVE_ELEMENTWISE")
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        norm(x), mlp(x)
 
 
 def test_the_layers_compute_the_same_with_and_without(monkeypatch):
@@ -157,7 +169,7 @@ def test_the_layers_compute_the_same_with_and_without(monkeypatch):
         monkeypatch.setattr(elementwise, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
     with torch.no_grad():
         a, b = norm(x), mlp(x)
-        monkeypatch.setenv("IRMINSUL_NATIVE_ELEMENTWISE", "0")
+        norm.settings = mlp.settings = Settings(native_elementwise=False)
         c, d = norm(x), mlp(x)
     assert {"rms_norm", "silu_mul"} <= set(calls)
     assert (a - c).abs().max().item() < 1e-5 and (b - d).abs().max().item() < 1e-5

@@ -273,8 +273,11 @@ def test_absorbed_products_of_a_bf16_decode_take_the_per_head_kernel(monkeypatch
     o = torch.randn(3, 4, 64).bfloat16()
     want_q = torch.bmm(q.transpose(0, 1).double(), w_uk.double()).transpose(0, 1)
     want_o = torch.bmm(o.transpose(0, 1).double(), w_uv.transpose(1, 2).double()).transpose(0, 1)
-    assert (absorb_query(q, w_uk).double() - want_q).abs().max() <= 1e-2 * want_q.abs().max()
-    assert (absorb_output(o, w_uv).double() - want_o).abs().max() <= 1e-2 * want_o.abs().max()
+    assert (absorb_query(q, w_uk, per_head=True).double() - want_q).abs().max() <= 1e-2 * want_q.abs().max()
+    assert (absorb_output(o, w_uv, per_head=True).double() - want_o).abs().max() <= 1e-2 * want_o.abs().max()
     assert calls == [3, 3]
-    absorb_query(q.float(), w_uk.float()), absorb_query(torch.randn(12, 4, 32).bfloat16(), w_uk)  # (fp32; 12 rows: bmm)
+    absorb_query(q.float(), w_uk.float(), per_head=True)  # (fp32: bmm)
+    absorb_query(torch.randn(12, 4, 32).bfloat16(), w_uk, per_head=True)  # (12 rows: bmm)
+    assert calls == [3, 3, 12]
+    absorb_query(q, w_uk), absorb_output(o, w_uv)  # (a backend whose settings have gemv off)
     assert calls == [3, 3, 12]

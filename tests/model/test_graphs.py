@@ -5,6 +5,8 @@ On a CPU the static step runs uncaptured under Triton's interpreter; on a GPU
 the graph replays: padded batches, fixed key splits, slot tables read from the static buffers, content
 hits, the fallbacks, and that the step reads nothing back on the host (a capture would fail on it)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -132,10 +134,10 @@ def test_the_static_step_reads_nothing_back_on_the_host(tiny_dir, monkeypatch):
     kernel = moes[0].kernel
     # the same step with the torch MoE, which sizes its grouped batch on the host (its ops, not the
     # native kernel a CPU's few tokens would take)
-    monkeypatch.setenv("IRMINSUL_NATIVE_MOE", "0")
     try:
         for m in moes:
             m.kernel = None
+            monkeypatch.setattr(m, "settings", dataclasses.replace(m.settings, native_moe=False))
         with HostReads() as reads:
             graphs.step(graphs.size(2))
     finally:

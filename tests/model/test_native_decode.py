@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from irminsul import LLM
 from irminsul.model import native
 from irminsul.model.attention.cpu import CPUAttention
+from irminsul.model.settings import Settings
 from irminsul.model.tiny import make_tiny_checkpoint
 from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 from tests.model.test_attention_flash import _case, _reference, _run, _setup
@@ -88,9 +89,9 @@ def test_a_switched_off_kernel_is_not_called(monkeypatch):
     cfg, backend, attn, g = _setup(2)
     q_nope, q_pe, pool, seqs = _decode_case(cfg, g, [9, 4])
     monkeypatch.setattr(ta, "call_mla_decode", lambda *a: pytest.fail("the kernel ran"))
-    monkeypatch.setenv("IRMINSUL_NATIVE_DECODE", "0")
+    backend.settings = Settings(native_decode=False)
     _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
-    monkeypatch.delenv("IRMINSUL_NATIVE_DECODE")
+    backend.settings = Settings()
     monkeypatch.setattr(CPUAttention, "NATIVE_DECODE", False)
     _run(backend, attn, q_nope, q_pe, pool, seqs, expanded=False)
 

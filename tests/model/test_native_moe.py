@@ -14,6 +14,7 @@ from irminsul import LLM
 from irminsul.model import layers, native
 from irminsul.model.config import ModelConfig
 from irminsul.model.layers import MoE
+from irminsul.model.settings import Settings
 from irminsul.model.tiny import make_tiny_checkpoint, tiny_config
 from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 
@@ -64,9 +65,9 @@ def test_where_it_does_not_run_and_a_bad_expert_id(monkeypatch):
         moe._native(torch.randn(MoE.NATIVE_TOKENS + 1, 64), *moe.gate(torch.randn(MoE.NATIVE_TOKENS + 1, 64))) is None
     )
     assert moe._native(x.bfloat16(), weights, ids) is None
-    monkeypatch.setenv("IRMINSUL_NATIVE_MOE", "0")
+    moe.settings = Settings(native_moe=False)
     assert moe._native(x, weights, ids) is None
-    monkeypatch.delenv("IRMINSUL_NATIVE_MOE")
+    moe.settings = Settings()
     bad = ids.clone()
     bad[2, 1] = 4
     with pytest.raises(ValueError, match="expert id"):

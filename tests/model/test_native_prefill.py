@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from irminsul import LLM
 from irminsul.model import kernel_choice, native, native_ops
 from irminsul.model.attention.cpu import CPUAttention
+from irminsul.model.settings import Settings
 from irminsul.model.tiny import make_tiny_checkpoint
 from tests.model.native_variants import variant  # noqa: F401 (a fixture)
 from tests.model.test_attention_flash import CASES, _case, _reference, _run, _setup
@@ -115,7 +116,7 @@ def test_where_it_does_not_run_sdpa_does(why, monkeypatch):
     monkeypatch.setattr(native_ops, "call_prefill_attention", lambda *a: pytest.fail("the kernel ran"))
     monkeypatch.setattr(CPUAttention, "widen_prefill", lambda self: False)  # (bf16: measured slower widened)
     if why == "switched off":
-        monkeypatch.setenv("IRMINSUL_NATIVE_PREFILL", "0")
+        backend.settings = Settings(native_prefill=False)
     if why == "flag":
         monkeypatch.setattr(CPUAttention, "NATIVE_PREFILL", False)
     _, _, kernels = _run(backend, attn, q_nope, q_pe, pool, seqs)

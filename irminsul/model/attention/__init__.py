@@ -34,17 +34,18 @@ BACKENDS = ("cpu", "reference", "triton")
 ALIASES = {"torch": "cpu"}
 
 
-def backend(name: str, cfg, rotary) -> AttentionBackend:
-    """The backend called `name` (one of BACKENDS) for a model's config and rotary class."""
+def backend(name: str, cfg, rotary, settings=None) -> AttentionBackend:
+    """The backend called `name` (one of BACKENDS) for a model's config, rotary class and settings (the
+    switches it runs by: model/settings.py; default the environment's, read now)."""
     name = ALIASES.get(name, name)
     if name == "cpu":
-        return CPUAttention(cfg, rotary)
+        return CPUAttention(cfg, rotary, settings)
     if name == "reference":
-        return ReferenceAttention(cfg, rotary)
+        return ReferenceAttention(cfg, rotary, settings)
     if name == "triton":
         from irminsul.model.attention.triton import TritonAttention
 
-        return TritonAttention(cfg, rotary)
+        return TritonAttention(cfg, rotary, settings)
     from irminsul.errors import RequestError
 
     raise RequestError(f"attention_backend={name!r}: choose one of {', '.join(BACKENDS)}")

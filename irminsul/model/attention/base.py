@@ -19,6 +19,7 @@ import torch
 from irminsul.model import gemv
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import Rotary
+from irminsul.model.settings import Settings
 
 EMPTY_SLOT = 0  # pool slot 0 holds no row: padding and not-yet-filled positions point here
 PADDING_SLACK = 1.5  # a group's padded work (B x M x T) stays within this factor of its real work
@@ -43,8 +44,10 @@ class AttentionBackend(ABC):
 
     name: str  # "cpu", "reference" or "triton": what `set_attention_backend` takes and a runner asks for
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, settings: Settings | None = None):
+        """settings: the switches it runs by (its model's), else the environment's, read now."""
         self.cfg, self.rotary = cfg, rotary
+        self.settings = settings if settings is not None else Settings.from_env()
 
     @abstractmethod
     def plan(self, seqs: list[SeqAttention], offsets: list[int], device):
@@ -77,20 +80,21 @@ class AttentionBackend(ABC):
         return getattr(attn, "absorbed_widen", (0, 0))
 
 
-def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor, widen_rows: int = 0) -> torch.Tensor:
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor, widen_rows: int = 0, per_head: bool = False) -> torch.Tensor:
     """q_nope [n, H, nope] -> q_lat [n, H, r]: W_UK absorbed into the query; from `widen_rows` rows on
-    (0: never) in float32 (`AttentionBackend.absorbed_widen`)."""
-    if (y := _heads(q_nope, w_uk.transpose(1, 2))) is not None:
+    (0: never) in float32 (`AttentionBackend.absorbed_widen`); `per_head`: through the native per-head
+    products where they run (`_heads`; a backend passes its settings' gemv switch)."""
+    if per_head and (y := _heads(q_nope, w_uk.transpose(1, 2))) is not None:
         return y
     if 0 < widen_rows <= q_nope.shape[0]:
         return torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1).to(q_nope.dtype)
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
-def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor, widen_rows: int = 0) -> torch.Tensor:
+def absorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor, widen_rows: int = 0, per_head: bool = False) -> torch.Tensor:
     """o_lat [n, H, r] (softmax-weighted latents) -> [n, H, v]: W_UV absorbed into the output; from
-    `widen_rows` rows on (0: never) in float32."""
-    if (y := _heads(o_lat, w_uv)) is not None:
+    `widen_rows` rows on (0: never) in float32; `per_head` as `absorb_query`'s."""
+    if per_head and (y := _heads(o_lat, w_uv)) is not None:
         return y
     if 0 < widen_rows <= o_lat.shape[0]:
         return torch.bmm(o_lat.transpose(0, 1).float(), w_uv.float().transpose(1, 2)).transpose(0, 1).to(o_lat.dtype)

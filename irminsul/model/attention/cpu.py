@@ -14,7 +14,8 @@ tests/model/test_native_decode.py and tests/model/test_native_prefill.py):
   operator (model/native_ops.py).
 
 Anything else (a GPU tensor, V3.2's indexer selection, a dtype the kernels do not take, the library not
-built, IRMINSUL_NATIVE_DECODE / IRMINSUL_NATIVE_PREFILL = 0) runs the reference's path.
+built, switched off in the backend's settings: IRMINSUL_NATIVE_DECODE / IRMINSUL_NATIVE_PREFILL = 0 when
+the model was loaded) runs the reference's path.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from irminsul.model import kernel_choice, native, native_ops
 from irminsul.model.attention.base import SeqAttention, absorb_output, absorb_query
 from irminsul.model.attention.reference import AttentionGroup, ReferenceAttention, _grid, _rows
 from irminsul.model.rope import encode_pairwise
-from irminsul.model.settings import settings
+from irminsul.model.settings import Settings
 
 WIDEN_PROBE = 256  # the prompt length `widen_prefill` times both ways on (a causal group of one sequence)
 
@@ -38,8 +39,8 @@ class CPUAttention(ReferenceAttention):
     NATIVE_DECODE = True  # False: decode groups take the reference's torch ops
     NATIVE_PREFILL = True  # False: expanded prefill groups take SDPA
 
-    def __init__(self, cfg, rotary):
-        super().__init__(cfg, rotary)
+    def __init__(self, cfg, rotary, settings: Settings | None = None):
+        super().__init__(cfg, rotary, settings)
         self._widen_prefill: dict[int, bool] = {}  # `widen_prefill`'s answer per thread count
 
     def native_decode(self, pool: torch.Tensor) -> bool:
@@ -50,7 +51,7 @@ class CPUAttention(ReferenceAttention):
             and pool.device.type == "cpu"
             and pool.dtype in (torch.float32, torch.bfloat16)
             and pool.stride(1) == 1
-            and settings.native_decode
+            and self.settings.native_decode
             and native_ops.available()
         )
 
@@ -61,7 +62,7 @@ class CPUAttention(ReferenceAttention):
             self.NATIVE_PREFILL
             and kv.device.type == "cpu"
             and kv.dtype == keys.dtype
-            and settings.native_prefill
+            and self.settings.native_prefill
             and native_ops.available()
             and bool(native.library().irm_vectorised())
         ):
@@ -82,7 +83,7 @@ class CPUAttention(ReferenceAttention):
             f"prefill-widen|{cfg.num_attention_heads}x{cfg.qk_nope_head_dim}+{cfg.qk_rope_head_dim}"
             f"x{cfg.v_head_dim}|threads{torch.get_num_threads()}|{native.fingerprint('prefill_attention.c')}"
         )
-        known[threads] = bool(kernel_choice._measured(key, "widen", self._time_widening)["widen"])
+        known[threads] = bool(kernel_choice._measured(key, "widen", self._time_widening, self.settings)["widen"])
         return known[threads]
 
     def _time_widening(self) -> dict:
@@ -165,7 +166,7 @@ class CPUAttention(ReferenceAttention):
         cfg = self.cfg
         r, rope, layout = cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.rotary.out_layout
         w_uk, w_uv = self.absorbed_weights(attn)
-        q = torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1)  # [B, H, r + rope]
+        q = torch.cat([absorb_query(q_nope, w_uk, per_head=self.settings.gemv), q_pe], dim=-1)  # [B, H, r + rope]
         own = torch.cat([new[:, :r], encode_pairwise(new[:, r : r + rope], *q_cos_sin, layout)], dim=-1)
         o_lat = native_ops.mla_decode(q, pool, key_slots, cos, sin, own, r, layout == "interleaved", cfg.softmax_scale)
-        return absorb_output(o_lat.to(q_nope.dtype), w_uv)
+        return absorb_output(o_lat.to(q_nope.dtype), w_uv, per_head=self.settings.gemv)

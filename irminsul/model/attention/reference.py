@@ -205,7 +205,7 @@ class ReferenceAttention(AttentionBackend):
         if absorbed:
             widen_uk, widen_uv = self.absorbed_widen(attn)
             qn, qp = (q_nope, q_pe) if idx is None else (q_nope[idx], q_pe[idx])
-            q_lat = absorb_query(qn, w_uk, widen_uk)  # [n', H, r]
+            q_lat = absorb_query(qn, w_uk, widen_uk, self.settings.gemv)  # [n', H, r]
             dtype = q_lat.dtype
             if 0 < widen_uk <= q_lat.shape[0]:  # (then the scores and weighted latents in float32 too)
                 q_lat, qp = q_lat.float(), qp.float()
@@ -215,7 +215,7 @@ class ReferenceAttention(AttentionBackend):
                 o_lat.append(self._absorbed(q_lat[at : at + k], qp[at : at + k], pool, g, _rows_of(index, g)))
                 at += k
             o_lat = o_lat[0] if len(o_lat) == 1 else torch.cat(o_lat)
-            o = absorb_output(o_lat.to(dtype), w_uv, widen_uv)
+            o = absorb_output(o_lat.to(dtype), w_uv, widen_uv, self.settings.gemv)
             if idx is None:
                 return o
             out[idx] = o
@@ -246,7 +246,7 @@ class ReferenceAttention(AttentionBackend):
         cfg = self.cfg
         r, rope, layout = cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.rotary.out_layout
         w_uk, w_uv = self.absorbed_weights(attn)
-        q_lat = absorb_query(q_nope, w_uk)  # [B, H, r]
+        q_lat = absorb_query(q_nope, w_uk, per_head=self.settings.gemv)  # [B, H, r]
         c_kv = new[:, :r]
         k_r = encode_pairwise(rows[..., r : r + rope], cos, sin, layout)  # [B, T, rope]
         k_self = encode_pairwise(new[:, r : r + rope], *q_cos_sin, layout)  # each token's own key
@@ -256,7 +256,7 @@ class ReferenceAttention(AttentionBackend):
         own = (q_lat * c_kv[:, None]).sum(-1, keepdim=True) + (q_pe * k_self[:, None]).sum(-1, keepdim=True)
         p = (torch.cat([scores, own], dim=-1) * cfg.softmax_scale).softmax(dim=-1)  # [B, H, T + 1]
         o_lat = torch.bmm(p[..., :-1], rows[..., :r]) + p[..., -1:] * c_kv[:, None]  # [B, H, r]
-        return absorb_output(o_lat, w_uv)
+        return absorb_output(o_lat, w_uv, per_head=self.settings.gemv)
 
     def _keys(self, pool: torch.Tensor, g: AttentionGroup, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The group's keys [B, T, r + rope]: [c_KV | k_r encoded at each key's RoPE position]; and

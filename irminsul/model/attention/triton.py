@@ -35,7 +35,7 @@ from irminsul.errors import RequestError
 from irminsul.model.attention.base import AttentionBackend, SeqAttention, absorb_output, absorb_query, dsa_selection
 from irminsul.model.config import ModelConfig
 from irminsul.model.rope import Rotary, encode_half
-from irminsul.model.settings import settings
+from irminsul.model.settings import Settings, settings
 
 try:
     import triton
@@ -45,7 +45,8 @@ except ImportError:  # the torch backend needs none of this
 
 
 # Triton's interpreter computes a bf16 tl.dot wrongly (NumPy has no bf16): there, the kernel takes its
-# fp32 path for every pool dtype, and the bf16 tensor-core path is exercised on a GPU only.
+# fp32 path for every pool dtype, and the bf16 tensor-core path is exercised on a GPU only. (Read once,
+# when this module is imported, as Triton reads it when it is.)
 INTERPRETED = settings.triton_interpret
 
 
@@ -53,7 +54,7 @@ def available() -> str | None:
     """None if the triton backend can run here, else why not."""
     if triton is None:
         return "the triton backend needs the `triton` package (pip install triton)"
-    if not torch.cuda.is_available() and not settings.triton_interpret:
+    if not torch.cuda.is_available() and not INTERPRETED:
         return (
             "the triton backend needs a GPU, or TRITON_INTERPRET=1 in the environment before Python starts "
             "(Triton's CPU interpreter: slow, for tests)"
@@ -95,11 +96,11 @@ class TritonAttention(AttentionBackend):
     BLOCK_T = 32  # keys per inner step
     SPLIT = 256  # keys per split (FlashMLA's split over the key length)
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, settings: Settings | None = None):
         why = available()
         if why is not None:
             raise RequestError(why)
-        super().__init__(cfg, rotary)
+        super().__init__(cfg, rotary, settings)
 
     def plan(self, seqs: list[SeqAttention], offsets: list[int], device) -> TritonPlan:
         n = sum(len(s.q_positions) for s in seqs)
@@ -141,7 +142,7 @@ class TritonAttention(AttentionBackend):
     def forward(self, attn, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, plan: TritonPlan, index=None):
         cfg = self.cfg
         w_uk, w_uv = self.absorbed_weights(attn)
-        q_lat = absorb_query(q_nope, w_uk)  # [n, H, r]
+        q_lat = absorb_query(q_nope, w_uk, per_head=self.settings.gemv)  # [n, H, r]
         cos, sin = self.rotary.table(plan.max_pos + 1, pool.device)
         selected = None if index is None else self._selection(index, pool, plan, cos, sin)
         o_lat = mla_attention(
@@ -157,7 +158,7 @@ class TritonAttention(AttentionBackend):
             self.SPLIT,
             selected,
         )
-        return absorb_output(o_lat.to(q_nope.dtype), w_uv)
+        return absorb_output(o_lat.to(q_nope.dtype), w_uv, per_head=self.settings.gemv)
 
     def _selection(self, index, pool, plan: TritonPlan, cos, sin) -> torch.Tensor:
         """DeepSeek-V3.2's DSA in torch: each query's index_topk best keys by its indexer scores ->
