@@ -20,6 +20,9 @@ torch's threads; kernel_choice times it against F.linear at torch's thread count
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -32,12 +35,42 @@ MAX_ROWS = 8  # (the C source's IRM_MAX_ROWS)
 
 def available(device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> bool:
     """Whether the kernel can run here: a CPU, the native library built, IRMINSUL_GEMV not 0, and
-    (when given) a weight dtype it reads."""
+    (when given) a weight dtype it reads. The first call that finds the library sets its prefetch
+    distance (`prefetch`)."""
     if torch.device(device).type != "cpu" or not settings.gemv:
         return False
     if dtype is not None and dtype not in DTYPES:
         return False
-    return native.library() is not None
+    lib = native.library()
+    if lib is None:
+        return False
+    prefetch(lib)
+    return True
+
+
+# How far ahead the one-row loop may ask for a weight's bytes (0: it does not): on some CPUs the
+# prefetches raise the read rate, on others they lower it, so each is timed here.
+PREFETCH_BYTES = (0, 2048)
+
+
+@functools.cache
+def prefetch(lib) -> int:
+    """Times one-row products of a bfloat16 weight larger than the caches (64 MiB: each pass reads it
+    from memory, as a decode step reads its weights) with each of PREFETCH_BYTES, interleaved, at
+    torch's thread count; sets the fastest in `lib` (`irm_gemv_set_prefetch`, once per library and
+    process; ~0.1 s) and returns it."""
+    w = torch.ones(16384, 2048, dtype=torch.bfloat16)
+    x = torch.ones(1, 2048, dtype=torch.bfloat16)
+    times: dict[int, list[float]] = {b: [] for b in PREFETCH_BYTES}
+    for _ in range(5):
+        for b in PREFETCH_BYTES:
+            lib.irm_gemv_set_prefetch(b)
+            t = time.perf_counter()
+            product(x, w)
+            times[b].append(time.perf_counter() - t)
+    best = min(PREFETCH_BYTES, key=lambda b: sorted(times[b])[len(times[b]) // 2])
+    lib.irm_gemv_set_prefetch(best)
+    return best
 
 
 def rows(x: torch.Tensor) -> int:

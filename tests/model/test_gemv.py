@@ -68,6 +68,28 @@ def test_rows_of_any_shape_stride_and_dtype_compute_f_linear(
     assert (got.double() - ref).abs().max().item() <= tol * max(size.max().item(), 1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefetching_changes_no_result_and_the_measured_distance_is_a_candidate(variant, dtype):
+    """The one-row loop's prefetch distance (timed on the machine by `gemv.prefetch`) only asks for
+    bytes early: every distance gives the same bits, and the measured one is a candidate."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 4100, generator=g).to(dtype)
+    x = torch.randn(1, 4100, generator=g).to(dtype)
+    try:
+        results = []
+        for b in (0, 64, 2048):
+            lib.irm_gemv_set_prefetch(b)
+            results.append(gemv.product(x, w))
+        assert all(torch.equal(results[0], r) for r in results[1:])
+        gemv.prefetch.cache_clear()
+        assert gemv.prefetch(lib) in gemv.PREFETCH_BYTES
+    finally:
+        gemv.prefetch.cache_clear()
+        lib.irm_gemv_set_prefetch(0)
+    assert torch.allclose(results[0].double(), F.linear(x.double(), w.double()), rtol=TOL[dtype], atol=TOL[dtype] * 40)
+
+
 def test_a_bf16_result_is_rounded_to_nearest_as_f_linear_rounds():
     """The fp32 sum is rounded once to bf16, to nearest: F.linear's bf16 result (of the same fp32 sum)
     almost everywhere; where the two sums differ in their last bits the roundings can differ by one

@@ -259,6 +259,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         c_int,
     ]
     lib.irm_linear.restype = c_int
+    lib.irm_gemv_set_prefetch.argtypes = [c_long]
+    lib.irm_gemv_set_prefetch.restype = None
     lib.irm_heads_linear.argtypes = [
         c_void,
         c_int,

@@ -5,8 +5,9 @@
  * w + o * ld + i) in bfloat16 or float32; x, bias and y in either. It reads each weight row once
  * for all the rows of x (at most IRM_MAX_ROWS), which is what a decode step needs: its products
  * are bound by reading the weight. Built by irminsul/model/native/__init__.py with -march=native;
- * the vector paths (AVX-512, and AVX2 through simd.h) keep four independent sums per row (one FMA
- * chain per sum was latency-bound, well below the memory's speed), a build
+ * the vector paths (AVX-512, and AVX2 through simd.h) keep four independent FMA chains for one or two
+ * rows (one chain per sum is bound by the FMA's latency, well below the memory's speed), and with
+ * AVX2 compute three outputs at a time for three or more rows (rows_tile), a build
  * without them takes the plain loops, which the compiler vectorises (the flags allow reassociating
  * the sums). Where x and w are both
  * bfloat16 (a bf16 model) and the CPU has AVX512-BF16, the products are vdpbf16ps over x's own bf16
@@ -22,7 +23,12 @@
 #include "common.h"
 
 #define IRM_MAX_ROWS 8
-#define IRM_PREFETCH 2048 /* bytes ahead of the loads that are asked for early (a few per cent more read rate where measured) */
+/* How far ahead (bytes) the one-row loops ask for the weight's bytes early; 0: not at all. Whether it
+ * pays differs between CPUs: model/gemv.py times both on the machine at hand and sets it
+ * (irm_gemv_set_prefetch). */
+static long irm_prefetch = 0;
+
+void irm_gemv_set_prefetch(long bytes) { irm_prefetch = bytes > 0 ? bytes : 0; }
 
 #if defined(__AVX512F__)
 /* 16 weights from w + i (bf: bfloat16, else float32) as floats; the masked form reads only m's lanes */
@@ -59,15 +65,15 @@ static inline float weight_at(const void *w, long i, int bf) {
 /* one weight row (bf: bfloat16, else float32) against `rows` rows of x (fp32, stride ldx): sums into
  * acc[r]. Always inlined where bf is a constant, so each dtype gets its own loops. */
 static inline __attribute__((always_inline)) void row(const float *x, long rows, long ldx, const void *w, long in,
-                                                      float *acc, int bf) {
+                                                      float *acc, int bf, long pf) {
 #if defined(__AVX512F__)
     if (rows == 1) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         long i = 0;
         const char *bytes = (const char *)w;
         for (; i + 64 <= in; i += 64) {
-            for (int c = 0; c < (bf ? 2 : 4); c++) /* the 64 weights' bytes, IRM_PREFETCH ahead */
-                _mm_prefetch(bytes + i * (bf ? 2 : 4) + IRM_PREFETCH + 64 * c, _MM_HINT_T0);
+            if (pf) /* the 64 weights' bytes, irm_prefetch ahead */
+                for (int c = 0; c < (bf ? 2 : 4); c++) _mm_prefetch(bytes + i * (bf ? 2 : 4) + pf + 64 * c, _MM_HINT_T0);
             a0 = _mm512_fmadd_ps(load16(w, i, bf), _mm512_loadu_ps(x + i), a0);
             a1 = _mm512_fmadd_ps(load16(w, i + 16, bf), _mm512_loadu_ps(x + i + 16), a1);
             a2 = _mm512_fmadd_ps(load16(w, i + 32, bf), _mm512_loadu_ps(x + i + 32), a2);
@@ -97,8 +103,9 @@ static inline __attribute__((always_inline)) void row(const float *x, long rows,
         long i = 0;
         const char *bytes = (const char *)w;
         for (; i + 4 * IRM_W <= in; i += 4 * IRM_W) {
-            for (int c = 0; c < (bf ? 2 : 4) * IRM_W / 16; c++) /* the weights' bytes, IRM_PREFETCH ahead */
-                _mm_prefetch(bytes + i * (bf ? 2 : 4) + IRM_PREFETCH + 64 * c, _MM_HINT_T0);
+            if (pf) /* the weights' bytes, irm_prefetch ahead */
+                for (int c = 0; c < (bf ? 2 : 4) * IRM_W / 16; c++)
+                    _mm_prefetch(bytes + i * (bf ? 2 : 4) + pf + 64 * c, _MM_HINT_T0);
             a0 = vf_fma(vf_weights(w, i, bf), vf_load(x + i), a0);
             a1 = vf_fma(vf_weights(w, i + IRM_W, bf), vf_load(x + i + IRM_W), a1);
             a2 = vf_fma(vf_weights(w, i + 2 * IRM_W, bf), vf_load(x + i + 2 * IRM_W), a2);
@@ -107,6 +114,26 @@ static inline __attribute__((always_inline)) void row(const float *x, long rows,
         for (; i + IRM_W <= in; i += IRM_W) a0 = vf_fma(vf_weights(w, i, bf), vf_load(x + i), a0);
         if (i < in) a1 = vf_fma(vf_weights_n(w, i, in - i, bf), vf_load_n(x + i, in - i), a1);
         acc[0] = vf_hsum(vf_add(vf_add(a0, a1), vf_add(a2, a3)));
+        return;
+    }
+    if (rows == 2) { /* two sums per row: four FMA chains, as one row's */
+        vf a0 = vf_zero(), a1 = a0, b0 = a0, b1 = a0;
+        const float *x1 = x + ldx;
+        long i = 0;
+        for (; i + 2 * IRM_W <= in; i += 2 * IRM_W) {
+            vf w0 = vf_weights(w, i, bf), w1 = vf_weights(w, i + IRM_W, bf);
+            a0 = vf_fma(w0, vf_load(x + i), a0), a1 = vf_fma(w1, vf_load(x + i + IRM_W), a1);
+            b0 = vf_fma(w0, vf_load(x1 + i), b0), b1 = vf_fma(w1, vf_load(x1 + i + IRM_W), b1);
+        }
+        for (; i + IRM_W <= in; i += IRM_W) {
+            vf w0 = vf_weights(w, i, bf);
+            a0 = vf_fma(w0, vf_load(x + i), a0), b0 = vf_fma(w0, vf_load(x1 + i), b0);
+        }
+        if (i < in) {
+            vf w0 = vf_weights_n(w, i, in - i, bf);
+            a1 = vf_fma(w0, vf_load_n(x + i, in - i), a1), b1 = vf_fma(w0, vf_load_n(x1 + i, in - i), b1);
+        }
+        acc[0] = vf_hsum(vf_add(a0, a1)), acc[1] = vf_hsum(vf_add(b0, b1));
         return;
     }
     for (long r0 = 0; r0 < rows; r0 += 4) { /* four rows of x per pass over the (cached) weight row */
@@ -134,12 +161,55 @@ static inline __attribute__((always_inline)) void row(const float *x, long rows,
 #endif
 }
 
-static void row_bf16(const float *x, long rows, long ldx, const void *w, long in, float *acc) {
-    row(x, rows, ldx, w, in, acc, 1);
+#if IRM_VEC && !defined(__AVX512F__)
+/* Outputs a pass of several rows computes together: with AVX2's 16 registers 4 rows x 3 weight rows
+ * = 12 sums (4 rows x 1 weight row keeps 4 FMA chains in flight, bound by the FMA's latency when
+ * several rows make the product compute-bound). */
+#define OUT_TILE 3
+
+/* OUT_TILE weight rows w, w + ld, ... against `rows` rows of x: sums into acc[j * IRM_MAX_ROWS + r].
+ * Each (row, output) sum is added in row()'s order, so the results equal row()'s. */
+static inline __attribute__((always_inline)) void rows_tile(const float *x, long rows, long ldx, const void *w,
+                                                            long ld, long in, float *acc, int bf) {
+    const void *w1 = (const char *)w + ld * (bf ? 2 : 4), *w2 = (const char *)w1 + ld * (bf ? 2 : 4);
+    for (long r0 = 0; r0 < rows; r0 += 4) {
+        long n = rows - r0 < 4 ? rows - r0 : 4;
+        const float *x0 = x + r0 * ldx;
+        vf a[4], b[4], c[4];
+        for (int r = 0; r < 4; r++) a[r] = b[r] = c[r] = vf_zero();
+        long i = 0;
+        for (; i + IRM_W <= in; i += IRM_W) {
+            vf wa = vf_weights(w, i, bf), wb = vf_weights(w1, i, bf), wc = vf_weights(w2, i, bf);
+            for (long r = 0; r < n; r++) {
+                vf xv = vf_load(x0 + r * ldx + i);
+                a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
+            }
+        }
+        if (i < in) {
+            vf wa = vf_weights_n(w, i, in - i, bf), wb = vf_weights_n(w1, i, in - i, bf),
+               wc = vf_weights_n(w2, i, in - i, bf);
+            for (long r = 0; r < n; r++) {
+                vf xv = vf_load_n(x0 + r * ldx + i, in - i);
+                a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
+            }
+        }
+        for (long r = 0; r < n; r++) {
+            acc[r0 + r] = vf_hsum(a[r]);
+            acc[IRM_MAX_ROWS + r0 + r] = vf_hsum(b[r]);
+            acc[2 * IRM_MAX_ROWS + r0 + r] = vf_hsum(c[r]);
+        }
+    }
+}
+#else
+#define OUT_TILE 1
+#endif
+
+static void row_bf16(const float *x, long rows, long ldx, const void *w, long in, float *acc, long pf) {
+    row(x, rows, ldx, w, in, acc, 1, pf);
 }
 
-static void row_f32(const float *x, long rows, long ldx, const void *w, long in, float *acc) {
-    row(x, rows, ldx, w, in, acc, 0);
+static void row_f32(const float *x, long rows, long ldx, const void *w, long in, float *acc, long pf) {
+    row(x, rows, ldx, w, in, acc, 0, pf);
 }
 
 int irm_max_rows(void) { return IRM_MAX_ROWS; }
@@ -196,14 +266,31 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
         xf = copy;
         ldx = in;
     }
+    /* one or two rows: an output at a time (bound by reading the weight, one stream of it); more:
+     * OUT_TILE outputs at a time (bound by the products) */
+    const long step = rows > 2 ? OUT_TILE : 1, pf = irm_prefetch;
 #pragma omp parallel for num_threads(nthreads) if (team) schedule(static)
-    for (long o = 0; o < out; o++) {
-        float acc[IRM_MAX_ROWS];
-        if (w_bf)
-            row_bf16(xf, rows, ldx, (const uint16_t *)w + o * ld, in, acc);
-        else
-            row_f32(xf, rows, ldx, (const float *)w + o * ld, in, acc);
-        put(acc, rows, o, bias, bias_bf, y, y_bf, ldy);
+    for (long t = 0; t < (out + step - 1) / step; t++) {
+        long o = t * step;
+#if OUT_TILE > 1
+        if (step > 1 && o + OUT_TILE <= out) {
+            float acc[OUT_TILE * IRM_MAX_ROWS];
+            if (w_bf)
+                rows_tile(xf, rows, ldx, (const uint16_t *)w + o * ld, ld, in, acc, 1);
+            else
+                rows_tile(xf, rows, ldx, (const float *)w + o * ld, ld, in, acc, 0);
+            for (int j = 0; j < OUT_TILE; j++) put(acc + j * IRM_MAX_ROWS, rows, o + j, bias, bias_bf, y, y_bf, ldy);
+            continue;
+        }
+#endif
+        for (; o < out && o < (t + 1) * step; o++) {
+            float acc[IRM_MAX_ROWS];
+            if (w_bf)
+                row_bf16(xf, rows, ldx, (const uint16_t *)w + o * ld, in, acc, pf);
+            else
+                row_f32(xf, rows, ldx, (const float *)w + o * ld, in, acc, pf);
+            put(acc, rows, o, bias, bias_bf, y, y_bf, ldy);
+        }
     }
     free(copy);
     return 0;
