@@ -610,7 +610,7 @@ def choose(
 # --- the routed experts: at which token counts the native kernel runs, what the loop costs ------------
 
 EXPERT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the token counts the native experts are timed at
-EXPERT_CALL_LIMIT_S = 0.25  # counts whose calls take longer than this are not timed (a prefill's: torch's)
+EXPERT_CALL_LIMIT_S = 0.25  # counts past the first whose faster path takes longer are not timed (torch's)
 
 
 def expert_bucket(tokens: int) -> int | None:
@@ -624,7 +624,7 @@ def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -
     machine, at torch's thread count, on the layer's own weights with random routing. Every count is
     timed (which wins need not be monotone in the count: on a CPU without bf16 instructions the bf16
     kernel loses at one token, where torch's product streams the same weights, and wins at eight),
-    until a call takes EXPERT_CALL_LIMIT_S (larger counts are then left to torch). Empty where the
+    until both paths' calls take EXPERT_CALL_LIMIT_S (larger counts are then left to torch). Empty where the
     kernel does not run here. Cached per CPU (`cache_path`), keyed by the layer's shape, the thread
     count and the kernel's build (the cache named by the layer's settings). The fixed rule
     (kernels="fixed" / the layer's settings' kernel_choice) and forced choices take every count up to
@@ -664,7 +664,7 @@ def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -
                 times[str(n)] = t
                 if t["native"] <= t["torch"]:
                     wins.append(n)
-                if max(t.values()) > EXPERT_CALL_LIMIT_S:
+                if min(t.values()) > EXPERT_CALL_LIMIT_S:
                     break
         log.info("native experts %s: at %s tokens (measured)", key.split("|threads")[0], wins or "no count")
         return {"wins": wins, "times": times}

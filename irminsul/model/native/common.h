@@ -267,6 +267,38 @@ static inline void widen_dots(const float *x, long rows, long ldx, const uint16_
     }
 }
 
+/* out[j * ldo + r] = x_r . w_j[0 .. n) for three bfloat16 weight rows w_j = w + j * ldw and r < rows:
+ * rows taken four at a time against the three weight rows (12 sums: AVX2's 16 registers hold them and
+ * the loads), for products of three or more rows, which the FMA's throughput bounds rather than the
+ * weight's reading. */
+static inline void widen_dots3(const float *x, long rows, long ldx, const uint16_t *w, long ldw, long n, float *out,
+                               long ldo) {
+    const uint16_t *w1 = w + ldw, *w2 = w1 + ldw;
+    for (long r0 = 0; r0 < rows; r0 += 4) {
+        long M = rows - r0 < 4 ? rows - r0 : 4;
+        const float *x0 = x + r0 * ldx;
+        vf a[4], b[4], c[4];
+        for (int r = 0; r < 4; r++) a[r] = b[r] = c[r] = vf_zero();
+        long i = 0;
+        for (; i + IRM_W <= n; i += IRM_W) {
+            vf wa = vf_load_bf16(w + i), wb = vf_load_bf16(w1 + i), wc = vf_load_bf16(w2 + i);
+            for (long r = 0; r < M; r++) {
+                vf xv = vf_load(x0 + r * ldx + i);
+                a[r] = vf_fma(xv, wa, a[r]), b[r] = vf_fma(xv, wb, b[r]), c[r] = vf_fma(xv, wc, c[r]);
+            }
+        }
+        if (i < n) {
+            vf wa = vf_load_bf16_n(w + i, n - i), wb = vf_load_bf16_n(w1 + i, n - i), wc = vf_load_bf16_n(w2 + i, n - i);
+            for (long r = 0; r < M; r++) {
+                vf xv = vf_load_n(x0 + r * ldx + i, n - i);
+                a[r] = vf_fma(xv, wa, a[r]), b[r] = vf_fma(xv, wb, b[r]), c[r] = vf_fma(xv, wc, c[r]);
+            }
+        }
+        for (long r = 0; r < M; r++)
+            out[r0 + r] = vf_hsum(a[r]), out[ldo + r0 + r] = vf_hsum(b[r]), out[2 * ldo + r0 + r] = vf_hsum(c[r]);
+    }
+}
+
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
     uint32_t u;
     memcpy(&u, &f, 4);

@@ -225,6 +225,14 @@ done:
     return rc;
 }
 
+/* Outputs the widened products take at a time (widen_dots3 or widen_dots): three for R >= 3 rows where
+ * the vectors are AVX2's (three outputs left in the slice), else one. */
+#if IRM_VEC && !defined(__AVX512F__)
+#define WIDEN3(R, left) ((R) >= 3 && (left) >= 3 ? 3 : 1)
+#else
+#define WIDEN3(R, left) 1
+#endif
+
 int irm_moe_has_bf16(void) { return 1; } /* irm_moe_bf16 is built for every CPU */
 
 /* irm_moe for a bfloat16 model: x [n, H] bf16 (row stride ldx), ids / weights (float32) [n, k], out [n, H]
@@ -291,14 +299,20 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
         for (long item = 0; item < nb * gslices; item++) {
             long i = item / gslices, o0 = item % gslices * SLICE, o1 = o0 + SLICE < 2 * I ? o0 + SLICE : 2 * I;
             long at = blk[i].at, R = blk[i].R;
-            float d[RB_BF16];
-            for (long o = o0; o < o1; o++) {
+            float d[3 * RB_BF16];
+            for (long o = o0; o < o1;) {
 #if defined(__AVX512BF16__)
                 bf16_dots(xi + at * H32, R, gu + blk[i].e * gu0 + o * gu2, H, d);
+                long m = 1;
 #else
-                widen_dots(xf + at * H, R, H, gu + blk[i].e * gu0 + o * gu2, H, d);
+                long m = WIDEN3(R, o1 - o);
+                if (m == 3)
+                    widen_dots3(xf + at * H, R, H, gu + blk[i].e * gu0 + o * gu2, gu2, H, d, RB_BF16);
+                else
+                    widen_dots(xf + at * H, R, H, gu + blk[i].e * gu0 + o * gu2, H, d);
 #endif
-                for (long r = 0; r < R; r++) h[(at + r) * 2 * I + o] = d[r];
+                for (long j = 0; j < m; j++, o++)
+                    for (long r = 0; r < R; r++) h[(at + r) * 2 * I + o] = d[j * RB_BF16 + r];
             }
         }
 #pragma omp for schedule(static)
@@ -316,14 +330,20 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
         for (long item = 0; item < nb * dslices; item++) {
             long i = item / dslices, o0 = item % dslices * SLICE, o1 = o0 + SLICE < H ? o0 + SLICE : H;
             long at = blk[i].at, R = blk[i].R;
-            float d[RB_BF16];
-            for (long o = o0; o < o1; o++) {
+            float d[3 * RB_BF16];
+            for (long o = o0; o < o1;) {
 #if defined(__AVX512BF16__)
                 bf16_dots(ai + at * I32, R, dn + blk[i].e * dn0 + o * dn2, I, d);
+                long m = 1;
 #else
-                widen_dots(act + at * I, R, I, dn + blk[i].e * dn0 + o * dn2, I, d);
+                long m = WIDEN3(R, o1 - o);
+                if (m == 3)
+                    widen_dots3(act + at * I, R, I, dn + blk[i].e * dn0 + o * dn2, dn2, I, d, RB_BF16);
+                else
+                    widen_dots(act + at * I, R, I, dn + blk[i].e * dn0 + o * dn2, I, d);
 #endif
-                for (long r = 0; r < R; r++) y[(at + r) * H + o] = d[r];
+                for (long j = 0; j < m; j++, o++)
+                    for (long r = 0; r < R; r++) y[(at + r) * H + o] = d[j * RB_BF16 + r];
             }
         }
 #pragma omp for schedule(static)
