@@ -610,7 +610,7 @@ def choose(
 # --- the routed experts: at which token counts the native kernel runs, what the loop costs ------------
 
 EXPERT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the token counts the native experts are timed at
-EXPERT_CALL_LIMIT_S = 0.25  # counts past the first whose faster path takes longer are not timed (torch's)
+EXPERT_CALL_LIMIT_S = 0.5  # counts past the first whose faster path takes longer are not timed (torch's)
 
 
 def expert_bucket(tokens: int) -> int | None:
@@ -644,7 +644,7 @@ def native_experts_counts(moe, dtype: torch.dtype, kernels: str | None = None) -
     key = (
         f"experts|{str(dtype).removeprefix('torch.')}|{experts}x{hidden}x{inner2 // 2}|k{k}"
         f"|layout{gate_up.stride(2) == 1}{down.stride(2) == 1}|threads{torch.get_num_threads()}"
-        f"|moe{native.fingerprint('moe.c')}"
+        f"|moe{native.fingerprint('moe.c')}|limit{EXPERT_CALL_LIMIT_S}"
     )
 
     def measure() -> dict:
