@@ -12,7 +12,7 @@ decode attention's gather + two products + softmax, SDPA, the loop over the expe
 is the best of --repeats medians of a few calls, the two paths interleaved (a neighbour's burst on a
 shared machine hits both alike); ratio > 1: the kernel is faster. --variants: the builds timed
 (model/native VARIANTS; each loaded side by side, selected through IRMINSUL_NATIVE_MARCH, which
-`native.library()` reads at each call). Prints the machine and the builds.
+`native.default_variant` reads again after each switch). Prints the machine and the builds.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def _time(fn, calls: int) -> float:
 
 def _on(variant: str, fn):
     os.environ["IRMINSUL_NATIVE_MARCH"] = variant
+    native.default_variant.cache_clear()  # (read once per process otherwise)
     return fn()
 
 

@@ -60,8 +60,11 @@ VARIANTS = {
 }
 
 
+@functools.cache
 def default_variant() -> str:
-    """IRMINSUL_NATIVE_MARCH (a VARIANTS name, or any -march value), else "native"."""
+    """IRMINSUL_NATIVE_MARCH (a VARIANTS name, or any -march value), else "native": read once per process
+    (every kernel call asks for the library; `library.cache_clear()` or
+    `default_variant.cache_clear()` reads it again)."""
     return settings.native_march or "native"
 
 
@@ -235,7 +238,12 @@ def _library(variant: str) -> ctypes.CDLL | None:
     return lib
 
 
-library.cache_clear = _library.cache_clear
+def _forget() -> None:
+    _library.cache_clear()
+    default_variant.cache_clear()
+
+
+library.cache_clear = _forget
 
 
 def _declare(lib: ctypes.CDLL) -> None:
