@@ -1,10 +1,12 @@
 """Serving benchmark: the same agent trace against a `--reuse prefix` and a `--reuse pic` server.
 
-    python benchmarks/bench_serve.py TRACE [--model DIR] [--limit N] [--concurrency C]
+    python benchmarks/bench_serve.py TRACE [--model DIR] [--limit N] [--concurrency C] [--threads default,1]
 
 Starts `irminsul serve` twice on loopback (same build, same model, one after the other), replays
 the trace with `irminsul bench serve`'s client, and prints TTFT p50/p95, throughput, the share of
-prompt tokens by kind, and the prefix/pic ratios measured in this run, with the machine.
+prompt tokens by kind, and the prefix/pic ratios measured in this run, with the machine. With
+--threads default,1 each mode runs twice, the server at its default threads (what `irminsul serve`
+picks without --threads) and with --threads 1, and the default/1 ratios are printed.
 
 Without --model it uses a tiny random DeepSeek-V2 checkpoint with a 64k context carrying the real
 Qwen2 tokenizer (so prompts have realistic token counts and the Qwen2 chat template applies); the
@@ -61,12 +63,18 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--modes", default="prefix,pic")
+    p.add_argument(
+        "--threads", default="default", help='comma-separated server threads: "default" (no --threads) or a count'
+    )
     args = p.parse_args(argv)
     model = Path(args.model) if args.model else default_model()
     requests = read_trace(args.trace)[: args.limit]
+    threads = args.threads.split(",")
     results = {}
-    for mode in args.modes.split(","):
-        server = ServerProcess("--model", str(model), "--reuse", mode, "--log-level", "warning", timeout=300)
+    for mode, t in [(m, t) for m in args.modes.split(",") for t in threads]:
+        extra = [] if t == "default" else ["--threads", t]
+        name = mode if len(threads) == 1 else f"{mode}@{t}"
+        server = ServerProcess("--model", str(model), "--reuse", mode, *extra, "--log-level", "warning", timeout=300)
         try:
             samples, duration, card, failures = asyncio.run(
                 replay(server.url, requests, args.concurrency, args.max_tokens, progress=False)
@@ -74,9 +82,9 @@ def main(argv=None) -> int:
         finally:
             server.stop()
         if failures:  # the two modes must serve the same requests for their figures to compare
-            raise UserFacingError(f"{mode}: {len(failures)} requests failed; the first: {failures[0]}")
-        results[mode] = summarise(server.url, samples, duration, card, args.concurrency)
-        print(f"{mode}: done ({duration:.0f} s)", file=sys.stderr)
+            raise UserFacingError(f"{name}: {len(failures)} requests failed; the first: {failures[0]}")
+        results[name] = summarise(server.url, samples, duration, card, args.concurrency)
+        print(f"{name}: done ({duration:.0f} s)", file=sys.stderr)
     first = next(iter(results.values()))
     print(f"model {model}  machine {describe()}")
     print(
@@ -84,13 +92,13 @@ def main(argv=None) -> int:
         f"{args.concurrency}, max_tokens {args.max_tokens}, {first.prompt_tokens} prompt tokens"
     )
     print(
-        f"{'reuse':<7} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>7} {'prompt tok/s':>13} "
+        f"{'reuse':<10} {'TTFT p50':>9} {'TTFT p95':>9} {'req/s':>7} {'prompt tok/s':>13} "
         f"{'prefix':>7} {'reused':>7} {'computed':>9}"
     )
     for mode, r in results.items():
         f = r.fraction
         print(
-            f"{mode:<7} {r.ttft_p50_s * 1e3:>7.0f}ms {r.ttft_p95_s * 1e3:>7.0f}ms {r.requests_per_s:>7.3f} "
+            f"{mode:<10} {r.ttft_p50_s * 1e3:>7.0f}ms {r.ttft_p95_s * 1e3:>7.0f}ms {r.requests_per_s:>7.3f} "
             f"{r.prompt_tokens_per_s:>13.0f} {f['prefix']:>7.1%} {f['reused']:>7.1%} {f['computed']:>9.1%}"
         )
     if {"prefix", "pic"} <= results.keys():
@@ -99,6 +107,15 @@ def main(argv=None) -> int:
             f"prefix/pic: TTFT p50 {a.ttft_p50_s / b.ttft_p50_s:.2f}x, p95 {a.ttft_p95_s / b.ttft_p95_s:.2f}x, "
             f"throughput pic/prefix {b.requests_per_s / a.requests_per_s:.2f}x"
         )
+    if "default" in threads and len(threads) > 1:
+        for mode in args.modes.split(","):
+            for t in threads:
+                if t != "default":
+                    a, b = results[f"{mode}@default"], results[f"{mode}@{t}"]
+                    print(
+                        f"{mode}: default/{t} thread(s): TTFT p50 {a.ttft_p50_s / b.ttft_p50_s:.2f}x, "
+                        f"p95 {a.ttft_p95_s / b.ttft_p95_s:.2f}x, throughput {a.requests_per_s / b.requests_per_s:.2f}x"
+                    )
     return 0
 
 
