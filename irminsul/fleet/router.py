@@ -15,9 +15,11 @@ the prompt tokens it would not have to compute there:
 
 Its cost, lowest wins:
 
-    cost = compute * tokens_to_compute + queued * queued_prefill_tokens + running * running_sequences
+    cost = compute * tokens_to_compute + queued * max(queued_tokens - slack, shortest_queue)
+           + running * running_sequences
 
-with tokens_to_compute = prompt - resident - store_credit * in_store. It is the shape of NVIDIA
+with tokens_to_compute = prompt - resident - store_credit * in_store, slack = min(resident,
+queue_slack_tokens) and shortest_queue the fewest queued tokens of any replica. It is the shape of NVIDIA
 Dynamo's KV router cost (`overlap_score_weight * prefill blocks to compute + decode blocks`), with
 the overlap taken over content chunks at any offset instead of over a prefix. Every router a fleet
 can pick today scores the prefix only: Dynamo's radix indexer and llm-d's precise prefix scorer
@@ -25,6 +27,17 @@ match chained block hashes from the first block, Ray Serve's `PrefixCacheAffinit
 SGLang's router match the longest prefix of the prompt text against a tree of routed prompts (above
 a share of the prompt: Ray 0.1, SGLang 0.3, else least loaded). A document behind a new header
 matches none of them past the header; here it matches the replica holding it.
+
+The rule that follows: a request goes where it computes least, so a session's turn goes to the
+replica holding its history, unless that replica is over the load bound (below), or its queue is
+longer than the shortest by more than the slack: the tokens of this prompt it would reuse there, at
+most `queue_slack_tokens`. Within the slack its queue does not count; beyond it each queued token
+counts as a token of wait, as in Dynamo's cost. Counting every queued token (slack 0) picks the
+shortest wait for this one request, and moves a session's turn to an idle replica as soon as its
+home's queue is longer than its history: the turn computes the history again there, and the session
+leaves behind what it shared with the sessions at home. With the slack, a request waits for its
+reuse at most as long as the reuse saves, and never more than the cap; a replica that would reuse
+nothing has no slack, so unrelated traffic still goes to the shortest queue.
 
 What the router cannot see, so does not count: the replica's exact-prefix tree (its prefix rows
 are in the registry as chunks too, and are counted as chunks, less the sink), S1 window recovery
@@ -81,11 +94,17 @@ class RouterWeights:
     # some 8-32 prompt tokens. 32, the high end: many decoding sequences lose ties, yet one reused
     # chunk of min_len (32) tokens outweighs one more running sequence
     running: float = 32.0
-    # a queued prefill token is computed before this prompt's: a whole token of wait
+    # a queued prefill token is computed before this prompt's: a whole token of wait, counted from the
+    # fleet's shortest queue plus the replica's slack (below)
     queued: float = 1.0
+    # a replica's queue counts only beyond the shortest queue plus the prompt tokens it would reuse
+    # there, at most this many: a session stays on the replica holding its history while the extra
+    # wait is within what that history saves and within this cap (the most any request is asked to
+    # wait for its reuse). 0: every queued token counts, as the shortest-wait cost does
+    queue_slack_tokens: int = 1024
 
     def __post_init__(self):
-        for name in ("compute", "store_credit", "running", "queued"):
+        for name in ("compute", "store_credit", "running", "queued", "queue_slack_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RouterWeights.{name}={getattr(self, name)} must be >= 0")
         if self.store_credit > 1:
@@ -250,7 +269,7 @@ class ContentRouter:
             )
         )
         w = self.weights
-        costs, cached, notes, work = {}, {}, {}, {}
+        costs, cached, work, queues, slack, parts = {}, {}, {}, {}, {}, {}
         k, listed = len(prompt.useful), prompt.fingerprints.tolist()
         both = np.concatenate([prompt.fingerprints, prompt.shared])
         for rid, view in replicas.items():
@@ -271,15 +290,22 @@ class ContentRouter:
             sent = self._sent_since_report(rid, view.load_reports)
             running = view.load.running + sent
             to_compute = prompt.n_tokens - resident - w.store_credit * stored
-            costs[rid] = w.compute * to_compute + w.queued * queued + w.running * running
+            costs[rid] = w.compute * to_compute + w.running * running
+            queues[rid], slack[rid] = queued, min(resident, w.queue_slack_tokens)
             cached[rid] = resident + stored
             work[rid] = prompt.n_tokens - resident - stored + (self.bound.decode_tokens if self.bound else 0)
-            notes[rid] = (
-                f"{rid}: cost {costs[rid]:.0f} (reuse {resident}/{prompt.n_tokens}"
+            parts[rid] = (
+                f" (reuse {resident}/{prompt.n_tokens}"
                 + (f", store {stored}" if stored else "")
                 + (f", queued {queued}" if queued else "")
                 + f", running {running})"
             )
+        # the queue: what this request waits beyond the shortest queue, less the slack its reuse buys
+        shortest = min(queues.values())
+        notes = {}
+        for rid in replicas:
+            costs[rid] += w.queued * max(queues[rid] - slack[rid], shortest)
+            notes[rid] = f"{rid}: cost {costs[rid]:.0f}{parts[rid]}"
         over = self._over_bound(replicas, work)
         if over:
             lift = max(costs[r] for r in replicas if r not in over) - min(costs[r] for r in over) + 1

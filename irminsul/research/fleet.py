@@ -228,6 +228,21 @@ def reference(trace: Sequence[tuple[str, Rendered]], config: FleetConfig) -> Ref
     return Reference(replica.registry.stats.bytes // config.bytes_per_token, replica.computed)
 
 
+def own_sessions(trace: Sequence[tuple[str, Rendered]], config: FleetConfig) -> int:
+    """Prompt tokens computed if every session had a replica of its own with an unbounded pool: what a
+    session's own history saves, and nothing of what another session's content would. A fleet that
+    keeps each session on one replica reuses this much at any N, plus what it finds of the sessions
+    it put beside it; `perfect` adds all the content the sessions share."""
+    replicas: dict[str, SimReplica] = {}
+    computed = 0
+    for i, (session, r) in enumerate(trace):
+        if session not in replicas:
+            replicas[session] = SimReplica(session, UNBOUNDED // config.bytes_per_token, config)
+        segments = r.segment_starts if config.segments else None
+        computed += replicas[session].serve(float(i), r.token_ids.astype(np.int64), segments)
+    return computed
+
+
 def simulate(
     trace: Sequence[tuple[str, Rendered]],
     policy: str,

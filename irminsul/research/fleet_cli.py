@@ -22,7 +22,7 @@ def _sizes(text: str) -> list[int]:
 
 def _fleet(args) -> int:
     from irminsul.fleet.router import RouterWeights
-    from irminsul.research.fleet import POLICIES, FleetConfig, reference, run_fleet
+    from irminsul.research.fleet import POLICIES, FleetConfig, own_sessions, reference, run_fleet
     from irminsul.research.workloads.render import render_trace
     from irminsul.research.workloads.report import pct
     from irminsul.research.workloads.trace import read_trace
@@ -36,11 +36,15 @@ def _fleet(args) -> int:
         raise UserFacingError(f"unknown policies {sorted(unknown)}: use {', '.join(POLICIES)}")
     trace = list(render_trace(read_trace(args.trace), args.tokenizer))
     weights = RouterWeights(queued=args.queued_weight, running=args.running_weight)
+    if args.queue_slack_tokens is not None:
+        weights = dataclasses.replace(weights, queue_slack_tokens=args.queue_slack_tokens)
     config = FleetConfig(pool_tokens=1, offered_load=args.offered_load, weights=weights)
     ref = reference(trace, config)
     pool = args.pool_tokens or max(1, ref.distinct_tokens // 2)
     config = dataclasses.replace(config, pool_tokens=pool)
     results = run_fleet(trace, args.replicas, policies, config, ref, progress=True)
+    prompt = results[0].prompt_tokens if results else 0
+    own = 1 - own_sessions(trace, config) / prompt if prompt else 0.0
     if args.json:
         print(
             json.dumps(
@@ -48,6 +52,7 @@ def _fleet(args) -> int:
                     "trace": str(args.trace),
                     "pool_tokens": pool,
                     "distinct_tokens": ref.distinct_tokens,
+                    "own_session_reuse": own,
                     "offered_load": args.offered_load,
                     "weights": dataclasses.asdict(weights),
                     "results": [
@@ -63,10 +68,10 @@ def _fleet(args) -> int:
             )
         )
         return 0
-    prompt = results[0].prompt_tokens if results else 0
     print(
         f"{args.trace}: {len(trace)} requests, {prompt} prompt tokens, {ref.distinct_tokens} distinct "
-        f"content tokens; pool {pool} tokens per replica; offered load {args.offered_load}"
+        f"content tokens; pool {pool} tokens per replica; offered load {args.offered_load}; "
+        f"own-session reuse {pct(own)} (each session alone on an unbounded replica)"
     )
     rows = [
         (
@@ -132,6 +137,14 @@ def register_bench(bench_subparsers) -> None:
     )
     f.add_argument("--queued-weight", type=float, default=1.0, help="the content router's queued weight")
     f.add_argument("--running-weight", type=float, default=32.0, help="the content router's running weight")
+    f.add_argument(
+        "--queue-slack-tokens",
+        type=at_least(0),
+        default=None,
+        metavar="N",
+        help="the content router's queue slack: a queue within min(reuse, N) tokens of the shortest does not "
+        "count (default: RouterWeights'; 0: every queued token counts)",
+    )
     f.add_argument("--tokenizer", default="deepseek", help="deepseek (default), qwen2 or a tokenizer directory")
     f.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     f.set_defaults(func=_fleet)

@@ -328,3 +328,89 @@ def test_sent_work_expires_with_the_assignments():
     assert router.sent_work("r0") == 0
     with pytest.raises(ValueError):
         LoadBound(epsilon=-1)
+
+
+def test_a_session_stays_home_while_its_queue_is_within_its_reuse_of_the_shortest():
+    """The home (r0) holds the session's history (DOC); its queue is longer than the history, so counting
+    every queued token (slack 0) sends the turn to the idle replica, to compute the history again.
+    With the slack the queue counts only beyond the shortest queue plus the reuse at home."""
+    turn = DOC + tokens(60, 40)
+
+    def choose(queued: int, slack: int = 1024, others: int = 0):
+        router, replicas = ContentRouter(MODEL, weights=RouterWeights(queue_slack_tokens=slack)), fleet(2)
+        replicas["r0"].chunks.add(router.chunks(DOC).fingerprints)
+        replicas["r0"].load = ReplicaLoad(running=1, queued_prefill_tokens=queued)
+        replicas["r1"].load = ReplicaLoad(running=1, queued_prefill_tokens=others)
+        return router.choose(turn, replicas)
+
+    reuse = choose(0).cached_tokens["r0"]
+    assert 0 < reuse < 1024
+    queue = reuse + 100  # longer than the history it would reuse at home
+    assert choose(queue, slack=0).replica == "r1"
+    assert choose(queue).replica == "r0"
+    # beyond the slack the queue counts token for token again: twice the reuse and more moves it
+    assert choose(2 * queue).replica == "r1"
+    # the queue is measured from the shortest: a fleet that is all busy keeps the session home
+    assert choose(2 * queue, others=queue).replica == "r0"
+
+
+def test_the_slack_is_capped_however_much_a_replica_holds():
+    big = tokens(61, 4000)
+    router, replicas = ContentRouter(MODEL), fleet(2)
+    replicas["r0"].chunks.add(router.chunks(big).fingerprints)
+    prompt = big + tokens(62, 40)
+    reuse = router.choose(prompt, replicas).cached_tokens["r0"]
+    assert reuse > 2 * RouterWeights().queue_slack_tokens
+    # a queue of the reuse plus the cap, and a little more: the wait outweighs the reuse
+    replicas["r0"].load = ReplicaLoad(queued_prefill_tokens=reuse + RouterWeights().queue_slack_tokens + 200)
+    assert router.choose(prompt, replicas).replica == "r1"
+    # with the whole reuse as slack it would have stayed
+    uncapped = ContentRouter(MODEL, weights=RouterWeights(queue_slack_tokens=10 * reuse))
+    assert uncapped.choose(prompt, replicas).replica == "r0"
+
+
+def test_a_replica_over_the_work_bound_is_not_chosen_however_short_its_queue():
+    router, replicas = ContentRouter(MODEL, bound=LoadBound(epsilon=0.2, slack_tokens=0)), fleet(2)
+    replicas["r0"].chunks.add(router.chunks(DOC).fingerprints)
+    replicas["r1"].load = ReplicaLoad(queued_prefill_tokens=5000)  # the other has a long queue
+    for i in range(4):  # unrelated work sent to r0: it is over (1 + epsilon) x the mean
+        other = tokens(500 + i, 900)
+        router.record(dataclasses.replace(router.choose(other, replicas), replica="r0"), other)
+    decision = router.choose(DOC, replicas)
+    assert decision.replica == "r1" and "over the load bound" in decision.explanation
+    assert decision.cached_tokens["r0"] > 0 and decision.cached_tokens["r1"] == 0
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    n=st.integers(2, 5),
+    epsilon=st.sampled_from([0.0, 0.2, 0.5]),
+    requests=st.lists(
+        st.tuples(
+            st.integers(0, 3),  # which document (3: none)
+            st.integers(1, 300),  # the question's length
+            st.integers(0, 4),  # a replica that holds the document (beyond n: none)
+            st.integers(0, 6000),  # that replica's queue
+            st.integers(0, 8),  # its running sequences
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+)
+def test_no_replica_is_sent_more_work_than_the_bound(n, epsilon, requests):
+    """Whatever the requests, the replicas' holdings and their loads: after every choice, no replica
+    was sent more than (1 + epsilon) x the mean work plus the slack (requests here are smaller than
+    the slack, so some replica is always within the bound)."""
+    bound = LoadBound(epsilon=epsilon, slack_tokens=2048)
+    router, replicas = ContentRouter(MODEL, bound=bound), fleet(n)
+    docs = [DOC, tokens(70, 1200), tokens(71, 600)]
+    for i, (doc, question, holder, queued, running) in enumerate(requests):
+        prompt = (docs[doc] if doc < len(docs) else []) + tokens(1000 + i, question)
+        if doc < len(docs) and holder < n:
+            replicas[f"r{holder}"].chunks.add(router.chunks(docs[doc]).fingerprints)
+            replicas[f"r{holder}"].load = ReplicaLoad(running=running, queued_prefill_tokens=queued)
+        decision = router.choose(prompt, replicas)
+        assert decision.costs[decision.replica] == min(decision.costs.values())
+        router.record(decision, prompt)
+        sent = [router.sent_work(r) for r in replicas]
+        assert max(sent) <= (1 + epsilon) * sum(sent) / n + bound.slack_tokens, (sent, decision.explanation)
