@@ -180,12 +180,15 @@ class ModelRunner:
         return self._graph_decode(self.graphs, seqs)
 
     def _compiled_decode(self, step: CompiledStep, seqs: list[Sequence]) -> torch.Tensor | None:
-        """A sequence alone whose rows sit in consecutive slots is read in place; otherwise (where the
+        """Only the step classes measured to pay here (`CompiledDecode.pays`; else None: eager). A
+        sequence alone whose rows sit in consecutive slots is read in place; otherwise (where the
         compiled step covers batches, up to its `max_batch` sequences) their rows are gathered through
         their slot tables, when padding them to one length costs at most PADDING_SLACK times the real
         work."""
         dev = self.device
         lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
+        if not step.pays["one" if len(seqs) == 1 else "batch"]:  # (measured no faster than eager here)
+            return None
         if len(seqs) == 1 and consecutive(slots := seqs[0].slots[: lens[0]]):
             hidden = step(
                 torch.tensor([seqs[0].tokens[-1]], device=dev),

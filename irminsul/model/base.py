@@ -43,9 +43,11 @@ class Capabilities:
 @runtime_checkable
 class CompiledStep(Protocol):
     """A compiled decode step on a CPU (`model/compiled.py`): one sequence over consecutive slots, or up
-    to `max_batch` sequences through their slot tables."""
+    to `max_batch` sequences through their slot tables; `pays` says which of the two ("one", "batch")
+    the engine takes compiled (measured on the machine, or required)."""
 
     max_batch: int
+    pays: dict[str, bool]
 
     def __call__(
         self, token: torch.Tensor, pos: torch.Tensor, pool: torch.Tensor, base: int, n_keys: int

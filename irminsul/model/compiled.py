@@ -29,8 +29,12 @@ applies. It is on by default where it is available (as vLLM compiles unless told
 and by default it is compiled **in the background** (`Compiling`): compiling takes a minute or more
 on a small CPU the first time (torch.compile's on-disk caches make a restart quicker), so the eager
 path serves from the start and each engine takes the compiled step at its first decode step after
-it is ready. `LLM(compile_decode=True)` / `irminsul serve --compile-decode` compiles before the
-engine serves (and fails if it cannot); `LLM(compile_decode=False)` / `--no-compile-decode`, or the
+it is ready. Once built, each step class (one sequence, batches) is timed against the model's own
+eager forward pass on scratch rows (`CompiledDecode.measure`) and taken only where it pays; the
+verdict is cached with the kernel choices (per CPU, model shape, thread count and torch version), so
+a later start where neither pays does not compile at all. `LLM(compile_decode=True)` /
+`irminsul serve --compile-decode` compiles before the engine serves (and fails if it cannot) and
+takes the steps whatever was measured; `LLM(compile_decode=False)` / `--no-compile-decode`, or the
 environment variable IRMINSUL_COMPILE_DECODE=0 (the test suite sets it), turn it off. One compiled
 step is kept per model and shared by its engines.
 """
@@ -41,13 +45,16 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from irminsul.model import native_ops
+from irminsul.model import kernel_choice, native_ops
 from irminsul.model.attention import CPUAttention
+from irminsul.model.attention.base import SeqAttention
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MoE
+from irminsul.model.mla import ForwardBatch
 from irminsul.model.settings import Settings
 
 log = logging.getLogger("irminsul.model")
@@ -138,9 +145,37 @@ def resolve(model, compile_decode: bool | None) -> CompiledDecode | Compiling | 
             )
             step = built(True, lambda: CompiledDecode(model).warmed(), "the compiled decode step failed to compile")
         else:
-            step = Compiling(model)
+            verdict = kernel_choice.known(verdict_key(model), "one", model.settings)
+            if verdict is not None and not (verdict["one"] or verdict["batch"]):
+                log.info(
+                    "the compiled decode steps were measured no faster than eager ones on this CPU for this "
+                    "model: not compiled (irminsul serve --compile-decode compiles them anyway)"
+                )
+                return None
+            step = Compiling(model, verdict)
         model._compiled_decode = step
+    if compile_decode and isinstance(step, CompiledDecode):  # (required: taken whatever was measured)
+        step.pays = {"one": True, "batch": True}
     return step
+
+
+PAYS = 0.95  # a compiled step is taken where it takes at most this share of the eager step's time
+
+
+def verdict_key(model) -> str:
+    """The cache key of whether compiling pays for this model's shape here (kernel_choice's cache is per
+    CPU): the shapes a step's cost follows, the thread count, torch's version and the kernels inside."""
+    cfg = model.config
+    shape = (
+        f"{cfg.model_type}|h{cfg.hidden_size}|l{cfg.num_hidden_layers}|heads{cfg.num_attention_heads}"
+        f"|kv{cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}|q{cfg.q_lora_rank}|v{cfg.v_head_dim}|i{cfg.intermediate_size}"
+        f"|e{cfg.n_routed_experts}x{cfg.moe_intermediate_size}k{cfg.num_experts_per_tok}|vocab{cfg.vocab_size}"
+    )
+    native = native_ops.available() and model.settings.native_decode and model.settings.native_moe
+    return (
+        f"compiled-decode|{shape}|{str(model.dtype).removeprefix('torch.')}|threads{torch.get_num_threads()}"
+        f"|torch{torch.__version__}|native{native}|cpp{model.settings.compile_cpp_wrapper}"
+    )
 
 
 class Compiling:
@@ -149,8 +184,9 @@ class Compiling:
     with a warning), then the step. Engines ask at each decode step, so a build that finishes mid-run
     takes over at the next one."""
 
-    def __init__(self, model: DeepseekModel):
+    def __init__(self, model: DeepseekModel, verdict: dict | None = None):
         self._model = model
+        self._verdict = verdict  # (kernel_choice's cached `CompiledDecode.measure`, or None: measure it)
         self._step: CompiledDecode | None = None
         self._done = threading.Event()
         log.info(
@@ -165,15 +201,18 @@ class Compiling:
         try:
             self._step = built(
                 None,
-                lambda: CompiledDecode(self._model).warmed(progress=False),
+                lambda: CompiledDecode(self._model).warmed(progress=False).judged(self._verdict),
                 "the compiled decode step failed to compile",
             )
         finally:
             self._done.set()
         if self._step is not None:
+            taken = [what for what, pays in self._step.pays.items() if pays]
             log.info(
-                "the compiled decode steps are ready (%.0f s); engines use them from their next decode step",
+                "the compiled decode steps are ready (%.0f s); engines use them from their next decode step for %s",
                 time.perf_counter() - start,
+                " and ".join({"one": "one sequence", "batch": "batches"}[t] for t in taken)
+                or "nothing (measured no faster than eager here)",
             )
             self._model._compiled_decode = self._step  # (later engines take the step itself)
 
@@ -221,6 +260,68 @@ class CompiledDecode:
         # expert counts, as the bundled models'), else 1
         dense_ok = not cfg.n_routed_experts or cfg.n_routed_experts <= DENSE_EXPERTS * cfg.num_experts_per_tok
         self.max_batch = NATIVE_MAX_BATCH if self.native else MAX_BATCH if dense_ok else 1
+        # which steps the engine takes compiled: one sequence (`__call__`) and batches (`batch`); all
+        # until `judged` by a measurement (compile_decode=None), all when compiling was required
+        self.pays = {"one": True, "batch": True}
+
+    def judged(self, verdict: dict | None = None) -> CompiledDecode:
+        """Sets `pays` from `verdict` (a cached `measure`), else from measuring now (and caching it
+        with the kernel choices, per CPU: a later start that finds neither pays does not compile)."""
+        if verdict is None:
+            verdict = kernel_choice._measured(verdict_key(self.model), "one", self.measure, self.model.settings)
+        self.pays = {"one": bool(verdict["one"]), "batch": bool(verdict["batch"])}
+        return self
+
+    def measure(self, keys: int = 256, batch: int = 4) -> dict:
+        """Whether each compiled step pays here: the compiled function against the model's own eager
+        forward pass of the same tokens (what the engine runs without it: its `ForwardBatch`, the
+        attention backend's plan, the native kernels where they run), on scratch rows of `keys`
+        earlier keys, one sequence and (where batches are compiled) `batch` sequences, interleaved
+        (`kernel_choice._time`); a class pays where compiled takes at most PAYS of the eager time.
+        Neither includes the LM head, which both paths compute alike."""
+        cfg, dev, dtype = self.model.config, self.model.device, self.model.dtype
+        g = torch.Generator().manual_seed(5)
+        pool = (torch.randn(cfg.num_hidden_layers, keys + batch + 2, cfg.row_width, generator=g) * 0.1).to(dtype)
+        cos, sin = self.model.rotary.table(keys + 1, dev)
+        token, pos = torch.tensor([5], device=dev), torch.tensor([keys], device=dev)
+        rows = pool[:, 0 if self.native else 1 : keys + 1]  # (`__call__`'s view: base 1, keys + 1 keys)
+        model, earlier = self.model, np.arange(1, keys + 1)
+
+        def eager(n: int):  # n sequences at position `keys` over slots 1..keys, their rows to keys + 1 + i
+            specs = [SeqAttention(np.array([keys]), np.append(earlier, keys + 1 + i)) for i in range(n)]
+            step = ForwardBatch(
+                torch.arange(5, 5 + n, device=dev),
+                torch.full((n,), keys, device=dev),
+                pool,
+                torch.arange(keys + 1, keys + 1 + n, device=dev),
+                model.attention.plan(specs, list(range(n + 1)), dev),
+            )
+            return lambda: model(step)
+
+        times = {}
+        with torch.inference_mode():
+            times["one"] = kernel_choice._time(
+                {"compiled": lambda: self._fn(token, pos, rows, cos[: keys + 1], sin[: keys + 1]), "eager": eager(1)}
+            )
+            if self.max_batch >= batch:
+                tokens = torch.arange(5, 5 + batch, device=dev)
+                at = torch.full((batch,), keys, device=dev)
+                slots = torch.arange(1, keys + 1, device=dev)[None].expand(batch, keys).contiguous()
+                torch._dynamo.mark_dynamic(pool, 1)
+                times["batch"] = kernel_choice._time(
+                    {
+                        "compiled": lambda: self._batch_fn(tokens, at, slots, pool, cos[: keys + 1], sin[: keys + 1]),
+                        "eager": eager(batch),
+                    }
+                )
+        verdict = {what: t["compiled"] <= PAYS * t["eager"] for what, t in times.items()}
+        verdict.setdefault("batch", False)
+        log.info(
+            "compiled decode steps against eager ones, %d keys: %s",
+            keys,
+            "; ".join(f"{what} {t['compiled'] * 1e3:.2f} / {t['eager'] * 1e3:.2f} ms" for what, t in times.items()),
+        )
+        return {**verdict, "times": times}
 
     def warm_up(self, progress: bool = True) -> None:
         """Compile now, on scratch rows laid out as the pool's (sizes 0 and 1 would be specialised:

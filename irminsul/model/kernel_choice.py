@@ -703,6 +703,13 @@ def expert_costs(moe, dtype: torch.dtype) -> tuple[float, float]:
     return float(entry["loop_call_s"]), float(entry["macs_per_s"])
 
 
+def known(key: str, field: str, settings: Settings) -> dict | None:
+    """The cache entry `key` (this process's, else the settings' cache file's) when it holds `field`,
+    else None: what `_measured` would return without measuring."""
+    cached = _memory.get(key) or _read_cache(cache_path(settings)).get(key)
+    return cached if cached is not None and field in cached else None
+
+
 def _measured(key: str, field: str, measure, settings: Settings) -> dict:
     """The cache entry `key` (this process's, else the settings' cache file's) when it holds `field`,
     else `measure()`'s, kept in both."""

@@ -133,6 +133,8 @@ def test_compiled_by_default_in_the_background_once_per_model(tmp_path, monkeypa
         return real(self, progress)
 
     monkeypatch.setattr(compiled.CompiledDecode, "warmed", held)
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setattr(compiled.CompiledDecode, "measure", lambda self: {"one": True, "batch": True})
     llm = LLM(path)
     assert llm.engine.runner.compiled is None  # still compiling: the eager path decodes
     eager = llm.generate(_rand(40, 1), max_tokens=6, ignore_eos=True)
@@ -164,3 +166,56 @@ def test_a_background_build_that_fails_leaves_the_eager_path_serving(tmp_path, m
     assert not llm.wait_compiled(60)
     assert "no compiler today" in caplog.text
     assert len(llm.generate(_rand(20, 2), max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_a_step_class_measured_no_faster_decodes_eagerly(tmp_path, monkeypatch):
+    """By default the built step is judged on the machine (`CompiledDecode.measure`, cached with the
+    kernel choices): a class measured no faster than eager is not taken, the other is; a later start
+    that finds neither pays does not compile at all."""
+    monkeypatch.delenv("IRMINSUL_COMPILE_DECODE")
+    monkeypatch.setenv("IRMINSUL_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    from irminsul.model import compiled, kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "_memory", {})
+    path = make_tiny_checkpoint(tmp_path / "v2", "v2")
+    measured = []
+    monkeypatch.setattr(
+        compiled.CompiledDecode, "measure", lambda self: measured.append(1) or {"one": False, "batch": True}
+    )
+    llm = LLM(path)
+    assert llm.wait_compiled(300) and measured == [1]
+    step = llm.engine.runner.compiled
+    assert step.pays == {"one": False, "batch": True}
+    calls, batch_calls = [], []
+    real_fn, real_batch = step._fn, step._batch_fn
+    step._fn = lambda *a: calls.append(1) or real_fn(*a)
+    step._batch_fn = lambda *a: batch_calls.append(1) or real_batch(*a)
+    llm.generate(_rand(30, 3), max_tokens=4, ignore_eos=True)
+    assert not calls  # one sequence: eager
+    llm.generate([_rand(30, 4), _rand(33, 5)], max_tokens=4, ignore_eos=True)
+    assert batch_calls and not calls  # a batch: compiled
+
+    monkeypatch.setattr(kernel_choice, "_memory", {})  # a new process: the verdict from the cache file
+    kernel_choice._write_cache(
+        kernel_choice.cache_path(llm.model.settings),
+        {compiled.verdict_key(llm.model): {"one": False, "batch": False}},
+    )
+    again = LLM(path)
+    assert again.engine.runner.compiled is None and getattr(again.model, "_compiled_decode", None) is None
+    assert measured == [1]  # (not measured again, not compiled)
+    # required (--compile-decode): taken whatever was measured
+    assert LLM(path, compile_decode=True).engine.runner.compiled.pays == {"one": True, "batch": True}
+
+
+def test_the_measurement_times_the_compiled_step_against_the_eager_forward(tiny_dir):
+    """`measure` runs both paths on scratch rows (the eager one through the model's own forward pass)
+    and applies PAYS to their times."""
+    from irminsul.model import compiled
+
+    llm = LLM(tiny_dir, compile_decode=True)
+    step = llm.engine.runner.compiled
+    got = step.measure(keys=24, batch=2)
+    assert set(got["times"]) == ({"one", "batch"} if step.max_batch >= 2 else {"one"})
+    for what, t in got["times"].items():
+        assert t["compiled"] > 0 and t["eager"] > 0
+        assert got[what] == (t["compiled"] <= compiled.PAYS * t["eager"])
