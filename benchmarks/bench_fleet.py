@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fleet.py [--requests 150] [--concurrency 4] [--model DIR] [--skip-sim]
 
-For each trace (agent_meta from tau_bench, rerank from musique, each cut to its first `--requests`),
+For each trace (agent_meta from tau_bench; rerank and skewed from musique; each cut to its first `--requests`),
 and each router (`content`; Ray Serve LLM's `PrefixCacheAffinityRouter` as `prefix`,
 `irminsul/fleet/prefix_router.py`; Serve's default power of two as `pow2`), a fresh fleet starts
 (`irminsul/fleet/serve.py`, one thread a replica, every pool empty, no shared store) and the trace is
@@ -44,7 +44,7 @@ from irminsul.table import table
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serve import default_model  # noqa: E402
 
-TRACES = {"agent_meta": "tau_bench", "rerank": "musique"}
+TRACES = {"agent_meta": "tau_bench", "rerank": "musique", "skewed": "musique"}
 ROUTERS = ("content", "prefix", "pow2")
 TOKENIZER = "qwen2"  # the model's: the trace's distinct content counted in its tokens
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", default=None, help="a checkpoint directory (default: bench_serve.py's tiny Qwen2)")
-    p.add_argument("--traces", default=",".join(TRACES), help="agent_meta,rerank (default both)")
+    p.add_argument("--traces", default=",".join(TRACES), help="agent_meta,rerank,skewed (default all)")
     p.add_argument("--routers", default=",".join(ROUTERS), help="content,prefix,pow2 (default all)")
     p.add_argument("--sim-replicas", default="2,4,8,16,32,64", help="the simulator's fleet sizes")
     p.add_argument("--skip-sim", action="store_true", help="no simulator table")

@@ -1,6 +1,6 @@
 """The fleet simulator's tables and what a replica ships per poll (model-free, CPU only).
 
-    python benchmarks/bench_fleet_sim.py                        # agent_meta (tau_bench) and rerank (musique)
+    python benchmarks/bench_fleet_sim.py                        # agent_meta (tau_bench), rerank and skewed (musique)
     python benchmarks/bench_fleet_sim.py --replicas 2,64 --skip-table
 
 Prints the machine; per trace the `irminsul bench fleet` table (the same code); then the bytes one
@@ -26,7 +26,7 @@ from irminsul.research.workloads.render import render_trace
 from irminsul.research.workloads.trace import read_trace
 from irminsul.table import table
 
-TRACES = {"agent_meta": "tau_bench", "rerank": "musique"}
+TRACES = {"agent_meta": "tau_bench", "rerank": "musique", "skewed": "musique"}
 
 
 def churn_per_request(trace, config: FleetConfig) -> float:

@@ -39,6 +39,8 @@ def _fleet(args) -> int:
     if args.queue_slack_tokens is not None:
         weights = dataclasses.replace(weights, queue_slack_tokens=args.queue_slack_tokens)
     config = FleetConfig(pool_tokens=1, offered_load=args.offered_load, weights=weights)
+    if args.no_load_bound:
+        config = dataclasses.replace(config, bound=None)
     ref = reference(trace, config)
     pool = args.pool_tokens or max(1, ref.distinct_tokens // 2)
     config = dataclasses.replace(config, pool_tokens=pool)
@@ -55,6 +57,7 @@ def _fleet(args) -> int:
                     "own_session_reuse": own,
                     "offered_load": args.offered_load,
                     "weights": dataclasses.asdict(weights),
+                    "load_bound": dataclasses.asdict(config.bound) if config.bound else None,
                     "results": [
                         {
                             **dataclasses.asdict(r),
@@ -145,6 +148,7 @@ def register_bench(bench_subparsers) -> None:
         help="the content router's queue slack: a queue within min(reuse, N) tokens of the shortest does not "
         "count (default: RouterWeights'; 0: every queued token counts)",
     )
+    f.add_argument("--no-load-bound", action="store_true", help="the content router without its work-share bound")
     f.add_argument("--tokenizer", default="deepseek", help="deepseek (default), qwen2 or a tokenizer directory")
     f.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     f.set_defaults(func=_fleet)

@@ -52,3 +52,29 @@ def test_the_skewed_trace_keeps_the_busiest_replica_within_the_share_bound(n):
     config = FleetConfig(pool_tokens=ref.distinct_tokens // 2)
     r = simulate(trace, "content", n, config, ref.interval_s(len(trace), n, config))
     assert r.max_share <= 1.25 / n, r
+
+
+def test_the_cli_takes_the_routers_slack_and_bound_and_prints_the_own_session_reuse(tmp_path, capsys):
+    import json
+
+    from irminsul.cli import main
+
+    trace = sessions(4)
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"session": s, "token_ids": r.token_ids.tolist(), "segments": list(r.segment_starts)}) + "\n"
+            for s, r in trace
+        )
+    )
+    args = ["bench", "fleet", str(path), "--replicas", "2", "--policies", "content", "--json"]
+    assert main([*args, "--queue-slack-tokens", "0", "--no-load-bound"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["weights"]["queue_slack_tokens"] == 0 and j["load_bound"] is None
+    prompt = sum(len(r.token_ids) for _, r in trace)
+    assert j["own_session_reuse"] == pytest.approx(1 - own_sessions(trace, FleetConfig(pool_tokens=1)) / prompt)
+    assert main(args) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["weights"]["queue_slack_tokens"] > 0 and j["load_bound"]["epsilon"] > 0
+    with pytest.raises(SystemExit):
+        main([*args, "--queue-slack-tokens", "-1"])
