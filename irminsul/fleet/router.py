@@ -34,10 +34,10 @@ longer than the shortest by more than the slack: the tokens of this prompt it wo
 most `queue_slack_tokens`. Within the slack its queue does not count; beyond it each queued token
 counts as a token of wait, as in Dynamo's cost. Counting every queued token (slack 0) picks the
 shortest wait for this one request, and moves a session's turn to an idle replica as soon as its
-home's queue is longer than its history: the turn computes the history again there, and the session
-leaves behind what it shared with the sessions at home. With the slack, a request waits for its
-reuse at most as long as the reuse saves, and never more than the cap; a replica that would reuse
-nothing has no slack, so unrelated traffic still goes to the shortest queue.
+home's queue is longer than its history: the turn computes the history again there. With the
+slack, a request waits for its reuse at most as long as the reuse saves, and never more than the
+cap; a replica that would reuse nothing has no slack, so unrelated traffic still goes to the
+shortest queue.
 
 What the router cannot see, so does not count: the replica's exact-prefix tree (its prefix rows
 are in the registry as chunks too, and are counted as chunks, less the sink), S1 window recovery
