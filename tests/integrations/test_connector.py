@@ -23,7 +23,7 @@ from irminsul.model.tiny import tiny_config  # noqa: E402
 
 BLOCK = 16
 VOCAB = 256
-COUNTERS = ("loaded_rows", "saved_rows", "missed_rows")  # the worker's, reported to vLLM after each step
+COUNTERS = ("loaded_rows", "saved_rows", "missed_rows", "evicted_rows")  # the worker's, reported after each step
 
 
 class MiniEngine:
@@ -188,6 +188,9 @@ def test_a_registry_smaller_than_a_document_serves_every_request(tmp_path):
     stats = engine.serve([(_ids(rng, 40 + i % 7) + docs[i // 4 % 3] + _ids(rng, 8), None) for i in range(100)])
     assert len(stats) == 100 and sum(x.loaded_tokens for x in stats) > 3000
     assert engine.recomputed == 0 and engine.keys_agree()
+    # the evicted rows counted (vLLM's /metrics) are exactly the saved rows the worker no longer holds
+    held = sum(rows.shape[1] for rows in engine.worker.rows.values())
+    assert engine.worker.evicted_rows > 0 and engine.worker.saved_rows - engine.worker.evicted_rows == held
 
 
 def test_rows_the_worker_lacks_are_a_miss_and_recomputed(tmp_path):

@@ -160,25 +160,38 @@ def test_cache_salts_keep_tenants_apart(two_layers):
     assert loaded[4][1] == 0 and all(n >= 400 for _, n in loaded[5:]), loaded
 
 
-def test_vllm_rotary_layout_is_what_the_connector_rotates():
-    """The connector rotates k_pe as vLLM's DeepSeek rotary stores it (GPT-J pairs): moving a key
-    encoded at p by δ equals vLLM encoding it at p + δ."""
+# DeepSeek-V3's own rope scaling (its config.json); vLLM reads a DeepSeek model's as "deepseek_yarn"
+V3_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {**V3_YARN, "mscale": 1.0, "mscale_all_dim": 1.0}, {**V3_YARN, "mscale": 1.0, "mscale_all_dim": 0.0}],
+    ids=["plain", "yarn", "yarn-mscale"],
+)
+def test_vllm_rotary_layout_is_what_the_connector_rotates(scaling):
+    """The connector rotates k_pe as vLLM's DeepSeek rotary stores it (GPT-J pairs), at the frequencies
+    it reads from the checkpoint's config (YaRN included): moving a key encoded at p by δ equals vLLM
+    encoding it at p + δ (a YaRN mscale in vLLM's cos/sin scales both sides alike)."""
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
+    from irminsul.integrations.vllm.connector import _inv_freq
     from irminsul.integrations.vllm.spans import rotate_interleaved
+    from irminsul.model.tiny import tiny_config
 
+    raw = tiny_config("v3", qk_rope_head_dim=64, rope_scaling=scaling, max_position_embeddings=163840)
+    params = {"rope_theta": 10000.0, **({} if scaling is None else {**scaling, "rope_type": "deepseek_yarn"})}
     torch.manual_seed(0)
     with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(64, max_position=4096, is_neox_style=False, rope_parameters={"rope_theta": 10000.0})
+        rope = get_rope(64, max_position=raw["max_position_embeddings"], is_neox_style=False, rope_parameters=params)
     k = torch.randn(3, 1, 64)
     q = torch.zeros(3, 1, 64)
     pos = torch.tensor([40, 41, 42])
     _, at_p = rope.forward_native(pos, q.clone(), k.clone())
-    _, at_moved = rope.forward_native(pos + 35, q.clone(), k.clone())
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
-    assert torch.allclose(rotate_interleaved(at_p, 35, inv_freq), at_moved, atol=1e-5)
+    _, at_moved = rope.forward_native(pos + 1035, q.clone(), k.clone())
+    torch.testing.assert_close(rotate_interleaved(at_p, 1035, _inv_freq(raw)), at_moved, atol=1e-4, rtol=1e-4)
 
 
 def _free_port() -> int:
@@ -209,13 +222,21 @@ def test_vllm_serve_answers_through_openai_and_reports_reuse(two_layers, tmp_pat
     """`irminsul vllm-serve CKPT` (docs/vllm.md) starts vLLM's OpenAI server with Irminsul's connector and
     scheduler. Through the `openai` client, a document moved behind a new header is answered with its
     rows loaded, and the reuse shows where vLLM reports it: the answer's
-    usage.prompt_tokens_details.cached_tokens, the connector's counters at /metrics and in the log."""
+    usage.prompt_tokens_details.cached_tokens, the connector's counters at /metrics and in the log. Two
+    tenants (two cache_salts) never load each other's rows; a document published under the operator's
+    publish_salt is loaded by both and by a request without a salt. On a CPU the worker gets the cores
+    vLLM alone would (vLLM reserves one more for any KV connector unless told otherwise)."""
+    import numpy as np
     import openai
+    from vllm.platforms import CpuArchEnum, current_platform
 
     port, log = _free_port(), tmp_path / "server.log"
     irminsul = Path(sys.executable).with_name("irminsul")
     command = [str(irminsul)] if irminsul.exists() else [sys.executable, "-m", "irminsul"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"}
+    env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    publish = json.dumps({"kv_connector_extra_config": {"publish_salt": "operator-secret"}})
     with log.open("w") as out:
         server = subprocess.Popen(
             [
@@ -227,6 +248,8 @@ def test_vllm_serve_answers_through_openai_and_reports_reuse(two_layers, tmp_pat
                 "--max-model-len",
                 "4096",
                 "--enforce-eager",
+                "--kv-transfer-config",
+                publish,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -258,6 +281,31 @@ def test_vllm_serve_answers_through_openai_and_reports_reuse(two_layers, tmp_pat
                 break
             time.sleep(0.5)
         assert logged == loaded, log.read_text()[-3000:]
+        if current_platform.is_cpu() and current_platform.get_cpu_architecture() == CpuArchEnum.X86:
+            assert "reserve_cpu_num=1\n" in log.read_text()  # (vLLM's own log line; 2 with a connector otherwise)
+
+        # tenants: a request's cache_salt is its namespace (the answers' cached_tokens are its loaded rows)
+        rng = np.random.default_rng(5)
+        doc, public = rng.integers(0, 256, 600).tolist(), rng.integers(0, 256, 600).tolist()
+
+        def cached(body: list[int], salt: str | None) -> int:
+            prompt = rng.integers(0, 256, 40 + len(asked)).tolist() + body + rng.integers(0, 256, 8).tolist()
+            extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+            answer = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, **extra)
+            asked.append((salt, answer.usage.prompt_tokens_details.cached_tokens))
+            return asked[-1][1]
+
+        asked: list[tuple[str | None, int]] = []
+        assert cached(doc, "tenant-a") == 0  # (stored under tenant-a)
+        assert cached(doc, "tenant-b") == 0 and cached(doc, None) == 0, asked  # never across salts
+        assert cached(doc, "tenant-a") >= 400, asked  # the same salt loads it
+        assert cached(public, "operator-secret") == 0  # (published: the shared namespace)
+        assert all(cached(public, salt) >= 400 for salt in ("tenant-a", "tenant-b", None)), asked
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        assert _metric(metrics, "vllm:irminsul_loaded_rows_total") == loaded + sum(n for _, n in asked)
+        assert _metric(metrics, "vllm:irminsul_missed_rows_total") == 0
+        assert _metric(metrics, "vllm:irminsul_evicted_rows_total") == 0  # (a 1 GiB registry: nothing to evict)
     finally:
         server.terminate()
         try:
@@ -274,7 +322,7 @@ def test_vllm_serve_fills_in_what_the_command_line_leaves_out(two_layers):
 
     from irminsul.errors import UserFacingError
     from irminsul.integrations.vllm import CONNECTOR, SCHEDULER
-    from irminsul.integrations.vllm.serve import parse
+    from irminsul.integrations.vllm.serve import parse, reserve_cores
 
     args = parse([str(two_layers), "--kv-transfer-config", '{"kv_connector_extra_config": {"tenant": "t"}}'])
     transfer = args.kv_transfer_config
@@ -283,6 +331,13 @@ def test_vllm_serve_fills_in_what_the_command_line_leaves_out(two_layers):
     assert args.scheduler_cls == SCHEDULER and args.async_scheduling is False and args.enable_prompt_tokens_details
     assert args.attention_backend == ("CPU_MLA" if current_platform.is_cpu() else None)
     assert parse([str(two_layers), "--no-enable-prompt-tokens-details"]).enable_prompt_tokens_details is False
+    # on a CPU, the cores vLLM reserves without a connector (one per worker on x86), unless set
+    env: dict[str, str] = {}
+    reserve_cores(args, env)
+    assert env == ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"} if current_platform.is_cpu() else {})
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "3"}
+    reserve_cores(args, env)
+    assert env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "3"}
     for argv, message in [
         ([], "name the model"),
         ([str(two_layers), "--async-scheduling"], "synchronous"),

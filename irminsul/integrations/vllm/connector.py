@@ -248,7 +248,7 @@ class IrminsulConnector(KVConnectorBase_V1):
             self.inv_freq = _inv_freq(raw)
             self.rows: dict[int, torch.Tensor] = {}  # key -> [layers, len, row_width]
             self.layers: list[torch.Tensor] = []  # each layer's cache viewed as [slots, row_width]
-            self.loaded_rows = self.saved_rows = self.missed_rows = 0  # (metrics.COUNTERS)
+            self.loaded_rows = self.saved_rows = self.missed_rows = self.evicted_rows = 0  # (metrics.COUNTERS)
             self.fetched_rows = 0  # rows taken in from the store tiers
             self.spills = bool(store_specs(extra))  # saved rows go back to the scheduler side, for the tiers
             self.saved: dict[int, torch.Tensor] = {}
@@ -306,7 +306,9 @@ class IrminsulConnector(KVConnectorBase_V1):
             if self.spills:
                 self.saved[save.key] = self.rows[save.key].cpu()  # (no copy on a CPU)
         for key in meta.drops:
-            self.rows.pop(key, None)
+            rows = self.rows.pop(key, None)
+            if rows is not None:
+                self.evicted_rows += rows.shape[1]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.invalid_blocks = self.invalid_blocks, set()

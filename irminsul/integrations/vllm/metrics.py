@@ -2,11 +2,12 @@
 its /metrics.
 
 The worker counts the rows (one per prompt token, all layers) it wrote into vLLM's cache from the
-registry, copied out of the cache into the registry, and those of loads it could not serve (recomputed
-instead). After each step it hands vLLM what changed since the last (`IrminsulStats`, from the
-connector's `get_kv_connector_stats`); vLLM's stat loggers, in the API server's process, sum them,
-print them once a log interval ("KV Transfer metrics: loaded_rows=..., saved_rows=..., missed_rows=...")
-and add them to Prometheus counters (`IrminsulPromMetrics`: `vllm:irminsul_loaded_rows_total`, ...).
+registry, copied out of the cache into the registry, those of loads it could not serve (recomputed
+instead) and those it freed when the registry evicted their chunk. After each step it hands vLLM what
+changed since the last (`IrminsulStats`, from the connector's `get_kv_connector_stats`); vLLM's stat
+loggers, in the API server's process, sum them, print them once a log interval ("KV Transfer metrics:
+loaded_rows=..., saved_rows=..., missed_rows=..., evicted_rows=...") and add them to Prometheus
+counters (`IrminsulPromMetrics`: `vllm:irminsul_loaded_rows_total`, ...).
 vLLM reports them only where it keeps stats (its server; not an offline `LLM`, which disables them).
 """
 
@@ -22,6 +23,7 @@ COUNTERS = {
     "loaded_rows": "Prompt rows Irminsul's connector wrote into the KV cache from its registry (not computed).",
     "saved_rows": "Computed prompt rows Irminsul's connector copied into its registry.",
     "missed_rows": "Rows of planned loads the worker did not hold (a cache miss: recomputed).",
+    "evicted_rows": "Rows Irminsul's connector freed because its registry evicted their chunk.",
 }
 
 

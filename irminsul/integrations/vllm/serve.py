@@ -10,7 +10,9 @@ the command line leaves it out:
 - on a CPU, `--attention-backend CPU_MLA`: the cache layout the connector reads and writes (on a CPU
   with AMX, vLLM would pick its AMX backend, whose layout differs);
 - `--enable-prompt-tokens-details`: every answer's `usage.prompt_tokens_details.cached_tokens`, the
-  rows Irminsul loaded included.
+  rows Irminsul loaded included;
+- on a CPU, `VLLM_CPU_NUM_OF_RESERVED_CPU` (vLLM's variable) unless it is set: the cores vLLM reserves
+  without a KV connector, so the worker computes on the cores vLLM alone would (`reserve_cores`).
 
 `vllm serve` itself does not start with the `vllm-cpu` distribution: vLLM's CLI looks up
 `importlib.metadata.version("vllm")` for its `--version` before it parses anything, and that
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+from collections.abc import MutableMapping
 
 from irminsul.errors import UserFacingError
 
@@ -98,9 +102,28 @@ def _fill(args: argparse.Namespace) -> None:
         args.attention_backend = "CPU_MLA"
 
 
+def reserve_cores(args: argparse.Namespace, env: MutableMapping[str, str]) -> None:
+    """On a CPU, the cores vLLM keeps off its workers' threads, as it keeps them without a KV connector.
+
+    vLLM binds each CPU worker's OpenMP threads to the cores of its NUMA node but the ones it reserves
+    for its other processes (one per local worker on x86, Arm and RISC-V), and it reserves one more per
+    worker wherever a KV connector is configured, for a transfer engine's threads. Irminsul's connector
+    starts none (its loads and saves run in the worker's step), so unless VLLM_CPU_NUM_OF_RESERVED_CPU
+    is set, it is set to what vLLM reserves without a connector: the server computes on the cores vLLM
+    alone would (on two cores, vLLM would otherwise reserve both and then bind both)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu() or env.get("VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        return
+    workers = args.tensor_parallel_size * args.pipeline_parallel_size
+    per_worker = current_platform.get_cpu_architecture() in (CpuArchEnum.X86, CpuArchEnum.ARM, CpuArchEnum.RISCV)
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(workers if per_worker else 1)
+
+
 def serve(argv: list[str]) -> int:
     """Parse as `vllm serve` does, fill in Irminsul's options, then run vLLM's serve command."""
     args = parse(argv)
+    reserve_cores(args, os.environ)  # (read by the engine's processes, which inherit it)
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
