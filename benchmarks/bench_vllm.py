@@ -67,16 +67,6 @@ TOP_K = 6
 MOVED = dict(header_a=40, header_b=233, doc=1467, question=8)
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(x.split(":", 1)[1].strip() for x in out.splitlines() if x.startswith("Model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or "unknown"
-
-
 def build_checkpoint(path: Path, layers: int) -> None:
     cmd = [sys.executable, "-m", "irminsul.cli", "checkpoint", "random", str(path), "--layers", str(layers), *MAKER]
     print("building:", " ".join(cmd[2:]), flush=True)
@@ -382,10 +372,9 @@ def main(argv=None) -> int:
     cfg = json.loads((ck / "config.json").read_text())
     import vllm
 
-    print(
-        f"machine: {cpu_name()}, {os.cpu_count()} cores, 1 thread per process (OMP_NUM_THREADS=1); "
-        f"vllm {vllm.__version__}"
-    )
+    from irminsul.machine import describe
+
+    print(f"machine: {describe()}\nvllm {vllm.__version__}, 1 thread per process (OMP_NUM_THREADS=1)")
     print(
         f"checkpoint {ck}: hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads, kv_lora "
         f"{cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}, nope {cfg['qk_nope_head_dim']}, v "
