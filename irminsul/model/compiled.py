@@ -276,7 +276,8 @@ class CompiledDecode:
         """Whether each compiled step pays here: the compiled function against the model's own eager
         forward pass of the same tokens (what the engine runs without it: its `ForwardBatch`, the
         attention backend's plan, the native kernels where they run), on scratch rows of `keys`
-        earlier keys, one sequence and (where batches are compiled) `batch` sequences, interleaved
+        earlier keys, one sequence and (where batches are compiled) `batch` sequences (at most
+        `max_batch`), interleaved
         (`kernel_choice._time`); a class pays where compiled takes at most PAYS of the eager time.
         Neither includes the LM head, which both paths compute alike."""
         cfg, dev, dtype = self.model.config, self.model.device, self.model.dtype
@@ -303,7 +304,8 @@ class CompiledDecode:
             times["one"] = kernel_choice._time(
                 {"compiled": lambda: self._fn(token, pos, rows, cos[: keys + 1], sin[: keys + 1]), "eager": eager(1)}
             )
-            if self.max_batch >= batch:
+            batch = min(batch, self.max_batch)
+            if batch >= 2:
                 tokens = torch.arange(5, 5 + batch, device=dev)
                 at = torch.full((batch,), keys, device=dev)
                 slots = torch.arange(1, keys + 1, device=dev)[None].expand(batch, keys).contiguous()
