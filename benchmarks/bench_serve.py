@@ -34,19 +34,22 @@ from tests.support.services import ServerProcess  # noqa: E402
 
 
 def tiny_qwen2_checkpoint(path: Path) -> Path:
-    """A tiny random DeepSeek-V2 with Qwen2's tokenizer and a 64k context."""
+    """A tiny random DeepSeek-V2 with Qwen2's tokenizer and a 64k context (its tokenizer_config written
+    at every run: one left by an earlier version is brought up to date)."""
     from irminsul.data import data_file
     from irminsul.model.tiny import make_tiny_checkpoint
     from irminsul.research.workloads.tokenizers import load_tokenizer
 
-    if (path / "config.json").exists():
-        return path
-    tok = load_tokenizer("qwen2").tokenizer
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    eos = tok.token_to_id("<|im_end|>")
-    make_tiny_checkpoint(path, vocab_size=vocab, max_position_embeddings=65536, bos_token_id=None, eos_token_id=eos)
-    tok.save(str(path / "tokenizer.json"))
+    if not (path / "config.json").exists():
+        tok = load_tokenizer("qwen2").tokenizer
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        eos = tok.token_to_id("<|im_end|>")
+        make_tiny_checkpoint(path, vocab_size=vocab, max_position_embeddings=65536, bos_token_id=None, eos_token_id=eos)
+        tok.save(str(path / "tokenizer.json"))
     config = json.loads(data_file("tokenizers", "qwen2", "tokenizer_config.json").read_text())
+    # without Qwen2's own Jinja template, which has no tool calls (an agent trace's assistant turns
+    # carry them, with content null): the server renders Qwen2.5's format (model/chat_format.py QWEN2)
+    config.pop("chat_template", None)
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return path
 
