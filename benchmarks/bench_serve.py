@@ -9,7 +9,7 @@ prompt tokens by kind, and the prefix/pic ratios measured in this run, with the 
 picks without --threads) and with --threads 1, and the default/1 ratios are printed.
 
 Without --model it uses a tiny random DeepSeek-V2 checkpoint with a 64k context carrying the real
-Qwen2 tokenizer (so prompts have realistic token counts and the Qwen2 chat template applies); the
+Qwen2 tokenizer (so prompts have realistic token counts and the Qwen2.5 chat format applies); the
 model's quality is irrelevant to TTFT and reuse. The bundled MLA model has a 2,048-token context,
 shorter than every agent_meta prompt (4,000-9,000 tokens with its tokenizer).
 """
