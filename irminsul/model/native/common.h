@@ -267,13 +267,23 @@ static inline void widen_dots(const float *x, long rows, long ldx, const uint16_
     }
 }
 
-/* out[j * ldo + r] = x_r . w_j[0 .. n) for three bfloat16 weight rows w_j = w + j * ldw and r < rows:
- * rows taken four at a time against the three weight rows (12 sums: AVX2's 16 registers hold them and
- * the loads), for products of three or more rows, which the FMA's throughput bounds rather than the
- * weight's reading. */
-static inline void widen_dots3(const float *x, long rows, long ldx, const uint16_t *w, long ldw, long n, float *out,
-                               long ldo) {
-    const uint16_t *w1 = w + ldw, *w2 = w1 + ldw;
+/* IRM_W weights from w + i (bf: bfloat16, else float32) as floats; the _n form the first n */
+static inline vf vf_weights(const void *w, long i, int bf) {
+    return bf ? vf_load_bf16((const uint16_t *)w + i) : vf_load((const float *)w + i);
+}
+
+static inline vf vf_weights_n(const void *w, long i, long n, int bf) {
+    return bf ? vf_load_bf16_n((const uint16_t *)w + i, n) : vf_load_n((const float *)w + i, n);
+}
+
+/* out[j * ldo + r] = x_r . w_j[0 .. n) for three weight rows w_j = w + j * ldw (bf: bfloat16, widened
+ * as read, else float32) and r < rows (float32, ldx apart): rows taken four at a time against the
+ * three weight rows (12 sums: AVX2's 16 registers hold them and the loads), for products of three or
+ * more rows, which the FMA's throughput bounds rather than the weight's reading. Each sum is one FMA
+ * chain over n (gemv.c's several-row order). Always inlined where bf is a constant. */
+static inline __attribute__((always_inline)) void dots3(const float *x, long rows, long ldx, const void *w, long ldw,
+                                                        long n, float *out, long ldo, int bf) {
+    const void *w1 = (const char *)w + ldw * (bf ? 2 : 4), *w2 = (const char *)w1 + ldw * (bf ? 2 : 4);
     for (long r0 = 0; r0 < rows; r0 += 4) {
         long M = rows - r0 < 4 ? rows - r0 : 4;
         const float *x0 = x + r0 * ldx;
@@ -281,17 +291,17 @@ static inline void widen_dots3(const float *x, long rows, long ldx, const uint16
         for (int r = 0; r < 4; r++) a[r] = b[r] = c[r] = vf_zero();
         long i = 0;
         for (; i + IRM_W <= n; i += IRM_W) {
-            vf wa = vf_load_bf16(w + i), wb = vf_load_bf16(w1 + i), wc = vf_load_bf16(w2 + i);
+            vf wa = vf_weights(w, i, bf), wb = vf_weights(w1, i, bf), wc = vf_weights(w2, i, bf);
             for (long r = 0; r < M; r++) {
                 vf xv = vf_load(x0 + r * ldx + i);
-                a[r] = vf_fma(xv, wa, a[r]), b[r] = vf_fma(xv, wb, b[r]), c[r] = vf_fma(xv, wc, c[r]);
+                a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
             }
         }
         if (i < n) {
-            vf wa = vf_load_bf16_n(w + i, n - i), wb = vf_load_bf16_n(w1 + i, n - i), wc = vf_load_bf16_n(w2 + i, n - i);
+            vf wa = vf_weights_n(w, i, n - i, bf), wb = vf_weights_n(w1, i, n - i, bf), wc = vf_weights_n(w2, i, n - i, bf);
             for (long r = 0; r < M; r++) {
                 vf xv = vf_load_n(x0 + r * ldx + i, n - i);
-                a[r] = vf_fma(xv, wa, a[r]), b[r] = vf_fma(xv, wb, b[r]), c[r] = vf_fma(xv, wc, c[r]);
+                a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
             }
         }
         for (long r = 0; r < M; r++)

@@ -7,7 +7,7 @@
  * are bound by reading the weight. Built by irminsul/model/native/__init__.py with -march=native;
  * the vector paths (AVX-512, and AVX2 through simd.h) keep four independent FMA chains for one or two
  * rows (one chain per sum is bound by the FMA's latency, well below the memory's speed), and with
- * AVX2 compute three outputs at a time for three or more rows (rows_tile), a build
+ * AVX2 compute three outputs at a time for three or more rows (common.h dots3), a build
  * without them takes the plain loops, which the compiler vectorises (the flags allow reassociating
  * the sums). Where x and w are both
  * bfloat16 (a bf16 model) and the CPU has AVX512-BF16, the products are vdpbf16ps over x's own bf16
@@ -47,16 +47,6 @@ static inline __m512 load16_masked(const void *w, long i, __mmask16 m, int bf) {
 }
 #endif
 
-#if IRM_VEC && !defined(__AVX512F__)
-/* IRM_W weights from w + i (bf: bfloat16, else float32) as floats; the _n form the first n */
-static inline vf vf_weights(const void *w, long i, int bf) {
-    return bf ? vf_load_bf16((const uint16_t *)w + i) : vf_load((const float *)w + i);
-}
-
-static inline vf vf_weights_n(const void *w, long i, long n, int bf) {
-    return bf ? vf_load_bf16_n((const uint16_t *)w + i, n) : vf_load_n((const float *)w + i, n);
-}
-#endif
 
 static inline float weight_at(const void *w, long i, int bf) {
     return bf ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
@@ -166,40 +156,6 @@ static inline __attribute__((always_inline)) void row(const float *x, long rows,
  * = 12 sums (4 rows x 1 weight row keeps 4 FMA chains in flight, bound by the FMA's latency when
  * several rows make the product compute-bound). */
 #define OUT_TILE 3
-
-/* OUT_TILE weight rows w, w + ld, ... against `rows` rows of x: sums into acc[j * IRM_MAX_ROWS + r].
- * Each (row, output) sum is added in row()'s order, so the results equal row()'s. */
-static inline __attribute__((always_inline)) void rows_tile(const float *x, long rows, long ldx, const void *w,
-                                                            long ld, long in, float *acc, int bf) {
-    const void *w1 = (const char *)w + ld * (bf ? 2 : 4), *w2 = (const char *)w1 + ld * (bf ? 2 : 4);
-    for (long r0 = 0; r0 < rows; r0 += 4) {
-        long n = rows - r0 < 4 ? rows - r0 : 4;
-        const float *x0 = x + r0 * ldx;
-        vf a[4], b[4], c[4];
-        for (int r = 0; r < 4; r++) a[r] = b[r] = c[r] = vf_zero();
-        long i = 0;
-        for (; i + IRM_W <= in; i += IRM_W) {
-            vf wa = vf_weights(w, i, bf), wb = vf_weights(w1, i, bf), wc = vf_weights(w2, i, bf);
-            for (long r = 0; r < n; r++) {
-                vf xv = vf_load(x0 + r * ldx + i);
-                a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
-            }
-        }
-        if (i < in) {
-            vf wa = vf_weights_n(w, i, in - i, bf), wb = vf_weights_n(w1, i, in - i, bf),
-               wc = vf_weights_n(w2, i, in - i, bf);
-            for (long r = 0; r < n; r++) {
-                vf xv = vf_load_n(x0 + r * ldx + i, in - i);
-                a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
-            }
-        }
-        for (long r = 0; r < n; r++) {
-            acc[r0 + r] = vf_hsum(a[r]);
-            acc[IRM_MAX_ROWS + r0 + r] = vf_hsum(b[r]);
-            acc[2 * IRM_MAX_ROWS + r0 + r] = vf_hsum(c[r]);
-        }
-    }
-}
 #else
 #define OUT_TILE 1
 #endif
@@ -276,9 +232,9 @@ int irm_linear(const void *x, int x_bf, long rows, long ldx, const void *w, int 
         if (step > 1 && o + OUT_TILE <= out) {
             float acc[OUT_TILE * IRM_MAX_ROWS];
             if (w_bf)
-                rows_tile(xf, rows, ldx, (const uint16_t *)w + o * ld, ld, in, acc, 1);
+                dots3(xf, rows, ldx, (const uint16_t *)w + o * ld, ld, in, acc, IRM_MAX_ROWS, 1);
             else
-                rows_tile(xf, rows, ldx, (const float *)w + o * ld, ld, in, acc, 0);
+                dots3(xf, rows, ldx, (const float *)w + o * ld, ld, in, acc, IRM_MAX_ROWS, 0);
             for (int j = 0; j < OUT_TILE; j++) put(acc + j * IRM_MAX_ROWS, rows, o + j, bias, bias_bf, y, y_bf, ldy);
             continue;
         }

@@ -225,7 +225,7 @@ done:
     return rc;
 }
 
-/* Outputs the widened products take at a time (widen_dots3 or widen_dots): three for R >= 3 rows where
+/* Outputs the widened products take at a time (common.h dots3 or widen_dots): three for R >= 3 rows where
  * the vectors are AVX2's (three outputs left in the slice), else one. */
 #if IRM_VEC && !defined(__AVX512F__)
 #define WIDEN3(R, left) ((R) >= 3 && (left) >= 3 ? 3 : 1)
@@ -307,7 +307,7 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
 #else
                 long m = WIDEN3(R, o1 - o);
                 if (m == 3)
-                    widen_dots3(xf + at * H, R, H, gu + blk[i].e * gu0 + o * gu2, gu2, H, d, RB_BF16);
+                    dots3(xf + at * H, R, H, gu + blk[i].e * gu0 + o * gu2, gu2, H, d, RB_BF16, 1);
                 else
                     widen_dots(xf + at * H, R, H, gu + blk[i].e * gu0 + o * gu2, H, d);
 #endif
@@ -338,7 +338,7 @@ int irm_moe_bf16(const uint16_t *x, long n, long H, long ldx, const int64_t *ids
 #else
                 long m = WIDEN3(R, o1 - o);
                 if (m == 3)
-                    widen_dots3(act + at * I, R, I, dn + blk[i].e * dn0 + o * dn2, dn2, I, d, RB_BF16);
+                    dots3(act + at * I, R, I, dn + blk[i].e * dn0 + o * dn2, dn2, I, d, RB_BF16, 1);
                 else
                     widen_dots(act + at * I, R, I, dn + blk[i].e * dn0 + o * dn2, I, d);
 #endif
