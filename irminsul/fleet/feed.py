@@ -21,12 +21,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from irminsul.fleet.fingerprints import FingerprintSet
 from irminsul.fleet.router import ReplicaLoad, ReplicaView
-from irminsul.kvcache.journal import ChunkJournal, JournalDelta
+from irminsul.kvcache.journal import JournalDelta
 
 KEEP_PERIODS = 4  # periods an answer carries: a router may miss this many broadcasts minus one
 
@@ -84,10 +85,19 @@ def fingerprints(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, "<u8").astype(np.uint64)
 
 
+class Journal(Protocol):
+    """A journal's follower side: a `ChunkJournal`, or one in another process (vLLM's connector's)."""
+
+    @property
+    def seq(self) -> int: ...
+
+    def since(self, seq: int | None) -> JournalDelta: ...
+
+
 class JournalFeed:
     """The replica's side: periods cut from its KV manager's journal (None: no content reuse)."""
 
-    def __init__(self, journal: ChunkJournal | None, keep: int = KEEP_PERIODS):
+    def __init__(self, journal: Journal | None, keep: int = KEEP_PERIODS):
         self.journal = journal
         self.seq = 0 if journal is None else journal.seq
         self._mirror = FingerprintSet()  # what the periods so far say is resident (at self.seq)

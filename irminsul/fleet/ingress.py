@@ -66,14 +66,27 @@ class _ReplicaGone(Exception):
 class FleetIngress:
     # (an async __init__, which Serve awaits: replica.py)
     async def __init__(  # type: ignore[misc]  # (Serve awaits it; mypy wants __init__ -> None)
-        self, replicas, config: ServerConfig, replica_deployment: str = "IrminsulReplica", expected_replicas: int = 1
+        self,
+        replicas,
+        config: ServerConfig,
+        replica_deployment: str = "IrminsulReplica",
+        expected_replicas: int = 1,
+        vllm: bool = False,
     ):
+        """`vllm`: the replicas are vLLM's (`vllm_replica.py`): completions are tokenized as vLLM does, and
+        chats, which vLLM renders with the checkpoint's own template, route by load."""
         from irminsul.bundled import bundled_model
         from irminsul.model.tokenizer import Tokenizer
         from irminsul.server.chat import ChatRenderer
 
-        tokenizer = await asyncio.to_thread(Tokenizer, config.model or bundled_model("mla"))
-        self.reader = PromptReader(config, tokenizer, ChatRenderer(tokenizer))
+        if vllm:
+            from irminsul.fleet.vllm_replica import VllmTokenizer
+
+            assert config.model is not None, "a vLLM fleet names its model"
+            self.reader = PromptReader(config, await asyncio.to_thread(VllmTokenizer, config.model), None)
+        else:
+            tokenizer = await asyncio.to_thread(Tokenizer, config.model or bundled_model("mla"))
+            self.reader = PromptReader(config, tokenizer, ChatRenderer(tokenizer))
         self.config, self.replicas, self.expected_replicas = config, replicas, expected_replicas
         self.started = False  # every replica has served once: fewer is `degraded` from then on, not `starting`
         self.fleet = fleet_view(replica_deployment, serve.get_replica_context().app_name)

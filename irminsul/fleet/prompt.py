@@ -46,6 +46,7 @@ class RouteKey:
 
 class PromptReader:
     def __init__(self, config: ServerConfig, tokenizer, renderer):
+        """`renderer`: None, chats and responses have no key (a vLLM fleet: vLLM renders them itself)."""
         self.tenancy = Tenancy(config)
         self.tokenizer, self.renderer = tokenizer, renderer
         # texts longer than this are left unread: the replica refuses them before it tokenizes them
@@ -64,6 +65,8 @@ class PromptReader:
             return None
 
     def _read(self, path: str, request, body: bytes) -> RouteKey | None:
+        if path in ("/v1/chat/completions", "/v1/responses") and self.renderer is None:
+            return None
         if path == "/v1/chat/completions":
             req = parse_body(body, ChatCompletionRequest)
         elif path == "/v1/responses":

@@ -31,6 +31,21 @@ class Head:
     headers: tuple[tuple[bytes, bytes], ...]
 
 
+async def answer(
+    app: InProcessApp, replica_id: str, request: Forwarded, route: RouteKey | None
+) -> AsyncIterator[Head | bytes]:
+    """A replica app's answer to a forwarded request: a Head (naming the replica and the router's
+    choice), then the body's chunks."""
+    async for message in app.call(request):
+        if message["type"] == "http.response.start":
+            headers = [*message.get("headers", ()), (b"x-irminsul-replica", replica_id.encode())]
+            if route is not None and route.explanation:
+                headers.append((b"x-irminsul-route", route.explanation.encode()))
+            yield Head(message["status"], tuple(headers))
+        elif message.get("body"):
+            yield message["body"]
+
+
 def _load(client) -> ReplicaLoad:
     """(On the engine thread.) Requests admitted and running; queued ones, and the prompt tokens
     the engine will compute before a new request's (a chunk several queued requests share, once)."""
@@ -101,14 +116,8 @@ class IrminsulReplica:
 
     async def http(self, request: Forwarded, route: RouteKey | None = None) -> AsyncIterator[Head | bytes]:
         """The app's answer to a forwarded request: a Head, then the body's chunks."""
-        async for message in self.app.call(request):
-            if message["type"] == "http.response.start":
-                headers = [*message.get("headers", ()), (b"x-irminsul-replica", self.id.encode())]
-                if route is not None and route.explanation:
-                    headers.append((b"x-irminsul-route", route.explanation.encode()))
-                yield Head(message["status"], tuple(headers))
-            elif message.get("body"):
-                yield message["body"]
+        async for item in answer(self.app, self.id, request, route):
+            yield item
 
     async def __del__(self):
         app = getattr(self, "app", None)  # (None: it stopped before it started, e.g. at a fleet's shutdown)

@@ -24,7 +24,7 @@ ROUTERS = {
     "prefix": "irminsul.fleet.prefix_router.PrefixAffinityRequestRouter",
     "pow2": "irminsul.fleet.prefix_router.PowerOfTwoRequestRouter",
 }
-REPLICA, INGRESS = "IrminsulReplica", "FleetIngress"
+REPLICA, INGRESS, VLLM_REPLICA = "IrminsulReplica", "FleetIngress", "VllmReplica"
 
 
 @dataclass(frozen=True)
@@ -48,20 +48,47 @@ class FleetConfig:
 
 def build(config: ServerConfig, fleet: FleetConfig):
     """The Serve application: the ingress bound to the replica deployment."""
+    from irminsul.fleet.replica import IrminsulReplica
+
+    replica = _replicas(REPLICA, IrminsulReplica, config, fleet, {})
+    return _ingress().bind(replica.bind(config, fleet.threads), config, REPLICA, fleet.replicas)
+
+
+def build_vllm(vllm_args: list[str], config: ServerConfig, fleet: FleetConfig, env: dict[str, str] | None = None):
+    """The Serve application over vLLM replicas (`vllm_replica.py`): `vllm_args` are `irminsul vllm-serve`'s
+    (the model first), `config` the ingress's (its `model` the same checkpoint), `env` the replicas'
+    environment beyond their threads (vLLM's own variables: VLLM_CPU_KVCACHE_SPACE, ...)."""
+    from irminsul.fleet.vllm_replica import VllmReplica
+
+    # NOTE: vLLM binds its CPU worker's threads to cores of its own choosing, the same ones in every
+    # replica of a host; unbound, the replicas' threads spread as the OS schedules them
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
+    replica = _replicas(VLLM_REPLICA, VllmReplica, config, fleet, env)
+    return _ingress().bind(replica.bind(list(vllm_args)), config, VLLM_REPLICA, fleet.replicas, vllm=True)
+
+
+def _ingress():
+    from ray import serve
+
+    from irminsul.fleet.ingress import FleetIngress
+
+    return serve.deployment(name=INGRESS)(FleetIngress).options(
+        num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
+    )
+
+
+def _replicas(name: str, cls: type, config: ServerConfig, fleet: FleetConfig, env: dict[str, str]):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from irminsul.fleet.ingress import FleetIngress
-    from irminsul.fleet.replica import IrminsulReplica
-
-    replica = serve.deployment(name=REPLICA)(IrminsulReplica).options(
+    return serve.deployment(name=name)(cls).options(
         num_replicas=fleet.replicas,
         # the engine queues and batches; Serve's own cap only has to stay out of its way
         max_ongoing_requests=config.max_queued_requests + 16,
         ray_actor_options={
             "num_cpus": fleet.threads,
             "num_gpus": fleet.gpus,
-            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(fleet.threads)}},
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(fleet.threads), **env}},
         },
         # (RequestRouterConfig.__init__ annotates its **kwargs as dict[str, Any]: each value's type, not the mapping's)
         request_router_config=RequestRouterConfig(
@@ -72,10 +99,6 @@ def build(config: ServerConfig, fleet: FleetConfig):
         health_check_period_s=2.0,
         graceful_shutdown_timeout_s=10.0,
     )
-    ingress = serve.deployment(name=INGRESS)(FleetIngress).options(
-        num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
-    )
-    return ingress.bind(replica.bind(config, fleet.threads), config, REPLICA, fleet.replicas)
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, FleetConfig]:

@@ -75,3 +75,38 @@ def test_tenants_see_their_own_chunks_and_the_shared_ones():
     assert loaded(hb + doc, "|salt:a") > 400
     assert loaded(ha + public, SHARED) == 0
     assert all(loaded(hb + public, t) > 400 for t in ("|salt:a", "|salt:b", None))
+
+
+def test_the_routers_fingerprints_are_what_the_connectors_journal_holds(tmp_path):
+    """A fleet router cuts and fingerprints a prompt as the connector's index stores it, for the connector's
+    tenant, a cache_salt's namespace (the server's "|salt:" naming, as the fleet's ingress names it) and the
+    shared one; the journal reaches the router's view through the socket the connector serves."""
+    from irminsul.fleet.feed import JournalFeed, RoutingStats, follow
+    from irminsul.fleet.router import ContentRouter, ReplicaLoad, ReplicaView
+    from irminsul.integrations.vllm.journal import JournalServer, RemoteJournal
+
+    rng = np.random.default_rng(1)
+    index = SpanIndex("ck-path", bytes_per_token=1, budget_bytes=10**6, tenant="team")
+    server = JournalServer(index.journal, str(tmp_path / "journal"), index.naming)
+    remote = RemoteJournal(str(tmp_path / "journal"))
+    feed, view = JournalFeed(remote), ReplicaView("r0")
+    naming = remote.naming()
+    router = ContentRouter(naming["model_id"], sink=naming["sink"])
+    assert naming["model_id"] == "ck-path" and naming["default_tenant"] == "team"
+    assert follow(view, RoutingStats(1, ReplicaLoad(), *feed.cut()))  # (an empty registry: nothing to fetch)
+    seen: set[int] = set()
+    for tenant, asked in ((None, "team"), ("team|salt:s1", "team|salt:s1"), (SHARED, SHARED)):
+        prompt = rng.integers(0, 256, 700).tolist()
+        spans = index.plan(prompt, tenant)
+        index.to_save(spans, len(prompt))
+        index.release(spans)
+        mine = {int(f) for f in router.chunks(prompt, tenant=asked).fingerprints}
+        assert len(mine) > 3 and mine <= {int(f) for f in index.journal.since(None).added}
+        # (another tenant's fingerprints of the same prompt name nothing the index holds)
+        assert not {int(f) for f in router.chunks(prompt, tenant="other").fingerprints} & mine
+        seen |= mine
+    assert seen == {int(f) for f in index.journal.since(None).added}
+    assert follow(view, RoutingStats(2, ReplicaLoad(), *feed.cut()))
+    assert {int(f) for f in view.chunks.to_array()} == seen
+    remote.close()
+    server.close()

@@ -33,6 +33,10 @@ the background; a plan's chunk that memory lacks is looked up there (verified: M
 namespace), brought into memory under a new key, and its rows ride to the worker in the next step's
 metadata. A vLLM restarted on the same disk, or replicas sharing one Redis, load each other's chunks.
 
+A fleet: with `"journal_socket": PATH` in the extra config, the scheduler side answers for its registry's
+journal (the chunks it holds, as changes) on that Unix socket (journal.py), for a fleet replica's router
+(irminsul/fleet/vllm_replica.py).
+
 Counters: the worker's rows loaded, saved and missed go to vLLM's stat loggers (its log, /metrics), and
 each request's loaded rows into vLLM's own count of its cached tokens (metrics.py).
 
@@ -218,6 +222,12 @@ class IrminsulConnector(KVConnectorBase_V1):
                 registry=tiers,
             )
             self._closed = False
+            # a fleet replica's router follows the registry through its journal (journal.py)
+            self.journal_server = None
+            if extra.get("journal_socket"):
+                from irminsul.integrations.vllm.journal import JournalServer
+
+                self.journal_server = JournalServer(self.index.journal, str(extra["journal_socket"]), self.index.naming)
             if tiers is not None:  # (the engine's shutdown closes it first; this writes down what an exit leaves)
                 atexit.register(self.shutdown)
             self.requests: dict[str, Any] = {}  # request id -> the vLLM Request
@@ -344,6 +354,8 @@ class IrminsulConnector(KVConnectorBase_V1):
         if self.role == KVConnectorRole.SCHEDULER and not self._closed:
             self._closed = True
             self.index.close()
+            if self.journal_server is not None:
+                self.journal_server.close()
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:

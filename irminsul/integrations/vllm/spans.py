@@ -36,6 +36,7 @@ import torch
 
 from irminsul.integrations.vllm.tiers import ConnectorTiers
 from irminsul.kvcache.chunker import ChunkerConfig
+from irminsul.kvcache.journal import ChunkJournal
 from irminsul.kvcache.namespaces import Namespaces
 from irminsul.kvcache.planner import Plan, Planner, PlannerConfig
 from irminsul.kvcache.radix import RadixCache
@@ -128,7 +129,24 @@ class SpanIndex:
         self._promoted: list[int] = []  # fingerprints the plan under way brought in (pinned until it ends)
         self.registry.on_store.append(lambda entry: self._fingerprints.__setitem__(entry.payload, entry.fingerprint))
         self.registry.on_evict.append(self._on_evict)
+        # the chunks the memory tier holds, for a fleet router to follow (journal.py serves it), wired as
+        # Irminsul's own cache wires its journal (kvcache/caches.py)
+        self.journal = ChunkJournal()
+        self.registry.on_store.append(lambda entry: self.journal.added(entry.fingerprint))
+        self.registry.on_evict.append(lambda entry: self.journal.removed(entry.fingerprint))
         self.registry.bind(self._promote, lambda entry: entry)
+
+    @property
+    def naming(self) -> dict:
+        """What a router needs to fingerprint chunks as this index does (`ContentRouter`'s arguments)."""
+        config = self.namespaces.config
+        marker = config.chunker.marker
+        return {
+            "model_id": self.namespaces.model_id,
+            "default_tenant": self.namespaces.default_tenant,
+            "marker": list(marker) if marker else None,
+            "sink": config.sink,
+        }
 
     def _on_evict(self, entry) -> None:
         self._fingerprints.pop(entry.payload, None)
