@@ -34,6 +34,9 @@ class FleetConfig:
     gpus: float = 0  # each replica's devices: 1 for one replica per GPU
     stats_period_s: float = 1.0  # how often Serve polls each replica's load and chunk journal
     router: str = "content"  # a key of ROUTERS
+    # the content router counts a request's chunks as on the replica it sent them to for this long, before
+    # its journal shows them (ContentRouter's assignment_ttl_s)
+    assignment_ttl_s: float = 30.0
 
     def __post_init__(self):
         if self.replicas < 1:
@@ -95,6 +98,9 @@ def _replicas(name: str, cls: type, config: ServerConfig, fleet: FleetConfig, en
             request_router_class=ROUTERS[fleet.router],  # type: ignore[arg-type]  # Ray's **kwargs annotation
             request_routing_stats_period_s=fleet.stats_period_s,  # type: ignore[arg-type]  # (the same)
             request_routing_stats_timeout_s=max(5.0, 4 * fleet.stats_period_s),  # type: ignore[arg-type]  # (the same)
+            request_router_kwargs=(  # type: ignore[arg-type]  # (the same)
+                {"assignment_ttl_s": fleet.assignment_ttl_s} if fleet.router == "content" else {}
+            ),
         ),
         health_check_period_s=2.0,
         graceful_shutdown_timeout_s=10.0,

@@ -46,6 +46,8 @@ class VllmReplica:
         self._dir = tempfile.mkdtemp(prefix="irminsul-journal-")  # (0700: only this user can connect)
         socket = os.path.join(self._dir, "journal")
         args = parse(list(vllm_args))
+        if args.model_tag is not None:  # (as `vllm serve` takes its positional model)
+            args.model = args.model_tag
         transfer = args.kv_transfer_config
         extra = {**(transfer.kv_connector_extra_config or {}), "journal_socket": socket}
         args.kv_transfer_config = dataclasses.replace(transfer, kv_connector_extra_config=extra)
