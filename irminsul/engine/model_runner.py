@@ -3,8 +3,10 @@
 It builds the model's `ForwardBatch` from each sequence's slot table (the rows attention reads,
 the slots the new rows are written to), runs one forward pass with one attention call per layer
 and group (`irminsul/model/attention/`), and returns the logits of the sequences whose prompt is
-done. Decode-only steps go through the compiled CPU step (`model/compiled.py`) or the captured
-CUDA graphs (`model/graphs.py`) where those cover the batch. Nothing here decides what runs: the
+done. Decode-only steps go through the native step (`model/native_step.py`: a whole step in one C
+call, for a few sequences of a float32 model on a CPU), the compiled CPU step (`model/compiled.py`)
+or the captured CUDA graphs (`model/graphs.py`), the first that covers the batch and was measured
+to pay here. Nothing here decides what runs: the
 scheduler did; nothing here samples: the output processor will.
 """
 
@@ -19,7 +21,7 @@ import torch
 from irminsul.engine.sequence import Sequence
 from irminsul.errors import RequestError
 from irminsul.kvcache.pool import LatentPool
-from irminsul.model import compiled
+from irminsul.model import compiled, native_step
 from irminsul.model.attention import EMPTY_SLOT, PADDING_SLACK, SeqAttention, consecutive
 from irminsul.model.base import CapturedStep, CompiledStep, Model
 from irminsul.model.compiled import Compiling
@@ -71,6 +73,8 @@ class ModelRunner:
         captured = self.capabilities.backend == "triton"
         self._compiled: CompiledStep | Compiling | None = None
         self.graphs: CapturedStep | None = None
+        # (a kernel path, not a compiled one: it serves from the first step, compile_decode or not)
+        self.native = native_step.resolve(model) if not captured else None
         try:
             if captured:
                 from irminsul.model import graphs  # (triton's modules: loaded where that backend runs)
@@ -106,6 +110,10 @@ class ModelRunner:
         """The next-token logits [vocab] of each sequence whose prompt is done after this step (None
         for the others). `stale_keys`: keys read at the position they were computed at (`naive`).
         The logits may be views of a captured step's output buffer: valid until the next step."""
+        if not stale_keys and batch.decode_only and self.native is not None:
+            logits = self._native_decode(self.native, batch.seqs)
+            if logits is not None:
+                return list(logits)
         if not stale_keys and batch.decode_only and (self.compiled is not None or self.graphs is not None):
             logits = self.decode(batch.seqs)
             if logits is not None:
@@ -178,6 +186,22 @@ class ModelRunner:
             return self._compiled_decode(step, seqs)
         assert self.graphs is not None, "decode runs only where a compiled or a captured step exists"
         return self._graph_decode(self.graphs, seqs)
+
+    def _native_decode(self, step: native_step.NativeDecode, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The native step's logits, for the step classes measured to pay (`NativeDecode.pays`) and at
+        most its `max_batch` sequences; else None. Each sequence's slot table is read as it is (a
+        shorter one padded with EMPTY_SLOT, which the decode kernel skips)."""
+        if len(seqs) > step.max_batch or not step.pays["one" if len(seqs) == 1 else "batch"]:
+            return None
+        lens = np.fromiter((len(s.tokens) for s in seqs), np.int64, len(seqs))
+        if len(seqs) == 1:
+            table = seqs[0].slots[None, : lens[0]]
+        else:
+            table = np.full((len(seqs), int(lens.max())), EMPTY_SLOT, np.int64)
+            for i, s in enumerate(seqs):
+                table[i, : lens[i]] = s.slots[: lens[i]]
+        hidden = step(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens - 1, table, self.pool.rows)
+        return self.model.logits(hidden)
 
     def _compiled_decode(self, step: CompiledStep, seqs: list[Sequence]) -> torch.Tensor | None:
         """Only the step classes measured to pay here (`CompiledDecode.pays`; else None: eager). A

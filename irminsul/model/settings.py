@@ -32,6 +32,7 @@ snapshot the kernel choice reads it from.
 | CC | c_compiler | cc, gcc, clang | per process | the C compiler the kernels are built with |
 | IRMINSUL_COMPILE_DECODE | compile_decode | on | at load | compiled decode steps by default (`compile_decode=None`) |
 | IRMINSUL_COMPILE_CPP_WRAPPER | compile_cpp_wrapper | on | at load | inductor's C++ wrapper for the compiled steps |
+| IRMINSUL_NATIVE_STEP | native_step | measured | at load | whole decode steps in one native call (model/native_step.py): where measured faster than eager; 0: never, 1: always where it runs |
 | IRMINSUL_KERNEL_CHOICE | kernel_choice | measured | at load | measured or fixed layouts and kernels (model/kernel_choice.py) |
 | IRMINSUL_KERNEL_CACHE | kernel_cache | $XDG_CACHE_HOME/irminsul/kernels-<cpu>.json | at load | the measurements' cache |
 | IRMINSUL_KERNEL_COPIES | kernel_copies | 1/3 | at load | oneDNN copies' budget, a fraction of the weight bytes |
@@ -91,6 +92,7 @@ VARIABLES: dict[str, _Variable] = {
     "c_compiler": _Variable("CC"),
     "compile_decode": _Variable("IRMINSUL_COMPILE_DECODE", _flag),
     "compile_cpp_wrapper": _Variable("IRMINSUL_COMPILE_CPP_WRAPPER", _flag),
+    "native_step": _Variable("IRMINSUL_NATIVE_STEP"),
     "kernel_choice": _Variable("IRMINSUL_KERNEL_CHOICE"),
     "kernel_cache": _Variable("IRMINSUL_KERNEL_CACHE", _path),
     "kernel_copies": _Variable("IRMINSUL_KERNEL_COPIES", _fraction),
@@ -115,6 +117,7 @@ class Settings:
     c_compiler: str | None = None
     compile_decode: bool = True
     compile_cpp_wrapper: bool = True
+    native_step: str | None = None  # None: where measured to pay; "0": never; "1": always
     kernel_choice: str | None = None
     kernel_cache: Path | None = None
     kernel_copies: float | None = None

@@ -39,7 +39,7 @@ from irminsul.model.settings import settings
 log = logging.getLogger("irminsul.model")
 
 SOURCES = [
-    Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "prefill_attention.c", "elementwise.c", "moe.c")
+    Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "prefill_attention.c", "elementwise.c", "moe.c", "step.c")
 ]
 HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "simd.h")]
 # reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder

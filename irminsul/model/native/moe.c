@@ -34,6 +34,29 @@ void irm_silu_mul(const float *gu, long n, long inner, long ldg, float *out, lon
 static void product(const float *restrict a, long R, long in, long lda, const float *restrict w, long si, long so,
                     long out, long o0, long o1, float *restrict c, long ldc) {
 #if IRM_VEC
+    if (so == 1 && R == 1 && out % IRM_W == 0) { /* input-major, one row (a decode step's token): 4 vectors of sums */
+        long o = o0;
+        for (; o + 4 * IRM_W <= o1; o += 4 * IRM_W) {
+            vf c0 = vf_zero(), c1 = c0, c2 = c0, c3 = c0;
+            const float *wp = w + o;
+            for (long i = 0; i < in; i++, wp += si) {
+                vf x = vf_set1(a[i]);
+                c0 = vf_fma(x, vf_load(wp), c0);
+                c1 = vf_fma(x, vf_load(wp + IRM_W), c1);
+                c2 = vf_fma(x, vf_load(wp + 2 * IRM_W), c2);
+                c3 = vf_fma(x, vf_load(wp + 3 * IRM_W), c3);
+            }
+            vf_store(c + o, c0), vf_store(c + o + IRM_W, c1), vf_store(c + o + 2 * IRM_W, c2);
+            vf_store(c + o + 3 * IRM_W, c3);
+        }
+        for (; o < o1; o += IRM_W) {
+            vf c0 = vf_zero();
+            const float *wp = w + o;
+            for (long i = 0; i < in; i++, wp += si) c0 = vf_fma(vf_set1(a[i]), vf_load(wp), c0);
+            vf_store(c + o, c0);
+        }
+        return;
+    }
 #if defined(__AVX512F__)
     if (so == 1 && R == RB && out % TILE_OUT == 0) { /* input-major, a full block: 8 x 32 sums in registers */
         for (long o = o0; o < o1; o += 32) {
@@ -190,7 +213,7 @@ int irm_moe(const float *x, long n, long H, long ldx, const int64_t *ids, const 
     {
 #pragma omp for schedule(static)
         for (long i = 0; i < nb; i++)
-            for (long r = 0; r < RB; r++) /* (a short block's missing rows are zeros: the 8-row kernel runs) */
+            for (long r = 0; r < RB; r++) /* (a short block's missing rows are zeros: the 8-row kernel runs on 2+) */
                 if (r < blk[i].R)
                     memcpy(xs + (i * RB + r) * H, x + (order[blk[i].at + r] / k) * ldx, sizeof(float) * (size_t)H);
                 else
@@ -200,12 +223,12 @@ int irm_moe(const float *x, long n, long H, long ldx, const int64_t *ids, const 
 #pragma omp for schedule(static)
         for (long item = 0; item < nb * gslices; item++) {
             long i = item / gslices, o0 = item % gslices * SLICE, o1 = o0 + SLICE < 2 * I ? o0 + SLICE : 2 * I;
-            product(xs + i * RB * H, RRg > 0 ? RRg : blk[i].R, H, H, gu + blk[i].e * gu0, gu1, gu2, 2 * I, o0, o1,
+            product(xs + i * RB * H, RRg > 0 && blk[i].R > 1 ? RRg : blk[i].R, H, H, gu + blk[i].e * gu0, gu1, gu2, 2 * I, o0, o1,
                     h + i * RB * 2 * I, 2 * I);
         }
 #pragma omp for schedule(static)
         for (long i = 0; i < nb; i++) {
-            long R = RRg > 0 ? RRg : blk[i].R;
+            long R = RRg > 0 && blk[i].R > 1 ? RRg : blk[i].R;
             irm_silu_mul(h + i * RB * 2 * I, R, I, 2 * I, act + i * RB * I, I, 1);
             /* (the down kernel may read all RB rows: a short block's missing ones are zeros) */
             memset(act + (i * RB + R) * I, 0, sizeof(float) * (size_t)((RB - R) * I));
@@ -213,7 +236,7 @@ int irm_moe(const float *x, long n, long H, long ldx, const int64_t *ids, const 
 #pragma omp for schedule(static)
         for (long item = 0; item < nb * dslices; item++) {
             long i = item / dslices, o0 = item % dslices * SLICE, o1 = o0 + SLICE < H ? o0 + SLICE : H;
-            product(act + i * RB * I, RRd > 0 ? RRd : blk[i].R, I, I, dn + blk[i].e * dn0, dn1, dn2, H, o0, o1,
+            product(act + i * RB * I, RRd > 0 && blk[i].R > 1 ? RRd : blk[i].R, I, I, dn + blk[i].e * dn0, dn1, dn2, H, o0, o1,
                     y + i * RB * H, H);
         }
 #pragma omp for schedule(static)
