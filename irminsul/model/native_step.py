@@ -34,6 +34,9 @@ from irminsul.model.mla import ForwardBatch
 
 log = logging.getLogger("irminsul.model")
 PAYS = 0.95  # the step is taken where it takes at most this share of the eager step's time
+# the most sequences one call takes (its products run 8 rows at a time; beyond, the eager step's
+# grouped products and the compiled step take the batch)
+MAX_BATCH = 64
 
 _F = ctypes.POINTER(ctypes.c_float)
 _L, _I = ctypes.c_long, ctypes.c_int
@@ -160,7 +163,7 @@ class NativeDecode:
             raise ValueError("the native decode step needs the native kernels")
         _declare(lib)
         self.lib, self.model = lib, model
-        self.max_batch = int(lib.irm_max_rows())
+        self.max_batch = MAX_BATCH
         self.pays = {"one": True, "batch": True}
         cfg = model.config
         keep: list[torch.Tensor] = []  # every tensor the structs point into
@@ -239,7 +242,7 @@ class NativeDecode:
                 layer=layers,
             )
         self._keep, self._layers, self._m = keep, layers, m
-        self._work = {b: int(lib.irm_step_work(ctypes.byref(m), b)) for b in range(1, self.max_batch + 1)}
+        self._work = [0] + [int(lib.irm_step_work(ctypes.byref(m), b)) for b in range(1, self.max_batch + 1)]
 
     def __call__(
         self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, pool: torch.Tensor
@@ -276,11 +279,13 @@ class NativeDecode:
         return hidden
 
     def judged(self) -> NativeDecode:
-        """Sets `pays` (IRMINSUL_NATIVE_STEP=1: always; else measured, or cached with the kernel choices)."""
+        """Sets `pays` and `max_batch` (IRMINSUL_NATIVE_STEP=1: every class up to MAX_BATCH; else
+        measured, or cached with the kernel choices)."""
         if self.model.settings.native_step == "1":
             return self
-        verdict = kernel_choice._measured(self.key(), "one", self.measure, self.model.settings)
-        self.pays = {"one": bool(verdict["one"]), "batch": bool(verdict["batch"])}
+        verdict = kernel_choice._measured(self.key(), "batch_max", self.measure, self.model.settings)
+        self.max_batch = max(1, int(verdict["batch_max"]))
+        self.pays = {"one": bool(verdict["one"]), "batch": self.max_batch >= 2}
         return self
 
     def key(self) -> str:
@@ -292,15 +297,19 @@ class NativeDecode:
         )
         return f"native-step|{shape}|threads{torch.get_num_threads()}|{native.fingerprint()}"
 
-    def measure(self, keys: int = 256, batch: int = 4) -> dict:
-        """Whether the native step pays here: against the model's eager forward pass of the same tokens
-        (its `ForwardBatch`, the attention backend's plan, the native kernels where they run), one
-        sequence and `batch` sequences over scratch rows of `keys` earlier keys, interleaved
-        (`kernel_choice._time`). Neither includes the LM head, which both compute alike."""
+    def measure(self, keys: int = 256, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> dict:
+        """Where the native step pays here: against the model's eager forward pass of the same tokens
+        (its `ForwardBatch`, the attention backend's plan, the native kernels where they run), B
+        sequences over scratch rows of `keys` earlier keys each, for each B of `sizes` (interleaved,
+        `kernel_choice._time`), a size paying where the step takes at most PAYS of the eager time.
+        "one": whether one sequence pays; "batch_max": the largest B >= 2 below which every size
+        measured pays (0: none; its products run 8 rows at a time and reread the weights for each 8,
+        where the eager step's batched products read them once). Neither includes the LM head."""
         cfg, model = self.model.config, self.model
-        batch = min(batch, self.max_batch)
+        sizes = tuple(n for n in sizes if n <= MAX_BATCH)
+        most = max(sizes)
         g = torch.Generator().manual_seed(5)
-        pool = torch.randn(cfg.num_hidden_layers, keys + batch + 2, cfg.row_width, generator=g) * 0.1
+        pool = torch.randn(cfg.num_hidden_layers, keys + most + 2, cfg.row_width, generator=g) * 0.1
         earlier = np.arange(1, keys + 1)
 
         def eager(n: int):
@@ -320,12 +329,17 @@ class NativeDecode:
 
         times = {}
         with torch.inference_mode():
-            for what, n in (("one", 1), ("batch", batch)):
-                times[what] = kernel_choice._time({"native": ours(n), "eager": eager(n)})
-        verdict = {what: t["native"] <= PAYS * t["eager"] for what, t in times.items()}
+            for n in sizes:
+                times[n] = kernel_choice._time({"native": ours(n), "eager": eager(n)})
+        pays = {n: t["native"] <= PAYS * t["eager"] for n, t in times.items()}
+        batch_max = 0
+        for n in sorted(n for n in sizes if n >= 2):
+            if not pays[n]:
+                break
+            batch_max = n
         log.info(
             "the native decode step against eager ones, %d keys: %s",
             keys,
-            "; ".join(f"{what} {t['native'] * 1e3:.2f} / {t['eager'] * 1e3:.2f} ms" for what, t in times.items()),
+            "; ".join(f"{n} x {t['native'] * 1e3:.2f} / {t['eager'] * 1e3:.2f} ms" for n, t in times.items()),
         )
-        return {**verdict, "times": times}
+        return {"one": pays.get(1, False), "batch_max": batch_max, "times": {str(n): t for n, t in times.items()}}

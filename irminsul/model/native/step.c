@@ -1,4 +1,4 @@
-/* A whole decode step of a float32 MLA model in one call: B <= IRM_MAX_ROWS tokens, one per sequence,
+/* A whole decode step of a float32 MLA model in one call: B tokens, one per sequence,
  * from their embedding rows to the final norm's hidden states, every layer's new pool row written.
  *
  * The other sources' kernels do the work (irm_linear, irm_rms_norm, irm_heads_linear, irm_mla_decode,
@@ -73,6 +73,25 @@ long irm_step_work(const irm_step_model *m, long B) {
     long per = 4 * m->hidden + (q_in + lat) + m->heads * (qk + lat + m->r + m->v) + 3 * widest_inner(m) +
                (m->experts + 1) + 3 * m->topk; /* (the expert ids int64: two floats each) */
     return B * per + 2 * (m->experts + 1) + 64;
+}
+
+/* irm_linear and irm_heads_linear over any number of rows: IRM_MAX_ROWS (8) at a time */
+static int lin(const float *x, long B, long ldx, const float *w, long out, long in, long ld, const float *bias, float *y,
+               long ldy, int nthreads) {
+    for (long b = 0; b < B; b += 8)
+        if (irm_linear(x + b * ldx, 0, B - b < 8 ? B - b : 8, ldx, w, 0, out, in, ld, bias, 0, y + b * ldy, 0, ldy,
+                       nthreads))
+            return -1;
+    return 0;
+}
+
+static int heads_lin(const float *x, long B, long ldx, long xh, long heads, const float *w, long wh, long out, long in,
+                     long ld, float *y, long ldy, long yh, int nthreads) {
+    for (long b = 0; b < B; b += 8)
+        if (irm_heads_linear(x + b * ldx, 0, B - b < 8 ? B - b : 8, ldx, xh, heads, w, 0, wh, out, in, ld, y + b * ldy,
+                             0, ldy, yh, nthreads))
+            return -1;
+    return 0;
 }
 
 /* (a, b) pairs of x in one layout rotated by cos/sin, written in the other: a c - b s, b c + a s */
@@ -153,14 +172,14 @@ static void route(const irm_step_model *m, const float *bias, const float *logit
  * holds position p's row, 0: none; pos[b] < T), its new row written at slots[b * T + pos[b]] of each layer
  * (pool + layer * layer_stride + slot * ldp, float32 rows [c_KV | k_r]); cos/sin [>= T, rope / 2] the model's
  * table (position p's at row p). work: irm_step_work(m, B) floats. hidden [B, m->hidden]: the final norm's
- * output. Returns 0, -1 for B outside 1..IRM_MAX_ROWS (irm_linear's) or a kernel that found no memory. */
+ * output. Returns 0, or -1 for B < 1 or a kernel that found no memory. */
 int irm_decode_step(const irm_step_model *m, long B, const int64_t *tokens, const int64_t *pos, float *pool,
                     long layer_stride, long ldp, const int64_t *slots, long T, const float *cos, const float *sin,
                     float *work, float *hidden, int nthreads) {
     const long H = m->hidden, heads = m->heads, nope = m->nope, rp = m->rope, r = m->r, qk = nope + rp,
                lat = r + rp, half = rp / 2;
     const long q_in = m->q_lora ? m->q_lora : heads * qk, wide = widest_inner(m), E = m->experts, k = m->topk;
-    if (B < 1 || B > 8 || k > 64 || m->n_group > 256) return -1;
+    if (B < 1 || k > 64 || m->n_group > 256) return -1;
     float *x = work, *h = x + B * H, *t = h + B * H, *t2 = t + B * H, *qkv = t2 + B * H, *qb = qkv + B * (q_in + lat),
           *qd = qb + B * heads * qk, *olat = qd + B * heads * lat, *vo = olat + B * heads * r,
           *gu = vo + B * heads * m->v, *act = gu + 2 * B * wide, *lg = act + B * wide, *sc = lg + B * (E + 1),
@@ -173,13 +192,12 @@ int irm_decode_step(const irm_step_model *m, long B, const int64_t *tokens, cons
         float *rows = pool + l * layer_stride;
         /* attention: the two input products, the latent row, the queries */
         irm_rms_norm(x, B, H, H, L->in_norm, m->eps, h, H, nthreads);
-        if (irm_linear(h, 0, B, H, L->in_w, 0, q_in + lat, H, H, L->in_b, 0, qkv, 0, q_in + lat, nthreads)) return -1;
+        if (lin(h, B, H, L->in_w, q_in + lat, H, H, L->in_b, qkv, q_in + lat, nthreads)) return -1;
         const float *q = qkv;
         long ldq = q_in + lat;
         if (m->q_lora) {
             irm_rms_norm(qkv, B, q_in, q_in + lat, L->q_norm, 1e-6f, qkv, q_in + lat, nthreads); /* (in place) */
-            if (irm_linear(qkv, 0, B, q_in + lat, L->q_b, 0, heads * qk, q_in, q_in, NULL, 0, qb, 0, heads * qk,
-                           nthreads))
+            if (lin(qkv, B, q_in + lat, L->q_b, heads * qk, q_in, q_in, NULL, qb, heads * qk, nthreads))
                 return -1;
             q = qb, ldq = heads * qk;
         }
@@ -203,22 +221,20 @@ int irm_decode_step(const irm_step_model *m, long B, const int64_t *tokens, cons
                      m->out_interleaved);
         }
         /* q_lat = q_nope W_UK, attention over the pool, o = o_lat W_UV, o_proj */
-        if (irm_heads_linear(q, 0, B, ldq, qk, heads, L->w_uk, 0, r * nope, r, nope, nope, qd, 0, heads * lat, lat,
-                             nthreads))
+        if (heads_lin(q, B, ldq, qk, heads, L->w_uk, r * nope, r, nope, nope, qd, heads * lat, lat, nthreads))
             return -1;
         if (irm_mla_decode(qd, B, heads, r, rp, rows, 0, ldp, slots, T, cos, sin, 0, m->out_interleaved, m->scale,
                            NULL, 0, olat, nthreads))
             return -1;
-        if (irm_heads_linear(olat, 0, B, heads * r, r, heads, L->w_uv, 0, L->uv_head, m->v, r, r, vo, 0,
-                             heads * m->v, m->v, nthreads))
+        if (heads_lin(olat, B, heads * r, r, heads, L->w_uv, L->uv_head, m->v, r, r, vo, heads * m->v, m->v, nthreads))
             return -1;
-        if (irm_linear(vo, 0, B, heads * m->v, L->o_w, 0, H, heads * m->v, heads * m->v, L->o_b, 0, t, 0, H, nthreads))
+        if (lin(vo, B, heads * m->v, L->o_w, H, heads * m->v, heads * m->v, L->o_b, t, H, nthreads))
             return -1;
         for (long i = 0; i < B * H; i++) x[i] += t[i];
         /* the MLP: routed experts and shared ones, or a dense one */
         irm_rms_norm(x, B, H, H, L->post_norm, m->eps, h, H, nthreads);
         if (L->router) {
-            if (irm_linear(h, 0, B, H, L->router, 0, E, H, H, NULL, 0, lg, 0, E, nthreads)) return -1;
+            if (lin(h, B, H, L->router, E, H, H, NULL, lg, E, nthreads)) return -1;
             for (long b = 0; b < B; b++)
                 route(m, L->router_bias, lg + b * E, sc, sc + E, ids + b * k, wt + b * k);
             if (irm_moe(h, B, H, H, ids, wt, k, E, L->ex_inner, L->ex_gu, L->gu0, L->gu1, L->gu2, L->ex_dn, L->dn0,
@@ -228,9 +244,9 @@ int irm_decode_step(const irm_step_model *m, long B, const int64_t *tokens, cons
         if (L->mlp_inner) { /* (beside the routed experts' sum in t, or alone) */
             long I = L->mlp_inner;
             float *out = L->router ? t2 : t;
-            if (irm_linear(h, 0, B, H, L->mlp_gu, 0, 2 * I, H, H, NULL, 0, gu, 0, 2 * I, nthreads)) return -1;
+            if (lin(h, B, H, L->mlp_gu, 2 * I, H, H, NULL, gu, 2 * I, nthreads)) return -1;
             irm_silu_mul(gu, B, I, 2 * I, act, I, nthreads);
-            if (irm_linear(act, 0, B, I, L->mlp_dn, 0, H, I, I, NULL, 0, out, 0, H, nthreads)) return -1;
+            if (lin(act, B, I, L->mlp_dn, H, I, I, NULL, out, H, nthreads)) return -1;
             if (L->router)
                 for (long i = 0; i < B * H; i++) t[i] += t2[i];
         }
