@@ -200,8 +200,9 @@ class ModelRunner:
             table = np.full((len(seqs), int(lens.max())), EMPTY_SLOT, np.int64)
             for i, s in enumerate(seqs):
                 table[i, : lens[i]] = s.slots[: lens[i]]
-        hidden = step(np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens - 1, table, self.pool.rows)
-        return self.model.logits(hidden)
+        return step.logits(
+            np.fromiter((s.tokens[-1] for s in seqs), np.int64, len(seqs)), lens - 1, table, self.pool.rows
+        )
 
     def _compiled_decode(self, step: CompiledStep, seqs: list[Sequence]) -> torch.Tensor | None:
         """Only the step classes measured to pay here (`CompiledDecode.pays`; else None: eager). A

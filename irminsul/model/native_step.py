@@ -87,6 +87,8 @@ class _Model(ctypes.Structure):
         ("embed_s0", _L),
         ("embed_s1", _L),
         ("final_norm", _F),
+        ("lm_head", _F),
+        ("vocab", _L),
         ("layer", ctypes.POINTER(_Layer)),
     ]
 
@@ -97,7 +99,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.irm_step_sizes.argtypes, lib.irm_step_sizes.restype = [_I], _L
     lib.irm_step_work.argtypes, lib.irm_step_work.restype = [ctypes.POINTER(_Model), _L], _L
     v = ctypes.c_void_p
-    lib.irm_decode_step.argtypes = [ctypes.POINTER(_Model), _L, v, v, v, _L, _L, v, _L, v, v, v, v, _I]
+    lib.irm_decode_step.argtypes = [ctypes.POINTER(_Model), _L, v, v, v, _L, _L, v, _L, v, v, v, v, v, _I]
     lib.irm_decode_step.restype = _I
     # the C structs and these must agree, field for field: a changed struct on one side only is caught here
     if (lib.irm_step_sizes(0), lib.irm_step_sizes(1)) != (ctypes.sizeof(_Model), ctypes.sizeof(_Layer)):
@@ -239,6 +241,9 @@ class NativeDecode:
                 embed_s0=embed.stride(0),
                 embed_s1=embed.stride(1),
                 final_norm=held(model.model.norm.weight),
+                # (the LM head where its rows lie contiguous: else `logits` leaves it to the model's own)
+                lm_head=held(head) if (head := model.lm_head.weight).is_contiguous() else None,
+                vocab=cfg.vocab_size,
                 layer=layers,
             )
         self._keep, self._layers, self._m = keep, layers, m
@@ -249,15 +254,25 @@ class NativeDecode:
     ) -> torch.Tensor:
         """tokens [B] at positions [B]; slots [B, T] each sequence's pool slots by position (0: none; T >
         every position), the new rows written at slots[b, positions[b]] -> final hidden [B, hidden]."""
+        return self._run(tokens, positions, slots, pool, False)[0]
+
+    def logits(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, pool: torch.Tensor) -> torch.Tensor:
+        """`__call__`'s step, the next-token logits [B, vocab] (float32) instead: the LM head in the same
+        call where its weight's rows are contiguous, else the model's `logits`."""
+        hidden, logits = self._run(tokens, positions, slots, pool, bool(self._m.lm_head))
+        return logits if logits is not None else self.model.logits(hidden)
+
+    def _run(self, tokens, positions, slots, pool, with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = slots.shape
-        if not (1 <= b <= self.max_batch and pool.dtype == torch.float32 and pool.stride(2) == 1):
-            raise ValueError(f"the native step takes 1..{self.max_batch} sequences over a float32 pool")
+        if not (1 <= b <= MAX_BATCH and pool.dtype == torch.float32 and pool.stride(2) == 1):
+            raise ValueError(f"the native step takes 1..{MAX_BATCH} sequences over a float32 pool")
         tokens = np.ascontiguousarray(tokens, np.int64)
         positions = np.ascontiguousarray(positions, np.int64)
         slots = np.ascontiguousarray(slots, np.int64)
         cos, sin = self.model.rotary.table(t)
         work = torch.empty(self._work[b])
         hidden = torch.empty(b, self.model.config.hidden_size)
+        logits = torch.empty(b, self.model.config.vocab_size) if with_logits else None
         rc = self.lib.irm_decode_step(
             ctypes.byref(self._m),
             b,
@@ -272,11 +287,12 @@ class NativeDecode:
             sin.data_ptr(),
             work.data_ptr(),
             hidden.data_ptr(),
+            None if logits is None else logits.data_ptr(),
             torch.get_num_threads(),
         )
         if rc != 0:
             raise MemoryError("the native decode step found no memory for its buffers")
-        return hidden
+        return hidden, logits
 
     def judged(self) -> NativeDecode:
         """Sets `pays` and `max_batch` (IRMINSUL_NATIVE_STEP=1: every class up to MAX_BATCH; else

@@ -80,6 +80,9 @@ def test_the_step_equals_the_eager_forward_pass(variant, models, family, lengths
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 2e-5 * scale + 1e-5
     assert torch.allclose(mine, pool, atol=1e-5, rtol=1e-5)  # the new rows, and nothing else changed
+    logits = step.logits(tokens, positions, table, pool.clone())  # (the LM head in the same call, where it runs)
+    want_logits = model.logits(want)
+    assert (logits - want_logits).abs().max().item() <= 2e-5 * want_logits.abs().max().item() + 1e-5
 
 
 def test_the_engines_greedy_tokens_are_those_without_it(models, monkeypatch):
@@ -101,13 +104,13 @@ def test_the_engine_takes_it_only_for_the_step_classes_that_pay(models, monkeypa
     llm = LLM(bundled_model("mla"), compile_decode=False)
     runner = llm.engine.runner
     calls = []
-    real = native_step.NativeDecode.__call__
+    real = native_step.NativeDecode._run
 
     def counted(self, tokens, *args):
         calls.append(len(tokens))
         return real(self, tokens, *args)
 
-    monkeypatch.setattr(native_step.NativeDecode, "__call__", counted)
+    monkeypatch.setattr(native_step.NativeDecode, "_run", counted)
     prompts = [[5 + i for i in range(30)], [9 + i for i in range(20)]]
     llm.generate(prompts, max_tokens=4, ignore_eos=True)
     assert 2 in calls

@@ -3,7 +3,8 @@
 `library()` compiles the sources (`gemv.c`: products of a few rows; `mla_decode.c`: MLA decode
 attention read from the latent pool; `prefill_attention.c`: expanded prefill attention;
 `elementwise.c`: RMSNorm and SwiGLU's silu(gate) * up in one pass; `moe.c`: the routed experts of
-a few tokens; `common.h`: what they share) into one shared
+a few tokens; `step.c`: a whole float32 decode step over the others, model/native_step.py;
+`common.h`: what they share) into one shared
 library with the C compiler found (`CC`, else cc, gcc or clang) and `-march=native` (or a named
 variant: `VARIANTS`, `library(variant)`), into a cache
 directory keyed by the sources, the flags, the compiler's version and the CPU's model and flags
@@ -39,7 +40,8 @@ from irminsul.model.settings import settings
 log = logging.getLogger("irminsul.model")
 
 SOURCES = [
-    Path(__file__).with_name(n) for n in ("gemv.c", "mla_decode.c", "prefill_attention.c", "elementwise.c", "moe.c", "step.c")
+    Path(__file__).with_name(n)
+    for n in ("gemv.c", "mla_decode.c", "prefill_attention.c", "elementwise.c", "moe.c", "step.c")
 ]
 HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "simd.h")]
 # reassociating the sums (they are fp32 sums of fp32 products, in any order: torch's kernels reorder

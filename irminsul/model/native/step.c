@@ -55,6 +55,8 @@ typedef struct {
     const float *embed;   /* token t's row: embed[t * embed_s0 + i * embed_s1] */
     long embed_s0, embed_s1;
     const float *final_norm;
+    const float *lm_head; /* [vocab, hidden], or NULL: the caller computes the logits */
+    long vocab;
     const irm_step_layer *layer;
 } irm_step_model;
 
@@ -172,10 +174,11 @@ static void route(const irm_step_model *m, const float *bias, const float *logit
  * holds position p's row, 0: none; pos[b] < T), its new row written at slots[b * T + pos[b]] of each layer
  * (pool + layer * layer_stride + slot * ldp, float32 rows [c_KV | k_r]); cos/sin [>= T, rope / 2] the model's
  * table (position p's at row p). work: irm_step_work(m, B) floats. hidden [B, m->hidden]: the final norm's
- * output. Returns 0, or -1 for B < 1 or a kernel that found no memory. */
+ * output; logits [B, m->vocab] (or NULL: not computed) the LM head's, where the model has one here.
+ * Returns 0, or -1 for B < 1 or a kernel that found no memory. */
 int irm_decode_step(const irm_step_model *m, long B, const int64_t *tokens, const int64_t *pos, float *pool,
                     long layer_stride, long ldp, const int64_t *slots, long T, const float *cos, const float *sin,
-                    float *work, float *hidden, int nthreads) {
+                    float *work, float *hidden, float *logits, int nthreads) {
     const long H = m->hidden, heads = m->heads, nope = m->nope, rp = m->rope, r = m->r, qk = nope + rp,
                lat = r + rp, half = rp / 2;
     const long q_in = m->q_lora ? m->q_lora : heads * qk, wide = widest_inner(m), E = m->experts, k = m->topk;
@@ -253,5 +256,7 @@ int irm_decode_step(const irm_step_model *m, long B, const int64_t *tokens, cons
         for (long i = 0; i < B * H; i++) x[i] += t[i];
     }
     irm_rms_norm(x, B, H, H, m->final_norm, m->eps, hidden, H, nthreads);
+    if (logits && m->lm_head && lin(hidden, B, H, m->lm_head, m->vocab, H, H, NULL, logits, m->vocab, nthreads))
+        return -1;
     return 0;
 }
