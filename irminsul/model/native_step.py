@@ -149,6 +149,16 @@ def _rows(w: torch.Tensor) -> torch.Tensor:
     return w if w.is_contiguous() else w.contiguous()
 
 
+def _lm_rows(model: DeepseekModel) -> torch.Tensor | None:
+    """The LM head's weight [vocab, hidden] with its rows contiguous, where the model holds one."""
+    head = model.lm_head.weight
+    if head.is_contiguous():
+        return head
+    if model.config.tie_word_embeddings and model.embed_rows is not None:
+        return model.embed_rows
+    return None
+
+
 def _p(t: torch.Tensor | None):
     return ctypes.cast(t.data_ptr(), _F) if t is not None else None
 
@@ -241,8 +251,9 @@ class NativeDecode:
                 embed_s0=embed.stride(0),
                 embed_s1=embed.stride(1),
                 final_norm=held(model.model.norm.weight),
-                # (the LM head where its rows lie contiguous: else `logits` leaves it to the model's own)
-                lm_head=held(head) if (head := model.lm_head.weight).is_contiguous() else None,
+                # (the LM head where its rows lie contiguous, or the row-major copy of a tied table: else
+                # `logits` leaves it to the model's own)
+                lm_head=held(_lm_rows(model)),
                 vocab=cfg.vocab_size,
                 layer=layers,
             )
@@ -258,8 +269,10 @@ class NativeDecode:
 
     def logits(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, pool: torch.Tensor) -> torch.Tensor:
         """`__call__`'s step, the next-token logits [B, vocab] (float32) instead: the LM head in the same
-        call where its weight's rows are contiguous, else the model's `logits`."""
-        hidden, logits = self._run(tokens, positions, slots, pool, bool(self._m.lm_head))
+        call where its weight's rows are contiguous and the model's LM head takes B rows through the
+        same product (`Linear.gemv_rows`, measured at load: gemv.c's), else the model's `logits`."""
+        in_call = bool(self._m.lm_head) and len(tokens) <= self.model.lm_head.gemv_rows
+        hidden, logits = self._run(tokens, positions, slots, pool, in_call)
         return logits if logits is not None else self.model.logits(hidden)
 
     def _run(self, tokens, positions, slots, pool, with_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

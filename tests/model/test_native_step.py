@@ -144,3 +144,25 @@ def test_what_it_does_not_cover_is_said(tmp_path):
     assert "float32" in native_step.supported(bf16)
     off = load_model(bundled_model("mla"), settings=dataclasses.replace(Settings.from_env(), native_step="0"))
     assert native_step.unavailable(off) is not None and native_step.resolve(off) is None
+
+
+def test_one_sequences_logits_come_from_the_same_call_where_the_lm_head_takes_one_row_through_gemv(models, monkeypatch):
+    model = models["bundled"]
+    # (as the kernel choice measures it on a CPU where gemv.c wins one row; the tests' fixed rule says 0)
+    monkeypatch.setattr(model.lm_head, "gemv_rows", 1)
+    step = native_step.NativeDecode(model)
+    seen = []
+    real = native_step.NativeDecode._run
+
+    def spy(self, tokens, positions, slots, pool, with_logits):
+        seen.append(with_logits)
+        return real(self, tokens, positions, slots, pool, with_logits)
+
+    monkeypatch.setattr(native_step.NativeDecode, "_run", spy)
+    cfg = model.config
+    pool = torch.randn(cfg.num_hidden_layers, 40, cfg.row_width, generator=torch.Generator().manual_seed(2)) * 0.3
+    table = np.arange(1, 31)[None]
+    want = model.logits(_eager(model, np.array([17]), np.array([29]), table, pool.clone()))
+    got = step.logits(np.array([17]), np.array([29]), table, pool)
+    assert seen == [True]
+    assert (got - want).abs().max().item() <= 2e-5 * want.abs().max().item() + 1e-5
