@@ -77,9 +77,25 @@ long irm_step_work(const irm_step_model *m, long B) {
     return B * per + 2 * (m->experts + 1) + 64;
 }
 
-/* irm_linear and irm_heads_linear over any number of rows: IRM_MAX_ROWS (8) at a time */
+/* y [B, ldy] = x [B, ldx] times w [out, ld]^T (+ bias): irm_linear for up to IRM_MAX_ROWS (8) rows; more
+ * (B <= 64) with the vectors three outputs at a time over every row (common.h dots3), each weight row read
+ * once for all of them (irm_linear 8 rows at a time would read it B / 8 times) */
 static int lin(const float *x, long B, long ldx, const float *w, long out, long in, long ld, const float *bias, float *y,
                long ldy, int nthreads) {
+#if IRM_VEC
+    if (B > 8 && B <= 64) {
+        long tiles = out / 3;
+#pragma omp parallel for num_threads(nthreads) if (irm_team(nthreads, (double)out * in * B)) schedule(static)
+        for (long t = 0; t < tiles; t++) {
+            float acc[3 * 64];
+            dots3(x, B, ldx, w + t * 3 * ld, ld, in, acc, B, 0);
+            for (int j = 0; j < 3; j++)
+                for (long b = 0; b < B; b++) y[b * ldy + t * 3 + j] = acc[j * B + b] + (bias ? bias[t * 3 + j] : 0.0f);
+        }
+        if (tiles * 3 == out) return 0;
+        w += tiles * 3 * ld, y += tiles * 3, bias = bias ? bias + tiles * 3 : NULL, out -= tiles * 3;
+    }
+#endif
     for (long b = 0; b < B; b += 8)
         if (irm_linear(x + b * ldx, 0, B - b < 8 ? B - b : 8, ldx, w, 0, out, in, ld, bias, 0, y + b * ldy, 0, ldy,
                        nthreads))
@@ -87,8 +103,14 @@ static int lin(const float *x, long B, long ldx, const float *w, long out, long 
     return 0;
 }
 
+/* irm_heads_linear over any number of rows: more than 8 head by head through lin */
 static int heads_lin(const float *x, long B, long ldx, long xh, long heads, const float *w, long wh, long out, long in,
                      long ld, float *y, long ldy, long yh, int nthreads) {
+    if (B > 8) {
+        for (long h = 0; h < heads; h++)
+            if (lin(x + h * xh, B, ldx, w + h * wh, out, in, ld, NULL, y + h * yh, ldy, nthreads)) return -1;
+        return 0;
+    }
     for (long b = 0; b < B; b += 8)
         if (irm_heads_linear(x + b * ldx, 0, B - b < 8 ? B - b : 8, ldx, xh, heads, w, 0, wh, out, in, ld, y + b * ldy,
                              0, ldy, yh, nthreads))
