@@ -12,6 +12,13 @@ from irminsul.model.attention import consecutive
 from irminsul.model.tiny import make_tiny_checkpoint
 
 
+@pytest.fixture(autouse=True)
+def _no_native_step(monkeypatch):
+    """These test the compiled step: the native step, which the runner tries first, off (read when a
+    model is loaded; tests/model/test_native_step.py tests that one)."""
+    monkeypatch.setenv("IRMINSUL_NATIVE_STEP", "0")
+
+
 def _rand(n, seed):
     return np.random.default_rng(seed).integers(3, 250, n).tolist()
 
