@@ -44,9 +44,10 @@ REQUEST_TIMEOUT, REQUEST_TIMES_ALONE = 20.0, 20.0  # one answer may take the lon
 SETTLE_TIMEOUT = 30.0  # seconds the server may take to be quick again after an answer
 CORPUS_BUDGET = 150.0  # seconds for all the sizes; the run stops there and says how far it got
 HEALTH_FLOOR, HEALTH_TIMES_IDLE, STREAM_TIMES_ALONE = 1.0, 4.0, 3.0
-# tokens of each of bob's streams (ignore_eos: every stream is as long): long enough (0.5-1.5 s) that reading a
-# body at the limit (~0.5 s of JSON parsing that holds the GIL) is not a slowdown of 3x by itself
-B_TOKENS = 256
+# tokens of each of bob's streams (ignore_eos: every stream is as long): long enough (0.5-1.5 s where the native
+# decode step runs, longer without it) that reading a body at the limit (~0.5 s of JSON parsing that holds the
+# GIL) is not a slowdown of 3x by itself
+B_TOKENS = 768
 
 
 # -- the sizes -------------------------------------------------------------------------------------
