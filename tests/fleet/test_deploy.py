@@ -164,6 +164,11 @@ def test_workers_are_ready_while_the_fleet_serves_health():
     assert doc["spec"]["excludeHeadPodFromServeSvc"] is True
 
 
+def test_ray_asks_for_its_token():
+    # (as a local Ray 2.60 does by default; KubeRay makes the Secret and reads it to deploy the application)
+    assert manifest()["spec"]["rayClusterConfig"]["authOptions"]["mode"] == "token"
+
+
 # -- the systemd unit
 
 
