@@ -46,7 +46,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -57,6 +56,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the clone's root, for tests/support
+from tests.support.services import free_port, stop_process  # noqa: E402
+
 # `irminsul checkpoint random`'s options
 SHAPE = dict(hidden=1024, heads=8, vocab=1024, experts=16, kv_lora_rank=512, rope_head_dim=64)
 SHAPE.update(nope_head_dim=128, v_head_dim=128)
@@ -123,12 +125,6 @@ def bytes_per_token(path: Path) -> int:
 
 
 # ------------------------------------------------------------------ servers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as r:
         return r.read().decode()
@@ -168,7 +164,7 @@ class Server:
 
 @contextmanager
 def serve(mode: str, ckpt: Path, work: Path, dtype: str, registry_gib: float | None = None):
-    port, log = _free_port(), work / f"server-{mode}-{ckpt.name}.log"
+    port, log = free_port(), work / f"server-{mode}-{ckpt.name}.log"
     common = ["--port", str(port), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN)]
     common += ["--enforce-eager", "--max-logprobs", "20", "--seed", "0"]
     if mode == "irminsul":
@@ -199,12 +195,7 @@ def serve(mode: str, ckpt: Path, work: Path, dtype: str, registry_gib: float | N
                 time.sleep(1)
         yield Server(process, url, log, time.perf_counter() - t0)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 60)
 
 
 def peak_rss_gib(pid: int) -> float:

@@ -10,7 +10,6 @@ vLLM step) a missing vLLM is an error instead.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ require_vllm()
 
 from irminsul.cli import main as irminsul_main  # noqa: E402
 from tests.support.moved import irminsul_logprobs, moved_prompts  # noqa: E402
+from tests.support.services import free_port, stop_process  # noqa: E402
 
 TIMEOUT = 600  # seconds per engine process (about 40 s each on a 2-core machine)
 ROOT = Path(__file__).resolve().parents[2]  # the processes run `python -m` from the clone's root (tests.support)
@@ -194,12 +194,6 @@ def test_vllm_rotary_layout_is_what_the_connector_rotates(scaling):
     torch.testing.assert_close(rotate_interleaved(at_p, 1035, _inv_freq(raw)), at_moved, atol=1e-4, rtol=1e-4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_until_up(server, url: str, log: Path) -> None:
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline:
@@ -230,7 +224,7 @@ def test_vllm_serve_answers_through_openai_and_reports_reuse(two_layers, tmp_pat
     import openai
     from vllm.platforms import CpuArchEnum, current_platform
 
-    port, log = _free_port(), tmp_path / "server.log"
+    port, log = free_port(), tmp_path / "server.log"
     irminsul = Path(sys.executable).with_name("irminsul")
     command = [str(irminsul)] if irminsul.exists() else [sys.executable, "-m", "irminsul"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"}
@@ -307,11 +301,7 @@ def test_vllm_serve_answers_through_openai_and_reports_reuse(two_layers, tmp_pat
         assert _metric(metrics, "vllm:irminsul_missed_rows_total") == 0
         assert _metric(metrics, "vllm:irminsul_evicted_rows_total") == 0  # (a 1 GiB registry: nothing to evict)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server, 60)
 
 
 def test_vllm_serve_fills_in_what_the_command_line_leaves_out(two_layers):

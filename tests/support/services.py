@@ -24,6 +24,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, up to `grace` seconds for it to exit, then SIGKILL (and reap it)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -135,13 +146,7 @@ class ServerProcess:
             return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 15)
 
 
 class ThreadServer:
