@@ -178,6 +178,25 @@ def verdict_key(model) -> str:
     )
 
 
+def eager_decode(model, pool: torch.Tensor, keys: int, n: int):
+    """The model's own eager decode step, as the engine runs it without a compiled or native step (its
+    `ForwardBatch`, the attention backend's plan, the native kernels where they run): n sequences at
+    position `keys` over the scratch rows in slots 1..keys of `pool`, sequence i's new row to slot
+    keys + 1 + i -> a function that runs it (what `CompiledDecode.measure` and model/native_step.py's
+    measurement time against)."""
+    dev = model.device
+    earlier = np.arange(1, keys + 1)
+    specs = [SeqAttention(np.array([keys]), np.append(earlier, keys + 1 + i)) for i in range(n)]
+    step = ForwardBatch(
+        torch.arange(5, 5 + n, device=dev),
+        torch.full((n,), keys, device=dev),
+        pool,
+        torch.arange(keys + 1, keys + 1 + n, device=dev),
+        model.attention.plan(specs, list(range(n + 1)), dev),
+    )
+    return lambda: model(step)
+
+
 class Compiling:
     """The compiled decode step being built on a thread of its own (`resolve` with compile_decode=None):
     `ready()` is None until it is built (and stays None if the build fails: the eager path serves,
@@ -286,18 +305,10 @@ class CompiledDecode:
         cos, sin = self.model.rotary.table(keys + 1, dev)
         token, pos = torch.tensor([5], device=dev), torch.tensor([keys], device=dev)
         rows = pool[:, 0 if self.native else 1 : keys + 1]  # (`__call__`'s view: base 1, keys + 1 keys)
-        model, earlier = self.model, np.arange(1, keys + 1)
+        model = self.model
 
-        def eager(n: int):  # n sequences at position `keys` over slots 1..keys, their rows to keys + 1 + i
-            specs = [SeqAttention(np.array([keys]), np.append(earlier, keys + 1 + i)) for i in range(n)]
-            step = ForwardBatch(
-                torch.arange(5, 5 + n, device=dev),
-                torch.full((n,), keys, device=dev),
-                pool,
-                torch.arange(keys + 1, keys + 1 + n, device=dev),
-                model.attention.plan(specs, list(range(n + 1)), dev),
-            )
-            return lambda: model(step)
+        def eager(n: int):
+            return eager_decode(model, pool, keys, n)
 
         times = {}
         with torch.inference_mode():

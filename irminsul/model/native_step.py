@@ -27,15 +27,14 @@ import torch
 
 from irminsul.model import kernel_choice, native
 from irminsul.model.attention import CPUAttention
-from irminsul.model.attention.base import SeqAttention
+from irminsul.model.compiled import eager_decode
 from irminsul.model.deepseek import DecoderLayer, DeepseekModel
 from irminsul.model.layers import MLP, MoE
-from irminsul.model.mla import ForwardBatch
 
 log = logging.getLogger("irminsul.model")
 PAYS = 0.95  # the step is taken where it takes at most this share of the eager step's time
-# the most sequences one call takes (its products run 8 rows at a time; beyond, the eager step's
-# grouped products and the compiled step take the batch)
+# the most sequences one call takes (step.c's batched products keep three outputs' sums of each row on
+# the stack; beyond, the compiled step or the eager step's batched products take the batch)
 MAX_BATCH = 64
 
 _F = ctypes.POINTER(ctypes.c_float)
@@ -144,11 +143,6 @@ def resolve(model) -> NativeDecode | None:
     return step
 
 
-def _rows(w: torch.Tensor) -> torch.Tensor:
-    """w [out, in] with each output's row contiguous: itself where it is, else a copy."""
-    return w if w.is_contiguous() else w.contiguous()
-
-
 def _lm_rows(model: DeepseekModel) -> torch.Tensor | None:
     """The LM head's weight [vocab, hidden] with its rows contiguous, where the model holds one."""
     head = model.lm_head.weight
@@ -202,20 +196,20 @@ class NativeDecode:
                     ]
                     lay.in_b = held(torch.cat(biases).contiguous())
                 if cfg.q_lora_rank:
-                    lay.q_norm, lay.q_b = held(attn.q_a_layernorm.weight), held(_rows(attn.q_b_proj.weight))
+                    lay.q_norm, lay.q_b = held(attn.q_a_layernorm.weight), held(attn.q_b_proj.weight.contiguous())
                 lay.kv_norm = held(attn.kv_a_layernorm.weight)
-                kv_b = _rows(attn.kv_b_proj.weight).view(heads, nope + v, r)
+                kv_b = attn.kv_b_proj.weight.contiguous().view(heads, nope + v, r)
                 lay.w_uk = held(kv_b[:, :nope].transpose(1, 2).contiguous())  # [heads, r, nope]
                 lay.w_uv, lay.uv_head = held(kv_b[:, nope:]), (nope + v) * r  # (views of kv_b: head h's [v, r])
                 keep.append(kv_b)
-                lay.o_w = held(_rows(attn.o_proj.weight))
+                lay.o_w = held(attn.o_proj.weight.contiguous())
                 lay.o_b = held(attn.o_proj.bias)
                 lay.post_norm = held(block.post_attention_layernorm.weight)
                 mlp = block.mlp
                 dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp
                 if isinstance(dense, MLP):
                     lay.mlp_gu = held(torch.cat([dense.gate_proj.weight, dense.up_proj.weight]).contiguous())
-                    lay.mlp_dn = held(_rows(dense.down_proj.weight))
+                    lay.mlp_dn = held(dense.down_proj.weight.contiguous())
                     lay.mlp_inner = dense.gate_proj.weight.shape[0]
                 if isinstance(mlp, MoE):
                     gu, dn = mlp.stacked()
@@ -332,25 +326,14 @@ class NativeDecode:
         sequences over scratch rows of `keys` earlier keys each, for each B of `sizes` (interleaved,
         `kernel_choice._time`), a size paying where the step takes at most PAYS of the eager time.
         "one": whether one sequence pays; "batch_max": the largest B >= 2 below which every size
-        measured pays (0: none; its products run 8 rows at a time and reread the weights for each 8,
-        where the eager step's batched products read them once). Neither includes the LM head."""
+        measured pays (0: none; at large batches the eager step's batched products can be the faster).
+        Neither includes the LM head."""
         cfg, model = self.model.config, self.model
         sizes = tuple(n for n in sizes if n <= MAX_BATCH)
         most = max(sizes)
         g = torch.Generator().manual_seed(5)
         pool = torch.randn(cfg.num_hidden_layers, keys + most + 2, cfg.row_width, generator=g) * 0.1
         earlier = np.arange(1, keys + 1)
-
-        def eager(n: int):
-            specs = [SeqAttention(np.array([keys]), np.append(earlier, keys + 1 + i)) for i in range(n)]
-            step = ForwardBatch(
-                torch.arange(5, 5 + n),
-                torch.full((n,), keys),
-                pool,
-                torch.arange(keys + 1, keys + 1 + n),
-                model.attention.plan(specs, list(range(n + 1)), model.device),
-            )
-            return lambda: model(step)
 
         def ours(n: int):
             slots = np.stack([np.append(earlier, keys + 1 + i) for i in range(n)])
@@ -359,7 +342,7 @@ class NativeDecode:
         times = {}
         with torch.inference_mode():
             for n in sizes:
-                times[n] = kernel_choice._time({"native": ours(n), "eager": eager(n)})
+                times[n] = kernel_choice._time({"native": ours(n), "eager": eager_decode(model, pool, keys, n)})
         pays = {n: t["native"] <= PAYS * t["eager"] for n, t in times.items()}
         batch_max = 0
         for n in sorted(n for n in sizes if n >= 2):
