@@ -276,36 +276,46 @@ static inline vf vf_weights_n(const void *w, long i, long n, int bf) {
     return bf ? vf_load_bf16_n((const uint16_t *)w + i, n) : vf_load_n((const float *)w + i, n);
 }
 
+/* dots3's tile: M <= 4 rows from x0 against the three weight rows w, w1, w2 */
+static inline __attribute__((always_inline)) void dots3_tile(const float *x0, long M, long ldx, const void *w,
+                                                             const void *w1, const void *w2, long n, float *out,
+                                                             long ldo, int bf) {
+    vf a[4], b[4], c[4];
+    for (int r = 0; r < 4; r++) a[r] = b[r] = c[r] = vf_zero();
+    long i = 0;
+    for (; i + IRM_W <= n; i += IRM_W) {
+        vf wa = vf_weights(w, i, bf), wb = vf_weights(w1, i, bf), wc = vf_weights(w2, i, bf);
+        for (long r = 0; r < M; r++) {
+            vf xv = vf_load(x0 + r * ldx + i);
+            a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
+        }
+    }
+    if (i < n) {
+        vf wa = vf_weights_n(w, i, n - i, bf), wb = vf_weights_n(w1, i, n - i, bf), wc = vf_weights_n(w2, i, n - i, bf);
+        for (long r = 0; r < M; r++) {
+            vf xv = vf_load_n(x0 + r * ldx + i, n - i);
+            a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
+        }
+    }
+    for (long r = 0; r < M; r++) out[r] = vf_hsum(a[r]), out[ldo + r] = vf_hsum(b[r]), out[2 * ldo + r] = vf_hsum(c[r]);
+}
+
 /* out[j * ldo + r] = x_r . w_j[0 .. n) for three weight rows w_j = w + j * ldw (bf: bfloat16, widened
  * as read, else float32) and r < rows (float32, ldx apart): rows taken four at a time against the
  * three weight rows (12 sums: AVX2's 16 registers hold them and the loads), for products of three or
  * more rows, which the FMA's throughput bounds rather than the weight's reading. Each sum is one FMA
- * chain over n (gemv.c's several-row order). Always inlined where bf is a constant. */
+ * chain over n (gemv.c's several-row order). Always inlined where bf is a constant.
+ * Each call of the tile has M a constant (4, or the last group's 1-3), so its sums are unrolled into
+ * registers (with a variable M the compiler kept them in memory). */
 static inline __attribute__((always_inline)) void dots3(const float *x, long rows, long ldx, const void *w, long ldw,
                                                         long n, float *out, long ldo, int bf) {
     const void *w1 = (const char *)w + ldw * (bf ? 2 : 4), *w2 = (const char *)w1 + ldw * (bf ? 2 : 4);
-    for (long r0 = 0; r0 < rows; r0 += 4) {
-        long M = rows - r0 < 4 ? rows - r0 : 4;
-        const float *x0 = x + r0 * ldx;
-        vf a[4], b[4], c[4];
-        for (int r = 0; r < 4; r++) a[r] = b[r] = c[r] = vf_zero();
-        long i = 0;
-        for (; i + IRM_W <= n; i += IRM_W) {
-            vf wa = vf_weights(w, i, bf), wb = vf_weights(w1, i, bf), wc = vf_weights(w2, i, bf);
-            for (long r = 0; r < M; r++) {
-                vf xv = vf_load(x0 + r * ldx + i);
-                a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
-            }
-        }
-        if (i < n) {
-            vf wa = vf_weights_n(w, i, n - i, bf), wb = vf_weights_n(w1, i, n - i, bf), wc = vf_weights_n(w2, i, n - i, bf);
-            for (long r = 0; r < M; r++) {
-                vf xv = vf_load_n(x0 + r * ldx + i, n - i);
-                a[r] = vf_fma(wa, xv, a[r]), b[r] = vf_fma(wb, xv, b[r]), c[r] = vf_fma(wc, xv, c[r]);
-            }
-        }
-        for (long r = 0; r < M; r++)
-            out[r0 + r] = vf_hsum(a[r]), out[ldo + r0 + r] = vf_hsum(b[r]), out[2 * ldo + r0 + r] = vf_hsum(c[r]);
+    long r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4) dots3_tile(x + r0 * ldx, 4, ldx, w, w1, w2, n, out + r0, ldo, bf);
+    switch (rows - r0) { /* (the last group's count a constant too) */
+    case 3: dots3_tile(x + r0 * ldx, 3, ldx, w, w1, w2, n, out + r0, ldo, bf); break;
+    case 2: dots3_tile(x + r0 * ldx, 2, ldx, w, w1, w2, n, out + r0, ldo, bf); break;
+    case 1: dots3_tile(x + r0 * ldx, 1, ldx, w, w1, w2, n, out + r0, ldo, bf); break;
     }
 }
 
