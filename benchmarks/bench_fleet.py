@@ -199,7 +199,7 @@ def report(name: str, runs: dict[str, Run], bound: float | None = None) -> None:
     )
     if "content" in runs:
         c = runs["content"]
-        for other in (r for r in ROUTERS[1:3] if r in runs):
+        for other in (r for r in ("prefix", "pow2") if r in runs):  # (perfect has its own line)
             o = runs[other]
             print(
                 f"content / {other}: computed tokens {c.computed_tokens / max(1, o.computed_tokens):.2f}x, "

@@ -305,15 +305,13 @@ class CompiledDecode:
         cos, sin = self.model.rotary.table(keys + 1, dev)
         token, pos = torch.tensor([5], device=dev), torch.tensor([keys], device=dev)
         rows = pool[:, 0 if self.native else 1 : keys + 1]  # (`__call__`'s view: base 1, keys + 1 keys)
-        model = self.model
-
-        def eager(n: int):
-            return eager_decode(model, pool, keys, n)
-
         times = {}
         with torch.inference_mode():
             times["one"] = kernel_choice._time(
-                {"compiled": lambda: self._fn(token, pos, rows, cos[: keys + 1], sin[: keys + 1]), "eager": eager(1)}
+                {
+                    "compiled": lambda: self._fn(token, pos, rows, cos[: keys + 1], sin[: keys + 1]),
+                    "eager": eager_decode(self.model, pool, keys, 1),
+                }
             )
             batch = min(batch, self.max_batch)
             if batch >= 2:
@@ -324,7 +322,7 @@ class CompiledDecode:
                 times["batch"] = kernel_choice._time(
                     {
                         "compiled": lambda: self._batch_fn(tokens, at, slots, pool, cos[: keys + 1], sin[: keys + 1]),
-                        "eager": eager(batch),
+                        "eager": eager_decode(self.model, pool, keys, batch),
                     }
                 )
         verdict = {what: t["compiled"] <= PAYS * t["eager"] for what, t in times.items()}
