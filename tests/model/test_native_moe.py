@@ -149,9 +149,10 @@ def test_a_bf16_engine_decodes_the_same_tokens_as_torchs_experts(tmp_path, monke
     for flag in ("0", "1"):
         monkeypatch.setenv("IRMINSUL_NATIVE_MOE", flag)
         llm = LLM(ck, reuse="off", compile_decode=False, dtype="bfloat16")
-        for layer in llm.model.model.layers:  # (out-major stacks, which the kernel reads, whatever was chosen)
-            if isinstance(layer.mlp, MoE):
+        for layer in llm.model.model.layers:  # (out-major stacks, which the kernel reads, whatever was chosen,
+            if isinstance(layer.mlp, MoE):  # and every token count, whatever this CPU's measurement took)
                 layer.mlp.layouts, layer.mlp._stacked = ("out", "out"), None
+                layer.mlp.native_counts, layer.mlp.native_tokens = None, MoE.NATIVE_TOKENS
         got[flag] = [o.token_ids for o in llm.generate(prompts, max_tokens=12, ignore_eos=True)]
     assert calls
     for a, b in zip(got["0"], got["1"]):
