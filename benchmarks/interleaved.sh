@@ -5,12 +5,14 @@
 #
 #   bash benchmarks/interleaved.sh REV OUT ROUNDS BENCH [BENCH ...]
 #   bash benchmarks/interleaved.sh BASE_REVISION WORK_DIR 3 bench_engine bench_compiled bench_reuse
+#   bash benchmarks/interleaved.sh BASE_REVISION WORK_DIR 3 "bench_llamacpp --llama-cpp DIR --gguf F"
 #
+# A BENCH is a script's name under benchmarks/, with its arguments after it in the same word (quoted).
 # REV is checked out in a temporary git worktree; each run imports the tree it is run from
 # (PYTHONPATH), with the current venv's packages, one thread (OMP_NUM_THREADS=1).
 set -euo pipefail
 if [ $# -lt 4 ]; then
-    sed -n '2,10p' "$0" >&2
+    sed -n '2,12p' "$0" >&2
     exit 2
 fi
 rev=$1 out=$2 rounds=$3
@@ -21,13 +23,15 @@ trap 'git -C "$here" worktree remove --force "$other" >/dev/null 2>&1 || rm -rf 
 git -C "$here" worktree add --detach "$other" "$rev" >/dev/null
 mkdir -p "$out"
 export OMP_NUM_THREADS=1
-for bench in "$@"; do
+for spec in "$@"; do
+    read -r -a argv <<<"$spec"
+    bench=${argv[0]}
     for round in $(seq 1 "$rounds"); do
         for side in other this; do
             root=$other
             [ "$side" = this ] && root=$here
             echo "$(date +%T) $bench $side round $round" | tee -a "$out/progress.log"
-            (cd "$root" && PYTHONPATH="$root" python "benchmarks/$bench.py") >"$out/$bench.$side.$round.out" 2>&1 ||
+            (cd "$root" && PYTHONPATH="$root" python "benchmarks/$bench.py" "${argv[@]:1}") >"$out/$bench.$side.$round.out" 2>&1 ||
                 echo "  failed: see $out/$bench.$side.$round.out" | tee -a "$out/progress.log"
         done
     done
