@@ -7,8 +7,8 @@ timed grouped (`MoE._grouped`: every expert padded to the busiest one's rows, tw
 and looped (`expert_loop`: each expert hit on its own rows), middle of five, one thread; then the path
 `MoE.forward` chose (`MoE._padding_pays`) and its time over the faster one's; and the native kernel
 (model/native/moe.c, `MoE._native`: float32, or bf16 with out-major stacks)
-timed at every token count, with whether the engine takes it there (MoE.NATIVE_TOKENS,
-NATIVE_TOKENS_BF16). Default model: the
+timed at every token count, with whether the engine takes it there (the counts
+`kernel_choice.native_experts_counts` measured at load on this machine). Default model: the
 bundled one. A realistic one: `irminsul checkpoint random DIR --family deepseek_v3 --layers 2
 --hidden 2048 --heads 16 --vocab 129280 --experts 64 --kv-lora-rank 512 --rope-head-dim 64
 --nope-head-dim 128 --v-head-dim 128 --dtype bfloat16`.
