@@ -5,8 +5,9 @@ here the fleet's ingress, which renders each prompt as a replica would (`prompt.
 passes it beside the request (`handle.http.remote(request, route=key)`). `choose_replicas` reads
 the key from `pending_request.kwargs`, as Ray Serve LLM's routers read the request from
 `pending_request.args`, scores every candidate with `ContentRouter.choose`, and returns the
-replicas ranked by cost (Serve takes the first that has room); `on_request_routed` records where
-the request went. The choice's explanation is written into the key before Serve sends it, and the
+replicas ranked by cost (Serve takes the first that has room), and records the first choice as
+sent there at once (the requests of a burst are chosen before any is accepted); `on_request_routed`
+records it again where Serve sent it instead, if the first had no room. The choice's explanation is written into the key before Serve sends it, and the
 replica returns it as the `x-irminsul-route` header.
 
 Each replica's chunks come with its routing stats (`feed.py`), which Serve pushes to every router
@@ -183,7 +184,12 @@ class ContentRequestRouter(RequestRouter):
             order = sorted(by_id, key=lambda rid: (self.fleet.load(rid), rid))
             return [[by_id[rid] for rid in order]]
         kwargs["route"] = dataclasses.replace(route, explanation=decision.explanation)
-        self._decisions[pending_request.metadata.internal_request_id] = decision
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self._decisions:  # (a retry, every replica full: counted once)
+            # recorded now, not when the replica accepts it (`on_request_routed`, a round trip later):
+            # a burst for one new document is chosen all at once, and each choice must see the last
+            self.fleet.record(decision, route)
+            self._decisions[request_id] = decision
         while len(self._decisions) > 4096:  # (requests cancelled before they were sent)
             self._decisions.popitem(last=False)
         order = sorted(decision.costs, key=lambda rid: (decision.costs[rid], rid))
@@ -196,5 +202,5 @@ class ContentRequestRouter(RequestRouter):
             return
         sent = replica_id.unique_id
         if sent != decision.replica:  # the first choice had no room: Serve took the next one
-            decision = dataclasses.replace(decision, replica=sent)
-        self.fleet.record(decision, route)
+            # (what was recorded for the first choice expires with the assignment window)
+            self.fleet.record(dataclasses.replace(decision, replica=sent), route)

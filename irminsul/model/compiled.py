@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 
 import numpy as np
 import torch
@@ -244,6 +245,19 @@ class Compiling:
         return self._step
 
 
+def _own(method):
+    """`method` with a code object of its own. Dynamo keeps compiled graphs per code object, guarded
+    by the shapes they were built for: with one code object for every CompiledDecode, a process that
+    loads models of a ninth shape would hit its recompile limit (8), which fails a fullgraph
+    compile, and each step would check its guards against every other model's graphs first. Its own
+    code object keeps an instance's graphs its own, and they go with it."""
+    f = method.__func__
+    code = f.__code__.replace()  # (a new object, equal to the class's)
+    return types.MethodType(
+        types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__), method.__self__
+    )
+
+
 class CompiledDecode:
     def __init__(self, model: DeepseekModel):
         why = supported(model)
@@ -260,8 +274,8 @@ class CompiledDecode:
         # (IRMINSUL_COMPILE_CPP_WRAPPER=0 when the model was loaded: Python's; the model's settings, as
         # the other switches)
         options = {"cpp_wrapper": model.settings.compile_cpp_wrapper}
-        self._fn = torch.compile(self._step, dynamic=True, fullgraph=True, options=options)
-        self._batch_fn = torch.compile(self._step_batch, dynamic=True, fullgraph=True, options=options)
+        self._fn = torch.compile(_own(self._step), dynamic=True, fullgraph=True, options=options)
+        self._batch_fn = torch.compile(_own(self._step_batch), dynamic=True, fullgraph=True, options=options)
         cfg = model.config
         # the batched step's attention and routed experts through the native kernels, as torch
         # operators (model/native_ops.py), where they run; else the torch ops and every expert

@@ -226,3 +226,18 @@ def test_the_measurement_times_the_compiled_step_against_the_eager_forward(tiny_
     for what, t in got["times"].items():
         assert t["compiled"] > 0 and t["eager"] > 0
         assert got[what] == (t["compiled"] <= compiled.PAYS * t["eager"])
+
+
+def test_models_of_many_shapes_in_one_process_each_compile_their_own_steps(tmp_path, monkeypatch):
+    """Dynamo keeps graphs per code object and stops at its recompile limit, which fails a fullgraph
+    compile: the steps of every model loaded in a process must not share one code object (a ninth
+    shape would fail to compile; with the limit at 2 here, a second model's batch step)."""
+    import torch
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # (the batch step's two graphs)
+    for i, variant in enumerate(("v2", "v3")):
+        llm = LLM(make_tiny_checkpoint(tmp_path / variant, variant), compile_decode=True)
+        prompts = [_rand(9, i), _rand(14, i + 10)]
+        got = llm.generate(prompts, max_tokens=4, ignore_eos=True)
+        ref = LLM(tmp_path / variant, compile_decode=False).generate(prompts, max_tokens=4, ignore_eos=True)
+        assert [r.token_ids for r in got] == [r.token_ids for r in ref]

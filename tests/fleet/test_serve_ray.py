@@ -65,6 +65,49 @@ def test_a_router_further_behind_than_the_kept_periods_asks_for_a_snapshot():
     assert sorted(view.chunks.to_array().tolist()) == [1001, 1002, 1003, 1004, 1005]
 
 
+def test_a_burst_chosen_before_any_request_is_accepted_goes_where_the_first_went():
+    """Serve chooses every queued request of a burst before the first replica's accept comes back
+    (`on_request_routed` is a round trip later), and the replicas' load reports arrive meanwhile:
+    each choice must see the choices before it, or the new document is computed on every replica."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from irminsul.fleet.prompt import RouteKey
+    from irminsul.fleet.ray_router import ContentRequestRouter
+
+    router = ContentRequestRouter.__new__(ContentRequestRouter)  # (no Serve: only the routing calls)
+    router._deployment_id = SimpleNamespace(name="replicas", app_name="a burst, no Serve")
+    router.initialize_state()
+    router.fleet._build({"model_id": MODEL, "sink": 4})
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in ("r0", "r1")]
+    views = {r: router.fleet.views.setdefault(r, ReplicaView(r)) for r in ("r0", "r1")}
+    rng = np.random.default_rng(5)
+    doc = rng.integers(5, 30_000, 600).tolist()
+
+    def request(i: int):
+        ids = np.array([1, 2, 3, 4, *rng.integers(5, 30_000, 12).tolist(), *doc], np.int32)
+        return SimpleNamespace(
+            kwargs={"route": RouteKey(ids, None, None)}, metadata=SimpleNamespace(internal_request_id=str(i))
+        )
+
+    pending, chosen = [], []
+    for i in range(8):
+        pending.append(request(i))
+        ranked = asyncio.run(router.choose_replicas(replicas, pending[-1]))
+        chosen.append(ranked[0][0].replica_id.unique_id)
+        # the first replica's report: the requests it has running by now (the router's own count resets)
+        views[chosen[0]].load = ReplicaLoad(running=i + 1)
+    assert chosen == [chosen[0]] * 8, [p.kwargs["route"].explanation for p in pending]
+    # Serve sent one elsewhere (its first choice had no room): the document is on its way there too
+    other = "r1" if chosen[0] == "r0" else "r0"
+    assert router.fleet.router.assigned(other) == 0
+    router.on_request_routed(pending[3], SimpleNamespace(unique_id=other), None)
+    assert router.fleet.router.assigned(other) > 0
+    for p in pending[:3] + pending[4:]:
+        router.on_request_routed(p, SimpleNamespace(unique_id=chosen[0]), None)
+    assert not router._decisions
+
+
 # -- a real fleet --------------------------------------------------------------------------
 
 
