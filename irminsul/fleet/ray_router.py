@@ -7,8 +7,9 @@ the key from `pending_request.kwargs`, as Ray Serve LLM's routers read the reque
 `pending_request.args`, scores every candidate with `ContentRouter.choose`, and returns the
 replicas ranked by cost (Serve takes the first that has room), and records the first choice as
 sent there at once (the requests of a burst are chosen before any is accepted); `on_request_routed`
-records it again where Serve sent it instead, if the first had no room. The choice's explanation is written into the key before Serve sends it, and the
-replica returns it as the `x-irminsul-route` header.
+records it again where Serve sent it instead, if the first had no room. The choice's explanation
+is written into the key before Serve sends it, and the replica returns it as the `x-irminsul-route`
+header.
 
 Each replica's chunks come with its routing stats (`feed.py`), which Serve pushes to every router
 with each change of any replica's; `update_replicas` applies them. A replica whose periods a view
