@@ -76,8 +76,9 @@ def test_a_long_request_does_not_stall_short_ones(tiny_dir):
             async with httpx.AsyncClient(timeout=120) as client:
                 # ~2,100 prompt tokens prefilled 64 per step, then 64 decode steps
                 long = asyncio.create_task(tagged(client, "long", text(300, 7), 64))
-                while metric(s.url, "irminsul_running_requests") < 1:
+                while metric(s.url, "irminsul_running_requests") < 1 and not long.done():
                     await asyncio.sleep(0.01)
+                assert not long.done(), "the long request ended before it was seen running: make it longer"
                 await tagged(client, "short", "hi", 2)  # rides along in the long request's steps
                 await long
 
